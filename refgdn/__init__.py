@@ -1,0 +1,1 @@
+"""refgdn: the readable PyTorch oracle for Gated DeltaNet (float64-capable, autograd-ready)."""
