@@ -1,8 +1,15 @@
 """fast: the refgdn API in Triton kernels, plus the CUDA-graph serving path.
 
 Every op here has a refgdn twin with the same name and signature; `python -m conformance`
-checks each against it. On a CPU-only machine set ``TRITON_INTERPRET=1`` to run the kernels in
-the Triton interpreter.
+checks each against it. On a machine without a GPU the kernels run in the Triton interpreter:
+``TRITON_INTERPRET=1`` is set here (before any kernel is defined) unless already set.
 """
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from .conv import causal_conv1d, causal_conv1d_update
 from .gating import gdn_gating, l2norm
