@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
+# benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
+# are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|all]...   (default: all)
+set -uo pipefail
+OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+steps=${*:-all}
+python3 - <<'PY'
+import torch, triton
+print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
+try:
+    import fla; print("fla", getattr(fla, "__version__", "?"))
+except Exception as e:
+    print("fla: not importable:", e)
+PY
+rc=0
+if [[ $steps == *all* || $steps == *tests* ]]; then
+  python3 -m pytest -q -x -n 4 tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *all* || $steps == *conformance* ]]; then
+  python3 -m conformance --device cuda --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
+  rc=$((rc | ${PIPESTATUS[0]})); tail -5 "$OUT/conformance.err"
+fi
+if [[ $steps == *all* || $steps == *bench* ]]; then
+  python3 -m benchmarks 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+echo "gpu_pass rc=$rc"
+exit $rc
