@@ -1,0 +1,270 @@
+"""The conformance runner behind ``python -m conformance``.
+
+    python -m conformance [--quick] [--device cpu|cuda] [--json PATH] [--ops a,b] [--cases SUBSTR]
+
+Collects Cases from ``conformance.cases_prefill`` and (when present) ``conformance.cases_serving``,
+runs each on the device, applies ``conformance.core.evaluate`` to every Check, shows a progress
+bar on stderr, prints a summary table, writes a JSON report (one record per Check) and returns a
+non-zero exit status on any failure. A case that raises is recorded as a failed record carrying
+the exception's message; the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Iterable, Optional
+
+CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving")
+OPTIONAL_MODULES = ("conformance.cases_serving",)
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare_device(device: str) -> None:
+    """On CPU the Triton kernels run in the interpreter; it must be chosen before triton loads kernels."""
+    if not device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ----------------------------------------------------------------------------------------------
+# collection
+# ----------------------------------------------------------------------------------------------
+
+def collect(quick: bool, device: str, ops: Optional[Iterable[str]] = None,
+            match: Optional[str] = None, modules: Iterable[str] = CASE_MODULES):
+    """Return (cases, problems, notes): the selected Cases, failure records for case modules that
+    could not be loaded, and human notes (skipped modules / ops without a fast twin)."""
+    cases, problems, notes = [], [], []
+    for mod_name in modules:
+        try:
+            mod = importlib.import_module(mod_name)
+            got = list(mod.cases(quick, device))
+        except ModuleNotFoundError as e:
+            if mod_name in OPTIONAL_MODULES and e.name == mod_name:
+                notes.append(f"{mod_name}: not present, skipped")
+                continue
+            problems.append(_failure_record(mod_name, "<collect>", None, e))
+            continue
+        except Exception as e:  # a broken case module is a failure, not a crash
+            problems.append(_failure_record(mod_name, "<collect>", None, e))
+            continue
+        missing = getattr(mod, "missing_ops", None)
+        if missing is not None:
+            for op in missing():
+                notes.append(f"{op}: no fast twin yet, skipped")
+        cases.extend(got)
+    if quick:
+        cases = [c for c in cases if c.quick]
+    if ops:
+        ops = set(ops)
+        cases = [c for c in cases if c.op in ops]
+    if match:
+        cases = [c for c in cases if match in f"{c.op}/{c.case}"]
+    return cases, problems, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# running
+# ----------------------------------------------------------------------------------------------
+
+def _dtype_name(dtype) -> Optional[str]:
+    from .core import DTYPE_NAMES
+    return DTYPE_NAMES.get(dtype, str(dtype)) if dtype is not None else None
+
+
+def _failure_record(op: str, case: str, c, exc: BaseException) -> dict:
+    msg = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return dict(op=op, case=case, dtype=_dtype_name(c.dtype) if c is not None else None,
+                chunk_size=c.chunk_size if c is not None else None,
+                draft_steps=c.draft_steps if c is not None else None,
+                check="<exception>", error=None, ref_error=None, ratio=None, passed=False,
+                detail=msg + where, seconds=None)
+
+
+def run_case(c, device: str) -> list:
+    """Run one Case; return its records (one per Check, or one failure record if it raised)."""
+    from .core import evaluate
+
+    t0 = time.perf_counter()
+    try:
+        checks = c.run(device)
+        if not checks:
+            raise RuntimeError("case returned no checks")
+        records = []
+        for chk in checks:
+            res = evaluate(chk)
+            records.append(dict(op=c.op, case=c.case, dtype=_dtype_name(c.dtype), chunk_size=c.chunk_size,
+                                draft_steps=c.draft_steps, check=chk.name, error=res["error"],
+                                ref_error=res["ref_error"], ratio=res["ratio"], passed=bool(res["passed"]),
+                                detail=res.get("detail"), exact=bool(chk.exact)))
+    except Exception as e:
+        return [_failure_record(c.op, c.case, c, e)]
+    dt = time.perf_counter() - t0
+    for r in records:
+        r["seconds"] = dt
+    return records
+
+
+class Progress:
+    """A plain-text progress bar on stderr (redrawn in place on a terminal, sparse lines otherwise)."""
+
+    def __init__(self, total: int, stream=None, width: int = 30):
+        self.total, self.width = max(total, 1), width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.failed = 0
+        self._last_line = -1
+
+    def update(self, done: int, label: str = "", failed: int = 0) -> None:
+        self.failed = failed
+        frac = done / self.total
+        fill = int(frac * self.width)
+        bar = "#" * fill + "." * (self.width - fill)
+        elapsed = time.perf_counter() - self.t0
+        text = (f"[{bar}] {done}/{self.total} {elapsed:6.1f}s"
+                f"{'  FAILED ' + str(failed) if failed else ''}  {label}")
+        if self.tty:
+            self.stream.write("\r" + text[:150].ljust(150))
+        else:  # log every ~10% and the end: CI logs stay short
+            step = int(frac * 10)
+            if step != self._last_line or done == self.total:
+                self._last_line = step
+                self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_all(cases: list, device: str, progress: bool = True, stream=None) -> list:
+    records = []
+    bar = Progress(len(cases), stream) if progress else None
+    failed = 0
+    for i, c in enumerate(cases):
+        label = f"{c.op}/{c.case}/{_dtype_name(c.dtype)}" + (f"/BT{c.chunk_size}" if c.chunk_size else "")
+        if bar:
+            bar.update(i, label, failed)
+        recs = run_case(c, device)
+        failed += sum(not r["passed"] for r in recs)
+        records.extend(recs)
+    if bar:
+        bar.update(len(cases), "done", failed)
+        bar.close()
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------------
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
+        return str(x)
+    return f"{x:.2e}" if isinstance(x, float) else str(x)
+
+
+def format_summary(records: list, only_failures: bool = False) -> str:
+    cols = ["op", "case", "dtype", "BT", "draft_steps", "check", "error", "refgdn error", "ratio", "pass"]
+    rows = []
+    for r in records:
+        if only_failures and r["passed"]:
+            continue
+        rows.append([r["op"], r["case"], r["dtype"] or "-", _num(r["chunk_size"]), _num(r["draft_steps"]),
+                     r["check"], _num(r["error"]),
+                     "exact" if r.get("exact") else _num(r["ref_error"]),
+                     f"{r['ratio']:.2f}" if isinstance(r.get("ratio"), float) and math.isfinite(r["ratio"])
+                     else _num(r.get("ratio")),
+                     "ok" if r["passed"] else "FAIL"])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+    lines = [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows]
+    out = "\n".join(lines) + "\n"
+    for r in records:
+        if not r["passed"] and r.get("detail"):
+            out += f"  {r['op']}/{r['case']}/{r['dtype']}: {r['detail']}\n"
+    return out
+
+
+def totals(records: list) -> str:
+    n_fail = sum(not r["passed"] for r in records)
+    ops = sorted({r["op"] for r in records})
+    return (f"{len(records)} checks over {len(ops)} ops ({', '.join(ops)}): "
+            f"{len(records) - n_fail} passed, {n_fail} failed")
+
+
+def write_json(records: list, path: str) -> None:
+    """The report: a JSON list, one record per Check (op, case, dtype, chunk_size, draft_steps,
+    check, error, ref_error, ratio, passed, detail, seconds); inf/nan written as strings."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)  # JSON has no inf/nan
+        return v
+
+    out = [{k: clean(v) for k, v in r.items()} for r in records]
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m conformance",
+                                 description="Check every fast op against its refgdn twin.")
+    ap.add_argument("--quick", action="store_true", help="the CI-size matrix (CPU interpreter: minutes)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="default: cuda if available, else cpu (Triton interpreter)")
+    ap.add_argument("--json", default="conformance-report.json", metavar="PATH",
+                    help="JSON report path (default: conformance-report.json)")
+    ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
+    ap.add_argument("--cases", default=None, metavar="SUBSTR", help="only cases whose op/case contains SUBSTR")
+    ap.add_argument("--all-rows", action="store_true", help="summary shows every check, not only failures "
+                    "(default: every check when <= 200 rows)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or default_device()
+    prepare_device(device)
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device available", file=sys.stderr)
+        return 2
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    t0 = time.perf_counter()
+    cases, problems, notes = collect(args.quick, device, ops, args.cases)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    print(f"conformance: {len(cases)} cases on {device} ({'quick' if args.quick else 'full'} matrix)",
+          file=sys.stderr)
+    records = problems + run_all(cases, device, progress=not args.no_progress)
+    show_all = args.all_rows or len(records) <= 200
+    print(format_summary(records, only_failures=not show_all), end="")
+    print(totals(records) + f" in {time.perf_counter() - t0:.1f}s")
+    if args.json:
+        write_json(records, args.json)
+        print(f"report: {args.json}")
+    if not records:
+        print("no checks ran", file=sys.stderr)
+        return 1
+    return 0 if all(r["passed"] for r in records) else 1
