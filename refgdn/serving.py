@@ -1,0 +1,500 @@
+"""Serving: decode and speculative verify against a slot cache, with rollback by lazy commit.
+
+Shapes (one layer; H q/k heads, HV value heads, head dims K and V, conv width W, D = 2*H*K + HV*V):
+
+    mixed_qkv [T, D]   the in-projection's q | k | v channels before the conv (T = N for decode)
+    a, b      [T, HV]  raw gate inputs:  g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
+    o         [T, HV, V]
+    state_indices [N] int32/int64: the slot of each request; a negative index marks a padded row
+    cu_seqlens    [N+1] int (vLLM's query_start_loc): request n owns tokens [cu[n], cu[n+1])
+
+Per token, after the conv:  q, k = l2norm(q), l2norm(k);  S <- exp(g) S;
+S <- S + k (beta (v - S^T k))^T;  o = scale S^T q   (value head h reads q/k head h // (HV // H)).
+
+The rollback contract (DESIGN.md, "Serving semantics")
+--------------------------------------------------------
+A verify step runs 1 + k tokens per request (the last sampled token and k drafts) and returns an
+output for each. The caller then calls :func:`gdn_accept` with ``num_accepted[n]`` in ``[1, 1+k]``.
+From then on the slot behaves exactly as if only the first ``num_accepted[n]`` tokens had ever been
+seen: the next decode / verify continues from that state, and :func:`gdn_materialize` writes it
+out (``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``).
+
+Mechanism: lazy commit (not vLLM's per-token checkpoints)
+---------------------------------------------------------
+Writing a state checkpoint per token costs (1+k) state writes per verify. Instead a verify step
+keeps the *inputs* of its tokens and commits nothing of them; the next step commits the accepted
+ones first:
+
+1. read the committed state ``S = ssm_state[slot]`` once (arithmetic in float32);
+2. re-apply the slot's *pending* tokens: the first ``count`` tokens kept by the previous verify
+   (l2-normalised k, v, g, beta: everything the delta rule needs, nothing it must recompute);
+3. verify: write ``S`` back once (now it includes the accepted prefix), then run the 1 + k new
+   tokens on from ``S`` for their outputs only, keep their inputs in the pending buffer, and set
+   ``count = 1 + k`` (all accepted until :func:`gdn_accept` lowers it);
+   decode: apply the new token too and write ``S`` back once: the slot is fully committed
+   (``count = 0``).
+
+So a verify moves one state read + one state write per request, like a plain decode, plus the
+few pending inputs. The pending buffer is double-banked (``bank`` selects the half holding the
+pending tokens; a verify reads one half and writes the other), so a kernel that reads old
+pending tokens and writes new ones in the same launch never races with itself.
+
+The conv state keeps ``W - 1 + max_draft`` columns of *raw* inputs: after a step with L >= 1 new
+tokens it holds the last W-1 old inputs followed by the L new ones, minus the oldest
+(``[w_1 .. w_{W-2}, x_0 .. x_{L-1}]``). With ``count`` pending tokens accepted, the committed
+window is the W-1 columns starting at ``max(count - 1, 0)``; no copy is needed at accept time.
+
+Per-slot metadata ``pend_meta[slot] = (count, bank)``, int32. A slot is *committed* when
+count == 0: then ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]`` are its state (what prefill
+reads and writes; call :func:`gdn_materialize` first, or :meth:`GDNStateCache.reset` for a new
+request).
+
+Precision: the ssm state may be float32 or bfloat16 (float64 in truth runs); it is read once,
+carried in float32 (float64) and rounded once when written. Outputs, conv outputs and pending v
+are in mixed_qkv's dtype (pending v is a copy of a conv output, so lossless); pending k, g, beta
+are kept in the compute dtype (float32, float64 for float64 inputs), also lossless.
+
+Values are validated here (the oracle syncs with the host anyway: cu_seqlens, state_indices
+range and uniqueness, num_accepted range). ``fast`` shares the shape/dtype checks but skips the
+value checks by default (they would read device memory from the host, which CUDA-graph capture
+forbids); there, out-of-range values are clamped so memory is never touched out of bounds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Optional, Sequence
+
+import torch
+from einops import rearrange
+
+from .checks import _need_device, _need_float, _need_shape, _need_tensor, check_activation
+from .conv import causal_conv1d
+from .delta_rule import recurrent_gated_delta_rule
+from .gating import compute_dtype, gdn_gating, l2norm
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# the slot cache
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class GDNStateCache:
+    """One layer's state cache: S slots, each owned by at most one request at a time.
+
+    ssm_state:  [S, HV, K, V]            float32 or bfloat16 (float64 for truth runs); last dim contiguous
+    conv_state: [S, D, W-1+max_draft]    raw conv inputs, oldest first (any strides)
+    pend_k:     [S, 2, 1+max_draft, H, K]   l2-normalised k of pending tokens, compute dtype
+    pend_v:     [S, 2, 1+max_draft, HV, V]  v of pending tokens (after the conv)
+    pend_g:     [S, 2, 1+max_draft, HV]     g (log decay) of pending tokens, compute dtype
+    pend_beta:  [S, 2, 1+max_draft, HV]     beta of pending tokens, compute dtype
+    pend_meta:  [S, 2] int32                (count, bank): the first `count` tokens of bank `bank`
+                                            are accepted and not yet folded into ssm_state
+    The pend_* tensors must be contiguous (kernels index them directly).
+    """
+
+    ssm_state: torch.Tensor
+    conv_state: torch.Tensor
+    pend_k: torch.Tensor
+    pend_v: torch.Tensor
+    pend_g: torch.Tensor
+    pend_beta: torch.Tensor
+    pend_meta: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, H: int, HV: int, K: int, V: int, conv_width: int = 4,
+                 max_draft: int = 0, state_dtype: torch.dtype = torch.float32,
+                 act_dtype: torch.dtype = torch.bfloat16, device="cpu") -> "GDNStateCache":
+        """A zeroed cache for ``num_slots`` requests with up to ``max_draft`` drafts per verify.
+
+        The conv state holds ``act_dtype`` (raw inputs are stored losslessly); pending k, g, beta
+        use float64 when ``act_dtype`` or ``state_dtype`` is float64, else float32.
+        """
+        for name, val in (("num_slots", num_slots), ("H", H), ("HV", HV), ("K", K), ("V", V),
+                          ("conv_width", conv_width)):
+            if not isinstance(val, numbers.Integral) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not isinstance(max_draft, numbers.Integral) or max_draft < 0:
+            raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
+        if HV % H:
+            raise ValueError(f"HV={HV} must be a multiple of H={H} (GVA)")
+        cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
+        D, TC = 2 * H * K + HV * V, 1 + max_draft
+        z = dict(device=device)
+        return cls(
+            ssm_state=torch.zeros(num_slots, HV, K, V, dtype=state_dtype, **z),
+            conv_state=torch.zeros(num_slots, D, conv_width - 1 + max_draft, dtype=act_dtype, **z),
+            pend_k=torch.zeros(num_slots, 2, TC, H, K, dtype=cdt, **z),
+            pend_v=torch.zeros(num_slots, 2, TC, HV, V, dtype=act_dtype, **z),
+            pend_g=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
+            pend_beta=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
+            pend_meta=torch.zeros(num_slots, 2, dtype=torch.int32, **z),
+        )
+
+    # sizes ------------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.ssm_state.shape[0]
+
+    @property
+    def H(self) -> int:
+        return self.pend_k.shape[3]
+
+    @property
+    def HV(self) -> int:
+        return self.ssm_state.shape[1]
+
+    @property
+    def K(self) -> int:
+        return self.ssm_state.shape[2]
+
+    @property
+    def V(self) -> int:
+        return self.ssm_state.shape[3]
+
+    @property
+    def D(self) -> int:
+        return self.conv_state.shape[1]
+
+    @property
+    def tokens_cap(self) -> int:
+        """1 + max_draft: the most tokens one request may bring to a verify step."""
+        return self.pend_k.shape[2]
+
+    @property
+    def max_draft(self) -> int:
+        return self.tokens_cap - 1
+
+    @property
+    def W(self) -> int:
+        """Conv width (conv_state keeps W - 1 + max_draft columns)."""
+        return self.conv_state.shape[2] - self.max_draft + 1
+
+    def tensors(self) -> list:
+        """The seven tensors in field order (no copies)."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def clone(self) -> "GDNStateCache":
+        return GDNStateCache(*(t.clone() for t in self.tensors()))
+
+    def to(self, **kw) -> "GDNStateCache":
+        """Copy with every tensor moved/cast by ``Tensor.to(**kw)`` (pend_meta keeps int32)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            out[f.name] = t.to(device=kw.get("device", t.device)) if f.name == "pend_meta" else t.to(**kw)
+        return GDNStateCache(**out)
+
+    def reset(self, slots) -> None:
+        """Zero the given slots (state, conv window, pending) for new requests. Host-side helper."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.ssm_state.device).reshape(-1)
+        for t in self.tensors():
+            t[idx] = 0
+
+
+def check_cache(cache) -> None:
+    """Validate a GDNStateCache's field shapes, dtypes and layouts (ValueError naming the field)."""
+    if not isinstance(cache, GDNStateCache):
+        raise ValueError(f"cache must be a GDNStateCache, got {type(cache).__name__}")
+    _need_tensor("cache.ssm_state", cache.ssm_state, 4)
+    _need_float("cache.ssm_state", cache.ssm_state)
+    S, HV, K, V = cache.ssm_state.shape
+    dev = cache.ssm_state.device
+    if cache.ssm_state.stride(3) != 1:
+        raise ValueError("cache.ssm_state must be contiguous in its last dim (V)")
+    _need_tensor("cache.pend_k", cache.pend_k, 5)
+    TC, H = cache.pend_k.shape[2], cache.pend_k.shape[3]
+    if H == 0 or HV % H:
+        raise ValueError(f"cache.pend_k's head count H={H} must divide ssm_state's HV={HV}")
+    D = 2 * H * K + HV * V
+    cdt = torch.float64 if torch.float64 in (cache.ssm_state.dtype, cache.pend_v.dtype) else torch.float32
+    specs = (("cache.pend_k", cache.pend_k, (S, 2, TC, H, K), "[S, 2, 1+max_draft, H, K]"),
+             ("cache.pend_v", cache.pend_v, (S, 2, TC, HV, V), "[S, 2, 1+max_draft, HV, V]"),
+             ("cache.pend_g", cache.pend_g, (S, 2, TC, HV), "[S, 2, 1+max_draft, HV]"),
+             ("cache.pend_beta", cache.pend_beta, (S, 2, TC, HV), "[S, 2, 1+max_draft, HV]"),
+             ("cache.pend_meta", cache.pend_meta, (S, 2), "[S, 2]"))
+    for name, t, shape, contract in specs:
+        _need_tensor(name, t)
+        _need_shape(name, t, shape, contract)
+        _need_device(name, t, dev)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _need_float("cache.pend_v", cache.pend_v)
+    for name, t in (("cache.pend_k", cache.pend_k), ("cache.pend_g", cache.pend_g),
+                    ("cache.pend_beta", cache.pend_beta)):
+        if t.dtype != cdt:
+            raise ValueError(f"{name} must be {cdt} (the compute dtype), got {t.dtype}")
+    if cache.pend_meta.dtype != torch.int32:
+        raise ValueError(f"cache.pend_meta must be int32, got {cache.pend_meta.dtype}")
+    _need_tensor("cache.conv_state", cache.conv_state, 3)
+    _need_float("cache.conv_state", cache.conv_state)
+    _need_device("cache.conv_state", cache.conv_state, dev)
+    if cache.conv_state.shape[0] != S or cache.conv_state.shape[1] != D or cache.conv_state.shape[2] < TC - 1:
+        raise ValueError(f"cache.conv_state must have shape [S, D, W-1+max_draft] = [{S}, {D}, W-1+{TC - 1}] "
+                         f"(D = 2*H*K + HV*V), got [{', '.join(map(str, cache.conv_state.shape))}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# validation shared with fast
+# ----------------------------------------------------------------------------------------------
+
+def _need_index(name: str, t, ndim: int, device) -> None:
+    _need_tensor(name, t, ndim)
+    if t.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    _need_device(name, t, device)
+
+
+def check_state_indices(state_indices, cache: GDNStateCache, N: Optional[int], check_values: bool) -> int:
+    """state_indices: [N] int; values < num_slots, distinct among the non-negative ones. Returns N."""
+    _need_index("state_indices", state_indices, 1, cache.ssm_state.device)
+    if N is not None and state_indices.shape[0] != N:
+        raise ValueError(f"state_indices must have shape [N] = [{N}], got [{state_indices.shape[0]}]")
+    if check_values:
+        idx = [i for i in state_indices.tolist() if i >= 0]  # host read: validation only
+        if any(i >= cache.num_slots for i in idx):
+            raise ValueError(f"state_indices must be < num_slots={cache.num_slots} (negative = padded row), "
+                             f"got {state_indices.tolist()}")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"state_indices must be distinct (one request per slot), got {state_indices.tolist()}")
+    return state_indices.shape[0]
+
+
+def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                      cu_seqlens=None, scale=None, activation="silu", check_values=True) -> int:
+    """Validate a decode (cu_seqlens None) or verify step's arguments; return N, the request count.
+
+    mixed_qkv: [T, D]; a, b: [T, HV]; conv_weight: [D, W]; conv_bias: [D]; A_log, dt_bias: [HV];
+    state_indices: [N]; cu_seqlens: [N+1] (verify) -- T == N for decode.
+    """
+    check_cache(cache)
+    dev = cache.ssm_state.device
+    _need_tensor("mixed_qkv", mixed_qkv, 2)
+    _need_float("mixed_qkv", mixed_qkv)
+    _need_device("mixed_qkv", mixed_qkv, dev)
+    T = mixed_qkv.shape[0]
+    H, HV, K, V, D, W = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W
+    if mixed_qkv.shape[1] != D:
+        raise ValueError(f"mixed_qkv must have shape [T, D] = [{T}, {D}] (D = 2*H*K + HV*V = "
+                         f"2*{H}*{K} + {HV}*{V}), got [{', '.join(map(str, mixed_qkv.shape))}]")
+    for name, t in (("a", a), ("b", b)):
+        _need_tensor(name, t, 2)
+        _need_shape(name, t, (T, HV), "[T, HV]")
+        _need_float(name, t)
+        _need_device(name, t, dev)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        _need_tensor(name, t, 1)
+        _need_shape(name, t, (HV,), "[HV]")
+        _need_float(name, t)
+        _need_device(name, t, dev)
+    _need_tensor("conv_weight", conv_weight, 2)
+    _need_shape("conv_weight", conv_weight, (D, W), "[D, W] (W from cache.conv_state)")
+    _need_float("conv_weight", conv_weight)
+    _need_device("conv_weight", conv_weight, dev)
+    if conv_bias is not None:
+        _need_tensor("conv_bias", conv_bias, 1)
+        _need_shape("conv_bias", conv_bias, (D,), "[D]")
+        _need_float("conv_bias", conv_bias)
+        _need_device("conv_bias", conv_bias, dev)
+    check_activation(activation)
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise ValueError(f"scale must be a real number or None (default K ** -0.5), got {scale!r}")
+    if cu_seqlens is None:
+        return check_state_indices(state_indices, cache, T, check_values)
+    _need_index("cu_seqlens", cu_seqlens, 1, dev)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must hold N+1 >= 1 offsets [0, ..., T]")
+    N = check_state_indices(state_indices, cache, cu_seqlens.numel() - 1, check_values)
+    if check_values:
+        offs = cu_seqlens.tolist()  # host read: validation only
+        if offs[0] != 0 or offs[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offs}")
+        lens = [e - s for s, e in zip(offs, offs[1:])]
+        for n, (L, slot) in enumerate(zip(lens, state_indices.tolist())):
+            if L < 0 or (slot >= 0 and L > cache.tokens_cap):
+                raise ValueError(f"cu_seqlens: request {n} has {L} tokens; a verify step takes 0..1+max_draft="
+                                 f"{cache.tokens_cap} tokens per request (cache.max_draft={cache.max_draft})")
+    return N
+
+
+def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -> int:
+    """num_accepted: [N] int, 1 <= num_accepted[n] <= the tokens of n's last verify (1 after a decode)."""
+    check_cache(cache)
+    N = check_state_indices(state_indices, cache, None, check_values)
+    _need_index("num_accepted", num_accepted, 1, cache.ssm_state.device)
+    if num_accepted.shape[0] != N:
+        raise ValueError(f"num_accepted must have shape [N] = [{N}], got [{num_accepted.shape[0]}]")
+    if check_values:
+        counts = cache.pend_meta[:, 0].tolist()
+        for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
+            if slot >= 0 and not 1 <= acc <= max(counts[slot], 1):
+                raise ValueError(f"num_accepted[{n}] must be in [1, {max(counts[slot], 1)}] (the tokens of "
+                                 f"slot {slot}'s last verify), got {acc}")
+    return N
+
+
+# ----------------------------------------------------------------------------------------------
+# the protocol, one request at a time
+# ----------------------------------------------------------------------------------------------
+
+def _pending(cache: GDNStateCache, slot: int, dt: torch.dtype):
+    """(count, bank, k [1, c, H, K], v [1, c, HV, V], g, beta [1, c, HV]) of a slot's pending tokens."""
+    count, bank = (int(x) for x in cache.pend_meta[slot].tolist())
+    count = min(max(count, 0), cache.tokens_cap)
+    sel = (slot, bank, slice(0, count))
+    return count, bank, *(t[sel][None].to(dt) for t in (cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta))
+
+
+def _fold_pending(cache: GDNStateCache, slot: int, dt: torch.dtype):
+    """The slot's committed state with its pending tokens re-applied: (S [1, HV, K, V] in dt, count, bank)."""
+    count, bank, k, v, g, beta = _pending(cache, slot, dt)
+    S = cache.ssm_state[slot][None].to(dt)
+    if count:
+        q = torch.zeros_like(k)  # outputs of re-applied tokens were already returned: not needed
+        _, S = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S, output_final_state=True)
+    return S, count, bank
+
+
+def _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+          scale, activation, keep_pending: bool):
+    """Shared body of decode (keep_pending False: commit everything) and verify (keep the new tokens)."""
+    H, HV, K, V, W = cache.H, cache.HV, cache.K, cache.V, cache.W
+    T = mixed_qkv.shape[0]
+    dt = compute_dtype(mixed_qkv, cache.ssm_state, cache.pend_k)
+    offsets = list(range(T + 1)) if cu_seqlens is None else cu_seqlens.tolist()
+    o = mixed_qkv.new_zeros(T, HV, V)              # padded rows: zeros
+    writes = []                                    # (slot, ...) applied after every request is computed
+    for n, slot in enumerate(state_indices.tolist()):
+        if slot < 0:
+            continue
+        bos, eos = offsets[n], offsets[n + 1]
+        L = eos - bos
+        # --- the committed state: fold the pending (accepted) tokens of the last verify
+        S, count, bank = _fold_pending(cache, slot, dt)
+        # --- conv: the committed window (starts at column count-1), then the new raw inputs
+        off = max(count - 1, 0)
+        window = cache.conv_state[slot, :, off:off + W - 1]                     # [D, W-1], oldest first
+        x = mixed_qkv[bos:eos]                                                  # [L, D]
+        y, _ = causal_conv1d(x[None], conv_weight, conv_bias, activation, initial_state=window[None])
+        seq = torch.cat([window, rearrange(x, "l d -> d l").to(cache.conv_state.dtype)], dim=1)  # [D, W-1+L]
+        new_conv = seq[:, min(L, 1):]              # drop the oldest input iff a token came in
+        # --- gating and l2norm (compute dtype), split y [L, D] -> q, k [L, H, K], v [L, HV, V]
+        y = y[0]
+        q = rearrange(y[:, :H * K], "l (h k) -> l h k", h=H)
+        k = rearrange(y[:, H * K:2 * H * K], "l (h k) -> l h k", h=H)
+        v = rearrange(y[:, 2 * H * K:], "l (h v) -> l h v", h=HV)
+        qn, kn = l2norm(q.to(dt)), l2norm(k.to(dt))
+        g, beta = gdn_gating(A_log, a[bos:eos].to(dt), dt_bias, b[bos:eos].to(dt))
+        # --- delta rule on from the committed state
+        o_n, S_end = recurrent_gated_delta_rule(qn[None], kn[None], v[None].to(dt), g[None].to(dt),
+                                                beta[None].to(dt), scale=scale, initial_state=S,
+                                                output_final_state=True)
+        o[bos:eos] = o_n[0].to(o.dtype)
+        if keep_pending:   # verify: commit the accepted prefix only; the new tokens become pending
+            writes.append((slot, S if count else None, new_conv, (L, 1 - bank), (kn, v, g, beta)))
+        else:              # decode: everything committed
+            writes.append((slot, S_end if count + L else None, new_conv, (0, bank), None))
+    for slot, S, new_conv, meta, pend in writes:
+        if S is not None:
+            cache.ssm_state[slot] = S[0].to(cache.ssm_state.dtype)   # the one rounding of the state
+        cache.conv_state[slot, :, :new_conv.shape[1]] = new_conv
+        if pend is not None:
+            L, nb = meta
+            for buf, val in zip((cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta), pend):
+                buf[slot, nb, :L] = val.to(buf.dtype)
+        cache.pend_meta[slot] = torch.tensor(meta, dtype=torch.int32)
+    return o
+
+
+def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+               scale: Optional[float] = None, activation: Optional[str] = "silu", check_values: bool = True):
+    """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
+
+    mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
+    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
+    Returns o: [N, HV, V] in mixed_qkv's dtype.
+
+        S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
+
+    Pending tokens (accepted by a previous verify) are re-applied first, so a decode may follow a
+    verify + accept directly; afterwards the slot is committed (count 0).
+    """
+    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                      scale, activation, check_values)
+    return _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                 scale, activation, keep_pending=False)
+
+
+def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+               cu_seqlens, scale: Optional[float] = None, activation: Optional[str] = "silu",
+               check_values: bool = True):
+    """Speculative verify: 1 + k_n tokens for request n (k_n may differ), an output for every token.
+
+    mixed_qkv: [T, D]   a, b: [T, HV]   cu_seqlens (query_start_loc): [N+1], request n owns tokens
+    [cu[n], cu[n+1]), at most 1 + cache.max_draft of them   state_indices: [N]   (rest as gdn_decode)
+    Returns o: [T, HV, V] in mixed_qkv's dtype.
+
+        S <- fold(pending) (written back once);  for each new token: the delta rule on from S, o_t
+
+    The new tokens are not committed: they become the slot's pending tokens, all accepted until
+    :func:`gdn_accept` says how many to keep. The next decode / verify / materialize re-applies them.
+    """
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
+    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                      cu_seqlens, scale, activation, check_values)
+    return _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                 scale, activation, keep_pending=True)
+
+
+def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = True) -> None:
+    """After a verify: keep the first ``num_accepted[n]`` tokens of request n, drop the rest.
+
+    state_indices: [N] int (negative = padded row, ignored)   num_accepted: [N] int in [1, 1+k_n]
+
+        count[slot] <- min(max(num_accepted, 1), count[slot])
+
+    Only the per-slot pending count changes (one int per request); the state itself is committed
+    lazily by the next step. After a decode (count 0) this is a no-op, so a caller may accept 1 for
+    every row of a mixed batch.
+    """
+    check_accept_inputs(cache, state_indices, num_accepted, check_values)
+    for slot, acc in zip(state_indices.tolist(), num_accepted.tolist()):
+        if slot >= 0:
+            cache.pend_meta[slot, 0] = min(max(acc, 1), int(cache.pend_meta[slot, 0]))
+
+
+def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = True) -> None:
+    """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
+    are the slot's state and its count is 0 (what prefill and plain readers expect).
+
+    state_indices: [N] int (negative = ignored)
+
+        S <- fold(pending);  window <- conv_state[slot, :, max(count-1, 0) : ... + W-1]
+    """
+    check_cache(cache)
+    check_state_indices(state_indices, cache, None, check_values)
+    W = cache.W
+    dt = compute_dtype(cache.ssm_state, cache.pend_k)
+    for slot in state_indices.tolist():
+        if slot < 0:
+            continue
+        S, count, bank = _fold_pending(cache, slot, dt)
+        if count:
+            cache.ssm_state[slot] = S[0].to(cache.ssm_state.dtype)
+        off = max(count - 1, 0)
+        cache.conv_state[slot, :, :W - 1] = cache.conv_state[slot, :, off:off + W - 1].clone()
+        cache.pend_meta[slot] = torch.tensor((0, bank), dtype=torch.int32)
+
+
+def committed_state(cache: GDNStateCache, slots: Sequence[int]):
+    """(ssm [n, HV, K, V], conv [n, D, W-1]) of the given slots as if materialized, without writing.
+
+    For tests and conformance: compares slots regardless of how much is still pending.
+    """
+    c = cache.clone()
+    idx = torch.as_tensor(list(slots), dtype=torch.int64, device=cache.ssm_state.device)
+    gdn_materialize(c, idx)
+    return c.ssm_state[idx], c.conv_state[idx, :, :cache.W - 1]
