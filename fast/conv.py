@@ -33,8 +33,9 @@ from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
 
 @triton.jit
 def _silu(y):
-    # silu(y) = y * sigmoid(y); exp(-y) overflows to inf for y << 0 and y / inf = -0 (the limit): no NaN.
-    return y / (1 + tl.exp(-y))
+    # silu(y) = y * sigmoid(y); sigmoid without overflow: exp only of -|y| <= 0
+    e = tl.exp(-tl.abs(y))
+    return y * tl.where(y >= 0, 1 / (1 + e), e / (1 + e))
 
 
 @triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1

@@ -54,8 +54,9 @@ def gdn_gating_kernel(A_log, a, dt_bias, b, g, beta, M, HV,
     else:
         bdt = tl.float32
     b_b = tl.load(b + rows[:, None] * stride_b_m + o_h[None, :], mask=mask, other=0).to(bdt)
-    # sigmoid: exp(-b) may overflow to inf for b << 0, giving 1/inf = 0 (correct limit, no NaN).
-    b_beta = 1 / (1 + tl.exp(-b_b))
+    # sigmoid without overflow: exp only of -|b| <= 0 (exp(-b) would overflow for b << 0)
+    e = tl.exp(-tl.abs(b_b))
+    b_beta = tl.where(b_b >= 0, 1 / (1 + e), e / (1 + e))
     tl.store(beta + rows[:, None] * HV + o_h[None, :], b_beta.to(beta.dtype.element_ty), mask=mask)
 
 

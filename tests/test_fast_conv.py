@@ -1,0 +1,200 @@
+"""fast.causal_conv1d / fast.causal_conv1d_update against refgdn (float64 truth, the conformance rule).
+
+CPU runs the kernels in the Triton interpreter (tests/conftest.py): shapes stay small.
+"""
+import itertools
+
+import pytest
+import torch
+
+import fast
+import refgdn
+from conformance.core import Check, evaluate
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def _assert_conforms(name, fast_out, truth, ref):
+    res = evaluate(Check(name, fast_out, truth, ref))
+    assert res["passed"], f"{name}: error {res['error']:.3e} > bound (ref error {res['ref_error']:.3e})"
+
+
+def _inputs(B, T, D, W, dtype, N=None, seed=0, strided=False):
+    gen = torch.Generator().manual_seed(seed)
+    if strided:  # a slice of a wider projection, every other time step: strides (2*T*(D+9), 2*(D+9), 1)
+        x = torch.randn(B, 2 * T, D + 9, generator=gen).to(DEV, dtype)[:, ::2, 5:5 + D]
+    else:
+        x = torch.randn(B, T, D, generator=gen).to(DEV, dtype)
+    w = torch.randn(D, W, generator=gen) / W ** 0.5
+    b = torch.randn(D, generator=gen)
+    s0 = torch.randn(N or B, D, W - 1, generator=gen)
+    return [x] + [t.to(DEV, dtype) for t in (w, b, s0)]
+
+
+def _check_prefill(x, w, b, s0, activation, cu=None):
+    kw = dict(bias=b, activation=activation, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    y_f, s_f = fast.causal_conv1d(x, w, **kw)
+    y_r, s_r = refgdn.causal_conv1d(x, w, **kw)
+    hi = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
+    y_t, _ = refgdn.causal_conv1d(x.double(), w.double(), **hi)
+    assert y_f.dtype == x.dtype and y_f.shape == x.shape
+    _assert_conforms("y", y_f, y_t, y_r)
+    assert s_f.dtype == s_r.dtype and torch.equal(s_f, s_r)  # a copy of inputs: bit-exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,D,W", [
+    pytest.param(2, 1, 16, 4, id="T1"),
+    pytest.param(1, 63, 40, 4, id="T63-D40"),
+    pytest.param(2, 129, 24, 3, id="T129-W3"),
+    pytest.param(1, 200, 100, 2, id="T200-D100-W2"),
+    pytest.param(1, 17, 8, 1, id="W1"),
+    pytest.param(1, 2, 33, 4, id="T-shorter-than-state"),
+])
+@pytest.mark.parametrize("activation,use_bias,use_init", [
+    pytest.param("silu", True, True, id="silu-bias-init"),
+    pytest.param(None, False, False, id="plain"),
+])
+def test_prefill_dense(dtype, B, T, D, W, activation, use_bias, use_init):
+    x, w, b, s0 = _inputs(B, T, D, W, dtype, seed=T * 31 + D)
+    _check_prefill(x, w, b if use_bias else None, s0 if use_init else None, activation)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_strided_x(dtype):
+    x, w, b, s0 = _inputs(2, 70, 36, 4, dtype, strided=True)
+    assert not x.is_contiguous()
+    _check_prefill(x, w, b, s0, "silu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lens", [
+    pytest.param([0, 1, 5, 2, 0, 70], id="empty-len1-short"),
+    pytest.param([1], id="single-len1"),
+    pytest.param([40, 0], id="trailing-empty"),
+])
+@pytest.mark.parametrize("use_init", [True, False], ids=["init", "no-init"])
+def test_prefill_varlen(dtype, lens, use_init):
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    T, N = int(cu[-1]), len(lens)
+    x, w, b, s0 = _inputs(1, T, 24, 4, dtype, N=N, seed=len(lens))
+    _check_prefill(x, w, b, s0 if use_init else None, "silu", cu)
+
+
+def test_varlen_equals_per_sequence_calls():
+    lens = [3, 0, 1, 33]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), device=DEV)
+    x, w, b, s0 = _inputs(1, int(cu[-1]), 20, 4, torch.float32, N=len(lens))
+    y, s = fast.causal_conv1d(x, w, b, "silu", s0, True, cu)
+    for n in range(len(lens)):
+        sl = slice(int(cu[n]), int(cu[n + 1]))
+        y_n, s_n = fast.causal_conv1d(x[:, sl], w, b, "silu", s0[n:n + 1], True)
+        assert torch.equal(y[:, sl], y_n)
+        assert torch.equal(s[n:n + 1], s_n)
+    assert torch.equal(s[1], s0[1])  # the empty sequence hands its state through
+
+
+def test_final_state_dtype_follows_initial_state():
+    x, w, b, _ = _inputs(1, 9, 16, 4, torch.float16)
+    s0 = torch.randn(1, 16, 3, device=DEV)  # float32 state, float16 inputs
+    y, s = fast.causal_conv1d(x, w, b, None, s0, True)
+    y_r, s_r = refgdn.causal_conv1d(x, w, b, None, s0, True)
+    assert s.dtype == torch.float32 and torch.equal(s, s_r)
+    _, s_none = fast.causal_conv1d(x, w, b, None, None, False)
+    assert s_none is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("W", [4, 2, 1])
+def test_update_matches_refgdn(dtype, W):
+    N, D, steps = 3, 40, 3
+    gen = torch.Generator().manual_seed(W)
+    xs = torch.randn(steps, N, D, generator=gen).to(DEV, dtype)
+    w = (torch.randn(D, W, generator=gen) / W ** 0.5).to(DEV, dtype)
+    b = torch.randn(D, generator=gen).to(DEV, dtype)
+    st_f = torch.randn(N, D, W - 1, generator=gen).to(DEV, dtype)
+    st_r, st_t = st_f.clone(), st_f.double()
+    for s in range(steps):
+        y_f = fast.causal_conv1d_update(xs[s], st_f, w, b, "silu")
+        y_r = refgdn.causal_conv1d_update(xs[s], st_r, w, b, "silu")
+        y_t = refgdn.causal_conv1d_update(xs[s].double(), st_t, w.double(), b.double(), "silu")
+        assert y_f.dtype == dtype
+        _assert_conforms(f"y[{s}]", y_f, y_t, y_r)
+        assert torch.equal(st_f, st_r)
+
+
+def test_update_strided_slot_cache_touches_only_its_view():
+    """conv_state as a strided view of a slot cache [slots, D, W-1+spare]: only the view changes."""
+    N, D, W = 2, 24, 4
+    cache = torch.randn(5, D, W - 1 + 2, device=DEV)
+    before = cache.clone()
+    view = cache[1:1 + N, :, :W - 1]
+    x = torch.randn(N, 2 * D, device=DEV)[:, ::2]
+    w = torch.randn(D, W, device=DEV)
+    ref_state = view.clone()
+    y = fast.causal_conv1d_update(x, view, w, None, None)
+    y_r = refgdn.causal_conv1d_update(x, ref_state, w, None, None)
+    torch.testing.assert_close(y, y_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(view, ref_state)
+    untouched = torch.ones_like(cache, dtype=torch.bool)
+    untouched[1:1 + N, :, :W - 1] = False
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+def test_update_state_dtype_rounding():
+    """float32 x into a float16 state: the appended column is x rounded like a store, as in refgdn."""
+    N, D, W = 2, 16, 4
+    x = torch.randn(N, D, device=DEV)
+    w = torch.randn(D, W, device=DEV)
+    st = torch.randn(N, D, W - 1, device=DEV).half()
+    st_r = st.clone()
+    fast.causal_conv1d_update(x, st, w)
+    refgdn.causal_conv1d_update(x, st_r, w)
+    assert st.dtype == torch.float16 and torch.equal(st, st_r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,split", [pytest.param(12, 5, id="T12-split5"), pytest.param(6, 0, id="from-init"),
+                                     pytest.param(7, 2, id="prefix-shorter-than-state")])
+def test_prefix_then_updates_equals_full_prefill(dtype, T, split):
+    """fast prefill of a prefix + fast updates == fast/refgdn prefill of the whole sequence; the
+    state after the last update is torch.equal to refgdn's final state."""
+    N, D, W = 2, 20, 4
+    x, w, b, s0 = _inputs(N, T, D, W, dtype, seed=T + split)
+    y_full_r, s_full_r = refgdn.causal_conv1d(x, w, b, "silu", s0, True)
+    y_full_t, _ = refgdn.causal_conv1d(x.double(), w.double(), b.double(), "silu", s0.double(), True)
+    y_pre, state = fast.causal_conv1d(x[:, :split], w, b, "silu", s0, True)
+    ys = [y_pre]
+    for t in range(split, T):
+        ys.append(fast.causal_conv1d_update(x[:, t], state, w, b, "silu")[:, None])
+    y = torch.cat(ys, 1)
+    _assert_conforms("y", y, y_full_t, y_full_r)
+    assert torch.equal(state, s_full_r)
+
+
+BAD = {  # id -> (op, (x, w, s) -> (args, kwargs))
+    "x-2d": ("causal_conv1d", lambda x, w, s: ((x[0], w), {})),
+    "weight-3d": ("causal_conv1d", lambda x, w, s: ((x, w[:, :, None]), {})),
+    "activation": ("causal_conv1d", lambda x, w, s: ((x, w), dict(activation="relu"))),
+    "state-width": ("causal_conv1d", lambda x, w, s: ((x, w), dict(initial_state=s[:, :, :2]))),
+    "cu-end": ("causal_conv1d", lambda x, w, s: ((x, w), dict(cu_seqlens=torch.tensor([0, 3])))),
+    "bias-shape": ("causal_conv1d", lambda x, w, s: ((x, w), dict(bias=torch.zeros(3)))),
+    "update-state-width": ("causal_conv1d_update", lambda x, w, s: ((x[:, 0], s[:, :, :2], w), {})),
+    "update-weight-D": ("causal_conv1d_update", lambda x, w, s: ((x[:, 0], s, w[:5]), {})),
+    "update-int-x": ("causal_conv1d_update", lambda x, w, s: ((x[:, 0].long(), s, w), {})),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_same_error_as_refgdn_and_state_untouched(case):
+    op, make = BAD[case]
+    x, w, s = torch.randn(1, 9, 8), torch.randn(8, 4), torch.randn(1, 8, 3)
+    s_before = s.clone()
+    args, kwargs = make(x, w, s)
+    with pytest.raises(ValueError) as e_fast:
+        getattr(fast, op)(*args, **kwargs)
+    with pytest.raises(ValueError) as e_ref:
+        getattr(refgdn, op)(*args, **kwargs)
+    assert str(e_fast.value) == str(e_ref.value)
+    assert torch.equal(s, s_before)
