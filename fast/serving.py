@@ -1,0 +1,409 @@
+"""Triton decode and speculative-verify steps against a slot cache, with lazy-commit rollback.
+
+Same API, cache layout and contract as :mod:`refgdn.serving` (read its docstring for the protocol):
+
+    gdn_decode(mixed_qkv [N, D], a, b [N, HV], conv_weight, conv_bias, A_log, dt_bias, cache, state_indices [N])
+    gdn_verify(mixed_qkv [T, D], a, b [T, HV], ..., cache, state_indices [N], cu_seqlens [N+1])
+    gdn_accept(cache, state_indices [N], num_accepted [N])
+    gdn_materialize(cache, state_indices [N])
+
+Per token:  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q   (q, k l2-normalised).
+
+A step is two launches:
+
+1. ``conv_step_kernel``, grid (D-blocks, N): reads the committed conv window (it starts at column
+   ``max(count-1, 0)`` of ``conv_state[slot]``), convolves the request's new raw inputs, writes the
+   conv outputs and the new window (oldest dropped), and snapshots the slot's ``(count, bank)`` into
+   a per-request buffer for launch 2.
+2. ``gdn_step_kernel``, grid (V-blocks, HV, N): one program owns a ``[K, BV]`` block of one slot's
+   state, in registers for the whole step: one read, the pending tokens re-applied, one write, the
+   new tokens' gating (from raw a, b), l2norm and delta rule, outputs. Verify stores the new tokens'
+   inputs into the other pending bank and the new ``(count, bank)``; decode commits everything.
+
+Why the snapshot: every program of a slot must see the same ``(count, bank)``, and programs of one
+launch do not run at once; launch 2 writes the slot's metadata, so it reads the copy launch 1 made
+(launch 1 only reads the slot's metadata). Why two banks: launch 2 reads the pending k of a q/k
+head in several programs (all value heads of the group, all V-blocks) while others write the new
+tokens' k; the new ones go to the other bank.
+
+CUDA graphs: no host reads (no ``.item()``), no data-dependent shapes, no autotune (the kernels
+mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config`.
+Compile variants (warm them all up before capture, invariant 1): per dtype set, per
+(decode | verify | materialize) mode and per cache geometry. Values are not validated by default
+(``check_values=False``: it would read device memory from the host); out-of-range counts and
+lengths are clamped so memory is never touched out of bounds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from refgdn.serving import (GDNStateCache, check_accept_inputs, check_cache, check_state_indices,
+                            check_step_inputs)
+
+from .utils import cdiv, is_interpreting, next_pow2
+
+__all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
+           "conv_config"]
+
+# Tuning overrides for benchmarks/bench_decode.py --sweep (None: the heuristic). Never changed
+# while graphs are captured: a new value is a new compile variant.
+STEP_CONFIG_OVERRIDE: Optional[dict] = None
+
+
+def step_config(K: int, V: int, state_dtype: torch.dtype) -> dict:
+    """Pinned launch config of gdn_step_kernel: BV (V-block) and num_warps.
+
+    BV: one row of the [K, BV] state block is 128 bytes (32 float32 / 64 bfloat16 values) so every
+    row load is a full cache line; K is kept whole (K <= 256) so each program reads its block once.
+    Many programs in flight (N * HV * V / BV) hide latency; the block stays in registers
+    (K * BV / (32 * num_warps) values per thread: 32 at K = 128 with 4 warps).
+    """
+    if STEP_CONFIG_OVERRIDE is not None:
+        return dict(STEP_CONFIG_OVERRIDE)
+    BK = next_pow2(K)
+    BV = min(next_pow2(V), max(128 // torch.empty(0, dtype=state_dtype).element_size(), 8))
+    if is_interpreting():
+        return dict(BV=min(next_pow2(V), 32), num_warps=1)
+    num_warps = max(1, min(8, BK * BV // 1024))
+    return dict(BV=BV, num_warps=num_warps)
+
+
+def conv_config(D: int) -> dict:
+    """Pinned launch config of conv_step_kernel: BD channels per program."""
+    return dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _as_block(cond, ref):
+    """A scalar condition broadcast to ref's block shape, as a block mask.
+
+    (``block & scalar_bool`` is promoted to int32 by the Triton interpreter, which then rejects it
+    as a mask; integer arithmetic broadcasts the same way on GPU and in the interpreter.)
+    """
+    return (ref * 0 + cond.to(tl.int32)) != 0
+
+
+@triton.jit
+def _as_block(cond, ref):
+    """A scalar condition broadcast to ref's block shape, as a block mask.
+
+    (``block & scalar_bool`` is promoted to int32 by the Triton interpreter, which then rejects it
+    as a mask; integer arithmetic broadcasts the same way on GPU and in the interpreter.)
+    """
+    return (ref * 0 + cond.to(tl.int32)) != 0
+
+
+@triton.jit
+def conv_step_kernel(
+    x, weight, bias, y, conv_state, meta, snap, state_indices, cu_seqlens,
+    D,
+    stride_x_t, stride_x_d, stride_w_d, stride_w_w,
+    stride_c_n, stride_c_d, stride_c_w,
+    W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
+    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """One program: channels [i_d*BD, +BD) of request i_n.
+
+    seq = [committed window (W-1 columns from conv_state at max(count-1, 0)), x_0 .. x_{L-1}]
+    y_t = act(bias + sum_j weight[:, j] seq[t + j])          for t < L   (y: [T, D] contiguous)
+    conv_state[slot, :, 0 : W-1+L-drop] <- seq[drop:]        drop = min(L, 1) (oldest input out)
+    snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
+    """
+    i_d = tl.program_id(0)
+    i_n = tl.program_id(1)
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
+    count = tl.load(meta + slot * 2, mask=valid, other=0)
+    bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
+    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt counts
+    first = i_d == 0
+    tl.store(snap + i_n * 2, count, mask=first)
+    tl.store(snap + i_n * 2 + 1, bank, mask=first)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
+    else:
+        bos = i_n.to(tl.int64)
+        L = bos * 0 + 1
+    L = tl.minimum(tl.maximum(L, 0), TMAX)          # tokens beyond the cache's capacity are not run
+    off = tl.maximum(count - 1, 0)
+
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
+    c = tl.arange(0, SP)                              # seq columns: [0, W-1) window, [W-1, W-1+L) tokens
+    in_win = c < W - 1
+    in_x = (c >= W - 1) & (c < W - 1 + L)
+    p_c = conv_state + slot * stride_c_n + o_d[:, None] * stride_c_d
+    b_win = tl.load(p_c + (off + c)[None, :] * stride_c_w, mask=m_dv[:, None] & in_win[None, :], other=0)
+    b_x = tl.load(x + (bos + c - (W - 1))[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
+                  mask=m_d[:, None] & in_x[None, :], other=0)
+    seq = b_win.to(tl.float32) + b_x.to(tl.float32)   # exactly one term is non-zero per column
+
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    for t in tl.static_range(TMAX):
+        # the taps of token t sit at seq columns t .. t+W-1: weight column c - t
+        j = c - t
+        b_w = tl.load(weight + o_d[:, None] * stride_w_d + j[None, :] * stride_w_w,
+                      mask=m_d[:, None] & ((j >= 0) & (j < W))[None, :], other=0).to(tl.float32)
+        acc = tl.sum(seq * b_w, axis=1)
+        if HAS_BIAS:
+            acc += b_bias
+        if SILU:
+            # silu = y * sigmoid(y); exp(-y) overflows to inf for y << 0 and y / inf = -0: no NaN.
+            acc = acc / (1 + tl.exp(-acc))
+        tl.store(y + (bos + t) * D + o_d, acc.to(y.dtype.element_ty), mask=m_d & _as_block(L > t, o_d))
+
+    # new window, in place: every address written here was read above by this program only
+    drop = tl.minimum(L, 1)
+    dst = c - drop
+    m_w = (c >= drop) & (c < W - 1 + L) & (dst < CW)
+    tl.store(p_c + dst[None, :] * stride_c_w, seq.to(conv_state.dtype.element_ty),
+             mask=m_dv[:, None] & m_w[None, :])
+
+
+@triton.jit
+def gdn_step_kernel(
+    y, a, b, A_log, dt_bias, o,
+    ssm, pk, pv, pg, pbeta, meta, snap, state_indices, cu_seqlens,
+    scale,
+    stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
+    stride_s_n, stride_s_h, stride_s_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
+    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr,
+):
+    """One program: value columns [i_v*BV, +BV) of value head i_hv of request i_n.
+
+    y: [T, D] conv outputs (q | k | v channels); a, b: [T, HV]; o: [T, HV, V] contiguous.
+    ssm: [S, HV, K, V] (unit stride in V); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
+    pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (count, bank) before the step.
+
+        S <- ssm[slot]; for the count pending tokens: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T
+        verify (KEEP_PENDING): ssm[slot] <- S if count; new tokens -> o, their inputs -> bank 1-bank
+        decode: new tokens -> o; ssm[slot] <- S
+    """
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
+    bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
+    else:
+        bos = i_n.to(tl.int64)
+        L = bos * 0 + 1
+    L = tl.minimum(tl.maximum(L, 0), TMAX)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_vv = m_v & _as_block(valid, o_v)
+    m_s = m_k[:, None] & m_vv[None, :]
+    p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+    # the one read of the state block; float32 from here on (bf16 states are rounded once, at the store)
+    b_s = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
+
+    # 1. fold the pending tokens (accepted inputs kept by the previous verify) into the state
+    pb = (slot * 2 + bank) * TCAP                     # token row 0 of the pending bank
+    for i in range(0, count):
+        b_k = tl.load(pk + ((pb + i) * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_vv = tl.load(pv + ((pb + i) * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(pg + (pb + i) * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(pbeta + (pb + i) * HV + i_hv).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)                        # g <= 0: exp never overflows
+        b_u = b_beta * (b_vv - tl.sum(b_s * b_k[:, None], axis=0))
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+    if KEEP_PENDING:
+        # verify: the committed state (accepted prefix included) is written once, before the drafts
+        tl.store(p_s, b_s.to(ssm.dtype.element_ty), mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
+
+    # 2. the new tokens: gating, l2norm, delta rule, output
+    b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
+    nb = (slot * 2 + (1 - bank)) * TCAP               # token row 0 of the other bank
+    own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
+    own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
+    for i in range(0, L):
+        t = bos + i
+        p_y = y + t * stride_y_t
+        b_q = tl.load(p_y + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(p_y + H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_vv = tl.load(p_y + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_x = tl.load(a + t * stride_a_t + i_hv * stride_a_h).to(tl.float32) + b_dt
+        # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
+        b_sp = tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
+        b_g = b_A * b_sp
+        # sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)
+        b_beta = 1 / (1 + tl.exp(-tl.load(b + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)))
+        b_s = b_s * tl.exp(b_g)
+        b_u = b_beta * (b_vv.to(tl.float32) - tl.sum(b_s * b_k[:, None], axis=0))
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)
+        b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
+        tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if KEEP_PENDING:
+            tl.store(pk + ((nb + i) * H + i_h) * K + o_k, b_k.to(pk.dtype.element_ty), mask=m_k & _as_block(own_k, o_k))
+            tl.store(pv + ((nb + i) * HV + i_hv) * V + o_v, b_vv.to(pv.dtype.element_ty), mask=m_vv)
+            tl.store(pg + (nb + i) * HV + i_hv, b_g.to(pg.dtype.element_ty), mask=own_gb)
+            tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
+
+    own_meta = valid & (i_v == 0) & (i_hv == 0)
+    if KEEP_PENDING:
+        tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
+        tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32), mask=own_meta)
+    else:
+        # decode / materialize: the one write of the state block (skipped when nothing changed)
+        tl.store(p_s, b_s.to(ssm.dtype.element_ty), mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+        tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
+
+
+@triton.jit
+def accept_kernel(meta, state_indices, num_accepted, N, BN: tl.constexpr):
+    """count[slot] <- min(max(num_accepted, 1), count[slot]) for the valid rows of a block of requests."""
+    o_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    slot = tl.load(state_indices + o_n, mask=m_n, other=-1).to(tl.int64)
+    m = m_n & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    count = tl.load(meta + slot * 2, mask=m, other=0)
+    acc = tl.load(num_accepted + o_n, mask=m, other=1).to(tl.int32)
+    tl.store(meta + slot * 2, tl.minimum(tl.maximum(acc, 1), count), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+            scale, activation, mode: str):
+    """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens)."""
+    H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
+    N = state_indices.shape[0]
+    T = mixed_qkv.shape[0]
+    dev = cache.ssm_state.device
+    varlen = cu_seqlens is not None
+    TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
+    y = torch.empty(T, D, dtype=mixed_qkv.dtype, device=dev)        # conv outputs, [T, D]
+    o = torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
+    snap = torch.empty(N, 2, dtype=torch.int32, device=dev)         # (count, bank) before the step
+    if N == 0:
+        return o
+    cc = conv_config(D)
+    cs = cache.conv_state
+    conv_step_kernel[(cdiv(D, cc["BD"]), N)](
+        mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
+        state_indices, cu_seqlens if varlen else state_indices,
+        D,
+        mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
+        cs.stride(0), cs.stride(1), cs.stride(2),
+        W=W, CW=cs.shape[2], TCAP=TC, TMAX=TMAX, SP=next_pow2(W - 1 + TMAX), BD=cc["BD"],
+        VARLEN=varlen, SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
+        num_warps=cc["num_warps"],
+    )
+    sc = step_config(K, V, cache.ssm_state.dtype)
+    BV = sc["BV"]
+    s = cache.ssm_state
+    gdn_step_kernel[(cdiv(V, BV), HV, N)](
+        y, a, b, A_log, dt_bias, o,
+        s, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
+        state_indices, cu_seqlens if varlen else state_indices,
+        float(K ** -0.5 if scale is None else scale),
+        y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        s.stride(0), s.stride(1), s.stride(2),
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX,
+        VARLEN=varlen, KEEP_PENDING=mode == "verify",
+        num_warps=sc["num_warps"],
+    )
+    return o
+
+
+def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+               scale: Optional[float] = None, activation: Optional[str] = "silu", check_values: bool = False):
+    """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
+
+    mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
+    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
+    Returns o: [N, HV, V] in mixed_qkv's dtype.
+
+        S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
+
+    Two launches (conv, then gating + l2norm + delta rule in one kernel); one read and one write of
+    each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
+    """
+    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                      scale, activation, check_values)
+    return _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                   scale, activation, "decode")
+
+
+def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+               cu_seqlens, scale: Optional[float] = None, activation: Optional[str] = "silu",
+               check_values: bool = False):
+    """Speculative verify: 1 + k_n tokens for request n (k_n may differ), an output for every token.
+
+    mixed_qkv: [T, D]   a, b: [T, HV]   cu_seqlens (query_start_loc): [N+1], request n owns tokens
+    [cu[n], cu[n+1]), at most 1 + cache.max_draft of them   state_indices: [N]   (rest as gdn_decode)
+    Returns o: [T, HV, V] in mixed_qkv's dtype.
+
+        S <- fold(pending) (written back once);  for each new token: the delta rule on from S, o_t
+
+    State traffic is a decode's (one read, one write per block) plus the few pending inputs. The new
+    tokens become pending, all accepted until :func:`gdn_accept`.
+    """
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
+    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                      cu_seqlens, scale, activation, check_values)
+    return _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                   scale, activation, "verify")
+
+
+def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = False) -> None:
+    """After a verify: keep the first ``num_accepted[n]`` tokens of request n (one tiny launch).
+
+    state_indices: [N] int (negative = ignored)   num_accepted: [N] int in [1, 1+k_n]
+
+        count[slot] <- min(max(num_accepted, 1), count[slot])
+    """
+    N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
+    if N == 0:
+        return
+    BN = min(next_pow2(N), 1024)
+    accept_kernel[(cdiv(N, BN),)](cache.pend_meta, state_indices, num_accepted, N, BN=BN, num_warps=1)
+
+
+def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
+    """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
+    are the slot's state and its count is 0 (what prefill and plain readers expect).
+
+    state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request.
+    """
+    check_cache(cache)
+    N = check_state_indices(state_indices, cache, None, check_values)
+    dev = cache.ssm_state.device
+    HV, D, W = cache.HV, cache.D, cache.W
+    zeros_cu = torch.zeros(N + 1, dtype=torch.int32, device=dev)     # every request brings 0 tokens
+    dummy = cache.conv_state.new_zeros(0, D)
+    ab = torch.zeros(0, HV, dtype=torch.float32, device=dev)
+    hv = torch.zeros(HV, dtype=torch.float32, device=dev)
+    w = torch.zeros(D, W, dtype=torch.float32, device=dev)
+    _launch(dummy, ab, ab, w, None, hv, hv, cache, state_indices, zeros_cu, None, None, "materialize")
