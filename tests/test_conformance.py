@@ -1,0 +1,117 @@
+"""The conformance runner in-process: a quick subset passes, the JSON report has its fields, and the
+rule can fail (a perturbed fast result, a raising case, a one-ulp change in an exact check)."""
+import json
+
+import pytest
+import torch
+
+import fast
+from conformance import cases_prefill, runner
+from conformance.core import Case, Check
+
+FIELDS = {"op", "case", "dtype", "chunk_size", "draft_steps", "check", "error", "ref_error", "passed"}
+SUBSET = "causal_conv1d,causal_conv1d_update,gdn_gating,l2norm"
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_quick_subset_passes_and_writes_report(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    rc = runner.main(["--quick", "--device", "cpu", "--ops", SUBSET, "--json", str(path), "--no-progress"])
+    out = capsys.readouterr().out
+    records = _json(path)
+    assert rc == 0, out
+    assert records and all(FIELDS <= set(r) for r in records)
+    assert {r["op"] for r in records} == set(SUBSET.split(","))
+    assert all(r["passed"] for r in records)
+    assert {r["dtype"] for r in records} == {"float32", "float16"}  # no bf16 on CPU
+    assert all(r["draft_steps"] is None for r in records)
+    assert "refgdn error" in out and "passed, 0 failed" in out
+
+
+def test_chunk_records_carry_chunk_size(tmp_path):
+    if getattr(fast, "chunk_gated_delta_rule", None) is None:
+        pytest.skip("fast.chunk_gated_delta_rule not available yet")
+    path = tmp_path / "report.json"
+    rc = runner.main(["--quick", "--device", "cpu", "--ops", "chunk_gated_delta_rule", "--cases", "dense-T63",
+                      "--json", str(path), "--no-progress"])
+    records = _json(path)
+    assert {r["chunk_size"] for r in records} == set(cases_prefill.CHUNK_SIZES)
+    assert {r["check"] for r in records} == {"o", "final_state"}
+    assert rc == 0, [r for r in records if not r["passed"]]
+
+
+def test_perturbed_fast_result_is_reported_failed(tmp_path, monkeypatch):
+    """fast.l2norm made wrong by 0.05 on one element (values are <= 1): every l2norm check must fail."""
+    real = fast.l2norm
+
+    def wrong(x, eps=1e-6):
+        y = real(x, eps).clone()
+        y.view(-1)[0] += 0.05
+        return y
+
+    monkeypatch.setattr(fast, "l2norm", wrong)
+    path = tmp_path / "report.json"
+    rc = runner.main(["--quick", "--device", "cpu", "--ops", "l2norm", "--json", str(path), "--no-progress"])
+    records = _json(path)
+    assert rc != 0
+    assert records and not any(r["passed"] for r in records)
+    assert all(r["error"] > r["ref_error"] for r in records)
+
+
+def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
+    real = fast.causal_conv1d
+
+    def wrong(*args, **kwargs):
+        y, s = real(*args, **kwargs)
+        s = s.clone()
+        s.view(-1)[-1] = torch.nextafter(s.view(-1)[-1], torch.tensor(float("inf"), dtype=s.dtype))
+        return y, s
+
+    monkeypatch.setattr(fast, "causal_conv1d", wrong)
+    cases, _, _ = runner.collect(True, "cpu", ["causal_conv1d"], "dense-T63")
+    records = runner.run_all(cases[:1], "cpu", progress=False)
+    by_check = {r["check"]: r for r in records}
+    assert by_check["y"]["passed"] and not by_check["final_state"]["passed"]
+
+
+def test_exception_is_a_failure_record_not_a_crash(capsys):
+    def boom(device):
+        raise RuntimeError("kernel exploded")
+
+    ok = Case(op="l2norm", case="fine", dtype=torch.float32,
+              run=lambda device: [Check("y", torch.ones(3), torch.ones(3, dtype=torch.float64), torch.ones(3))])
+    bad = Case(op="l2norm", case="boom", dtype=torch.float16, run=boom, chunk_size=32)
+    records = runner.run_all([bad, ok], "cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "2/2" in err  # the progress bar reached the end
+    assert [r["passed"] for r in records] == [False, True]
+    assert records[0]["check"] == "<exception>" and "kernel exploded" in records[0]["detail"]
+    assert records[0]["chunk_size"] == 32 and records[0]["dtype"] == "float16"
+    assert "FAIL" in runner.format_summary(records)
+
+
+def test_rule_bound_is_twice_ref_error_plus_floor():
+    truth = torch.zeros(4, dtype=torch.float64)
+    ref = torch.tensor([1e-3, 0, 0, 0])
+    within = Case(op="x", case="c", dtype=torch.float32,
+                  run=lambda d: [Check("o", torch.tensor([1.9e-3, 0, 0, 0]), truth, ref)])
+    beyond = Case(op="x", case="c", dtype=torch.float32,
+                  run=lambda d: [Check("o", torch.tensor([2.1e-3, 0, 0, 0]), truth, ref)])
+    assert runner.run_case(within, "cpu")[0]["passed"]
+    assert not runner.run_case(beyond, "cpu")[0]["passed"]
+
+
+def test_ops_filter_and_missing_case_modules(monkeypatch):
+    cases, problems, notes = runner.collect(True, "cpu", ["gdn_gating"], modules=("conformance.cases_prefill",))
+    assert cases and {c.op for c in cases} == {"gdn_gating"} and not problems
+    # a missing optional case module is a note; a missing required one is a failure record
+    monkeypatch.setattr(runner, "OPTIONAL_MODULES", ("conformance.cases_nonexistent",))
+    cases, problems, notes = runner.collect(True, "cpu", ["gdn_gating"], modules=(
+        "conformance.cases_prefill", "conformance.cases_nonexistent", "conformance.cases_missing_required"))
+    assert cases and any("cases_nonexistent" in n for n in notes)
+    assert [p["op"] for p in problems] == ["conformance.cases_missing_required"]
+    assert not problems[0]["passed"]
