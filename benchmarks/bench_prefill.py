@@ -1,0 +1,314 @@
+"""Prefill benchmarks at Qwen3-Next's shape: fast vs fla (same process, same inputs) vs the ceilings.
+
+Shape: H = 16 query/key heads, HV = 32 value heads, K = V = 128, bfloat16 q/k/v/beta, float32 g and
+state; chunk size 64 (fast's default). Cases:
+
+  - chunk forward, B = 1, T = 4096 / 16384 / 65536 (no initial state, final state written);
+  - varlen: 16 sequences totalling 32760 tokens, with initial states, final states written;
+  - causal conv1d forward: T = 16384, D = 8192, W = 4, silu, bf16;
+  - refgdn (the oracle, float32 compute on the GPU) at T = 4096 only, timed twice;
+  - per-kernel breakdown of fast's (and fla's) chunk forward at T = 65536 (torch.profiler);
+  - a conv1d config sweep (BT x BD x warps) to choose the pinned config.
+
+FLOPs of the chunked forward (matmul FLOPs of the algorithm, 2 per multiply-add, per value head,
+chunk size C, head dims K and V, per chunk of C tokens; counted per value head as computed, even
+where a kernel could share K K^T across the G = HV/H value heads of one key head):
+
+    K K^T (C x C x K)             2 C^2 K       wy_repr: L = beta (K K^T) * decay
+    (I + L)^-1                    2 C^3 / 3     triangular inverse (forward substitution)
+    w = A (beta e^G K)            2 C^2 K
+    u = A (beta V)                2 C^2 V
+    v_new = u - w S               2 C K V       state passing
+    S += K^T (decay * v_new)      2 C K V
+    Q S                           2 C K V       output
+    Q K^T                         2 C^2 K
+    (Q K^T * M) v_new             2 C^2 V
+
+    flops / token / value head = 6 C K + 4 C V + 6 K V + 2 C^2 / 3     (C = 64, K = V = 128: 182,955)
+
+Bytes of conv1d (the floor of its HBM traffic): read x (T D) + write y (T D) + weights (D W), in
+the element size of bf16; its ceiling is the measured device copy bandwidth (read + write).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import common
+
+H, HV, K, V = 16, 32, 128, 128
+CHUNK = 64
+DTYPE = torch.bfloat16
+CHUNK_TS = (4096, 16384, 65536)
+VARLEN_LENS = (4096, 512, 3000, 1, 2047, 2049, 6000, 64, 1500, 2500, 1800, 2200, 1900, 1100, 3000, None)
+VARLEN_TOTAL = 32760
+CONV_T, CONV_D, CONV_W = 16384, 8192, 4
+BREAKDOWN_T = 65536
+
+
+def chunk_flops(tokens: int, heads: int = HV, C: int = CHUNK, Kd: int = K, Vd: int = V) -> float:
+    """Matmul FLOPs of the chunked forward (formula in the module docstring)."""
+    return tokens * heads * (6 * C * Kd + 4 * C * Vd + 6 * Kd * Vd + 2 * C * C / 3)
+
+
+def conv_bytes(T: int, D: int, W: int, elem: int = 2) -> int:
+    """read x + write y + weights."""
+    return elem * (2 * T * D + D * W)
+
+
+def varlen_lengths() -> list:
+    lens = [x for x in VARLEN_LENS if x is not None]
+    lens.append(VARLEN_TOTAL - sum(lens))
+    assert len(lens) == 16 and min(lens) >= 1 and sum(lens) == VARLEN_TOTAL
+    return lens
+
+
+def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0):
+    """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B=1, T, ...]; S0 [N, HV, K, V] if N."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(1, T, H, K, device=device, generator=gen).to(DTYPE)
+    k = F.normalize(torch.randn(1, T, H, K, device=device, generator=gen), dim=-1).to(DTYPE)
+    v = torch.randn(1, T, HV, V, device=device, generator=gen).to(DTYPE)
+    g = F.logsigmoid(torch.randn(1, T, HV, device=device, generator=gen) + 3.0)  # mostly weak decay
+    beta = torch.sigmoid(torch.randn(1, T, HV, device=device, generator=gen)).to(DTYPE)
+    S0 = (0.1 * torch.randn(N, HV, K, V, device=device, generator=gen)) if N else None
+    return q, k, v, g, beta, S0
+
+
+def _fast(name: str):
+    try:
+        import fast
+    except Exception as e:  # noqa: BLE001
+        print(f"fast: import failed: {e}", file=sys.stderr)
+        return None
+    return getattr(fast, name, None)
+
+
+def _row(case: str, tokens: int, ms: float, *, flops: float = None, nbytes: float = None,
+         ceiling: float = None, fla_ms: float = None, note: str = "") -> dict:
+    # fixed column order: case, ms, Mtok/s, TFLOP/s, GB/s, of ceiling, fla ms, fla/fast, note
+    row = {"case": case, "ms": ms, "Mtok/s": tokens / ms / 1e3 if ms else None, "TFLOP/s": None, "GB/s": None,
+           "of ceiling": None}
+    if flops is not None and ms:
+        row["TFLOP/s"] = flops / ms / 1e9
+        row["of ceiling"] = row["TFLOP/s"] / ceiling if ceiling else None
+    if nbytes is not None and ms:
+        row["GB/s"] = nbytes / ms / 1e6
+        row["of ceiling"] = row["GB/s"] / ceiling if ceiling else None
+    row["fla ms"] = fla_ms
+    row["fla/fast"] = fla_ms / ms if (fla_ms and ms) else None
+    row["note"] = note
+    return row
+
+
+def _bench_or_error(fn: Callable) -> tuple:
+    """(ms, "") or (None, error text): one failing implementation must not sink the whole run."""
+    try:
+        fn()
+        common.synchronize()
+        return common.bench(fn), ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+# ----------------------------------------------------------------------------------------------
+# sections
+# ----------------------------------------------------------------------------------------------
+
+def bench_chunk(device: str, tflops_ceiling: float) -> list:
+    rows = []
+    fast_chunk = _fast("chunk_gated_delta_rule")
+    fla = common.try_import_fla()
+    fla_chunk = fla.chunk_gated_delta_rule if fla is not None else None
+
+    cases = [(f"chunk fwd T={T}", T, None) for T in CHUNK_TS]
+    lens = varlen_lengths()
+    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init", VARLEN_TOTAL, lens))
+    for name, T, seq_lens in cases:
+        N = len(seq_lens) if seq_lens else None
+        q, k, v, g, beta, S0 = gdn_inputs(T, device, N)
+        kw = dict(initial_state=S0, output_final_state=True)
+        if seq_lens:
+            cu = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
+            kw["cu_seqlens"] = cu
+        notes = []
+        ms = None
+        if fast_chunk is not None:
+            ms, err = _bench_or_error(lambda: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw))
+            if err:
+                notes.append("fast: " + err)
+        else:
+            notes.append("fast.chunk_gated_delta_rule missing")
+        fla_ms = None
+        if fla_chunk is not None:
+            try:
+                call, note = common.call_fla_gdn(fla_chunk, q, k, v, g, beta, **kw)
+                fla_ms, err = _bench_or_error(call)
+                notes += [n for n in (note, "fla: " + err if err else "") if n]
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"fla: {type(e).__name__}: {e}"[:120])
+        rows.append(_row(name, T, ms, flops=chunk_flops(T), ceiling=tflops_ceiling, fla_ms=fla_ms,
+                         note="; ".join(notes)))
+        print(_progress(rows[-1]), file=sys.stderr)
+        if T == CHUNK_TS[0] and not seq_lens:
+            rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
+            print(_progress(rows[-1]), file=sys.stderr)
+        del q, k, v, g, beta, S0
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_refgdn(q, k, v, g, beta, kw, T, ceiling) -> dict:
+    import refgdn
+
+    try:
+        ms = common.bench_once(lambda: refgdn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK, **kw),
+                               repeats=2)
+        note = "refgdn (oracle, fp32 compute), wall-clock median of 2"
+    except Exception as e:  # noqa: BLE001
+        ms, note = None, f"refgdn: {type(e).__name__}: {e}"[:120]
+    return _row(f"refgdn chunk T={T}", T, ms, flops=chunk_flops(T), ceiling=ceiling, note=note)
+
+
+def bench_conv(device: str, gbs_ceiling: float) -> list:
+    fast_conv = _fast("causal_conv1d")
+    fla = common.try_import_fla()
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
+    w = (torch.randn(CONV_D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
+    notes, ms, fla_ms = [], None, None
+    if fast_conv is not None:
+        ms, err = _bench_or_error(lambda: fast_conv(x, w, None, "silu"))
+        if err:
+            notes.append("fast: " + err)
+    if fla is not None and fla.causal_conv1d is not None:
+        fla_ms, err = _bench_or_error(lambda: fla.causal_conv1d(x=x, weight=w, activation="silu"))
+        if err:
+            notes.append("fla: " + err)
+    row = _row(f"conv1d fwd T={CONV_T} D={CONV_D} W={CONV_W} silu", CONV_T, ms,
+               nbytes=conv_bytes(CONV_T, CONV_D, CONV_W), ceiling=gbs_ceiling, fla_ms=fla_ms, note="; ".join(notes))
+    print(_progress(row), file=sys.stderr)
+    return [row]
+
+
+def conv_sweep(device: str, gbs_ceiling: float) -> list:
+    """Time fast's conv1d prefill kernel over a small config grid (to choose the pinned config)."""
+    try:
+        from fast.conv import causal_conv1d_with_config, conv_fwd_config
+    except Exception as e:  # noqa: BLE001
+        return [dict(config=f"unavailable: {e}")]
+    x = torch.randn(1, CONV_T, CONV_D, device=device).to(DTYPE)
+    w = torch.randn(CONV_D, CONV_W, device=device).to(DTYPE)
+    nbytes = conv_bytes(CONV_T, CONV_D, CONV_W)
+    pinned = conv_fwd_config(CONV_T, CONV_D, CONV_W)
+    rows = []
+    for BT in (8, 16, 32, 64):
+        for BD in (128, 256, 512):
+            for nw in (4, 8):
+                if BT * BD > 32768:
+                    continue
+                cfg = dict(BT=BT, BD=BD, num_warps=nw)
+                ms, err = _bench_or_error(lambda: causal_conv1d_with_config(x, w, None, "silu", config=cfg))
+                rows.append(dict(config=f"BT={BT} BD={BD} warps={nw}" + (" (pinned)" if cfg == pinned else ""),
+                                 ms=ms, **{"GB/s": nbytes / ms / 1e6 if ms else None,
+                                           "of copy bw": nbytes / ms / 1e6 / gbs_ceiling if ms else None},
+                                 note=err))
+    rows.sort(key=lambda r: r["ms"] if r["ms"] else float("inf"))
+    return rows[:12]
+
+
+def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5) -> list:
+    """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    impls = []
+    fast_chunk = _fast("chunk_gated_delta_rule")
+    if fast_chunk is not None:
+        impls.append(("fast", lambda q, k, v, g, beta: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK,
+                                                                  output_final_state=True)))
+    fla = common.try_import_fla()
+    q, k, v, g, beta, _ = gdn_inputs(T, device)
+    if fla is not None and fla.chunk_gated_delta_rule is not None:
+        try:
+            call, note = common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True)
+            impls.append(("fla" + (" (q/k repeated)" if note else ""), lambda *a: call()))
+        except Exception as e:  # noqa: BLE001
+            print(f"fla breakdown skipped: {e}", file=sys.stderr)
+    rows = []
+    for impl, fn in impls:
+        try:
+            fn(q, k, v, g, beta)
+            common.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    fn(q, k, v, g, beta)
+                common.synchronize()
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(impl=impl, kernel=f"failed: {type(e).__name__}: {e}"[:120]))
+            continue
+        events = []
+        for e in prof.key_averages():
+            t_us = getattr(e, "device_time_total", None)
+            if t_us is None:
+                t_us = getattr(e, "cuda_time_total", 0)
+            if t_us and t_us > 0:
+                events.append((e.key, t_us / iters / 1e3, e.count / iters))
+        total = sum(t for _, t, _ in events) or 1.0
+        for name, ms, calls in sorted(events, key=lambda x: -x[1]):
+            rows.append(dict(impl=impl, kernel=name[:80], ms=ms, share=ms / total, calls=calls))
+        rows.append(dict(impl=impl, kernel="TOTAL (device time)", ms=total, share=1.0, calls=None))
+    del q, k, v, g, beta
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _progress(row: dict) -> str:
+    parts = [f"{row['case']}:"]
+    if row.get("ms"):
+        parts.append(f"{row['ms']:.3f} ms")
+    for key in ("TFLOP/s", "GB/s"):
+        if row.get(key):
+            parts.append(f"{row[key]:.1f} {key}")
+    if row.get("of ceiling"):
+        parts.append(f"{100 * row['of ceiling']:.0f}% of ceiling")
+    if row.get("fla ms"):
+        parts.append(f"fla {row['fla ms']:.3f} ms (fla/fast {row['fla/fast'] or 0:.2f})")
+    if row.get("note"):
+        parts.append(f"[{row['note']}]")
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------
+
+def run_sections(device: str = "cuda") -> list:
+    """[(title, rows, meta)]: the main table, the T=65536 breakdown, the conv1d config sweep."""
+    tflops = common.matmul_tflops(device)
+    gbs = common.copy_bandwidth_gbs(device)
+    print(f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (measured)", file=sys.stderr)
+    meta = {"shape": f"H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g/state, chunk {CHUNK}",
+            "ceiling (chunk rows)": f"bf16 8192^3 matmul, measured: {tflops:.0f} TFLOP/s",
+            "ceiling (conv row)": f"device copy (read+write), measured: {gbs:.0f} GB/s",
+            "FLOPs": "6CK + 4CV + 6KV + 2C^2/3 per token per value head (benchmarks/bench_prefill.py)",
+            "conv bytes": "2 B x (read x + write y + weights)"}
+    main = bench_chunk(device, tflops) + bench_conv(device, gbs)
+    sections = [("Prefill: fast vs fla", main, meta)]
+    sections.append((f"Prefill: per-kernel breakdown, chunk forward T={BREAKDOWN_T} (torch.profiler)",
+                     kernel_breakdown(device), {"iterations averaged": 5}))
+    sections.append((f"Prefill: conv1d config sweep T={CONV_T} D={CONV_D} (fastest 12)", conv_sweep(device, gbs),
+                     {"ceiling": f"copy {gbs:.0f} GB/s"}))
+    return sections
+
+
+def run() -> list:
+    """The main prefill table's rows (the ``run() -> list[rows]`` interface shared with bench_decode)."""
+    return run_sections()[0][1]
+
+
+if __name__ == "__main__":
+    from .__main__ import main
+    sys.exit(main(["--only", "prefill"] + sys.argv[1:]))
