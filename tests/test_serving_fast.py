@@ -1,0 +1,164 @@
+"""fast.serving (Triton; the interpreter on CPU) against refgdn.serving: the conformance matrix, strided
+conv states, bfloat16 state storage, padded rows, clamping of bad values, and identical input errors."""
+import pytest
+import torch
+
+import fast.serving as fs
+import refgdn.serving as rs
+from conformance.cases_serving import cases, cast_cache, make_cache, make_layer, make_tokens
+from conformance.core import evaluate
+from refgdn.serving import GDNStateCache, committed_state
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _args(layer):
+    return layer["conv_weight"], layer["conv_bias"], layer["A_log"], layer["dt_bias"]
+
+
+def _to(layer, dtype=None, device=DEVICE):
+    return {k: (v.to(device=device, dtype=dtype or v.dtype) if v is not None else None) for k, v in layer.items()}
+
+
+@pytest.mark.parametrize("case", cases(True, DEVICE), ids=lambda c: f"{c.case}-{str(c.dtype)[6:]}")
+def test_conformance_case(case):
+    """Each quick conformance case: fast vs refgdn (outputs, committed states, exact conv/meta/untouched)."""
+    failed = [(ch.name, r) for ch in case.run(DEVICE) for r in [evaluate(ch)] if not r["passed"]]
+    assert not failed, failed[:5]
+
+
+def _run_both(cache_ref, cache_fast, layer_ref, layer_fast, slots, schedule, HV, D, dtype, scale=None):
+    """Drive both implementations through (kind, lens, accepts) steps; return paired outputs."""
+    idx = torch.tensor(slots, dtype=torch.int32)
+    outs = []
+    for i, (kind, lens, acc) in enumerate(schedule):
+        x, a, b = make_tokens(sum(lens), HV, D, seed=100 + i, dtype=dtype)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        pair = []
+        for ops, c, lay, dev in ((rs, cache_ref, layer_ref, "cpu"), (fs, cache_fast, layer_fast, DEVICE)):
+            xd, ad, bd, idd, cud = (t.to(dev) for t in (x, a, b, idx, cu))
+            if kind == "verify":
+                o = ops.gdn_verify(xd, ad, bd, *_args(lay), c, idd, cud, scale=scale)
+                ops.gdn_accept(c, idd, torch.tensor(acc, dtype=torch.int32, device=dev))
+            elif kind == "decode":
+                o = ops.gdn_decode(xd, ad, bd, *_args(lay), c, idd, scale=scale)
+            else:
+                ops.gdn_materialize(c, idd)
+                o = None
+            pair.append(o)
+        outs.append(pair)
+    return outs
+
+
+def test_strided_conv_state_and_inputs():
+    """conv_state as a transposed view ([S, W', D] storage, D contiguous) and strided a, b, x."""
+    H, HV, K, V, W, S = 1, 2, 8, 8, 4, 3
+    D = 2 * H * K + HV * V
+    base = make_cache(S, H, HV, K, V, W, 3, seed=1, state_dtype=torch.float32, act_dtype=torch.float32)
+    c_ref = base.clone()
+    store = base.conv_state.transpose(1, 2).contiguous().to(DEVICE)          # [S, W-1+3, D]
+    c_fast = base.clone().to(device=DEVICE)
+    c_fast.conv_state = store.transpose(1, 2)                                 # view [S, D, W-1+3]
+    assert not c_fast.conv_state.is_contiguous()
+    layer = _to(make_layer(H, HV, K, V, W, seed=2), torch.float32, "cpu")
+    sched = [("verify", [2, 4], [2, 1]), ("decode", [1, 1], None), ("verify", [3, 1], [3, 1]),
+             ("materialize", [0, 0], None)]
+    outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32, scale=0.5)
+    for o_r, o_f in outs:
+        if o_r is not None:
+            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
+    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
+
+
+def test_bf16_state_storage():
+    """bfloat16 ssm state with float32 activations: fast rounds at the same points as refgdn."""
+    H, HV, K, V, W = 2, 4, 16, 16, 4
+    D = 2 * H * K + HV * V
+    base = make_cache(4, H, HV, K, V, W, 3, seed=3)
+    c_ref = cast_cache(base, torch.bfloat16, torch.float32)
+    c_fast = cast_cache(base, torch.bfloat16, torch.float32).to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=4), torch.float32, "cpu")
+    sched = [("verify", [4, 1, 2], [3, 1, 2]), ("verify", [2, 2, 4], [1, 2, 4]), ("decode", [1, 1, 1], None),
+             ("verify", [1, 3, 2], [1, 2, 1])]
+    outs = _run_both(c_ref, c_fast, layer, _to(layer), [1, 3, -1], sched, HV, D, torch.float32)
+    for o_r, o_f in outs:
+        torch.testing.assert_close(o_f.cpu(), o_r, rtol=2e-2, atol=2e-2)
+    assert c_fast.ssm_state.dtype == torch.bfloat16
+    s_r, _ = committed_state(c_ref, [1, 3])
+    s_f, _ = committed_state(c_fast.to(device="cpu"), [1, 3])
+    # both round (nearly) the same float32 values once per write: a bf16 ulp of disagreement at the
+    # state's scale, carried on through later rounds
+    torch.testing.assert_close(s_f.float(), s_r.float(), rtol=2 ** -7, atol=2 ** -7 * s_r.float().abs().max().item())
+    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
+
+
+def test_padded_rows_and_zero_length_rows():
+    """Padded rows (negative slot) touch nothing and output zeros, whatever their token count."""
+    H, HV, K, V, W = 1, 1, 8, 8, 4
+    D = 2 * H * K + HV * V
+    c = make_cache(2, H, HV, K, V, W, 2, seed=5, state_dtype=torch.float32, act_dtype=torch.float32).to(device=DEVICE)
+    before = c.clone()
+    layer = _to(make_layer(H, HV, K, V, W, seed=6), torch.float32)
+    x, a, b = (t.to(DEVICE) for t in make_tokens(5, HV, D, seed=7, dtype=torch.float32))
+    idx = torch.tensor([-1, -1, -3], dtype=torch.int32, device=DEVICE)
+    o = fs.gdn_verify(x, a, b, *_args(layer), c, idx, torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=DEVICE))
+    fs.gdn_accept(c, idx, torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE))
+    fs.gdn_materialize(c, idx)
+    assert torch.equal(o, torch.zeros_like(o))
+    for f, g in zip(c.tensors(), before.tensors()):
+        assert torch.equal(f, g)
+
+
+def test_bad_values_are_clamped_not_out_of_bounds():
+    """Without value checks, counts beyond capacity and accept counts out of range are clamped."""
+    H, HV, K, V, W = 1, 1, 8, 8, 4
+    D = 2 * H * K + HV * V
+    c = make_cache(2, H, HV, K, V, W, 1, seed=8, state_dtype=torch.float32, act_dtype=torch.float32).to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=9), torch.float32)
+    idx = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    x, a, b = (t.to(DEVICE) for t in make_tokens(2, HV, D, seed=10, dtype=torch.float32))
+    fs.gdn_verify(x, a, b, *_args(layer), c, idx, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE))
+    fs.gdn_accept(c, idx, torch.tensor([7], dtype=torch.int32, device=DEVICE))
+    assert c.pend_meta[1, 0].item() == 2
+    fs.gdn_accept(c, idx, torch.tensor([-4], dtype=torch.int32, device=DEVICE))
+    assert c.pend_meta[1, 0].item() == 1
+    c.pend_meta[1, 0] = 99                                  # corrupt: read as the capacity (2)
+    ref = c.to(device="cpu")
+    ref.pend_meta[1, 0] = 2
+    fs.gdn_materialize(c, idx)
+    rs.gdn_materialize(ref, idx.cpu())
+    torch.testing.assert_close(c.ssm_state.cpu(), ref.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c.conv_state.cpu()[:, :, :W - 1], ref.conv_state[:, :, :W - 1])
+
+
+def test_same_errors_as_refgdn():
+    """fast raises the same ValueError text as refgdn for the shape/dtype checks and, with
+    check_values=True, for the value checks."""
+    H, HV, K, V, W = 1, 2, 4, 4, 4
+    D = 2 * H * K + HV * V
+    layer = make_layer(H, HV, K, V, W, seed=11, dtype=torch.float32)
+    cache = make_cache(3, H, HV, K, V, W, 2, seed=12, state_dtype=torch.float32, act_dtype=torch.float32)
+    x, a, b = make_tokens(4, HV, D, seed=13, dtype=torch.float32)
+    idx = torch.tensor([0, 1], dtype=torch.int32)
+    calls = [
+        lambda ops: ops.gdn_decode(x[:, :-1], a, b, *_args(layer), cache, torch.tensor([0, 1, 2, -1])),
+        lambda ops: ops.gdn_verify(x, a, b, *_args(layer), cache, idx, torch.tensor([0, 4, 4]), check_values=True),
+        lambda ops: ops.gdn_verify(x, a, b, *_args(layer), cache, idx, None),
+        lambda ops: ops.gdn_decode(x, a, b.double(), *_args(layer), cache, torch.tensor([0, 1, 1, -1]),
+                                   check_values=True),
+        lambda ops: ops.gdn_accept(cache, idx, torch.tensor([1, 9]), check_values=True),
+        lambda ops: ops.gdn_accept(cache, idx, torch.tensor([1.0, 2.0])),
+        lambda ops: ops.gdn_materialize(cache, torch.tensor([[0]])),
+    ]
+    before = cache.clone()
+    for call in calls:
+        msgs = []
+        for ops in (rs, fs):
+            with pytest.raises(ValueError) as e:
+                call(ops)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1], msgs
+    for f, g in zip(cache.tensors(), before.tensors()):
+        assert torch.equal(f, g)
