@@ -276,7 +276,7 @@ def gdn_step_kernel(
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compiled variant for every batch size (N == 1 included)
 def accept_kernel(meta, state_indices, num_accepted, N, BN: tl.constexpr):
     """count[slot] <- min(max(num_accepted, 1), count[slot]) for the valid rows of a block of requests."""
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
