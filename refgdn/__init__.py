@@ -12,3 +12,4 @@ from .gating import gdn_gating, l2norm
 
 __all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
            "gdn_gating", "l2norm"]
+from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_verify  # noqa: E402
