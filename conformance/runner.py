@@ -235,6 +235,7 @@ def parse_args(argv=None):
                     help="JSON report path (default: conformance-report.json)")
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     ap.add_argument("--cases", default=None, metavar="SUBSTR", help="only cases whose op/case contains SUBSTR")
+    ap.add_argument("--dtypes", default=None, help="comma-separated dtypes to keep, e.g. float32,bfloat16")
     ap.add_argument("--all-rows", action="store_true", help="summary shows every check, not only failures "
                     "(default: every check when <= 200 rows)")
     ap.add_argument("--no-progress", action="store_true")
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
     t0 = time.perf_counter()
     cases, problems, notes = collect(args.quick, device, ops, args.cases)
+    if args.dtypes:
+        keep = {d.strip() for d in args.dtypes.split(",")}
+        cases = [c for c in cases if _dtype_name(c.dtype) in keep]
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     print(f"conformance: {len(cases)} cases on {device} ({'quick' if args.quick else 'full'} matrix)",

@@ -36,8 +36,8 @@ def test_chunk_records_carry_chunk_size(tmp_path):
     if getattr(fast, "chunk_gated_delta_rule", None) is None:
         pytest.skip("fast.chunk_gated_delta_rule not available yet")
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", "cpu", "--ops", "chunk_gated_delta_rule", "--cases", "dense-T63",
-                      "--json", str(path), "--no-progress"])
+    rc = runner.main(["--quick", "--device", "cpu", "--cases", "chunk_gated_delta_rule/T1-init",
+                      "--dtypes", "float32", "--json", str(path), "--no-progress"])
     records = _json(path)
     assert {r["chunk_size"] for r in records} == set(cases_prefill.CHUNK_SIZES)
     assert {r["check"] for r in records} == {"o", "final_state"}
