@@ -187,7 +187,7 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
         return checks
 
     return Case(op="gdn_verify" if rounds else "gdn_decode", case=name, dtype=dtype, run=run,
-                draft_steps=draft_steps, quick=quick)
+                draft_steps=max(drafts) if draft_steps is None else draft_steps, quick=quick)
 
 
 def cases(quick: bool, device: str) -> list:
@@ -209,6 +209,9 @@ def cases(quick: bool, device: str) -> list:
                              drafts=(2, 5), max_draft=5, decay="strong", dtype=torch.float16, seed=13))
     out.append(_serving_case("weak-decay-gva2", N=3, slots=[2, 0, -1], num_slots=3, H=1, HV=2, K=32, V=32,
                              drafts=(1, 3), max_draft=3, decay="weak", rounds=3, decode_every=1, seed=17))
+    # the full (non-quick) matrix: wider heads, more requests and rounds
+    out.append(_serving_case("wide-mixed-k", N=6, slots=[7, 2, -1, 5, 0, 3], num_slots=8, H=2, HV=4, K=64, V=64,
+                             drafts=tuple(range(8)), rounds=5, decode_every=2, seed=19, quick=False))
     if device.startswith("cuda"):  # bf16 (interpreter dots/dtypes are CPU-unsafe for bf16) and real sizes
         for sdt in (torch.float32, torch.bfloat16):
             sname = "fp32" if sdt == torch.float32 else "bf16"
