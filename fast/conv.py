@@ -247,8 +247,9 @@ def causal_conv1d_update_kernel(
         acc = _silu(acc)
     tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
     # shift: drop the oldest column, append x (rounded to the state's dtype by the store)
-    for j in tl.static_range(W - 2):
-        tl.store(p_s + j * stride_s_w, tl.load(p_s + (j + 1) * stride_s_w, mask=m_d, other=0), mask=m_d)
+    if W > 2:
+        for j in tl.static_range(W - 2):
+            tl.store(p_s + j * stride_s_w, tl.load(p_s + (j + 1) * stride_s_w, mask=m_d, other=0), mask=m_d)
     if W > 1:
         tl.store(p_s + (W - 2) * stride_s_w, b_x.to(conv_state.dtype.element_ty), mask=m_d)
 
