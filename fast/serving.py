@@ -92,16 +92,6 @@ def _as_block(cond, ref):
 
 
 @triton.jit
-def _as_block(cond, ref):
-    """A scalar condition broadcast to ref's block shape, as a block mask.
-
-    (``block & scalar_bool`` is promoted to int32 by the Triton interpreter, which then rejects it
-    as a mask; integer arithmetic broadcasts the same way on GPU and in the interpreter.)
-    """
-    return (ref * 0 + cond.to(tl.int32)) != 0
-
-
-@triton.jit
 def conv_step_kernel(
     x, weight, bias, y, conv_state, meta, snap, state_indices, cu_seqlens,
     D,
@@ -124,7 +114,8 @@ def conv_step_kernel(
     slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
     count = tl.load(meta + slot * 2, mask=valid, other=0)
     bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
-    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt counts
+    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
+    bank = bank & 1
     first = i_d == 0
     tl.store(snap + i_n * 2, count, mask=first)
     tl.store(snap + i_n * 2 + 1, bank, mask=first)
