@@ -152,35 +152,55 @@ def try_import_fla() -> Optional[SimpleNamespace]:
     return ns
 
 
+def _expand_qk(q, k, HV):
+    rep = HV // q.shape[2]
+    # [B, T, H, K] -> [B, T, HV, K]: value head h reads q/k head h // rep
+    return q.repeat_interleave(rep, dim=2).contiguous(), k.repeat_interleave(rep, dim=2).contiguous()
+
+
+_GVA_PROBE: dict = {}
+
+
+def fla_supports_gva(fn: Callable, device: str) -> bool:
+    """Whether fla's op computes grouped value heads (HV > H) correctly: a small probe comparing its
+    native GVA call with the same call on q/k repeated to HV heads. A version without GVA may raise,
+    or silently read the wrong heads: both count as unsupported. Cached per (op, device)."""
+    key = (getattr(fn, "__qualname__", repr(fn)), device)
+    if key not in _GVA_PROBE:
+        gen = torch.Generator(device=device).manual_seed(0)
+        B, T, H, HV, K = 1, 128, 2, 4, 64
+        q = torch.randn(B, T, H, K, device=device, generator=gen).to(torch.bfloat16)
+        k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+        k = k.to(torch.bfloat16)
+        v = torch.randn(B, T, HV, K, device=device, generator=gen).to(torch.bfloat16)
+        g = -torch.rand(B, T, HV, device=device, generator=gen)
+        beta = torch.rand(B, T, HV, device=device, generator=gen).to(torch.bfloat16)
+        try:
+            o_native = fn(q, k, v, g, beta, output_final_state=True)[0]
+            q2, k2 = _expand_qk(q, k, HV)
+            o_rep = fn(q2, k2, v, g, beta, output_final_state=True)[0]
+            synchronize(device)
+            ok = o_native.shape == o_rep.shape and bool(
+                torch.allclose(o_native.float(), o_rep.float(), atol=2e-2, rtol=2e-2))
+        except Exception:
+            ok = False
+        _GVA_PROBE[key] = ok
+    return _GVA_PROBE[key]
+
+
 def call_fla_gdn(fn: Callable, q, k, v, g, beta, **kwargs):
     """Call an fla gated-delta-rule op with refgdn's layout; returns ``(callable, note)``.
 
-    ``callable()`` runs the op. When HV > H and fla rejects the grouped shapes, q and k are
-    repeated to HV heads once, up front (outside the timed region), and ``note`` says so: the
-    timed work is then fla's work at H = HV, which is what a GVA-less kernel must do anyway.
+    ``callable()`` runs the op. When HV > H and this fla version does not handle grouped value
+    heads (:func:`fla_supports_gva`), q and k are repeated to HV heads once, up front (outside the
+    timed region), and ``note`` says so: the timed work is then fla's work at H = HV, which is what
+    a GVA-less kernel must do anyway.
     """
     H, HV = q.shape[2], v.shape[2]
-
-    def native():
-        return fn(q, k, v, g, beta, **kwargs)
-
-    if H == HV:
-        return native, ""
-    try:
-        native()
-        synchronize(str(q.device))
-        return native, ""
-    except Exception:
-        pass
-    rep = HV // H
-    # [B, T, H, K] -> [B, T, HV, K]: value head h reads q/k head h // rep
-    q2 = q.repeat_interleave(rep, dim=2).contiguous()
-    k2 = k.repeat_interleave(rep, dim=2).contiguous()
-
-    def expanded():
-        return fn(q2, k2, v, g, beta, **kwargs)
-
-    return expanded, "fla: q/k repeated to HV heads"
+    if H == HV or fla_supports_gva(fn, str(q.device)):
+        return (lambda: fn(q, k, v, g, beta, **kwargs)), ""
+    q2, k2 = _expand_qk(q, k, HV)
+    return (lambda: fn(q2, k2, v, g, beta, **kwargs)), "fla: q/k repeated to HV heads"
 
 
 # ----------------------------------------------------------------------------------------------
