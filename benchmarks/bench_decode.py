@@ -136,6 +136,14 @@ def graphed(fn: Callable[[], object]) -> Optional[Callable[[], object]]:
         return None
 
 
+def _by_keyword(fn: Callable) -> Callable:
+    """fn with g and beta passed by keyword: newer fla signatures put gk, gv between g and beta."""
+    def call(q, k, v, g, beta, **kw):
+        return fn(q, k, v, g=g, beta=beta, **kw)
+    call.__qualname__ = getattr(fn, "__qualname__", "fla_op") + "[by keyword]"  # the GVA probe's cache key
+    return call
+
+
 def fla_fn(p, fla) -> tuple:
     """fla's fused recurrent op on the same step (q, k, v, g, beta precomputed). Returns (fn, bytes, note)."""
     from einops import rearrange
@@ -171,7 +179,7 @@ def fla_fn(p, fla) -> tuple:
     else:  # plain decode: N sequences of one token, dense layout
         q, kk, v = (rearrange(t, "1 (n t) h d -> n t h d", n=N) for t in (q, kk, v))
         g, beta = (rearrange(t, "1 (n t) h -> n t h", n=N) for t in (g, beta))
-    call, extra = common.call_fla_gdn(fn, q, kk, v, g, beta, **kw)
+    call, extra = common.call_fla_gdn(_by_keyword(fn), q, kk, v, g, beta, **kw)
     return call, out_bytes, note + (f"; {extra}" if extra else "")
 
 
