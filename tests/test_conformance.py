@@ -11,6 +11,8 @@ from conformance.core import Case, Check
 
 FIELDS = {"op", "case", "dtype", "chunk_size", "draft_steps", "check", "error", "ref_error", "passed"}
 SUBSET = "causal_conv1d,causal_conv1d_update,gdn_gating,l2norm"
+# the device the fast kernels run on here: natively on a GPU, else in the Triton interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _json(path):
@@ -20,14 +22,15 @@ def _json(path):
 
 def test_quick_subset_passes_and_writes_report(tmp_path, capsys):
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", "cpu", "--ops", SUBSET, "--json", str(path), "--no-progress"])
+    rc = runner.main(["--quick", "--device", DEVICE, "--ops", SUBSET, "--json", str(path), "--no-progress"])
     out = capsys.readouterr().out
     records = _json(path)
     assert rc == 0, out
     assert records and all(FIELDS <= set(r) for r in records)
     assert {r["op"] for r in records} == set(SUBSET.split(","))
     assert all(r["passed"] for r in records)
-    assert {r["dtype"] for r in records} == {"float32", "float16"}  # no bf16 on CPU
+    dtypes = {"float32", "float16"} | ({"bfloat16"} if DEVICE == "cuda" else set())  # no bf16 on CPU
+    assert {r["dtype"] for r in records} == dtypes
     assert all(r["draft_steps"] is None for r in records)
     assert "refgdn error" in out and "passed, 0 failed" in out
 
@@ -36,7 +39,7 @@ def test_chunk_records_carry_chunk_size(tmp_path):
     if getattr(fast, "chunk_gated_delta_rule", None) is None:
         pytest.skip("fast.chunk_gated_delta_rule not available yet")
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", "cpu", "--cases", "chunk_gated_delta_rule/T1-init",
+    rc = runner.main(["--quick", "--device", DEVICE, "--cases", "chunk_gated_delta_rule/T1-init",
                       "--dtypes", "float32", "--json", str(path), "--no-progress"])
     records = _json(path)
     assert {r["chunk_size"] for r in records} == set(cases_prefill.CHUNK_SIZES)
@@ -55,7 +58,7 @@ def test_perturbed_fast_result_is_reported_failed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fast, "l2norm", wrong)
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", "cpu", "--ops", "l2norm", "--json", str(path), "--no-progress"])
+    rc = runner.main(["--quick", "--device", DEVICE, "--ops", "l2norm", "--json", str(path), "--no-progress"])
     records = _json(path)
     assert rc != 0
     assert records and not any(r["passed"] for r in records)
