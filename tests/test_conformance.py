@@ -75,8 +75,8 @@ def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
         return y, s
 
     monkeypatch.setattr(fast, "causal_conv1d", wrong)
-    cases, _, _ = runner.collect(True, "cpu", ["causal_conv1d"], "dense-T63")
-    records = runner.run_all(cases[:1], "cpu", progress=False)
+    cases, _, _ = runner.collect(True, DEVICE, ["causal_conv1d"], "dense-T63")
+    records = runner.run_all(cases[:1], DEVICE, progress=False)
     by_check = {r["check"]: r for r in records}
     assert by_check["y"]["passed"] and not by_check["final_state"]["passed"]
 
@@ -109,11 +109,11 @@ def test_rule_bound_is_twice_ref_error_plus_floor():
 
 
 def test_ops_filter_and_missing_case_modules(monkeypatch):
-    cases, problems, notes = runner.collect(True, "cpu", ["gdn_gating"], modules=("conformance.cases_prefill",))
+    cases, problems, notes = runner.collect(True, DEVICE, ["gdn_gating"], modules=("conformance.cases_prefill",))
     assert cases and {c.op for c in cases} == {"gdn_gating"} and not problems
     # a missing optional case module is a note; a missing required one is a failure record
     monkeypatch.setattr(runner, "OPTIONAL_MODULES", ("conformance.cases_nonexistent",))
-    cases, problems, notes = runner.collect(True, "cpu", ["gdn_gating"], modules=(
+    cases, problems, notes = runner.collect(True, DEVICE, ["gdn_gating"], modules=(
         "conformance.cases_prefill", "conformance.cases_nonexistent", "conformance.cases_missing_required"))
     assert cases and any("cases_nonexistent" in n for n in notes)
     assert [p["op"] for p in problems] == ["conformance.cases_missing_required"]
