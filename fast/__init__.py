@@ -14,3 +14,4 @@ if not _torch.cuda.is_available():
 from .conv import causal_conv1d, causal_conv1d_update
 from .gating import gdn_gating, l2norm
 from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_verify
+from .chunk import chunk_gated_delta_rule, recurrent_gated_delta_rule
