@@ -1,0 +1,352 @@
+"""fast.chunk (Triton chunked gated delta rule, recurrent kernel, stage twins) against refgdn.
+
+Every numeric check uses the conformance rule (conformance.core.evaluate): fast's error against
+refgdn in float64 must be <= 2x refgdn's own error in the same precision + a rounding floor. All
+three runs see the *same* rounded inputs. CPU runs in the Triton interpreter (float32, float16).
+"""
+import itertools
+
+import pytest
+import torch
+
+import fast
+import refgdn
+from conformance.core import Check, evaluate
+from fast import chunk as fc
+from refgdn import delta_rule as dr
+from tests.helpers import gdn_inputs
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+D64 = torch.float64
+
+
+def _conform(name, fast_out, ref_out, truth, dtype=None):
+    res = evaluate(Check(name, fast_out, truth, ref_out, dtype=dtype))
+    assert res["passed"], f"{name}: {res}"
+    return res
+
+
+def _inputs(B, T, H, HV, K, V, dtype, *, gate="mid", seed=0, init=False, N=None):
+    """Inputs rounded to `dtype` (g, beta, state stay float32), plus their float64 copies."""
+    xs = gdn_inputs(B, T, H, HV, K, V, gate=gate, seed=seed, init=init, N=N)
+    low = [x.to(dtype) for x in xs[:3]] + [x.float() for x in xs[3:]]
+    low = [x.to(DEV) for x in low]
+    return low, [x.double() for x in low]
+
+
+def _compare_op(name, fast_op, ref_op, low, hi, dtype, **kw):
+    """Run fast and refgdn on the same rounded inputs; check o and final_state by the rule."""
+    q, k, v, g, beta = low[:5]
+    h0 = low[5] if len(low) > 5 else None
+    o_f, s_f = fast_op(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    o_r, s_r = ref_op(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    o_t, s_t = ref_op(*hi[:5], initial_state=hi[5] if len(hi) > 5 else None, output_final_state=True, **kw)
+    assert o_f.dtype == v.dtype and o_f.shape == o_t.shape
+    assert s_f.dtype == torch.float32 and s_f.shape == s_t.shape
+    _conform(f"{name}/o", o_f, o_r, o_t)
+    _conform(f"{name}/final_state", s_f, s_r, s_t, dtype=dtype)
+    return o_f, s_f
+
+
+def _chunk(bt):
+    return lambda *a, **kw: fast.chunk_gated_delta_rule(*a, chunk_size=bt, **kw)
+
+
+def _ref_chunk(bt):
+    return lambda *a, **kw: refgdn.chunk_gated_delta_rule(*a, chunk_size=bt, **kw)
+
+
+# ------------------------------------------------------------------------------------ full op, dense
+
+def _dense_params():
+    dts = (torch.float32, torch.float16)
+    for i, (bt, T) in enumerate(itertools.product((16, 32, 64), (1, 63, 65, 129))):
+        ratio = (1, 2, 4)[i % 3]
+        init, l2, gate = (True, False, "mid"), (False, True, "strong"), (True, True, "weak")
+        init, l2, gate = (init, l2, gate)[i % 3]
+        dt = dts[i % 2]
+        yield pytest.param(bt, T, ratio, init, l2, gate, dt,
+                           id=f"BT{bt}-T{T}-gva{ratio}-init{int(init)}-l2{int(l2)}-{gate}-{str(dt)[6:]}")
+
+
+@pytest.mark.parametrize("bt,T,ratio,init,l2,gate,dtype", list(_dense_params()))
+def test_chunk_dense(bt, T, ratio, init, l2, gate, dtype):
+    H = 2 if ratio < 4 else 1
+    low, hi = _inputs(2 if T < 100 else 1, T, H, H * ratio, 32, 24, dtype, gate=gate, seed=T + bt + ratio,
+                      init=init)
+    _compare_op("chunk", _chunk(bt), _ref_chunk(bt), low, hi, dtype, use_qk_l2norm_in_kernel=l2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_chunk_other_dtype_pairs(dtype):
+    """The other precision on a GVA-1 case with awkward head dims (K=20, V=40: padded blocks)."""
+    low, hi = _inputs(1, 70, 1, 1, 20, 40, dtype, seed=11, init=True)
+    _compare_op("chunk-K20-V40", _chunk(32), _ref_chunk(32), low, hi, dtype)
+
+
+# ------------------------------------------------------------------------------------ varlen
+
+@pytest.mark.parametrize("bt,dtype", [(16, torch.float32), (64, torch.float32), (32, torch.float16)],
+                         ids=["BT16-fp32", "BT64-fp32", "BT32-fp16"])
+@pytest.mark.parametrize("init", [True, False], ids=["init", "noinit"])
+def test_chunk_varlen(bt, dtype, init):
+    lens = [0, 1, 37, 0, 70, 16, 1]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    low, hi = _inputs(1, sum(lens), 2, 4, 16, 16, dtype, seed=bt, init=init, N=len(lens))
+    o, s = _compare_op("chunk-varlen", _chunk(bt), _ref_chunk(bt), low, hi, dtype, cu_seqlens=cu)
+    if init:  # an empty sequence passes its initial state through unchanged
+        assert torch.equal(s[0], low[5][0]) and torch.equal(s[3], low[5][3])
+
+
+def test_chunk_varlen_matches_per_sequence_calls():
+    """varlen == one dense call per sequence (chunks never straddle sequences)."""
+    lens = [5, 0, 40, 17]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int64, device=DEV)
+    (q, k, v, g, beta, h0), _ = _inputs(1, sum(lens), 1, 2, 16, 16, torch.float32, seed=3, init=True, N=4)
+    o, s = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, chunk_size=16)
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        o_n, s_n = fast.chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                               initial_state=h0[n:n + 1], output_final_state=True, chunk_size=16)
+        torch.testing.assert_close(o[:, a:b], o_n, rtol=0, atol=1e-6)
+        torch.testing.assert_close(s[n:n + 1], s_n, rtol=0, atol=1e-6)
+
+
+def test_chunk_all_sequences_empty():
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32, device=DEV)
+    (q, k, v, g, beta, h0), _ = _inputs(1, 0, 1, 1, 16, 16, torch.float32, init=True, N=2)
+    o, s = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert o.shape == (1, 0, 1, 16) and torch.equal(s, h0)
+    o, s = fast.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(s, torch.zeros_like(h0))
+
+
+# ------------------------------------------------------------------------------------ strided, gating, scale
+
+def _strided_inputs(B, T, H, HV, K, V, dtype, seed=0):
+    """q, k, v as slices of one fused projection [B, T, 2HK + HV V]; g, beta as strided slices; a
+    non-contiguous initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    proj = torch.randn(B, T, 2 * H * K + HV * V + 3, generator=gen).to(dtype).to(DEV)
+    q = proj[..., :H * K].unflatten(-1, (H, K))
+    k = proj[..., H * K:2 * H * K].unflatten(-1, (H, K))               # used with qk l2norm
+    v = proj[..., 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    gb = torch.rand(B, T, HV, 2, generator=gen) * torch.tensor([-2.0, 1.0])
+    gb = gb.flatten(-2).to(DEV)                                      # [B, T, 2 HV]: (g, beta) interleaved
+    g, beta = gb[..., 0::2], gb[..., 1::2]                           # head stride 2
+    h0 = torch.randn(HV, B, V, K, generator=gen).to(DEV).permute(1, 0, 3, 2)   # [B, HV, K, V], transposed
+    return [q, k, v, g, beta, h0]
+
+
+@pytest.mark.parametrize("op,ref", [(_chunk(32), _ref_chunk(32)),
+                                    (fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule)],
+                         ids=["chunk32", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_strided_inputs(op, ref, dtype):
+    low = _strided_inputs(2, 45, 2, 4, 16, 24, dtype, seed=5)
+    assert not low[0].is_contiguous() and not low[3].is_contiguous() and not low[5].is_contiguous()
+    hi = [x.double() for x in low]
+    _compare_op("strided", op, ref, low, hi, dtype, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("op,ref", [(_chunk(64), _ref_chunk(64)), (_chunk(16), _ref_chunk(16)),
+                                    (fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule)],
+                         ids=["chunk64", "chunk16", "recurrent"])
+def test_fused_gating_and_scale(op, ref):
+    low, hi = _inputs(1, 90, 1, 2, 16, 16, torch.float32, seed=9, init=True)
+    a = low[3] * 30 + 25                                           # raw gate input, both sides of softplus' 20
+    low[3], hi[3] = a, a.double()
+    A_log = torch.randn(2, device=DEV)
+    dt_bias = torch.randn(2, device=DEV)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, scale=0.37)
+    q, k, v, g, beta, h0 = low
+    o_f, s_f = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    o_r, s_r = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    o_t, s_t = ref(*hi[:5], initial_state=hi[5], output_final_state=True, A_log=A_log.double(),
+                   dt_bias=dt_bias.double(), scale=0.37)
+    _conform("gating/o", o_f, o_r, o_t)
+    _conform("gating/final_state", s_f, s_r, s_t)
+
+
+def test_no_final_state_and_default_scale():
+    (q, k, v, g, beta), _ = _inputs(1, 20, 1, 1, 16, 16, torch.float32)
+    o, s = fast.chunk_gated_delta_rule(q, k, v, g, beta)
+    o2, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, scale=16 ** -0.5)
+    assert s is None and torch.equal(o, o2)
+
+
+def test_float64_runs_the_oracle():
+    xs = gdn_inputs(1, 20, 1, 2, 8, 8, seed=1, init=True)
+    for f_op, r_op in ((fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule),
+                       (fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule)):
+        o_f, s_f = f_op(*xs[:5], initial_state=xs[5], output_final_state=True)
+        o_r, s_r = r_op(*xs[:5], initial_state=xs[5], output_final_state=True)
+        assert torch.equal(o_f, o_r) and torch.equal(s_f, s_r)
+
+
+# ------------------------------------------------------------------------------------ recurrent
+
+@pytest.mark.parametrize("T,ratio,l2,dtype", [(1, 1, False, torch.float32), (33, 2, True, torch.float32),
+                                              (65, 4, False, torch.float16), (20, 2, True, torch.float16)],
+                         ids=["T1-fp32", "T33-gva2-l2-fp32", "T65-gva4-fp16", "T20-gva2-l2-fp16"])
+def test_recurrent(T, ratio, l2, dtype):
+    H = 2 if ratio < 4 else 1
+    low, hi = _inputs(2, T, H, H * ratio, 24, 20, dtype, seed=T, init=True)
+    _compare_op("recurrent", fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule, low, hi, dtype,
+                use_qk_l2norm_in_kernel=l2)
+
+
+def test_recurrent_varlen():
+    lens = [3, 0, 1, 20]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    low, hi = _inputs(1, sum(lens), 1, 2, 16, 16, torch.float32, seed=2, init=True, N=4)
+    _compare_op("recurrent-varlen", fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule,
+                low, hi, torch.float32, cu_seqlens=cu)
+
+
+def test_chunk_equals_recurrent_fp32():
+    low, _ = _inputs(1, 100, 2, 4, 32, 32, torch.float32, seed=4, init=True)
+    kw = dict(initial_state=low[5], output_final_state=True)
+    o_c, s_c = fast.chunk_gated_delta_rule(*low[:5], **kw)
+    o_r, s_r = fast.recurrent_gated_delta_rule(*low[:5], **kw)
+    torch.testing.assert_close(o_c, o_r, rtol=0, atol=2e-5)
+    torch.testing.assert_close(s_c, s_r, rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------ stages, one kernel each
+
+def _stage_inputs(bt, T=None, seed=0, gate="mid"):
+    """Dense stage inputs (T a multiple of bt, as refgdn's stages need): float32 and float64 copies."""
+    T = T or 2 * bt
+    low, hi = _inputs(2, T, 1, 2, 24, 20, torch.float32, seed=seed, gate=gate, init=True)
+    return low, hi
+
+
+@pytest.mark.parametrize("bt", [16, 32, 64])
+def test_stage_chunk_cumsum(bt):
+    low, hi = _stage_inputs(bt, seed=bt)
+    g, g64 = low[3], hi[3]
+    _conform("G", fc.chunk_cumsum(g, bt), dr.chunk_cumsum(g, bt), dr.chunk_cumsum(g64, bt))
+    # fused gating inside the cumsum
+    A_log, dt_bias = torch.randn(2, device=DEV), torch.randn(2, device=DEV)
+    a = g * 40 + 22                                                # both sides of softplus' 20
+    g_ref = refgdn.gdn_gating(A_log, a, dt_bias, a)[0]
+    g_64 = refgdn.gdn_gating(A_log.double(), a.double(), dt_bias.double(), a.double())[0]
+    _conform("G-gated", fc.chunk_cumsum(a, bt, A_log=A_log, dt_bias=dt_bias), dr.chunk_cumsum(g_ref, bt),
+             dr.chunk_cumsum(g_64, bt))
+
+
+@pytest.mark.parametrize("method", ["rows", "doubling"])
+@pytest.mark.parametrize("bt,gate", [(16, "mid"), (32, "weak"), (64, "mid"), (64, "strong")])
+def test_stage_wy_repr(bt, gate, method, monkeypatch):
+    monkeypatch.setattr(fc, "INV_METHOD", method)
+    low, hi = _stage_inputs(bt, seed=bt, gate=gate)
+    k, beta, G = low[1], low[4], dr.chunk_cumsum(low[3], bt)
+    k64, beta64, G64 = hi[1], hi[4], dr.chunk_cumsum(hi[3], bt)
+    _conform("A", fc.wy_repr(k, beta, G, bt), dr.wy_repr(k, beta, G, bt), dr.wy_repr(k64, beta64, G64, bt))
+
+
+def test_stage_wy_repr_repeated_keys():
+    """Identical keys (repeated tokens) make L a full lower-triangular block of ~beta; the inverse's
+    entries stay O(1) only if no series/cancellation is involved."""
+    bt = 64
+    low, hi = _stage_inputs(bt, seed=1, gate="weak")
+    k = low[1][:, :1].expand_as(low[1]).contiguous()
+    beta = torch.ones_like(low[4])
+    G = dr.chunk_cumsum(low[3], bt)
+    truth = dr.wy_repr(k.double(), beta.double(), G.double(), bt)
+    _conform("A-repeated", fc.wy_repr(k, beta, G, bt), dr.wy_repr(k, beta, G, bt), truth)
+
+
+@pytest.mark.parametrize("bt", [16, 64])
+def test_stage_w_u(bt):
+    low, hi = _stage_inputs(bt, seed=bt + 1)
+    k, v, beta, G = low[1], low[2], low[4], dr.chunk_cumsum(low[3], bt)
+    A = dr.wy_repr(k, beta, G, bt)
+    k64, v64, beta64, G64 = hi[1], hi[2], hi[4], dr.chunk_cumsum(hi[3], bt)
+    A64 = dr.wy_repr(k64, beta64, G64, bt)
+    w, u = fc.w_u(k, v, beta, A, G, bt)
+    w_r, u_r = dr.w_u(k, v, beta, A, G, bt)
+    w_t, u_t = dr.w_u(k64, v64, beta64, A64, G64, bt)
+    _conform("w", w, w_r, w_t)
+    _conform("u", u, u_r, u_t)
+
+
+@pytest.mark.parametrize("bt", [16, 32, 64])
+def test_stage_state_passing(bt):
+    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 2)
+
+    def pre(x):
+        k, v, g, beta = x[1], x[2], x[3], x[4]
+        G = dr.chunk_cumsum(g, bt)
+        w, u = dr.w_u(k, v, beta, dr.wy_repr(k, beta, G, bt), G, bt)
+        return k, w, u, G
+
+    h, vn, s = fc.state_passing(*pre(low), bt, low[5])
+    h_r, vn_r, s_r = dr.state_passing(*pre(low), bt, low[5])
+    h_t, vn_t, s_t = dr.state_passing(*pre(hi), bt, hi[5])
+    _conform("h", h, h_r, h_t)
+    _conform("v_new", vn, vn_r, vn_t)
+    _conform("final_state", s, s_r, s_t)
+
+
+@pytest.mark.parametrize("bt", [16, 64])
+def test_stage_chunk_output(bt):
+    low, hi = _stage_inputs(bt, seed=bt + 3)
+
+    def run(x, op):
+        q, k, v, g, beta, h0 = x
+        G = dr.chunk_cumsum(g, bt)
+        w, u = dr.w_u(k, v, beta, dr.wy_repr(k, beta, G, bt), G, bt)
+        h, vn, _ = dr.state_passing(k, w, u, G, bt, h0)
+        return op(q, k, vn, h, G, 0.3, bt)
+
+    _conform("o", run(low, fc.chunk_output), run(low, dr.chunk_output), run(hi, dr.chunk_output))
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def _bad_cases():
+    (q, k, v, g, beta, h0), _ = _inputs(1, 8, 2, 4, 16, 16, torch.float32, init=True)
+    yield "k-shape", (q, k[:, :, :1], v, g, beta), {}
+    yield "gva", (q, k, v[:, :, :3], g[..., :3], beta[..., :3]), {}
+    yield "g-shape", (q, k, v, g[..., :2], beta), {}
+    yield "dtype-mix", (q, k.half(), v, g, beta), {}
+    yield "state-shape", (q, k, v, g, beta), dict(initial_state=h0[:, :2])
+    yield "cu-B", (q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                   g.expand(2, -1, -1), beta.expand(2, -1, -1)), dict(cu_seqlens=torch.tensor([0, 8], device=DEV))
+    yield "cu-end", (q, k, v, g, beta), dict(cu_seqlens=torch.tensor([0, 5], device=DEV))
+    yield "cu-dtype", (q, k, v, g, beta), dict(cu_seqlens=torch.tensor([0., 8.], device=DEV))
+    yield "A_log-alone", (q, k, v, g, beta), dict(A_log=torch.zeros(4, device=DEV))
+    yield "scale", (q, k, v, g, beta), dict(scale="x")
+
+
+@pytest.mark.parametrize("name,args,kw", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_same_error_as_refgdn(name, args, kw):
+    h0 = kw.get("initial_state")
+    before = h0.clone() if h0 is not None else None
+    for f_op, r_op in ((fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule),
+                       (fast.recurrent_gated_delta_rule, refgdn.recurrent_gated_delta_rule)):
+        with pytest.raises(ValueError) as ref_err:
+            r_op(*args, **kw)
+        with pytest.raises(ValueError) as fast_err:
+            f_op(*args, **kw)
+        assert str(fast_err.value) == str(ref_err.value)
+    if before is not None:
+        assert torch.equal(before, h0)
+
+
+def test_bad_chunk_size_and_head_dim():
+    (q, k, v, g, beta), _ = _inputs(1, 8, 1, 1, 16, 16, torch.float32)
+    for bt in (8, 48, True):  # refgdn's own check: same message
+        with pytest.raises(ValueError) as ref_err:
+            refgdn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=bt)
+        with pytest.raises(ValueError) as fast_err:
+            fast.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=bt)
+        assert str(fast_err.value) == str(ref_err.value)
+    with pytest.raises(ValueError, match="chunk_size must be 16, 32 or 64"):
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=128)
+    big = torch.zeros(1, 2, 1, 300, device=DEV)
+    with pytest.raises(ValueError, match="head dims must be <= 256"):
+        fast.chunk_gated_delta_rule(big, big, v[:, :2], g[:, :2], beta[:, :2])
