@@ -3,13 +3,21 @@
     y_t = act(bias + sum_{j=0}^{W-1} weight[:, j] * x_{t-W+1+j})        act: None or silu
 
 Prefill (``causal_conv1d``) is a pure streaming op: every input row is read once from HBM and
-every output row written once, so its speed limit is copy bandwidth. The kernel tiles
-(time x channel): each program owns a [BT, BD] tile of y, contiguous along D for coalesced
-loads, and reads its x tile W times, shifted by 0..W-1 rows (the W-1 halo rows before the tile
-come from the previous tile, from initial_state, or are zero at a sequence start). The W shifted
-reads overlap almost entirely, so they hit L1/L2: HBM traffic stays ~ read x + write y.
-Varlen batches use a (tile -> sequence, tile-within-sequence) table, so no tile straddles two
-sequences.
+every output row written once, so its speed limit is copy bandwidth. Two kernels:
+
+- W <= 4 (every GDN model): ``causal_conv1d_fwd_window_kernel``, a sliding window. A program owns
+  BD channels x BT rows of one sequence; it loads the W-1 halo rows before its block once (from x,
+  initial_state or zero), then walks its rows keeping the last W-1 inputs in registers, so each
+  x row is loaded exactly once (one coalesced [BD] vector load per row) and each y row stored
+  once. The walk is unrolled by 4 rows (4 independent loads in flight, then 4 outputs), with the
+  next 4 rows' loads issued before the current 4 outputs' math (register double buffering).
+  The per-element math is ~17 instructions (4 taps, silu with approximate ex2/rcp on the GPU,
+  bf16 unpack/pack): the kernel must stay under the issue budget of copy bandwidth.
+- W > 4: ``causal_conv1d_fwd_kernel``, the general tile kernel: each program owns a [BT, BD] tile
+  of y and reads its x tile W times, shifted by 0..W-1 rows (the shifted reads hit L1/L2).
+
+Varlen batches use a (row block -> sequence, block-within-sequence) table, so no block straddles
+two sequences.
 
 Configs are pinned by a small heuristic (``conv_fwd_config``), never autotuned at run time: the
 update kernel mutates state in place and runs inside CUDA graphs (DESIGN.md invariant 2), and the
@@ -33,9 +41,192 @@ from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
 
 @triton.jit
 def _silu(y):
-    # silu(y) = y * sigmoid(y); sigmoid without overflow: exp only of -|y| <= 0
+    # silu(y) = y * sigmoid(y); sigmoid without overflow: exp only of -|y| <= 0, so e in (0, 1].
+    # One division: sigmoid(|y|) = 1 / (1 + e), sigmoid(-|y|) = e * sigmoid(|y|).
     e = tl.exp(-tl.abs(y))
-    return y * tl.where(y >= 0, 1 / (1 + e), e / (1 + e))
+    r = 1 / (1 + e)
+    return y * tl.where(y >= 0, r, e * r)
+
+
+# Widest kernel taps the sliding-window kernel handles (its window is W-1 <= 3 named registers).
+WINDOW_MAX_W = 4
+
+
+@triton.jit
+def _silu_fast_f32(y):
+    """silu(y) = y / (1 + 2^(-y log2 e)) in float32 with the GPU's approximate ex2 / rcp (2 MUFU ops,
+    ~2 ulp; the exact-division form costs ~3x the instructions and this kernel is issue-bound at
+    bf16 bandwidth). Overflow is benign: y << 0 gives 2^(+big) = inf, rcp(inf) = 0, y * 0 = -0 (the
+    limit); y >> 0 gives 2^(-big) = 0 (flushed), rcp(1) = 1, y. GPU only (inline PTX)."""
+    e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [y * -1.4426950408889634],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return y * r
+
+
+@triton.jit
+def _window_out(x0, p1, p2, p3, w0, w1, w2, w3, b,
+                W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_SILU: tl.constexpr):
+    """One output row from the newest input x0 = x_t and the window p_k = x_{t-k}:
+    y_t = act(bias + w0 x_t + w1 x_{t-1} + w2 x_{t-2} + w3 x_{t-3}), w_k = weight[:, W-1-k]; taps k >= W
+    are absent (constexpr), so their window registers are never read. FAST_SILU: float32 on a GPU."""
+    acc = x0 * w0
+    if W > 1:
+        acc += p1 * w1
+    if W > 2:
+        acc += p2 * w2
+    if W > 3:
+        acc += p3 * w3
+    if HAS_BIAS:
+        acc += b
+    if SILU:
+        if FAST_SILU:
+            acc = _silu_fast_f32(acc)
+        else:
+            acc = _silu(acc)
+    return acc
+
+
+@triton.jit
+def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, zero_d, stride_x_t, stride_s_w,
+                 W: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """Input row at position pos (int64 scalar, pos >= -(W-1)) as a [BD] vector in DT: x when
+    0 <= pos < L, initial_state column W-1+pos when pos < 0 (zero without a state), zero past L.
+    s_off: sequence n's offset in initial_state; p_x / p_s: per-channel offsets (o_d * stride_x_d,
+    o_d * stride_s_d); zero_d: int64 zeros [BD] (row conditions are vectors, see the kernel)."""
+    pos_d = pos + zero_d
+    b = tl.load(x_base + pos * stride_x_t + p_x, mask=m_d & (pos_d >= 0) & (pos_d < L), other=0).to(DT)
+    if HAS_INIT:
+        # masked where pos >= 0 (the column index would be out of range there): b + 0 is exact
+        b += tl.load(initial_state + s_off + (pos + (W - 1)) * stride_s_w + p_s,
+                     mask=m_d & (pos_d < 0), other=0).to(DT)
+    return b
+
+
+@triton.jit
+def _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d):
+    """Input rows r .. r+3 (r: int64 scalar) as four [BD] vectors in x's dtype. j_d: the block-local
+    index of row r and n_d: the block's row count, as int32 [BD] vectors; rows j >= n are masked
+    to 0. Four independent loads: all in flight at once."""
+    x0 = tl.load(x_base + r * stride_x_t + p_x, mask=m_d & (j_d < n_d), other=0)
+    x1 = tl.load(x_base + (r + 1) * stride_x_t + p_x, mask=m_d & (j_d + 1 < n_d), other=0)
+    x2 = tl.load(x_base + (r + 2) * stride_x_t + p_x, mask=m_d & (j_d + 2 < n_d), other=0)
+    x3 = tl.load(x_base + (r + 3) * stride_x_t + p_x, mask=m_d & (j_d + 3 < n_d), other=0)
+    return x0, x1, x2, x3
+
+
+@triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
+def causal_conv1d_fwd_window_kernel(
+    x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d,
+    stride_w_d, stride_w_w,
+    stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, FAST_SILU: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+):
+    """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous, for W <= 4; BT rows x BD channels per program.
+
+    grid = (cdiv(D, BD), row blocks, B): dense row blocks = cdiv(T, BT); varlen (B == 1) row blocks
+    = rows of tile_table [NT, 2] = (sequence n, block index within n). BT is a multiple of 4.
+
+        y_t = act(bias + sum_k w_k x_{t-k}),  window (p1, p2, p3) = (x_{t-1}, x_{t-2}, x_{t-3})
+
+    The window starts as the W-1 halo rows before the block (x, initial_state, or zero), then
+    slides: every row of the block is loaded once and every output stored once. Values are kept
+    in the compute dtype (float32, float64 with FP64): converting x to it is exact.
+    PREFETCH: double-buffer the 4-row loads (more bytes in flight per thread, +4 rows of registers).
+    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX).
+    """
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
+        i_tt = tl.load(tile_table + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        x_base = x + bos * stride_x_t                    # batch row 0
+        y_base = y + bos * D
+    else:
+        i_n = i_b.to(tl.int64)
+        i_tt = i_t.to(tl.int64)
+        L = T
+        x_base = x + i_n * stride_x_b
+        y_base = y + i_n * T * D
+    s_off = i_n * stride_s_n                             # initial_state is only touched with HAS_INIT
+    t0 = i_tt * BT                                       # first row of the block (int64: T * D may pass 2^31)
+
+    o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
+    m_d = o_d < D
+    p_x = o_d * stride_x_d
+    p_s = o_d * stride_s_d
+    # Row conditions are broadcast to [BD] vectors before they meet m_d: the compiler folds the
+    # add of zeros (a splat), and the Triton interpreter mis-types `vector & scalar` masks.
+    zero_d = tl.zeros([BD], dtype=tl.int64)
+
+    # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
+    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
+    w1 = tl.zeros([BD], dtype=DT)
+    w2 = tl.zeros([BD], dtype=DT)
+    w3 = tl.zeros([BD], dtype=DT)
+    p1 = tl.zeros([BD], dtype=DT)
+    p2 = tl.zeros([BD], dtype=DT)
+    p3 = tl.zeros([BD], dtype=DT)
+    if W > 1:
+        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
+        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 2:
+        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
+        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 3:
+        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
+        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if HAS_BIAS:
+        b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
+    else:
+        b = w0  # unused
+
+    # Walk the block 4 rows at a time: 4 independent loads in flight, then 4 outputs. Rows past the
+    # block's end or the sequence's end are masked (loaded as 0, never stored). i only offsets
+    # pointers and masks. PREFETCH: the loads of the next 4 rows are issued before the current 4
+    # outputs are computed (register double buffering), so loads stay in flight during the math.
+    # Row masks compare block-local int32 indices (pointers use int64 rows r).
+    zero_i = tl.zeros([BD], dtype=tl.int32)
+    n_d = tl.minimum((L - t0).to(tl.int32) + zero_i, BT)  # rows of this block inside the sequence
+    if PREFETCH:
+        n0, n1, n2, n3 = _window_load4(x_base, p_x, t0, stride_x_t, zero_i, n_d, m_d)
+    for i in range(0, BT, 4):
+        r = t0 + i                                       # int64 row of x0
+        j_d = zero_i + i                                 # its block-local index, [BD]
+        if PREFETCH:
+            x0, x1, x2, x3 = n0, n1, n2, n3
+            n0, n1, n2, n3 = _window_load4(x_base, p_x, r + 4, stride_x_t, j_d + 4, n_d, m_d)
+        else:
+            x0, x1, x2, x3 = _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d)
+        x0 = x0.to(DT)
+        x1 = x1.to(DT)
+        x2 = x2.to(DT)
+        x3 = x3.to(DT)
+        y0 = _window_out(x0, p1, p2, p3, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y1 = _window_out(x1, x0, p1, p2, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y2 = _window_out(x2, x1, x0, p1, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y3 = _window_out(x3, x2, x1, x0, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        tl.store(y_base + r * D + o_d, y0.to(y.dtype.element_ty), mask=m_d & (j_d < n_d))
+        tl.store(y_base + (r + 1) * D + o_d, y1.to(y.dtype.element_ty), mask=m_d & (j_d + 1 < n_d))
+        tl.store(y_base + (r + 2) * D + o_d, y2.to(y.dtype.element_ty), mask=m_d & (j_d + 2 < n_d))
+        tl.store(y_base + (r + 3) * D + o_d, y3.to(y.dtype.element_ty), mask=m_d & (j_d + 3 < n_d))
+        p1, p2, p3 = x3, x2, x1
 
 
 @triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
@@ -140,13 +331,31 @@ def causal_conv1d_final_state_kernel(
                  mask=m_d)
 
 
-def conv_fwd_config(T: int, D: int, W: int) -> dict:
-    """Pinned (BT, BD, num_warps) for the prefill kernel: a heuristic, never autotuned at run time.
+def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
+    """Pinned prefill config: a heuristic, never autotuned at run time. elem_size: bytes per
+    element of x (2 for bf16/fp16, the benchmarked case). Keys: BT (rows per program), BD
+    (channels per program), num_warps, and for the window kernel prefetch (see the kernel).
 
-    GPU: BD = 256 channels (512 B of bf16 per row: full 128 B lines, 16 B vectors per thread),
-    BT = 32 rows, 8 warps: 8K outputs per program and a (W-1)/BT = 9% halo re-read that hits L1.
-    Interpreter: one program per (small) tile, fewest programs.
+    W <= 4, sliding-window kernel (GPU): 4 warps, 4 channels per thread (BD = 512: 8 B vectors
+    of bf16, 16 B of float32). Compiled for sm_90 that holds the kernel at 56 registers (9
+    programs = 36 warps per SM, ~36 KB of loads in flight per SM); 8 channels per thread (BD =
+    1024, 16 B vectors) needs ~128 registers (4 programs per SM) for the same bytes in flight.
+    BT = 64 rows ((W-1)/BT = 5% halo re-read), halved while the grid would have fewer than
+    ~1000 programs (short prefills: parallelism over the SMs matters more than the halo), never
+    below 16. prefetch: next 4 rows' loads issued before the current 4 rows' math.
+    W > 4, tile kernel (GPU): BD = 256 channels, BT = 32 rows, 8 warps.
+    Interpreter: small blocks, fewest programs.
     """
+    if W <= WINDOW_MAX_W:
+        if is_interpreting():
+            return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4,
+                        prefetch=True)
+        BD = max(16, min(512, next_pow2(D)))
+        num_warps = max(1, min(4, BD // 128))
+        BT = max(4, min(64, next_pow2(T)))
+        while BT > 16 and cdiv(D, BD) * cdiv(T, BT) < 1024:
+            BT //= 2
+        return dict(BT=BT, BD=BD, num_warps=num_warps, prefetch=True)
     if is_interpreting():
         return dict(BT=max(16, min(64, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
     BD = max(16, min(256, next_pow2(D)))
@@ -172,8 +381,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_state=None,
                               output_final_state=False, cu_seqlens=None, config: Optional[dict] = None):
-    """causal_conv1d with ``config`` = dict(BT=, BD=, num_warps=) overriding the pinned config
-    (for benchmark sweeps that choose the pinned values; each config is a separate compilation)."""
+    """causal_conv1d with ``config`` overriding keys of the pinned config (for benchmark sweeps that
+    choose the pinned values; each config is a separate compilation):
+
+        BT: rows per program (a multiple of 4 for the window kernel), BD: channels per program (a
+        power of two), num_warps; optional: kernel = "window" (W <= 4 only, the default there) or
+        "tile" (any W, the default for W > 4); for the window kernel prefetch (bool) and fast_silu
+        (bool: approximate ex2/rcp, float32 on CUDA only); Triton's num_stages and maxnreg.
+    """
     N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
     B, T, D = x.shape
     W = weight.shape[1]
@@ -183,24 +398,44 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
     final = torch.empty(N, D, W - 1, dtype=state_dtype, device=x.device) if output_final_state else None
     if D == 0:
         return y, final
-    cfg = dict(conv_fwd_config(T, D, W), **(config or {}))
+    config = dict(config or {})
+    cfg = dict(conv_fwd_config(T, D, W, x.element_size()), **config)
+    kernel = cfg.get("kernel", "window" if W <= WINDOW_MAX_W else "tile")
     BT, BD = cfg["BT"], cfg["BD"]
+    if kernel not in ("window", "tile") or (kernel == "window" and (W > WINDOW_MAX_W or BT % 4)):
+        raise ValueError(f"config: kernel 'window' needs W <= {WINDOW_MAX_W} and BT % 4 == 0, 'tile' any W; "
+                         f"got kernel={kernel!r}, W={W}, BT={BT}")
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
-    if cu_seqlens is not None:
-        # host read of the lengths (eager prefill only, not for graph capture)
-        tile_table = prepare_chunk_indices(cu_seqlens, BT)
-        n_tiles = tile_table.shape[0]
-    else:
-        tile_table = None
-        n_tiles = cdiv(T, BT)
+    while True:
+        if cu_seqlens is not None:
+            # host read of the lengths (eager prefill only, not for graph capture)
+            tile_table = prepare_chunk_indices(cu_seqlens, BT)
+            n_tiles = tile_table.shape[0]
+        else:
+            tile_table = None
+            n_tiles = cdiv(T, BT)
+        if n_tiles <= 65535 or "BT" in config:      # grid axis 1 limit: grow a pinned BT to fit
+            break
+        BT *= 2
     if n_tiles > 0:
         grid = (cdiv(D, BD), n_tiles, B)
-        causal_conv1d_fwd_kernel[grid](
+        launch = dict(num_warps=cfg["num_warps"])
+        for key in ("num_stages", "maxnreg"):
+            if cfg.get(key) is not None:
+                launch[key] = cfg[key]
+        if kernel == "window":
+            fwd = causal_conv1d_fwd_window_kernel
+            # approximate-ex2/rcp silu: float32 compute on a GPU only (inline PTX)
+            gpu_f32 = x.is_cuda and not fp64 and not is_interpreting()
+            launch["FAST_SILU"] = bool(cfg.get("fast_silu", gpu_f32)) and gpu_f32
+            launch["PREFETCH"] = bool(cfg.get("prefetch", False))
+        else:
+            fwd = causal_conv1d_fwd_kernel
+        fwd[grid](
             x, y, weight, bias, initial_state, cu_seqlens, tile_table,
             T, D, *x.stride(), *weight.stride(), *s,
             W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-            HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64,
-            num_warps=cfg["num_warps"])
+            HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, **launch)
     if output_final_state and W > 1 and N > 0:
         BDs = max(16, min(256, next_pow2(D)))
         causal_conv1d_final_state_kernel[(cdiv(D, BDs), N)](

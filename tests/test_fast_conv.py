@@ -10,6 +10,7 @@ import torch
 import fast
 import refgdn
 from conformance.core import Check, evaluate
+from fast.conv import WINDOW_MAX_W, causal_conv1d_with_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -32,9 +33,12 @@ def _inputs(B, T, D, W, dtype, N=None, seed=0, strided=False):
     return [x] + [t.to(DEV, dtype) for t in (w, b, s0)]
 
 
-def _check_prefill(x, w, b, s0, activation, cu=None):
+def _check_prefill(x, w, b, s0, activation, cu=None, config=None):
     kw = dict(bias=b, activation=activation, initial_state=s0, output_final_state=True, cu_seqlens=cu)
-    y_f, s_f = fast.causal_conv1d(x, w, **kw)
+    if config is None:
+        y_f, s_f = fast.causal_conv1d(x, w, **kw)
+    else:
+        y_f, s_f = causal_conv1d_with_config(x, w, **kw, config=config)
     y_r, s_r = refgdn.causal_conv1d(x, w, **kw)
     hi = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
     y_t, _ = refgdn.causal_conv1d(x.double(), w.double(), **hi)
@@ -80,6 +84,80 @@ def test_prefill_varlen(dtype, lens, use_init):
     T, N = int(cu[-1]), len(lens)
     x, w, b, s0 = _inputs(1, T, 24, 4, dtype, N=N, seed=len(lens))
     _check_prefill(x, w, b, s0 if use_init else None, "silu", cu)
+
+
+# The sliding-window kernel (W <= 4) under explicit configs: rows per program BT (T not a multiple
+# of it, blocks shorter than the halo), channel blocks BD (D not a multiple of it), both walk
+# variants (prefetch or not), and the tile kernel (the W > 4 fallback) forced on W <= 4.
+WINDOW_CONFIGS = {
+    "BT4-BD16": dict(BT=4, BD=16, num_warps=1),
+    "BT8-BD32-noprefetch": dict(BT=8, BD=32, num_warps=1, prefetch=False),
+    "BT16-BD64-prefetch": dict(BT=16, BD=64, num_warps=2, prefetch=True),
+    "tile-BT16-BD32": dict(BT=16, BD=32, num_warps=4, kernel="tile"),
+}
+
+
+@pytest.mark.parametrize("config", list(WINDOW_CONFIGS))
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+def test_prefill_window_configs_dense(config, W):
+    x, w, b, s0 = _inputs(2, 13, 40, W, torch.float32, seed=W)
+    _check_prefill(x, w, b, s0, "silu", config=WINDOW_CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", list(WINDOW_CONFIGS))
+@pytest.mark.parametrize("W", [2, 4])
+def test_prefill_window_configs_varlen_strided(config, W):
+    """Empty and length-1 sequences, sequences shorter than the halo and crossing blocks; x a
+    strided slice (time and channel strides > 1); with and without an initial state."""
+    lens = [0, 1, 5, 2, 0, 11]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    T, N, D = int(cu[-1]), len(lens), 24
+    gen = torch.Generator().manual_seed(W)
+    x = torch.randn(1, 2 * T, 2 * D + 3, generator=gen).to(DEV)[:, ::2, 3::2]   # strides (.., 2(2D+3), 2)
+    assert x.stride(2) == 2
+    _, w, b, s0 = _inputs(1, T, D, W, torch.float32, N=N, seed=W + 1)
+    _check_prefill(x, w, b, s0, "silu", cu, config=WINDOW_CONFIGS[config])
+    _check_prefill(x, w, None, None, None, cu, config=WINDOW_CONFIGS[config])
+
+
+@pytest.mark.parametrize("W", [1, 3, 4])
+def test_prefill_window_float64_and_mixed_state_dtype(W):
+    """float64 inputs compute in float64; a float32 state with float16 x feeds the halo in float32."""
+    x, w, b, s0 = _inputs(1, 10, 20, W, torch.float64, seed=W)
+    _check_prefill(x, w, b, s0, "silu", config=dict(BT=4, BD=16, num_warps=1))
+    x16, w16, b16, _ = _inputs(2, 6, 20, W, torch.float16, seed=W)
+    s32 = torch.randn(2, 20, W - 1, device=DEV)
+    kw = dict(bias=b16, activation="silu", initial_state=s32, output_final_state=True)
+    y_f, s_f = causal_conv1d_with_config(x16, w16, **kw, config=dict(BT=4, BD=16, num_warps=1))
+    y_r, s_r = refgdn.causal_conv1d(x16, w16, **kw)
+    y_t, _ = refgdn.causal_conv1d(x16.double(), w16.double(), b16.double(), "silu", s32.double())
+    _assert_conforms("y", y_f, y_t, y_r)
+    assert s_f.dtype == torch.float32 and torch.equal(s_f, s_r)
+
+
+@pytest.mark.parametrize("B,T,D,W,varlen", [
+    pytest.param(2, 37, 24, 5, False, id="W5"),
+    pytest.param(1, 20, 16, 7, False, id="W7-T-shorter-than-block"),
+    pytest.param(1, 0, 16, 6, True, id="W6-varlen"),
+])
+def test_prefill_tile_fallback_wide_kernels(B, T, D, W, varlen):
+    """W > WINDOW_MAX_W runs the tile kernel (pinned config), with states and varlen."""
+    assert W > WINDOW_MAX_W
+    cu = None
+    if varlen:
+        lens = [0, 1, 9, 3]
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        T = int(cu[-1])
+    x, w, b, s0 = _inputs(B, T, D, W, torch.float32, N=4 if varlen else None, seed=W)
+    _check_prefill(x, w, b, s0, "silu", cu)
+
+
+@pytest.mark.parametrize("config", [dict(kernel="window"), dict(kernel="window", BT=6), dict(kernel="fft")],
+                         ids=["window-W5", "BT6", "unknown-kernel"])
+def test_bad_config_raises(config):
+    x, w, _, _ = _inputs(1, 8, 16, 5 if config.get("BT") is None else 4, torch.float32)
+    with pytest.raises(ValueError, match="config"):
+        causal_conv1d_with_config(x, w, config=config)
 
 
 def test_varlen_equals_per_sequence_calls():
