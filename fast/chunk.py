@@ -23,6 +23,13 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
 
 HBM traffic per token and value head: read q, k (shared by the GVA group, mostly L2), v, g, beta;
 write/read w, u, v_new and G once each; h once per chunk. The fp32 inverse A never leaves registers.
+With ``FUSE_OUTPUT = True`` kernel 2 also computes kernel 3's output from S in registers, so h and
+v_new never touch HBM (more work on the sequential path; benchmark both).
+
+Tuning knobs (module globals, read at call time; each value is its own compiled variant):
+``CONFIG_OVERRIDES`` (per-kernel BV / num_warps / num_stages over the pinned heuristics),
+``FUSE_OUTPUT``, ``INV_METHOD`` ("rows" / "doubling" for the 16x16 diagonal inverses),
+``INV_PRECISION`` and ``FP32_PRECISION`` (tl.dot input precisions, see below).
 
 ``recurrent_kernel`` (grid (cdiv(V, BV), N * HV)) is the time loop with the state in registers:
 the twin of refgdn.recurrent_gated_delta_rule, handy for short T.
@@ -69,6 +76,14 @@ INV_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32:
 # or "doubling" (4 levels of two 16x16 dots at INV_PRECISION). None: rows on GPU, doubling in the
 # interpreter. Both are exact algorithms; tests run both.
 INV_METHOD: Optional[str] = None
+# Fuse kernel 3 into kernel 2 (the output computed in the sequential pass from S in registers): saves
+# the h and v_new round trips through HBM (~3 x T x HV x V x 2 bytes + h) at the price of more work on
+# the sequential path. Off until measured on the GPU (benchmark both; see the report).
+FUSE_OUTPUT = False
+# Per-kernel config overrides merged over the pinned heuristics, for benchmark sweeps:
+# {"wy": {...}, "state": {...}, "state_fused": {...}, "output": {...}, "recurrent": {...}} with keys
+# BV, num_warps, num_stages (BV not for "wy"). Each distinct config is its own compiled variant.
+CONFIG_OVERRIDES: dict = {}
 
 
 # ============================================================================================
@@ -430,23 +445,26 @@ def chunk_wy_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
-    k, w, u, G, h0, h, v_new, ht,
-    cu_seqlens, chunk_offsets, T, NT,
-    s_kb, s_kt, s_kh,
+    k, w, u, G, h0, h, v_new, ht, q, o,
+    cu_seqlens, chunk_offsets, T, NT, scale,
+    s_kb, s_kt, s_kh, s_qb, s_qt, s_qh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    PREC: tl.constexpr, DOT_F32: tl.constexpr, EPS: tl.constexpr,
+    FUSE_O: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, EPS: tl.constexpr,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
         h[c] = S ;   v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)
 
-    k: [B, T, H, K] (strided); w: [B, T, HV, K], u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous);
+    k, q: [B, T, H, K] (strided); w: [B, T, HV, K], u, v_new, o: [B, T, HV, V], G: [B, T, HV] (contiguous);
     h0, ht: [N, HV, K, V] fp32 (contiguous); h: [chunks, HV, K, V] (global chunk order).
-    grid = (cdiv(V, BV), N * HV). S: fp32 [BK, BV] kept in registers across all chunks; K is one
-    block (<= 256). Only loads that do not depend on S are issued per chunk, so the compiler's
-    software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one computes.
+    grid = (cdiv(V, BV), N * HV), V-block fastest (the V-blocks of one head share w and k via L2).
+    S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Only loads that do
+    not depend on S are issued per chunk, so the compiler's software pipeline (num_stages) prefetches
+    the next chunk's w, u, k, G while this one computes.
+    FUSE_O: also compute the chunk's output here (kernel 3's formula with S in registers) instead of
+    storing h and v_new: no h / v_new round trip through HBM, more work on the sequential path.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -477,31 +495,48 @@ def chunk_state_kernel(
         b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
 
     k_base = k + i_b * s_kb + (i_h // GROUP) * s_kh
+    q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
         m_r = rows < eos
+        m_rv = m_r[:, None] & m_v[None, :]
         tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
-        # chunk-start state, for the output kernel
-        tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
-
         b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-        b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
-        b_v = b_v.to(tl.float32) - _dot(b_w, b_h.to(b_w.dtype), PREC, DOT_F32)      # v_new = u - w S
-        tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty),
-                 mask=m_r[:, None] & m_v[None, :])
+        b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
+        if not FUSE_O:
+            tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_hc.to(h.dtype.element_ty), mask=m_kv)
+
+        b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                    # v_new = u - w S
+        if not FUSE_O:
+            tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
         last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
         b_G = tl.load(G + tok, mask=m_r, other=0.0)
         G_last = tl.load(G + (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h)
-        # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
-        # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
-        b_v = b_v * tl.where(m_r, tl.exp(tl.where(m_r, G_last - b_G, 0.0)), 0.0)[:, None]
-        b_h = b_h * tl.exp(G_last)
-
         b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
                       other=0.0)
         if L2NORM:
             b_k = _l2norm_rows(b_k, EPS)
+
+        if FUSE_O:
+            # O = scale [exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new]   (kernel 3's formula)
+            b_q = tl.load(q_base + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                          mask=m_r[:, None] & m_k[None, :], other=0.0)
+            if L2NORM:
+                b_q = _l2norm_rows(b_q, EPS)
+            b_o = _dot(b_q, b_hc, PREC, DOT_F32) * tl.exp(b_G)[:, None]
+            keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None]
+            # precision hazard: mask before exp (above the diagonal G_i - G_j >= 0 may overflow)
+            b_A = _dot(b_q, tl.trans(b_k), PREC, DOT_F32) * tl.exp(tl.where(keep, b_G[:, None] - b_G[None, :], 0.0))
+            b_A = tl.where(keep, b_A, 0.0)
+            b_o += _dot(b_A.to(b_w.dtype), b_v.to(b_w.dtype), PREC, DOT_F32)
+            tl.store(o + tok[:, None] * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=m_rv)
+
+        # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
+        # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
+        b_v = b_v * tl.where(m_r, tl.exp(tl.where(m_r, G_last - b_G, 0.0)), 0.0)[:, None]
+        b_h = b_h * tl.exp(G_last)
         b_h += _dot(tl.trans(b_k), b_v.to(b_k.dtype), PREC, DOT_F32)                 # + K^T (decayed v_new)
 
     if STORE_HT:
@@ -669,7 +704,7 @@ def wy_config(K: int, V: int) -> dict:
     return dict(num_warps=4 if max(BK, BV) <= 128 else 8, num_stages=1)
 
 
-def state_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
+def state_config(N: int, HV: int, K: int, V: int, device: torch.device, fused: bool = False) -> dict:
     """Kernel 2 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist,
     each walking all chunks of its sequence, so BV trades parallelism (small BV: more programs fill the
     SMs) against redundant w/k reads (every V-block program reloads the chunk's w and k; they mostly hit
@@ -687,6 +722,8 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
     else:
         BV = 16
     BV = min(BV, BVmax)
+    if fused:   # + Q [BT, K], Q K^T [BT, BT] and the output tile: 8 warps keep it (nearly) spill-free at K=128
+        return dict(BV=BV, num_warps=8 if BK >= 128 else 4, num_stages=2)
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
 
 
@@ -727,6 +764,10 @@ def _inv_rows() -> bool:
     registers, fla's choice) and doubling in the interpreter (4x fewer interpreted ops)."""
     method = INV_METHOD or ("doubling" if is_interpreting() else "rows")
     return method == "rows"
+
+
+def _contig(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return x.contiguous() if x is not None else None
 
 
 def _is_fp64(*ts) -> bool:
@@ -771,22 +812,27 @@ def _launch_wy(k, v, g, beta, A_log, dt_bias, G, A, w, u, ch: _Chunks, T: int, H
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
         LOAD_G=load_g, STORE_G=store_g, DO_A=do_a, STORE_A=store_a, DO_WU=do_wu,
         PREC=_fp32_prec(k.dtype), INV_PREC=INV_PRECISION[k.dtype], INV_ROWS=_inv_rows(), DOT_F32=is_interpreting(),
-        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **wy_config(K, V))
+        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **dict(wy_config(K, V), **CONFIG_OVERRIDES.get("wy", {})))
 
 
-def _launch_state(k, w, u, G, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, l2norm: bool):
+def _launch_state(k, w, u, G, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, l2norm: bool,
+                  q=None, o=None, scale: float = 1.0):
+    """Kernel 2; with q and o given it also writes the output (FUSE_O) and h / v_new may be None."""
     H, K = k.shape[2], k.shape[3]
     HV, V = u.shape[2], u.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = state_config(N, HV, K, V, k.device)
+    fuse = o is not None
+    cfg = dict(state_config(N, HV, K, V, k.device, fuse),
+               **CONFIG_OVERRIDES.get("state_fused" if fuse else "state", {}))
     BV = cfg.pop("BV")
+    qq = q if fuse else k
     chunk_state_kernel[(cdiv(V, BV), N * HV)](
-        k, w, u, G, h0, h, v_new, ht,
-        ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3],
+        k, w, u, G, h0, h, v_new, ht, qq, o,
+        ch.cu_seqlens, ch.offsets, T, ch.NT, float(scale), *k.stride()[:3], *qq.stride()[:3],
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        IS_VARLEN=ch.varlen, L2NORM=l2norm, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        IS_VARLEN=ch.varlen, L2NORM=l2norm, USE_H0=h0 is not None, STORE_HT=ht is not None, FUSE_O=fuse,
         PREC=_fp32_prec(w.dtype), DOT_F32=is_interpreting(), EPS=L2NORM_EPS, **cfg)
 
 
@@ -796,7 +842,7 @@ def _launch_output(q, k, v_new, h, G, o, ch: _Chunks, T: int, BT: int, scale: fl
     if ch.total == 0 or HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = output_config(K, V)
+    cfg = dict(output_config(K, V), **CONFIG_OVERRIDES.get("output", {}))
     BV = cfg.pop("BV")
     chunk_output_kernel[(ch.total * HV * cdiv(V, BV),)](
         q, k, v_new, h, G, o,
@@ -834,6 +880,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     BT = chunk_size
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     dev = q.device
     ch = _Chunks(B, T, BT, cu_seqlens)
 
@@ -843,13 +890,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _launch_wy(k, v, g, beta, A_log, dt_bias, G, None, w, u, ch, T, HV, BT, l2norm=use_qk_l2norm_in_kernel,
                load_g=False, store_g=True, do_a=True, store_a=False, do_wu=True)
 
-    h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)       # chunk-start states
-    v_new = torch.empty_like(u)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch_state(k, w, u, G, h0, h, v_new, final, ch, N, T, BT, l2norm=use_qk_l2norm_in_kernel)
-
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    if FUSE_OUTPUT:   # kernels 2+3 in one sequential pass
+        _launch_state(k, w, u, G, h0, None, None, final, ch, N, T, BT, l2norm=use_qk_l2norm_in_kernel,
+                      q=q, o=o, scale=scale)
+        return o, final
+    h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)       # chunk-start states
+    v_new = torch.empty_like(u)
+    _launch_state(k, w, u, G, h0, h, v_new, final, ch, N, T, BT, l2norm=use_qk_l2norm_in_kernel)
     _launch_output(q, k, v_new, h, G, o, ch, T, BT, scale, l2norm=use_qk_l2norm_in_kernel)
     return o, final
 
@@ -874,12 +924,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     if N * HV == 0:
         return o, final
-    cfg = recurrent_config(K, V)
+    cfg = dict(recurrent_config(K, V), **CONFIG_OVERRIDES.get("recurrent", {}))
     BV = cfg.pop("BV")
     recurrent_kernel[(cdiv(V, BV), N * HV)](
         q, k, v, g, beta, A_log, dt_bias, h0, o, final,
@@ -916,6 +967,7 @@ def chunk_cumsum(g: torch.Tensor, chunk_size: int, cu_seqlens: Optional[torch.Te
         return refgdn.delta_rule.chunk_cumsum(g, chunk_size)
     _check_fast_limits(16, 16, chunk_size)
     B, T, HV = g.shape
+    A_log, dt_bias = _contig(A_log), _contig(dt_bias)
     G = torch.empty(B, T, HV, dtype=torch.float32, device=g.device)
     d = _dummy(g)
     _launch_wy(d, d, g, g, A_log, dt_bias, G, None, None, None, _Chunks(B, T, chunk_size, cu_seqlens), T, HV,

@@ -86,9 +86,9 @@ def test_chunk_other_dtype_pairs(dtype):
 
 # ------------------------------------------------------------------------------------ varlen
 
-@pytest.mark.parametrize("bt,dtype", [(16, torch.float32), (64, torch.float32), (32, torch.float16)],
-                         ids=["BT16-fp32", "BT64-fp32", "BT32-fp16"])
-@pytest.mark.parametrize("init", [True, False], ids=["init", "noinit"])
+@pytest.mark.parametrize("bt,dtype,init", [(16, torch.float32, True), (64, torch.float32, False),
+                                           (32, torch.float16, True)],
+                         ids=["BT16-fp32-init", "BT64-fp32-noinit", "BT32-fp16-init"])
 def test_chunk_varlen(bt, dtype, init):
     lens = [0, 1, 37, 0, 70, 16, 1]
     cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
@@ -111,6 +111,23 @@ def test_chunk_varlen_matches_per_sequence_calls():
                                                initial_state=h0[n:n + 1], output_final_state=True, chunk_size=16)
         torch.testing.assert_close(o[:, a:b], o_n, rtol=0, atol=1e-6)
         torch.testing.assert_close(s[n:n + 1], s_n, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bt,dtype,varlen", [(64, torch.float32, False), (16, torch.float16, False),
+                                              (32, torch.float32, True)],
+                         ids=["BT64-fp32", "BT16-fp16", "BT32-fp32-varlen"])
+def test_chunk_fused_output(bt, dtype, varlen, monkeypatch):
+    """FUSE_OUTPUT: kernel 3 folded into the sequential state pass."""
+    monkeypatch.setattr(fc, "FUSE_OUTPUT", True)
+    if varlen:
+        lens = [0, 1, 50, 30]
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        low, hi = _inputs(1, sum(lens), 1, 2, 16, 24, dtype, seed=7, init=True, N=len(lens))
+        kw = dict(cu_seqlens=cu)
+    else:
+        low, hi = _inputs(2, 70, 2, 4, 24, 16, dtype, seed=8, init=True)
+        kw = dict(use_qk_l2norm_in_kernel=True)
+    _compare_op("chunk-fused", _chunk(bt), _ref_chunk(bt), low, hi, dtype, **kw)
 
 
 def test_chunk_all_sequences_empty():
