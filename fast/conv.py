@@ -334,7 +334,7 @@ def causal_conv1d_final_state_kernel(
 def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
     """Pinned prefill config: a heuristic, never autotuned at run time. elem_size: bytes per
     element of x (2 for bf16/fp16, the benchmarked case). Keys: BT (rows per program), BD
-    (channels per program), num_warps, and for the window kernel prefetch (see the kernel).
+    (channels per program), num_warps (the window kernel prefetches unless a config says not).
 
     W <= 4, sliding-window kernel (GPU): 4 warps, 4 channels per thread (BD = 512: 8 B vectors
     of bf16, 16 B of float32). Compiled for sm_90 that holds the kernel at 56 registers (9
@@ -348,14 +348,13 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
     """
     if W <= WINDOW_MAX_W:
         if is_interpreting():
-            return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4,
-                        prefetch=True)
+            return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
         BD = max(16, min(512, next_pow2(D)))
         num_warps = max(1, min(4, BD // 128))
         BT = max(4, min(64, next_pow2(T)))
         while BT > 16 and cdiv(D, BD) * cdiv(T, BT) < 1024:
             BT //= 2
-        return dict(BT=BT, BD=BD, num_warps=num_warps, prefetch=True)
+        return dict(BT=BT, BD=BD, num_warps=num_warps)
     if is_interpreting():
         return dict(BT=max(16, min(64, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
     BD = max(16, min(256, next_pow2(D)))
@@ -386,8 +385,9 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
 
         BT: rows per program (a multiple of 4 for the window kernel), BD: channels per program (a
         power of two), num_warps; optional: kernel = "window" (W <= 4 only, the default there) or
-        "tile" (any W, the default for W > 4); for the window kernel prefetch (bool) and fast_silu
-        (bool: approximate ex2/rcp, float32 on CUDA only); Triton's num_stages and maxnreg.
+        "tile" (any W, the default for W > 4); for the window kernel prefetch (bool, default True)
+        and fast_silu (bool: approximate ex2/rcp; default and only honoured for float32 compute on
+        CUDA); Triton's num_stages and maxnreg.
     """
     N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
     B, T, D = x.shape
@@ -428,7 +428,7 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
             # approximate-ex2/rcp silu: float32 compute on a GPU only (inline PTX)
             gpu_f32 = x.is_cuda and not fp64 and not is_interpreting()
             launch["FAST_SILU"] = bool(cfg.get("fast_silu", gpu_f32)) and gpu_f32
-            launch["PREFETCH"] = bool(cfg.get("prefetch", False))
+            launch["PREFETCH"] = bool(cfg.get("prefetch", True))
         else:
             fwd = causal_conv1d_fwd_kernel
         fwd[grid](
@@ -512,3 +512,37 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, FP64=fp64,
         num_warps=4)
     return y
+
+
+def sweep(T: int = 16384, D: int = 8192, W: int = 4, dtype=torch.bfloat16, configs=None) -> list:
+    """GPU helper for choosing the pinned prefill config (not used by the ops): time
+    causal_conv1d_with_config (silu, no bias/state) over ``configs`` (default: a window-kernel grid
+    over BD, num_warps, BT, prefetch) with triton.testing.do_bench; print and return rows of
+    (config, ms, GB/s, fraction of a same-size device copy). Run: python -c "import fast.conv as c; c.sweep()"
+    """
+    from triton.testing import do_bench
+
+    x = torch.randn(1, T, D, device="cuda").to(dtype)
+    w = (torch.randn(D, W, device="cuda") / 2).to(dtype)
+    nbytes = 2 * x.numel() * x.element_size() + w.numel() * w.element_size()   # read x + write y + weights
+    out = torch.empty_like(x)
+    copy_ms = do_bench(lambda: out.copy_(x))
+    if configs is None:
+        configs = [dict(BT=bt, BD=bd, num_warps=nw, prefetch=pf)
+                   for bd, nw in ((512, 4), (1024, 4), (1024, 8), (256, 2)) for bt in (16, 32, 64, 128, 256)
+                   for pf in (True, False)]
+        configs.append(conv_fwd_config(T, D, W, x.element_size()))
+    rows = []
+    for cfg in configs:
+        try:
+            ms = do_bench(lambda: causal_conv1d_with_config(x, w, None, "silu", config=cfg))
+            rows.append((cfg, ms, nbytes / ms / 1e6, copy_ms / ms))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+            rows.append((cfg, float("nan"), float("nan"), float("nan")))
+            print(f"{cfg}: {type(e).__name__}: {e}"[:200])
+    rows.sort(key=lambda r: (r[1] != r[1], r[1]))
+    print(f"copy of {x.numel() * x.element_size() / 1e6:.0f} MB: {copy_ms:.3f} ms "
+          f"({2 * x.numel() * x.element_size() / copy_ms / 1e6:.0f} GB/s); pinned {conv_fwd_config(T, D, W, 2)}")
+    for cfg, ms, gbs, frac in rows:
+        print(f"{ms:8.4f} ms {gbs:7.0f} GB/s {100 * frac:5.1f}% of copy  {cfg}")
+    return rows
