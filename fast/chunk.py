@@ -315,7 +315,6 @@ def chunk_wy_kernel(
     else:
         A_log_h = 0.0
         dt_bias_h = 0.0
-    WORK: tl.constexpr = DO_A or DO_WU
     acc = tl.sum(tl.zeros([16], dtype=tl.float32), 0)
 
     # ---- row block 0 ------------------------------------------------------------------------
@@ -323,7 +322,7 @@ def chunk_wy_kernel(
     m0 = r0 < eos
     tok0 = (i_b * T + r0).to(tl.int64) * HV + i_h               # [B, T, HV] flat index of (token, head)
     G0, acc = _g_block(g_base, s_gt, r0, m0, G, tok0, acc, A_log_h, dt_bias_h, GATE, LOAD_G, STORE_G, THRESHOLD)
-    if WORK:
+    if DO_A or DO_WU:
         b0 = tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0).to(tl.float32)
         k0 = _load_k_block(k_base, r0, m0, s_kt, o_k, m_k, L2NORM, EPS)
     if DO_A:
@@ -347,7 +346,7 @@ def chunk_wy_kernel(
         tok1 = tok0 + 16 * HV
         G1, acc = _g_block(g_base, s_gt, r1, m1, G, tok1, acc, A_log_h, dt_bias_h, GATE, LOAD_G, STORE_G,
                            THRESHOLD)
-        if WORK:
+        if DO_A or DO_WU:
             b1 = tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0).to(tl.float32)
             k1 = _load_k_block(k_base, r1, m1, s_kt, o_k, m_k, L2NORM, EPS)
         if DO_A:
@@ -374,7 +373,7 @@ def chunk_wy_kernel(
         tok2 = tok0 + 32 * HV
         G2, acc = _g_block(g_base, s_gt, r2, m2, G, tok2, acc, A_log_h, dt_bias_h, GATE, LOAD_G, STORE_G,
                            THRESHOLD)
-        if WORK:
+        if DO_A or DO_WU:
             b2 = tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0).to(tl.float32)
             k2 = _load_k_block(k_base, r2, m2, s_kt, o_k, m_k, L2NORM, EPS)
         if DO_A:
@@ -407,7 +406,7 @@ def chunk_wy_kernel(
         tok3 = tok0 + 48 * HV
         G3, acc = _g_block(g_base, s_gt, r3, m3, G, tok3, acc, A_log_h, dt_bias_h, GATE, LOAD_G, STORE_G,
                            THRESHOLD)
-        if WORK:
+        if DO_A or DO_WU:
             b3 = tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0).to(tl.float32)
             k3 = _load_k_block(k_base, r3, m3, s_kt, o_k, m_k, L2NORM, EPS)
         if DO_A:
@@ -566,11 +565,10 @@ def chunk_output_kernel(
     GVA heads and V-blocks hit L2). exp(G) is applied to Q h's rows after the dot
     (same product, no extra rounding of Q * exp(G) to 16 bits).
     """
-    NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
-    i_v = pid % NV
-    i_h = (pid // NV) % HV
-    i_c = pid // (NV * HV)
+    i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
+    i_h = (pid // ((V + BV - 1) // BV)) % HV
+    i_c = pid // (((V + BV - 1) // BV) * HV)
     i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
