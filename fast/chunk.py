@@ -66,19 +66,19 @@ CHUNK_SIZES = (16, 32, 64)
 #   FP32_PRECISION: dots on fp32 inputs. "ieee" is exact fp32 FMA (slow, spills on sm90: fp32 inputs are
 #     not the fast path); "tf32x3" would use tensor cores at ~fp32 accuracy.
 #   INV_PRECISION: the 16x16 fp32 products of the triangular inverse's off-diagonal blocks, per input
-#     dtype. A is rounded to the input dtype before w = A (beta exp(G) K), so TF32 products (2^-11) are
-#     far below bf16's rounding (2^-8); fp16 rounds like TF32, so it gets tf32x3 (3 TF32 passes, ~fp32);
+#     dtype. A is rounded to the input dtype before w = A (beta exp(G) K), so TF32 products (relative
+#     rounding 2^-11) are far below bf16's (2^-9); fp16 rounds like TF32, so it gets tf32x3 (~fp32);
 #     fp32 gets exact IEEE. On sm90 "ieee" products lower to FMA loops that cost ~80 registers more
 #     (the bf16 kernel then spills).
 FP32_PRECISION = "ieee"
 INV_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 # The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps, no dots)
 # or "doubling" (4 levels of two 16x16 dots at INV_PRECISION). None: rows on GPU, doubling in the
-# interpreter. Both are exact algorithms; tests run both.
+# interpreter. Both are direct (no series, no approximation); the tests run both.
 INV_METHOD: Optional[str] = None
 # Fuse kernel 3 into kernel 2 (the output computed in the sequential pass from S in registers): saves
 # the h and v_new round trips through HBM (~3 x T x HV x V x 2 bytes + h) at the price of more work on
-# the sequential path. Off until measured on the GPU (benchmark both; see the report).
+# the sequential path. Off until measured on the GPU (benchmark both).
 FUSE_OUTPUT = False
 # Per-kernel config overrides merged over the pinned heuristics, for benchmark sweeps:
 # {"wy": {...}, "state": {...}, "state_fused": {...}, "output": {...}, "recurrent": {...}} with keys
