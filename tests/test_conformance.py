@@ -76,7 +76,8 @@ def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
 
     monkeypatch.setattr(fast, "causal_conv1d", wrong)
     cases, _, _ = runner.collect(True, DEVICE, ["causal_conv1d"], "dense-T63")
-    records = runner.run_all(cases[:1], DEVICE, progress=False)
+    cases = [c for c in cases if c.dtype == torch.float32][:1]     # nextafter has no bf16 CUDA kernel
+    records = runner.run_all(cases, DEVICE, progress=False)
     by_check = {r["check"]: r for r in records}
     assert by_check["y"]["passed"] and not by_check["final_state"]["passed"]
 
