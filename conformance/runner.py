@@ -1,6 +1,6 @@
 """The conformance runner behind ``python -m conformance``.
 
-    python -m conformance [--quick] [--device cpu|cuda] [--json PATH] [--ops a,b] [--cases SUBSTR]
+    python -m conformance [--quick] [--device cpu|cuda] [--json PATH] [--ops a,b] [--cases SUBSTR] [--jobs N]
 
 Collects Cases from ``conformance.cases_prefill`` and (when present) ``conformance.cases_serving``,
 runs each on the device, applies ``conformance.core.evaluate`` to every Check, shows a progress
@@ -15,7 +15,9 @@ import importlib
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Iterable, Optional
@@ -239,7 +241,45 @@ def parse_args(argv=None):
     ap.add_argument("--all-rows", action="store_true", help="summary shows every check, not only failures "
                     "(default: every check when <= 200 rows)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--jobs", type=int, default=None, metavar="N",
+                    help="run the matrix in N worker processes (compiling Triton variants is CPU-bound; "
+                         "default: 8 on cuda, 2 on cpu, never more than the CPU count)")
+    ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)  # a worker's slice
     return ap.parse_args(argv)
+
+
+def run_sharded(argv: list, jobs: int, progress: bool) -> list:
+    """Run ``python -m conformance`` as `jobs` workers, worker i taking cases i, i+jobs, ...; merge
+    their JSON reports. A worker that dies leaves a failure record, never a silent gap."""
+    with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
+        procs = []
+        for i in range(jobs):
+            path = os.path.join(tmp, f"shard{i}.json")
+            cmd = [sys.executable, "-m", "conformance", *argv, "--shard", f"{i}/{jobs}", "--json", path,
+                   "--no-progress", "--jobs", "1"]
+            log = open(os.path.join(tmp, f"shard{i}.log"), "w+")
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log))
+        bar = Progress(jobs) if progress else None
+        records, done = [], 0
+        for proc, path, log in procs:
+            proc.wait()
+            done += 1
+            if bar:
+                bar.update(done, f"worker {done}/{jobs} finished", sum(not r["passed"] for r in records))
+            try:
+                with open(path) as f:
+                    records.extend(json.load(f))
+            except (OSError, ValueError):
+                log.seek(0)
+                tail = log.read()[-2000:]
+                records.append(dict(op="<worker>", case=path, dtype=None, chunk_size=None, draft_steps=None,
+                                    check="<exception>", error=None, ref_error=None, ratio=None, passed=False,
+                                    detail=f"worker exited {proc.returncode} without a report: {tail}",
+                                    seconds=None))
+            log.close()
+        if bar:
+            bar.close()
+    return records
 
 
 def main(argv=None) -> int:
@@ -257,11 +297,24 @@ def main(argv=None) -> int:
     if args.dtypes:
         keep = {d.strip() for d in args.dtypes.split(",")}
         cases = [c for c in cases if _dtype_name(c.dtype) in keep]
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    print(f"conformance: {len(cases)} cases on {device} ({'quick' if args.quick else 'full'} matrix)",
-          file=sys.stderr)
-    records = problems + run_all(cases, device, progress=not args.no_progress)
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        cases, problems = cases[i::n], (problems if i == 0 else [])
+    jobs = args.jobs or (8 if device == "cuda" else 2)
+    jobs = max(1, min(jobs, os.cpu_count() or 1, len(cases)))
+    if not args.shard:
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        print(f"conformance: {len(cases)} cases on {device} ({'quick' if args.quick else 'full'} matrix)"
+              + (f", {jobs} workers" if jobs > 1 else ""), file=sys.stderr)
+    if jobs > 1 and not args.shard:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        passthrough = [a for j, a in enumerate(argv) if a not in ("--json", "--jobs")
+                       and (j == 0 or argv[j - 1] not in ("--json", "--jobs"))]
+        passthrough += ["--device", device]
+        records = problems + run_sharded(passthrough, jobs, progress=not args.no_progress)
+    else:
+        records = problems + run_all(cases, device, progress=not args.no_progress)
     show_all = args.all_rows or len(records) <= 200
     print(format_summary(records, only_failures=not show_all), end="")
     print(totals(records) + f" in {time.perf_counter() - t0:.1f}s")

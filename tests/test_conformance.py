@@ -119,3 +119,14 @@ def test_ops_filter_and_missing_case_modules(monkeypatch):
     assert cases and any("cases_nonexistent" in n for n in notes)
     assert [p["op"] for p in problems] == ["conformance.cases_missing_required"]
     assert not problems[0]["passed"]
+
+
+def test_workers_cover_the_same_checks_as_one_process(tmp_path):
+    """--jobs 2 shards the cases over two worker processes and merges their reports: same checks, same verdicts."""
+    args = ["--quick", "--device", DEVICE, "--ops", "gdn_gating,l2norm", "--no-progress"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert runner.main(args + ["--jobs", "1", "--json", str(one)]) == 0
+    assert runner.main(args + ["--jobs", "2", "--json", str(two)]) == 0
+    key = lambda r: (r["op"], r["case"], r["dtype"], r["check"], r["passed"])  # noqa: E731
+    assert sorted(map(key, _json(one))) == sorted(map(key, _json(two)))
+    assert len(_json(one)) > 4
