@@ -22,7 +22,7 @@ def _json(path):
 
 def test_quick_subset_passes_and_writes_report(tmp_path, capsys):
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", DEVICE, "--ops", SUBSET, "--json", str(path), "--no-progress"])
+    rc = runner.main(["--quick", "--device", DEVICE, "--ops", SUBSET, "--json", str(path), "--no-progress", "--jobs", "1"])
     out = capsys.readouterr().out
     records = _json(path)
     assert rc == 0, out
@@ -40,7 +40,7 @@ def test_chunk_records_carry_chunk_size(tmp_path):
         pytest.skip("fast.chunk_gated_delta_rule not available yet")
     path = tmp_path / "report.json"
     rc = runner.main(["--quick", "--device", DEVICE, "--cases", "chunk_gated_delta_rule/T1-init",
-                      "--dtypes", "float32", "--json", str(path), "--no-progress"])
+                      "--dtypes", "float32", "--json", str(path), "--no-progress", "--jobs", "1"])
     records = _json(path)
     assert {r["chunk_size"] for r in records} == set(cases_prefill.CHUNK_SIZES)
     assert {r["check"] for r in records} == {"o", "final_state"}
@@ -58,7 +58,7 @@ def test_perturbed_fast_result_is_reported_failed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fast, "l2norm", wrong)
     path = tmp_path / "report.json"
-    rc = runner.main(["--quick", "--device", DEVICE, "--ops", "l2norm", "--json", str(path), "--no-progress"])
+    rc = runner.main(["--quick", "--device", DEVICE, "--ops", "l2norm", "--json", str(path), "--no-progress", "--jobs", "1"])
     records = _json(path)
     assert rc != 0
     assert records and not any(r["passed"] for r in records)
