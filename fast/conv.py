@@ -340,9 +340,10 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
     of bf16, 16 B of float32). Compiled for sm_90 that holds the kernel at 56 registers (9
     programs = 36 warps per SM, ~36 KB of loads in flight per SM); 8 channels per thread (BD =
     1024, 16 B vectors) needs ~128 registers (4 programs per SM) for the same bytes in flight.
-    BT = 64 rows ((W-1)/BT = 5% halo re-read), halved while the grid would have fewer than
-    ~1000 programs (short prefills: parallelism over the SMs matters more than the halo), never
-    below 16. prefetch: next 4 rows' loads issued before the current 4 rows' math.
+    BT = 16 rows: the (W-1)/BT = 19% halo re-read hits L2, and the shorter walk wins. Measured on
+    an H200 (Triton 3.6, T=16384, D=8192, bf16, silu; `fast.conv.sweep()`): BT=16 BD=512 4 warps
+    93.7% of a same-size copy, BT=32 91.0%, BT=64 90.8%. prefetch: next 4 rows' loads issued
+    before the current 4 rows' math.
     W > 4, tile kernel (GPU): BD = 256 channels, BT = 32 rows, 8 warps.
     Interpreter: small blocks, fewest programs.
     """
@@ -351,9 +352,7 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
             return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
         BD = max(16, min(512, next_pow2(D)))
         num_warps = max(1, min(4, BD // 128))
-        BT = max(4, min(64, next_pow2(T)))
-        while BT > 16 and cdiv(D, BD) * cdiv(T, BT) < 1024:
-            BT //= 2
+        BT = max(4, min(16, next_pow2(T)))
         return dict(BT=BT, BD=BD, num_warps=num_warps)
     if is_interpreting():
         return dict(BT=max(16, min(64, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
