@@ -49,32 +49,42 @@ from .utils import cdiv, is_interpreting, next_pow2
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
            "conv_config"]
 
-# Tuning overrides for benchmarks/bench_decode.py --sweep (None: the heuristic). Never changed
-# while graphs are captured: a new value is a new compile variant.
+# Tuning overrides for benchmarks/bench_decode.py --sweep (None: the heuristic; keys given here
+# replace the heuristic's). Never changed while graphs are captured: a new value is a new compile variant.
 STEP_CONFIG_OVERRIDE: Optional[dict] = None
+CONV_CONFIG_OVERRIDE: Optional[dict] = None
 
 
-def step_config(K: int, V: int, state_dtype: torch.dtype) -> dict:
-    """Pinned launch config of gdn_step_kernel: BV (V-block) and num_warps.
+def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1) -> dict:
+    """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program).
 
     BV: one row of the [K, BV] state block is 128 bytes (32 float32 / 64 bfloat16 values) so every
     row load is a full cache line; K is kept whole (K <= 256) so each program reads its block once.
     Many programs in flight (N * HV * V / BV) hide latency; the block stays in registers
     (K * BV / (32 * num_warps) values per thread: 32 at K = 128 with 4 warps).
+    HPP heads per program (a divisor of HV): the next head's block loads while one is worked on.
     """
-    if STEP_CONFIG_OVERRIDE is not None:
-        return dict(STEP_CONFIG_OVERRIDE)
     BK = next_pow2(K)
     BV = min(next_pow2(V), max(128 // torch.empty(0, dtype=state_dtype).element_size(), 8))
     if is_interpreting():
-        return dict(BV=min(next_pow2(V), 32), num_warps=1)
-    num_warps = max(1, min(8, BK * BV // 1024))
-    return dict(BV=BV, num_warps=num_warps)
+        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1)
+    else:
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 1024)), HPP=1)
+    if STEP_CONFIG_OVERRIDE is not None:
+        cfg.update(STEP_CONFIG_OVERRIDE)
+    hpp = max(1, int(cfg["HPP"]))
+    while HV % hpp:
+        hpp //= 2
+    cfg["HPP"] = hpp
+    return cfg
 
 
-def conv_config(D: int) -> dict:
-    """Pinned launch config of conv_step_kernel: BD channels per program."""
-    return dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
+def conv_config(D: int, W: int = 4) -> dict:
+    """Pinned launch config of the conv step kernels: BD channels per program."""
+    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
+    if CONV_CONFIG_OVERRIDE is not None:
+        cfg.update(CONV_CONFIG_OVERRIDE)
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,10 +107,110 @@ def conv_step_kernel(
     D,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
+    W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
+    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
+
+    window = the committed W-1 raw inputs (conv_state[slot] at column max(count-1, 0)), held in three
+    [BD] registers r0 (oldest) .. r2 (newest), zero-padded on the left when W < 4; per new token t < L:
+        y_t = act(bias + w[W-4] r0 + w[W-3] r1 + w[W-2] r2 + w[W-1] x_t);  (r0, r1, r2) <- (r1, r2, x_t)
+    conv_state[slot, :, 0 : W-1+L-drop] <- [window, x_0 .. x_{L-1}][drop:]   drop = min(L, 1)
+    snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
+    Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
+    """
+    i_d = tl.program_id(0)
+    i_n = tl.program_id(1)
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
+    count = tl.load(meta + slot * 2, mask=valid, other=0)
+    bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
+    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
+    bank = bank & 1
+    first = i_d == 0
+    tl.store(snap + i_n * 2, count, mask=first)
+    tl.store(snap + i_n * 2 + 1, bank, mask=first)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
+    else:
+        bos = i_n.to(tl.int64)
+        L = bos * 0 + 1
+    L = tl.minimum(tl.maximum(L, 0), TMAX)          # tokens beyond the cache's capacity are not run
+    off = tl.maximum(count - 1, 0).to(tl.int64)
+    drop = tl.minimum(L, 1)
+
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
+    p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
+    p_w = weight + o_d * stride_w_d
+    # register m holds window column W-4+m (relative to off); columns < 0 do not exist (zeros)
+    zero = tl.zeros([BD], dtype=tl.float32)
+    r0 = zero
+    r1 = zero
+    r2 = zero
+    w0 = zero
+    w1 = zero
+    w2 = zero
+    if W >= 4:
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0)
+        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if W >= 3:
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0)
+        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if W >= 2:
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0)
+        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    # the window is rewritten in place after every read of it: each address is read and written by
+    # the thread that owns its channel, in program order. The kept columns move left by `drop`.
+    if W >= 4:
+        tl.store(p_c + (W - 4 - drop) * stride_c_w, r0.to(conv_state.dtype.element_ty),
+                 mask=m_dv & _as_block(W - 4 - drop >= 0, o_d))
+    if W >= 3:
+        tl.store(p_c + (W - 3 - drop) * stride_c_w, r1.to(conv_state.dtype.element_ty),
+                 mask=m_dv & _as_block(W - 3 - drop >= 0, o_d))
+    if W >= 2:
+        tl.store(p_c + (W - 2 - drop) * stride_c_w, r2.to(conv_state.dtype.element_ty),
+                 mask=m_dv & _as_block(W - 2 - drop >= 0, o_d))
+    r0 = r0.to(tl.float32)
+    r1 = r1.to(tl.float32)
+    r2 = r2.to(tl.float32)
+    for t in tl.static_range(TMAX):
+        live = L > t
+        x_raw = tl.load(x + (bos + t) * stride_x_t + o_d * stride_x_d, mask=m_d & _as_block(live, o_d), other=0)
+        x_t = x_raw.to(tl.float32)
+        acc = w3 * x_t + w2 * r2 + w1 * r1 + w0 * r0
+        if HAS_BIAS:
+            acc += b_bias
+        if SILU:
+            # silu = y * sigmoid(y); exp(-y) overflows to inf for y << 0 and y / inf = -0: no NaN.
+            acc = acc / (1 + tl.exp(-acc))
+        tl.store(y + (bos + t) * D + o_d, acc.to(y.dtype.element_ty), mask=m_d & _as_block(live, o_d))
+        # raw input t goes to column W-1+t-drop = W-2+t (live tokens imply drop == 1);
+        # W-2+t < W-2+TMAX <= W-1+max_draft = CW: always inside the cache's columns. (W = 1: x_0 is dropped.)
+        if W - 2 + t >= 0:
+            tl.store(p_c + (W - 2 + t) * stride_c_w, x_raw.to(conv_state.dtype.element_ty),
+                     mask=m_dv & _as_block(live, o_d))
+        r0 = r1
+        r1 = r2
+        r2 = x_t
+
+
+@triton.jit
+def conv_step_any_w_kernel(
+    x, weight, bias, y, conv_state, meta, snap, state_indices, cu_seqlens,
+    D,
+    stride_x_t, stride_x_d, stride_w_d, stride_w_w,
+    stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """One program: channels [i_d*BD, +BD) of request i_n.
+    """conv_step_kernel for any conv width W (W > 4): the window and tokens as one [BD, SP] block.
 
     seq = [committed window (W-1 columns from conv_state at max(count-1, 0)), x_0 .. x_{L-1}]
     y_t = act(bias + sum_j weight[:, j] seq[t + j])          for t < L   (y: [T, D] contiguous)
@@ -164,6 +274,41 @@ def conv_step_kernel(
 
 
 @triton.jit
+def _token_inputs(y, a, b, t, live, i_h, i_hv, o_k, o_v, m_k, m_v,
+                  stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Raw inputs of new token t (row t of y, a, b) for q/k head i_h, value head i_hv: (q, k, v, a, b).
+    Nothing is loaded when ``live`` is false (zeros)."""
+    p_y = y + t * stride_y_t
+    m_kl = m_k & _as_block(live, o_k)
+    b_q = tl.load(p_y + i_h * K + o_k, mask=m_kl, other=0)
+    b_k = tl.load(p_y + H * K + i_h * K + o_k, mask=m_kl, other=0)
+    b_v = tl.load(p_y + 2 * H * K + i_hv * V + o_v, mask=m_v & _as_block(live, o_v), other=0)
+    b_a = tl.load(a + t * stride_a_t + i_hv * stride_a_h, mask=live, other=0)
+    b_b = tl.load(b + t * stride_b_t + i_hv * stride_b_h, mask=live, other=0)
+    return b_q, b_k, b_v, b_a, b_b
+
+
+@triton.jit
+def _pending_inputs(pk, pv, pg, pbeta, row, live, i_h, i_hv, o_k, o_v, m_k, m_v,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Kept inputs of pending token row ``row`` (of the [S*2*TCAP] token rows): (k, v, g, beta)."""
+    b_k = tl.load(pk + (row * H + i_h) * K + o_k, mask=m_k & _as_block(live, o_k), other=0)
+    b_v = tl.load(pv + (row * HV + i_hv) * V + o_v, mask=m_v & _as_block(live, o_v), other=0)
+    b_g = tl.load(pg + row * HV + i_hv, mask=live, other=0)
+    b_beta = tl.load(pbeta + row * HV + i_hv, mask=live, other=0)
+    return b_k, b_v, b_g, b_beta
+
+
+@triton.jit
+def _delta_rule(b_s, b_k, b_v, b_g, b_beta):
+    """One token on a [BK, BV] float32 state block:  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T."""
+    b_s = b_s * tl.exp(b_g)                              # g <= 0: exp never overflows
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+    return b_s + b_k[:, None] * b_u[None, :]
+
+
+@triton.jit
 def gdn_step_kernel(
     y, a, b, A_log, dt_bias, o,
     ssm, pk, pv, pg, pbeta, meta, snap, state_indices, cu_seqlens,
@@ -171,26 +316,39 @@ def gdn_step_kernel(
     stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
     VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr,
 ):
-    """One program: value columns [i_v*BV, +BV) of value head i_hv of request i_n.
+    """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
     y: [T, D] conv outputs (q | k | v channels); a, b: [T, HV]; o: [T, HV, V] contiguous.
     ssm: [S, HV, K, V] (unit stride in V); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
     pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (count, bank) before the step.
 
+    Per value head:
         S <- ssm[slot]; for the count pending tokens: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T
         verify (KEEP_PENDING): ssm[slot] <- S if count; new tokens -> o, their inputs -> bank 1-bank
         decode: new tokens -> o; ssm[slot] <- S
+    Latency: the state block of the next head is loaded while this one is worked on (HPP > 1), and
+    each token's inputs are loaded one token ahead, so no load waits behind a reduction.
     """
     i_v = tl.program_id(0)
-    i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
-    i_h = i_hv // (HV // H)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     valid = slot >= 0
     slot = tl.maximum(slot, 0)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_vv = m_v & _as_block(valid, o_v)
+    m_s = m_k[:, None] & m_vv[None, :]
+    # the state block of the first head: the one read of it, issued before anything else
+    i_hv = tl.program_id(1) * HPP
+    p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+    b_next = tl.load(p_s, mask=m_s, other=0)
+
     count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
     bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
     if VARLEN:
@@ -200,70 +358,76 @@ def gdn_step_kernel(
         bos = i_n.to(tl.int64)
         L = bos * 0 + 1
     L = tl.minimum(tl.maximum(L, 0), TMAX)
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_vv = m_v & _as_block(valid, o_v)
-    m_s = m_k[:, None] & m_vv[None, :]
-    p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    # the one read of the state block; float32 from here on (bf16 states are rounded once, at the store)
-    b_s = tl.load(p_s, mask=m_s, other=0).to(tl.float32)
-
-    # 1. fold the pending tokens (accepted inputs kept by the previous verify) into the state
     pb = (slot * 2 + bank) * TCAP                     # token row 0 of the pending bank
-    for i in range(0, count):
-        b_k = tl.load(pk + ((pb + i) * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_vv = tl.load(pv + ((pb + i) * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_g = tl.load(pg + (pb + i) * HV + i_hv).to(tl.float32)
-        b_beta = tl.load(pbeta + (pb + i) * HV + i_hv).to(tl.float32)
-        b_s = b_s * tl.exp(b_g)                        # g <= 0: exp never overflows
-        b_u = b_beta * (b_vv - tl.sum(b_s * b_k[:, None], axis=0))
-        b_s = b_s + b_k[:, None] * b_u[None, :]
-    if KEEP_PENDING:
-        # verify: the committed state (accepted prefix included) is written once, before the drafts
-        tl.store(p_s, b_s.to(ssm.dtype.element_ty), mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
-
-    # 2. the new tokens: gating, l2norm, delta rule, output
-    b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
     nb = (slot * 2 + (1 - bank)) * TCAP               # token row 0 of the other bank
-    own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
-    own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
-    for i in range(0, L):
-        t = bos + i
-        p_y = y + t * stride_y_t
-        b_q = tl.load(p_y + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(p_y + H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_vv = tl.load(p_y + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_x = tl.load(a + t * stride_a_t + i_hv * stride_a_h).to(tl.float32) + b_dt
-        # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
-        b_sp = tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
-        b_g = b_A * b_sp
-        # sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)
-        b_beta = 1 / (1 + tl.exp(-tl.load(b + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)))
-        b_s = b_s * tl.exp(b_g)
-        b_u = b_beta * (b_vv.to(tl.float32) - tl.sum(b_s * b_k[:, None], axis=0))
-        b_s = b_s + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)
-        b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
-        tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if KEEP_PENDING:
-            tl.store(pk + ((nb + i) * H + i_h) * K + o_k, b_k.to(pk.dtype.element_ty), mask=m_k & _as_block(own_k, o_k))
-            tl.store(pv + ((nb + i) * HV + i_hv) * V + o_v, b_vv.to(pv.dtype.element_ty), mask=m_vv)
-            tl.store(pg + (nb + i) * HV + i_hv, b_g.to(pg.dtype.element_ty), mask=own_gb)
-            tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
+    zero = i_n * 0                                    # (a tensor 0: comparisons with loop ints stay tensors)
 
-    own_meta = valid & (i_v == 0) & (i_hv == 0)
+    for j in tl.static_range(HPP):
+        i_hv = tl.program_id(1) * HPP + j
+        i_h = i_hv // (HV // H)
+        # prologue loads, all independent of the state: first pending token, first new token
+        n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb, count > 0, i_h, i_hv, o_k, o_v,
+                                                    m_k, m_v, H, HV, K, V)
+        n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                                stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
+        b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
+        b_cur = b_next
+        if j + 1 < HPP:
+            # the next head's block: in flight while this head is worked on
+            b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
+        b_s = b_cur.to(tl.float32)                   # bf16 states: rounded once, at the store
+
+        # 1. fold the pending tokens (accepted inputs kept by the previous verify) into the state
+        for i in range(0, count):
+            c_k, c_v, c_g, c_beta = n_pk, n_pv, n_pg, n_pbeta
+            n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb + i + 1, zero + i + 1 < count,
+                                                        i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V)
+            b_s = _delta_rule(b_s, c_k.to(tl.float32), c_v.to(tl.float32), c_g.to(tl.float32),
+                              c_beta.to(tl.float32))
+        if KEEP_PENDING:
+            # verify: the committed state (accepted prefix included) is written once, before the drafts
+            tl.store(p_s, b_s.to(ssm.dtype.element_ty),
+                     mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
+
+        # 2. the new tokens: gating, l2norm, delta rule, output
+        own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
+        own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
+        for i in range(0, L):
+            t = bos + i
+            c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
+            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                                    stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
+            b_q = c_q.to(tl.float32)
+            b_k = c_k.to(tl.float32)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_x = c_a.to(tl.float32) + b_dt
+            # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
+            b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
+            # sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)
+            b_beta = 1 / (1 + tl.exp(-c_b.to(tl.float32)))
+            b_s = _delta_rule(b_s, b_k, c_v.to(tl.float32), b_g, b_beta)
+            b_o = tl.sum(b_s * b_q[:, None], axis=0)
+            b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
+            tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+            if KEEP_PENDING:
+                tl.store(pk + ((nb + i) * H + i_h) * K + o_k, b_k.to(pk.dtype.element_ty),
+                         mask=m_k & _as_block(own_k, o_k))
+                tl.store(pv + ((nb + i) * HV + i_hv) * V + o_v, c_v.to(pv.dtype.element_ty), mask=m_vv)
+                tl.store(pg + (nb + i) * HV + i_hv, b_g.to(pg.dtype.element_ty), mask=own_gb)
+                tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
+        if not KEEP_PENDING:
+            # decode / materialize: the one write of the state block (skipped when nothing changed)
+            tl.store(p_s, b_s.to(ssm.dtype.element_ty),
+                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+        p_s += stride_s_h
+
+    own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
     if KEEP_PENDING:
         tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
         tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32), mask=own_meta)
     else:
-        # decode / materialize: the one write of the state block (skipped when nothing changed)
-        tl.store(p_s, b_s.to(ssm.dtype.element_ty), mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
@@ -298,29 +462,33 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     snap = torch.empty(N, 2, dtype=torch.int32, device=dev)         # (count, bank) before the step
     if N == 0:
         return o
-    cc = conv_config(D)
+    cc = conv_config(D, W)
     cs = cache.conv_state
-    conv_step_kernel[(cdiv(D, cc["BD"]), N)](
+    conv_kw = dict(W=W, CW=cs.shape[2], TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
+                   SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
+    if W <= 4:
+        conv_kernel = conv_step_kernel
+    else:
+        conv_kernel, conv_kw["SP"] = conv_step_any_w_kernel, next_pow2(W - 1 + TMAX)
+    conv_kernel[(cdiv(D, cc["BD"]), N)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
         state_indices, cu_seqlens if varlen else state_indices,
         D,
         mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
         cs.stride(0), cs.stride(1), cs.stride(2),
-        W=W, CW=cs.shape[2], TCAP=TC, TMAX=TMAX, SP=next_pow2(W - 1 + TMAX), BD=cc["BD"],
-        VARLEN=varlen, SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
-        num_warps=cc["num_warps"],
+        **conv_kw,
     )
-    sc = step_config(K, V, cache.ssm_state.dtype)
-    BV = sc["BV"]
+    sc = step_config(K, V, cache.ssm_state.dtype, HV)
+    BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
-    gdn_step_kernel[(cdiv(V, BV), HV, N)](
+    gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
         y, a, b, A_log, dt_bias, o,
         s, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
         state_indices, cu_seqlens if varlen else state_indices,
         float(K ** -0.5 if scale is None else scale),
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
-        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX,
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
         VARLEN=varlen, KEEP_PENDING=mode == "verify",
         num_warps=sc["num_warps"],
     )

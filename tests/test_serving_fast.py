@@ -72,6 +72,44 @@ def test_strided_conv_state_and_inputs():
     assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5], ids=lambda w: f"W{w}")
+def test_conv_widths(W):
+    """Every conv width: W <= 4 runs the register sliding-window conv kernel, W > 4 the general one;
+    outputs, conv window (exact) and states as refgdn through verify / accept / decode / materialize."""
+    H, HV, K, V, S = 1, 2, 8, 8, 3
+    D = 2 * H * K + HV * V
+    base = make_cache(S, H, HV, K, V, W, 3, seed=50 + W, state_dtype=torch.float32, act_dtype=torch.float32)
+    c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=60 + W), torch.float32, "cpu")
+    sched = [("verify", [3, 4], [2, 4]), ("decode", [1, 1], None), ("verify", [2, 0], [1, 1]),
+             ("verify", [4, 1], [3, 1]), ("materialize", [0, 0], None)]
+    outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32)
+    for o_r, o_f in outs:
+        if o_r is not None:
+            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
+    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
+
+
+@pytest.mark.parametrize("cfg", [dict(HPP=2), dict(HPP=4, BV=4), dict(HPP=3)], ids=["hpp2", "hpp4-bv4", "hpp3"])
+def test_heads_per_program(cfg, monkeypatch):
+    """Several value heads per step program (next head's state prefetched); HPP=3 falls back to a
+    divisor of HV. Same results as refgdn."""
+    monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", cfg)
+    H, HV, K, V, W, S = 2, 4, 8, 8, 4, 4
+    D = 2 * H * K + HV * V
+    base = make_cache(S, H, HV, K, V, W, 2, seed=70, state_dtype=torch.float32, act_dtype=torch.float32)
+    c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=71), torch.float32, "cpu")
+    sched = [("verify", [3, 2, 1], [2, 2, 1]), ("verify", [1, 3, 2], [1, 3, 1]), ("decode", [1, 1, 1], None)]
+    outs = _run_both(c_ref, c_fast, layer, _to(layer), [3, -1, 1], sched, HV, D, torch.float32)
+    for o_r, o_f in outs:
+        torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
+
+
 def test_bf16_state_storage():
     """bfloat16 ssm state with float32 activations: fast rounds at the same points as refgdn."""
     H, HV, K, V, W = 2, 4, 16, 16, 4
