@@ -55,21 +55,27 @@ STEP_CONFIG_OVERRIDE: Optional[dict] = None
 CONV_CONFIG_OVERRIDE: Optional[dict] = None
 
 
-def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1) -> dict:
-    """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program).
+def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode") -> dict:
+    """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
+    fold (decay folded into a scalar).
 
-    BV: one row of the [K, BV] state block is 128 bytes (32 float32 / 64 bfloat16 values) so every
-    row load is a full cache line; K is kept whole (K <= 256) so each program reads its block once.
-    Many programs in flight (N * HV * V / BV) hide latency; the block stays in registers
-    (K * BV / (32 * num_warps) values per thread: 32 at K = 128 with 4 warps).
+    K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
+    registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
+    decode is memory-bound: 32 KB blocks over 4 warps ([K, 64] float32, [K, 128] bfloat16 at K = 128)
+    keep the most bytes in flight; verify does 2-3 flops per state element per token (compute-bound):
+    [K, 32] blocks in one warp, where the reductions over K are shuffles (no shared memory, no barrier).
     HPP heads per program (a divisor of HV): the next head's block loads while one is worked on.
     """
     BK = next_pow2(K)
-    BV = min(next_pow2(V), max(128 // torch.empty(0, dtype=state_dtype).element_size(), 8))
     if is_interpreting():
-        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1)
+        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True)
+    elif mode == "verify":
+        BV = min(next_pow2(V), 32)
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True)
     else:
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 1024)), HPP=1)
+        elem = torch.empty(0, dtype=state_dtype).element_size()
+        BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
     if STEP_CONFIG_OVERRIDE is not None:
         cfg.update(STEP_CONFIG_OVERRIDE)
     hpp = max(1, int(cfg["HPP"]))
@@ -107,7 +113,7 @@ def conv_step_kernel(
     D,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
-    W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
+    W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
@@ -118,19 +124,23 @@ def conv_step_kernel(
     conv_state[slot, :, 0 : W-1+L-drop] <- [window, x_0 .. x_{L-1}][drop:]   drop = min(L, 1)
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
+
+    Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
+    tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
+    window's reads need not wait for the count, measured slower on an H200: the column extraction
+    and layout changes cost more than the dependent load.)
     """
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     valid = slot >= 0
     slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
+    p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
     count = tl.load(meta + slot * 2, mask=valid, other=0)
     bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
-    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-    bank = bank & 1
-    first = i_d == 0
-    tl.store(snap + i_n * 2, count, mask=first)
-    tl.store(snap + i_n * 2 + 1, bank, mask=first)
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
@@ -138,13 +148,26 @@ def conv_step_kernel(
         bos = i_n.to(tl.int64)
         L = bos * 0 + 1
     L = tl.minimum(tl.maximum(L, 0), TMAX)          # tokens beyond the cache's capacity are not run
+    # the new tokens' raw inputs: up to 4 in flight (p0 is token t, p1 token t+1, ...)
+    p_x = x + bos * stride_x_t + o_d * stride_x_d
+    p0 = tl.load(p_x, mask=m_d & _as_block(L > 0, o_d), other=0)
+    p1 = p0
+    p2 = p0
+    p3 = p0
+    if TMAX > 1:
+        p1 = tl.load(p_x + stride_x_t, mask=m_d & _as_block(L > 1, o_d), other=0)
+    if TMAX > 2:
+        p2 = tl.load(p_x + 2 * stride_x_t, mask=m_d & _as_block(L > 2, o_d), other=0)
+    if TMAX > 3:
+        p3 = tl.load(p_x + 3 * stride_x_t, mask=m_d & _as_block(L > 3, o_d), other=0)
+    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
+    bank = bank & 1
+    first = i_d == 0
+    tl.store(snap + i_n * 2, count, mask=first)
+    tl.store(snap + i_n * 2 + 1, bank, mask=first)
     off = tl.maximum(count - 1, 0).to(tl.int64)
     drop = tl.minimum(L, 1)
 
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
-    p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
     p_w = weight + o_d * stride_w_d
     # register m holds window column W-4+m (relative to off); columns < 0 do not exist (zeros)
     zero = tl.zeros([BD], dtype=tl.float32)
@@ -155,19 +178,21 @@ def conv_step_kernel(
     w1 = zero
     w2 = zero
     if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0)
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0)
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0)
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
-    # the window is rewritten in place after every read of it: each address is read and written by
-    # the thread that owns its channel, in program order. The kept columns move left by `drop`.
+    # the window is rewritten in place after every read of it: each column element is loaded and
+    # stored by the thread that owns its channel (one [BD] layout), in program order. The kept
+    # columns move left by `drop`; raw inputs are stored in the cache's dtype (the float32 registers
+    # hold them exactly).
     if W >= 4:
         tl.store(p_c + (W - 4 - drop) * stride_c_w, r0.to(conv_state.dtype.element_ty),
                  mask=m_dv & _as_block(W - 4 - drop >= 0, o_d))
@@ -177,12 +202,14 @@ def conv_step_kernel(
     if W >= 2:
         tl.store(p_c + (W - 2 - drop) * stride_c_w, r2.to(conv_state.dtype.element_ty),
                  mask=m_dv & _as_block(W - 2 - drop >= 0, o_d))
-    r0 = r0.to(tl.float32)
-    r1 = r1.to(tl.float32)
-    r2 = r2.to(tl.float32)
     for t in tl.static_range(TMAX):
         live = L > t
-        x_raw = tl.load(x + (bos + t) * stride_x_t + o_d * stride_x_d, mask=m_d & _as_block(live, o_d), other=0)
+        x_raw = p0
+        p0 = p1
+        p1 = p2
+        p2 = p3
+        if t + 4 < TMAX:
+            p3 = tl.load(p_x + (t + 4) * stride_x_t, mask=m_d & _as_block(L > t + 4, o_d), other=0)
         x_t = x_raw.to(tl.float32)
         acc = w3 * x_t + w2 * r2 + w1 * r1 + w0 * r0
         if HAS_BIAS:
@@ -265,7 +292,9 @@ def conv_step_any_w_kernel(
             acc = acc / (1 + tl.exp(-acc))
         tl.store(y + (bos + t) * D + o_d, acc.to(y.dtype.element_ty), mask=m_d & _as_block(L > t, o_d))
 
-    # new window, in place: every address written here was read above by this program only
+    # new window, in place: every address written here was read above by this program only, maybe by
+    # another thread (the [BD, SP] layouts of the loads and of seq may differ): order loads before stores
+    tl.debug_barrier()
     drop = tl.minimum(L, 1)
     dst = c - drop
     m_w = (c >= drop) & (c < W - 1 + L) & (dst < CW)
@@ -309,6 +338,17 @@ def _delta_rule(b_s, b_k, b_v, b_g, b_beta):
 
 
 @triton.jit
+def _fold_decay(b_s, c, b_g):
+    """Decay folded into a scalar: the true state is c * S'. Returns (S', c * exp(g)); S' itself is
+    scaled (and c reset to 1) only when the product would fall under 2^-64, so u / c stays finite."""
+    ca = c * tl.exp(b_g)                                 # g <= 0: exp never overflows
+    if ca < 5.421010862427522e-20:                       # 2^-64
+        b_s = b_s * ca
+        ca = ca * 0 + 1.0
+    return b_s, ca
+
+
+@triton.jit
 def gdn_step_kernel(
     y, a, b, A_log, dt_bias, o,
     ssm, pk, pv, pg, pbeta, meta, snap, state_indices, cu_seqlens,
@@ -317,7 +357,7 @@ def gdn_step_kernel(
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr,
+    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
@@ -331,6 +371,11 @@ def gdn_step_kernel(
         decode: new tokens -> o; ssm[slot] <- S
     Latency: the state block of the next head is loaded while this one is worked on (HPP > 1), and
     each token's inputs are loaded one token ahead, so no load waits behind a reduction.
+
+    FOLD (arithmetic per token and state element: 2 for a pending token, 3 for a new one, 2 for the
+    last draft, whose state verify never keeps): the block holds S' with S = c S' (c a scalar), so
+    the decay costs one scalar multiply:  c <- c exp(g);  u = beta (v - c S'^T k);  S' += k (u / c)^T;
+    o = c S'_prev^T q + (k . q) u  (both reductions read the block once, before its update).
     """
     i_v = tl.program_id(0)
     i_n = tl.program_id(2)
@@ -377,17 +422,27 @@ def gdn_step_kernel(
             # the next head's block: in flight while this head is worked on
             b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
         b_s = b_cur.to(tl.float32)                   # bf16 states: rounded once, at the store
+        if FOLD:
+            c = (i_n * 0).to(tl.float32) + 1.0       # the state is c * b_s
+        else:
+            c = 1.0                                  # (b_s * 1.0 folds away)
 
         # 1. fold the pending tokens (accepted inputs kept by the previous verify) into the state
         for i in range(0, count):
             c_k, c_v, c_g, c_beta = n_pk, n_pv, n_pg, n_pbeta
             n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb + i + 1, zero + i + 1 < count,
                                                         i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V)
-            b_s = _delta_rule(b_s, c_k.to(tl.float32), c_v.to(tl.float32), c_g.to(tl.float32),
-                              c_beta.to(tl.float32))
+            if FOLD:
+                b_kf = c_k.to(tl.float32)
+                b_s, c = _fold_decay(b_s, c, c_g.to(tl.float32))
+                b_u = c_beta.to(tl.float32) * (c_v.to(tl.float32) - c * tl.sum(b_s * b_kf[:, None], axis=0))
+                b_s = b_s + b_kf[:, None] * (b_u / c)[None, :]
+            else:
+                b_s = _delta_rule(b_s, c_k.to(tl.float32), c_v.to(tl.float32), c_g.to(tl.float32),
+                                  c_beta.to(tl.float32))
         if KEEP_PENDING:
             # verify: the committed state (accepted prefix included) is written once, before the drafts
-            tl.store(p_s, b_s.to(ssm.dtype.element_ty),
+            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
                      mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
 
         # 2. the new tokens: gating, l2norm, delta rule, output
@@ -407,8 +462,18 @@ def gdn_step_kernel(
             b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
             # sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)
             b_beta = 1 / (1 + tl.exp(-c_b.to(tl.float32)))
-            b_s = _delta_rule(b_s, b_k, c_v.to(tl.float32), b_g, b_beta)
-            b_o = tl.sum(b_s * b_q[:, None], axis=0)
+            if FOLD:
+                b_s, c = _fold_decay(b_s, c, b_g)
+                b_u = b_beta * (c_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
+                b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
+                if KEEP_PENDING:
+                    if zero + i + 1 < L:                     # the last draft's state is never used
+                        b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
+                else:
+                    b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
+            else:
+                b_s = _delta_rule(b_s, b_k, c_v.to(tl.float32), b_g, b_beta)
+                b_o = tl.sum(b_s * b_q[:, None], axis=0)
             b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
             tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
             if KEEP_PENDING:
@@ -419,7 +484,7 @@ def gdn_step_kernel(
                 tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
         if not KEEP_PENDING:
             # decode / materialize: the one write of the state block (skipped when nothing changed)
-            tl.store(p_s, b_s.to(ssm.dtype.element_ty),
+            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
                      mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         p_s += stride_s_h
 
@@ -464,12 +529,13 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         return o
     cc = conv_config(D, W)
     cs = cache.conv_state
-    conv_kw = dict(W=W, CW=cs.shape[2], TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
+    conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
                    SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
     if W <= 4:
         conv_kernel = conv_step_kernel
     else:
-        conv_kernel, conv_kw["SP"] = conv_step_any_w_kernel, next_pow2(W - 1 + TMAX)
+        conv_kernel = conv_step_any_w_kernel
+        conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
     conv_kernel[(cdiv(D, cc["BD"]), N)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
         state_indices, cu_seqlens if varlen else state_indices,
@@ -478,7 +544,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         cs.stride(0), cs.stride(1), cs.stride(2),
         **conv_kw,
     )
-    sc = step_config(K, V, cache.ssm_state.dtype, HV)
+    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode)
     BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
     gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
@@ -489,7 +555,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        VARLEN=varlen, KEEP_PENDING=mode == "verify",
+        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
         num_warps=sc["num_warps"],
     )
     return o

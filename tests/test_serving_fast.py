@@ -110,6 +110,28 @@ def test_heads_per_program(cfg, monkeypatch):
     assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-decay", "explicit-decay"])
+def test_extreme_decay(fold, monkeypatch):
+    """Decays from none (g = 0) to total (exp(g) underflows to 0) over the value heads: the folded
+    decay's rescaling (c < 2^-64) and the explicit form both match refgdn."""
+    monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", dict(fold=fold))
+    H, HV, K, V, W, S = 1, 4, 8, 8, 4, 3
+    D = 2 * H * K + HV * V
+    base = make_cache(S, H, HV, K, V, W, 3, seed=80, state_dtype=torch.float32, act_dtype=torch.float32)
+    c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=81), torch.float32, "cpu")
+    # g = -exp(A_log) softplus(a + dt_bias): A_log = -30 -> g ~ 0; 1.5 -> g ~ -4.5 per token; 5 -> g < -100
+    layer["A_log"] = torch.tensor([-30.0, 1.5, 3.0, 5.0])
+    layer["dt_bias"] = torch.tensor([0.0, 0.0, 1.0, 3.0])
+    sched = [("verify", [4, 3], [4, 2]), ("verify", [4, 4], [3, 4]), ("decode", [1, 1], None),
+             ("verify", [2, 4], [1, 3]), ("materialize", [0, 0], None)]
+    outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32)
+    for o_r, o_f in outs:
+        if o_r is not None:
+            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-4, atol=1e-5)
+
+
 def test_bf16_state_storage():
     """bfloat16 ssm state with float32 activations: fast rounds at the same points as refgdn."""
     H, HV, K, V, W = 2, 4, 16, 16, 4
