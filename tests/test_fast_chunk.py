@@ -8,6 +8,8 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fast
 import refgdn
@@ -113,21 +115,34 @@ def test_chunk_varlen_matches_per_sequence_calls():
         torch.testing.assert_close(s[n:n + 1], s_n, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("bt,dtype,varlen", [(64, torch.float32, False), (16, torch.float16, False),
-                                              (32, torch.float32, True)],
-                         ids=["BT64-fp32", "BT16-fp16", "BT32-fp32-varlen"])
-def test_chunk_fused_output(bt, dtype, varlen, monkeypatch):
-    """FUSE_OUTPUT: kernel 3 folded into the sequential state pass."""
-    monkeypatch.setattr(fc, "FUSE_OUTPUT", True)
-    if varlen:
-        lens = [0, 1, 50, 30]
-        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
-        low, hi = _inputs(1, sum(lens), 1, 2, 16, 24, dtype, seed=7, init=True, N=len(lens))
-        kw = dict(cu_seqlens=cu)
-    else:
-        low, hi = _inputs(2, 70, 2, 4, 24, 16, dtype, seed=8, init=True)
-        kw = dict(use_qk_l2norm_in_kernel=True)
-    _compare_op("chunk-fused", _chunk(bt), _ref_chunk(bt), low, hi, dtype, **kw)
+@pytest.mark.parametrize("bt,dtype", [(64, torch.float32), (32, torch.float16)], ids=["BT64-fp32", "BT32-fp16"])
+def test_chunk_config_variants(bt, dtype, monkeypatch):
+    """Non-default configs: several V-blocks in the state and output kernels (BV < V, the last one
+    partly masked), with l2norm and GVA."""
+    monkeypatch.setattr(fc, "CONFIG_OVERRIDES", {"state": dict(BV=16), "output": dict(BV=16)})
+    low, hi = _inputs(1, 70, 1, 2, 40, 24, dtype, seed=21, init=True)
+    _compare_op("chunk-variants", _chunk(bt), _ref_chunk(bt), low, hi, dtype, use_qk_l2norm_in_kernel=True)
+
+
+@triton.jit
+def _exp_kernel(x, y, n, PRECISE: tl.constexpr):
+    o = tl.program_id(0) * 256 + tl.arange(0, 256)
+    tl.store(y + o, fc._exp(tl.load(x + o, mask=o < n, other=0.0), PRECISE), mask=o < n)
+
+
+def test_precise_exp():
+    """fast.chunk._exp(PRECISE), the range-reduced fp32 exp, against float64: a few ulp over the whole
+    range, 0 below -87, inf past 88.73, nan kept."""
+    x = torch.cat([torch.linspace(-100, 95, 3000), torch.linspace(-1, 1, 1000),
+                   torch.tensor([0.0, -0.0, float("-inf"), float("inf"), float("nan"), -87.0, 88.7])]).to(DEV)
+    y = torch.empty_like(x)
+    _exp_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), True)
+    t = x.double().exp()
+    ok = (x >= -87) & (x < 88.72)
+    rel = ((y.double() - t).abs() / t)[ok]
+    assert rel.max().item() < 8 * 2.0 ** -24
+    assert torch.all(y[(x < -87)] == 0) and torch.all(torch.isinf(y[x > 88.73]))
+    assert torch.isnan(y[x.isnan()]).all()
 
 
 def test_chunk_all_sequences_empty():
