@@ -22,10 +22,10 @@ except Exception as e:
 PY
 rc=0
 if [[ $steps == *all* || $steps == *tests* ]]; then
-  python3 -m pytest -q -x -n 4 tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *all* || $steps == *conformance* ]]; then
-  python3 -m conformance --device cuda --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
+  timeout 300 python3 -m conformance --device cuda --jobs 8 --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
   rc=$((rc | ${PIPESTATUS[0]})); tail -5 "$OUT/conformance.err"
 fi
 if [[ $steps == *all* || $steps == *bench* ]]; then
