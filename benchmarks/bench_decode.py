@@ -26,7 +26,8 @@ fla's bytes: read initial state in its dtype + write the float32 final state (no
 N = 256, float32 state >= 90 % (fla: 373 us, 69 % on an H200).
 
 ``python -m benchmarks.bench_decode [--sweep]``: --sweep adds a (BV x num_warps) table of the
-step kernel's pinned config (fast.serving.step_config) at N = 256.
+step kernel's pinned config (fast.serving.step_config; decode and verify have their own, marked *)
+at N = 256.
 """
 from __future__ import annotations
 
@@ -252,7 +253,8 @@ def config_sweep(device: str = "cuda", shape=None) -> list:
     gbs = common.copy_bandwidth_gbs(device) if device.startswith("cuda") else float("nan")
     N = VERIFY_N
     rows = []
-    default = fs.step_config(K if shape is None else shape[2], V if shape is None else shape[3], torch.float32)
+    kd, vd = (K, V) if shape is None else (shape[2], shape[3])
+    default = {k: fs.step_config(kd, vd, torch.float32, mode="decode" if k == 0 else "verify") for k in (0, 3)}
     try:
         for BV in (8, 16, 32, 64):
             for nw in (1, 2, 4, 8):
@@ -263,7 +265,7 @@ def config_sweep(device: str = "cuda", shape=None) -> list:
                     ms = common.bench(fn)
                     rows.append(_row("decode" if k == 0 else "verify+accept", "fast", N, k, torch.float32, ms,
                                      traffic_bytes(N, k, torch.float32, shape=p["shape"]), gbs, BV=BV, warps=nw,
-                                     default="*" if (BV, nw) == (default["BV"], default["num_warps"]) else ""))
+                                     default="*" if (BV, nw) == (default[k]["BV"], default[k]["num_warps"]) else ""))
                     del p
     finally:
         fs.STEP_CONFIG_OVERRIDE = None

@@ -14,11 +14,17 @@ A step is two launches:
 1. ``conv_step_kernel``, grid (D-blocks, N): reads the committed conv window (it starts at column
    ``max(count-1, 0)`` of ``conv_state[slot]``), convolves the request's new raw inputs, writes the
    conv outputs and the new window (oldest dropped), and snapshots the slot's ``(count, bank)`` into
-   a per-request buffer for launch 2.
-2. ``gdn_step_kernel``, grid (V-blocks, HV, N): one program owns a ``[K, BV]`` block of one slot's
-   state, in registers for the whole step: one read, the pending tokens re-applied, one write, the
-   new tokens' gating (from raw a, b), l2norm and delta rule, outputs. Verify stores the new tokens'
-   inputs into the other pending bank and the new ``(count, bank)``; decode commits everything.
+   a per-request buffer for launch 2. Conv width W <= 4: a sliding window of [BD] registers;
+   ``conv_step_any_w_kernel`` for wider convs.
+2. ``gdn_step_kernel``, grid (V-blocks, HV / HPP, N): one program owns a ``[K, BV]`` block of one
+   slot's state (for HPP value heads in turn), in registers for the whole step: one read, the
+   pending tokens re-applied, one write, the new tokens' gating (from raw a, b), l2norm and delta
+   rule, outputs. Verify stores the new tokens' inputs into the other pending bank and the new
+   ``(count, bank)``; decode commits everything. The decay is folded into a scalar (see the kernel).
+
+Performance (H200, Qwen3-Next shape, N = 256; benchmarks/bench_decode.py): decode moves the state
+at ~94 % of copy bandwidth in the step kernel (memory-bound: big blocks, many bytes in flight);
+verify is bound by the per-token arithmetic and latency (small one-warp blocks, reductions by shuffles).
 
 Why the snapshot: every program of a slot must see the same ``(count, bank)``, and programs of one
 launch do not run at once; launch 2 writes the slot's metadata, so it reads the copy launch 1 made
@@ -27,7 +33,7 @@ head in several programs (all value heads of the group, all V-blocks) while othe
 tokens' k; the new ones go to the other bank.
 
 CUDA graphs: no host reads (no ``.item()``), no data-dependent shapes, no autotune (the kernels
-mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config`.
+mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config` and :func:`conv_config`.
 Compile variants (warm them all up before capture, invariant 1): per dtype set, per
 (decode | verify | materialize) mode and per cache geometry. Values are not validated by default
 (``check_values=False``: it would read device memory from the host); out-of-range counts and
@@ -113,7 +119,7 @@ def conv_step_kernel(
     D,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
-    W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr,
+    W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
@@ -189,19 +195,34 @@ def conv_step_kernel(
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
-    # the window is rewritten in place after every read of it: each column element is loaded and
-    # stored by the thread that owns its channel (one [BD] layout), in program order. The kept
-    # columns move left by `drop`; raw inputs are stored in the cache's dtype (the float32 registers
-    # hold them exactly).
-    if W >= 4:
-        tl.store(p_c + (W - 4 - drop) * stride_c_w, r0.to(conv_state.dtype.element_ty),
-                 mask=m_dv & _as_block(W - 4 - drop >= 0, o_d))
-    if W >= 3:
-        tl.store(p_c + (W - 3 - drop) * stride_c_w, r1.to(conv_state.dtype.element_ty),
-                 mask=m_dv & _as_block(W - 3 - drop >= 0, o_d))
-    if W >= 2:
-        tl.store(p_c + (W - 2 - drop) * stride_c_w, r2.to(conv_state.dtype.element_ty),
-                 mask=m_dv & _as_block(W - 2 - drop >= 0, o_d))
+    # the new window: columns c < keep hold the kept window (old columns off + drop + c), columns
+    # keep <= c < keep + L the raw inputs of the new tokens (in the cache's dtype: lossless)
+    keep = W - 1 - drop
+    if TMAX > 1:
+        # verify: one [BD, CWP] tile, stored coalesced at the end (a strided 2-byte store per column
+        # made the kernel L2-bound); the kept columns are read again, from L1
+        cols = tl.arange(0, CWP)
+        tt = cols - keep                              # token of column c
+        w2d = tl.load(p_c[:, None] + (off + drop + cols)[None, :] * stride_c_w,
+                      mask=m_dv[:, None] & (cols < keep)[None, :], other=0)
+        x2d = tl.load(x + (bos + tt)[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
+                      mask=m_dv[:, None] & ((tt >= 0) & (tt < L))[None, :], other=0)
+        new2d = tl.where((cols < keep)[None, :], w2d, x2d.to(conv_state.dtype.element_ty))
+    else:
+        # decode (and materialize): a few columns, stored from the registers by the thread that
+        # loaded them (one [BD] layout, program order: the in-place rewrite needs no barrier)
+        if W >= 4:
+            tl.store(p_c + (W - 4 - drop) * stride_c_w, r0.to(conv_state.dtype.element_ty),
+                     mask=m_dv & _as_block(W - 4 - drop >= 0, o_d))
+        if W >= 3:
+            tl.store(p_c + (W - 3 - drop) * stride_c_w, r1.to(conv_state.dtype.element_ty),
+                     mask=m_dv & _as_block(W - 3 - drop >= 0, o_d))
+        if W >= 2:
+            tl.store(p_c + (W - 2 - drop) * stride_c_w, r2.to(conv_state.dtype.element_ty),
+                     mask=m_dv & _as_block(W - 2 - drop >= 0, o_d))
+        if TMAX == 1:
+            if W >= 2:                                # (W = 1: x_0 is dropped)
+                tl.store(p_c + keep * stride_c_w, p0.to(conv_state.dtype.element_ty), mask=m_dv & _as_block(L > 0, o_d))
     for t in tl.static_range(TMAX):
         live = L > t
         x_raw = p0
@@ -218,14 +239,15 @@ def conv_step_kernel(
             # silu = y * sigmoid(y); exp(-y) overflows to inf for y << 0 and y / inf = -0: no NaN.
             acc = acc / (1 + tl.exp(-acc))
         tl.store(y + (bos + t) * D + o_d, acc.to(y.dtype.element_ty), mask=m_d & _as_block(live, o_d))
-        # raw input t goes to column W-1+t-drop = W-2+t (live tokens imply drop == 1);
-        # W-2+t < W-2+TMAX <= W-1+max_draft = CW: always inside the cache's columns. (W = 1: x_0 is dropped.)
-        if W - 2 + t >= 0:
-            tl.store(p_c + (W - 2 + t) * stride_c_w, x_raw.to(conv_state.dtype.element_ty),
-                     mask=m_dv & _as_block(live, o_d))
         r0 = r1
         r1 = r2
         r2 = x_t
+    if TMAX > 1:
+        # in place: the tile's elements were read by other threads than the ones that store them; the
+        # barrier orders all of the program's loads before its stores (bar.sync orders the memory
+        # accesses of the threads that meet there). keep + L <= W - 2 + TMAX <= CW: inside the cache.
+        tl.debug_barrier()
+        tl.store(p_c[:, None] + cols[None, :] * stride_c_w, new2d, mask=m_dv[:, None] & (cols < keep + L)[None, :])
 
 
 @triton.jit
@@ -376,6 +398,8 @@ def gdn_step_kernel(
     last draft, whose state verify never keeps): the block holds S' with S = c S' (c a scalar), so
     the decay costs one scalar multiply:  c <- c exp(g);  u = beta (v - c S'^T k);  S' += k (u / c)^T;
     o = c S'_prev^T q + (k . q) u  (both reductions read the block once, before its update).
+    (Loading all tokens' inputs as tiles up front and picking rows measured faster only for float32
+    states at k = 3 on an H200, and much slower elsewhere: the tiles spill registers at one warp.)
     """
     i_v = tl.program_id(0)
     i_n = tl.program_id(2)
@@ -451,12 +475,14 @@ def gdn_step_kernel(
         for i in range(0, L):
             t = bos + i
             c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
-            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                                    stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
+            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
+                                                    m_k, m_v, stride_y_t, stride_a_t, stride_a_h, stride_b_t,
+                                                    stride_b_h, H, K, V)
             b_q = c_q.to(tl.float32)
             b_k = c_k.to(tl.float32)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_kq = tl.sum(b_k * b_q)
             b_x = c_a.to(tl.float32) + b_dt
             # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
             b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
@@ -465,7 +491,7 @@ def gdn_step_kernel(
             if FOLD:
                 b_s, c = _fold_decay(b_s, c, b_g)
                 b_u = b_beta * (c_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
-                b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
+                b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + b_kq * b_u
                 if KEEP_PENDING:
                     if zero + i + 1 < L:                     # the last draft's state is never used
                         b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
@@ -533,6 +559,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
                    SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
     if W <= 4:
         conv_kernel = conv_step_kernel
+        conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
     else:
         conv_kernel = conv_step_any_w_kernel
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))

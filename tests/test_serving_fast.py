@@ -93,9 +93,9 @@ def test_conv_widths(W):
 
 
 @pytest.mark.parametrize("cfg", [dict(HPP=2), dict(HPP=4, BV=4), dict(HPP=3)], ids=["hpp2", "hpp4-bv4", "hpp3"])
-def test_heads_per_program(cfg, monkeypatch):
-    """Several value heads per step program (next head's state prefetched); HPP=3 falls back to a
-    divisor of HV. Same results as refgdn."""
+def test_step_kernel_configs(cfg, monkeypatch):
+    """Step-kernel variants: several value heads per program (next head's state prefetched; HPP=3
+    falls back to a divisor of HV), in decode and verify alike. Same results as refgdn."""
     monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", cfg)
     H, HV, K, V, W, S = 2, 4, 8, 8, 4, 4
     D = 2 * H * K + HV * V
