@@ -248,8 +248,24 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def shard(cases: list, i: int, n: int) -> list:
+    """Worker i's share of the cases. Cases of one (op, dtype, chunk size) launch the same Triton
+    variants, so they stay in one worker: each variant is compiled once, not once per worker.
+    Groups go, largest first, to the worker with the fewest cases so far."""
+    groups: dict = {}
+    for c in cases:
+        groups.setdefault((c.op, str(c.dtype), c.chunk_size), []).append(c)
+    loads, mine = [0] * n, []
+    for key in sorted(groups, key=lambda k: (-len(groups[k]), str(k))):
+        w = min(range(n), key=lambda j: (loads[j], j))
+        loads[w] += len(groups[key])
+        if w == i:
+            mine.extend(groups[key])
+    return mine
+
+
 def run_sharded(argv: list, jobs: int, progress: bool) -> list:
-    """Run ``python -m conformance`` as `jobs` workers, worker i taking cases i, i+jobs, ...; merge
+    """Run ``python -m conformance`` as `jobs` workers, each taking its :func:`shard` of the cases; merge
     their JSON reports. A worker that dies leaves a failure record, never a silent gap."""
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         procs = []
@@ -299,7 +315,7 @@ def main(argv=None) -> int:
         cases = [c for c in cases if _dtype_name(c.dtype) in keep]
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
-        cases, problems = cases[i::n], (problems if i == 0 else [])
+        cases, problems = shard(cases, i, n), (problems if i == 0 else [])
     jobs = args.jobs or (8 if device == "cuda" else 2)
     jobs = max(1, min(jobs, os.cpu_count() or 1, len(cases)))
     if not args.shard:

@@ -130,3 +130,13 @@ def test_workers_cover_the_same_checks_as_one_process(tmp_path):
     key = lambda r: (r["op"], r["case"], r["dtype"], r["check"], r["passed"])  # noqa: E731
     assert sorted(map(key, _json(one))) == sorted(map(key, _json(two)))
     assert len(_json(one)) > 4
+
+
+def test_shards_partition_the_cases_and_keep_variant_groups_together():
+    cases, _, _ = runner.collect(True, "cpu", modules=("conformance.cases_prefill",))
+    parts = [runner.shard(cases, i, 3) for i in range(3)]
+    assert sorted(map(id, sum(parts, []))) == sorted(map(id, cases))          # a partition
+    owner = {}
+    for i, part in enumerate(parts):
+        for c in part:
+            assert owner.setdefault((c.op, c.dtype, c.chunk_size), i) == i     # one worker per group
