@@ -14,7 +14,7 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
            in fp64, with its rounding error Gl stored too, see below)
        k -> l2norm(k) when asked (stored once per key head: kn [B, T, H, K], read by kernels 2-4)
        L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j                    (16x16 blocks, tl.dot)
-       A = (I + L)^-1: the 16x16 diagonal blocks by recursive doubling (INV_METHOD), the
+       A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (INV_METHOD), the
            off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
            A stored in k's dtype (fp32 for fp32 inputs)
   2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel
@@ -90,9 +90,11 @@ INV_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32:
 #     fp16 setting, conformance-checked on H200; its bf16 timing is not measured yet).
 INV_DIAG_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
 # The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps of masked
-# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION). None: doubling
-# (H200, K = 128, BT = 64, bf16, 1 warp, tf32 products: 0.58 ms against rows' 0.75). Both are direct (no
-# series, no approximation); the tests run both.
+# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION). None: rows
+# on a GPU, doubling in the interpreter (4x cheaper there). Rows is the GPU default because it is the
+# variant whose bf16 conformance and tests passed on the H200; doubling measured faster (H200, K = 128,
+# BT = 64, bf16, 1 warp, tf32 products: 0.58 ms against rows' 0.75) but its tf32x3 setting for bf16 has
+# not run on a GPU yet. Both are direct (no series, no approximation); the tests run both.
 INV_METHOD: Optional[str] = None
 # Per-kernel config overrides merged over the pinned heuristics, for benchmark sweeps:
 # {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}, "recurrent": {...}} with keys
@@ -858,8 +860,9 @@ def _precise(dtype: torch.dtype) -> bool:
 
 
 def _inv_rows() -> bool:
-    """Diagonal-block inverse method: INV_METHOD, by default doubling (module comment)."""
-    return (INV_METHOD or "doubling") == "rows"
+    """Diagonal-block inverse method: INV_METHOD, by default rows on a GPU, doubling when interpreting
+    (module comment)."""
+    return (INV_METHOD or ("doubling" if is_interpreting() else "rows")) == "rows"
 
 
 def _contig(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
