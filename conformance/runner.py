@@ -203,6 +203,20 @@ def format_summary(records: list, only_failures: bool = False) -> str:
     return out
 
 
+def worst_per_case(records: list) -> list:
+    """One row per (op, case, dtype, BT, draft_steps): a failing check if any, else the highest ratio."""
+    def rank(r):
+        ratio = r.get("ratio")
+        return (not r["passed"], ratio if isinstance(ratio, float) and math.isfinite(ratio) else 0.0)
+
+    worst: dict = {}
+    for r in records:
+        key = (r["op"], r["case"], r["dtype"], r["chunk_size"], r["draft_steps"])
+        if key not in worst or rank(r) > rank(worst[key]):
+            worst[key] = r
+    return list(worst.values())
+
+
 def totals(records: list) -> str:
     n_fail = sum(not r["passed"] for r in records)
     ops = sorted({r["op"] for r in records})
@@ -238,8 +252,8 @@ def parse_args(argv=None):
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     ap.add_argument("--cases", default=None, metavar="SUBSTR", help="only cases whose op/case contains SUBSTR")
     ap.add_argument("--dtypes", default=None, help="comma-separated dtypes to keep, e.g. float32,bfloat16")
-    ap.add_argument("--all-rows", action="store_true", help="summary shows every check, not only failures "
-                    "(default: every check when <= 200 rows)")
+    ap.add_argument("--all-rows", action="store_true", help="summary shows every check (default when <= 200 "
+                    "checks; otherwise one row per case: its failing or worst check)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--jobs", type=int, default=None, metavar="N",
                     help="run the matrix in N worker processes (compiling Triton variants is CPU-bound; "
@@ -332,7 +346,7 @@ def main(argv=None) -> int:
     else:
         records = problems + run_all(cases, device, progress=not args.no_progress)
     show_all = args.all_rows or len(records) <= 200
-    print(format_summary(records, only_failures=not show_all), end="")
+    print(format_summary(records if show_all else worst_per_case(records)), end="")
     print(totals(records) + f" in {time.perf_counter() - t0:.1f}s")
     if args.json:
         write_json(records, args.json)
