@@ -36,8 +36,6 @@ def test_quick_subset_passes_and_writes_report(tmp_path, capsys):
 
 
 def test_chunk_records_carry_chunk_size(tmp_path):
-    if getattr(fast, "chunk_gated_delta_rule", None) is None:
-        pytest.skip("fast.chunk_gated_delta_rule not available yet")
     path = tmp_path / "report.json"
     rc = runner.main(["--quick", "--device", DEVICE, "--cases", "chunk_gated_delta_rule/T1-init",
                       "--dtypes", "float32", "--json", str(path), "--no-progress", "--jobs", "1"])

@@ -17,3 +17,18 @@ def test_help_shows_shape_contract():
     import refgdn
     for op in (refgdn.chunk_gated_delta_rule, refgdn.recurrent_gated_delta_rule, refgdn.causal_conv1d):
         assert "[B, T," in op.__doc__.split("\n\n")[1]
+
+
+def test_every_fast_op_has_a_refgdn_twin_with_the_same_signature():
+    import inspect
+
+    import fast
+    import refgdn
+    assert set(fast.__all__) == set(refgdn.__all__)
+    for name in fast.__all__:
+        f, r = getattr(fast, name), getattr(refgdn, name)
+        if inspect.isclass(f):
+            continue
+        fp, rp = inspect.signature(f).parameters, inspect.signature(r).parameters
+        assert list(rp) == [p for p in fp if p in rp], name          # same order for the shared arguments
+        assert set(rp) <= set(fp), f"{name}: fast lacks {set(rp) - set(fp)}"
