@@ -25,7 +25,7 @@ if [[ $steps == *all* || $steps == *tests* ]]; then
   timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *all* || $steps == *conformance* ]]; then
-  timeout 300 python3 -m conformance --device cuda --jobs 8 --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
+  python3 -m conformance --device cuda --jobs 8 --timeout ${CONFORMANCE_TIMEOUT:-420} --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
   rc=$((rc | ${PIPESTATUS[0]})); tail -5 "$OUT/conformance.err"
 fi
 if [[ $steps == *all* || $steps == *bench* ]]; then

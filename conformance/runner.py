@@ -152,21 +152,35 @@ class Progress:
             self.stream.flush()
 
 
-def run_all(cases: list, device: str, progress: bool = True, stream=None) -> list:
+def run_all(cases: list, device: str, progress: bool = True, stream=None, sink=None,
+            deadline: Optional[float] = None) -> list:
+    """Run the cases in order. sink(records) is called after each case (a worker streams its records
+    with it); past `deadline` (time.monotonic()) the remaining cases become one failure record."""
     records = []
     bar = Progress(len(cases), stream) if progress else None
     failed = 0
     for i, c in enumerate(cases):
+        if deadline is not None and time.monotonic() > deadline:
+            records.append(_timeout_record(f"{len(cases) - i} of {len(cases)} cases not run"))
+            break
         label = f"{c.op}/{c.case}/{_dtype_name(c.dtype)}" + (f"/BT{c.chunk_size}" if c.chunk_size else "")
         if bar:
             bar.update(i, label, failed)
         recs = run_case(c, device)
         failed += sum(not r["passed"] for r in recs)
         records.extend(recs)
+        if sink is not None:
+            sink(recs)
     if bar:
         bar.update(len(cases), "done", failed)
         bar.close()
     return records
+
+
+def _timeout_record(detail: str) -> dict:
+    return dict(op="<timeout>", case="<timeout>", dtype=None, chunk_size=None, draft_steps=None,
+                check="<timeout>", error=None, ref_error=None, ratio=None, passed=False,
+                detail=f"--timeout reached: {detail}", seconds=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,17 +238,16 @@ def totals(records: list) -> str:
             f"{len(records) - n_fail} passed, {n_fail} failed")
 
 
+def _clean(record: dict) -> dict:
+    """JSON has no inf/nan: write them as strings."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
 def write_json(records: list, path: str) -> None:
     """The report: a JSON list, one record per Check (op, case, dtype, chunk_size, draft_steps,
     check, error, ref_error, ratio, passed, detail, seconds); inf/nan written as strings."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return str(v)  # JSON has no inf/nan
-        return v
-
-    out = [{k: clean(v) for k, v in r.items()} for r in records]
     with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump([_clean(r) for r in records], f, indent=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,6 +271,8 @@ def parse_args(argv=None):
     ap.add_argument("--jobs", type=int, default=None, metavar="N",
                     help="run the matrix in N worker processes (compiling Triton variants is CPU-bound; "
                          "default: 8 on cuda, 2 on cpu, never more than the CPU count)")
+    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                    help="stop after SECONDS, report what ran and record the rest as a failure")
     ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)  # a worker's slice
     return ap.parse_args(argv)
 
@@ -278,36 +293,57 @@ def shard(cases: list, i: int, n: int) -> list:
     return mine
 
 
-def run_sharded(argv: list, jobs: int, progress: bool) -> list:
+def run_sharded(argv: list, jobs: int, progress: bool, deadline: Optional[float] = None) -> list:
     """Run ``python -m conformance`` as `jobs` workers, each taking its :func:`shard` of the cases; merge
-    their JSON reports. A worker that dies leaves a failure record, never a silent gap."""
+    their reports. Workers stream their records (JSON lines) as each case ends, so a worker that dies
+    or is stopped at the deadline still contributes what it ran, plus a failure record: never a silent gap."""
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
-        procs = []
+        workers = []
         for i in range(jobs):
             path = os.path.join(tmp, f"shard{i}.json")
             cmd = [sys.executable, "-m", "conformance", *argv, "--shard", f"{i}/{jobs}", "--json", path,
                    "--no-progress", "--jobs", "1"]
             log = open(os.path.join(tmp, f"shard{i}.log"), "w+")
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log))
+            workers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log))
         bar = Progress(jobs) if progress else None
-        records, done = [], 0
-        for proc, path, log in procs:
-            proc.wait()
-            done += 1
-            if bar:
-                bar.update(done, f"worker {done}/{jobs} finished", sum(not r["passed"] for r in records))
+        try:
+            while any(proc.poll() is None for proc, _, _ in workers):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                if bar:
+                    done = sum(proc.poll() is not None for proc, _, _ in workers)
+                    bar.update(done, f"{done}/{jobs} workers finished", 0)
+                time.sleep(0.5)
+        finally:
+            for proc, _, _ in workers:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        records = []
+        for proc, path, log in workers:
             try:
                 with open(path) as f:
                     records.extend(json.load(f))
+                continue
             except (OSError, ValueError):
-                log.seek(0)
-                tail = log.read()[-2000:]
-                records.append(dict(op="<worker>", case=path, dtype=None, chunk_size=None, draft_steps=None,
-                                    check="<exception>", error=None, ref_error=None, ratio=None, passed=False,
-                                    detail=f"worker exited {proc.returncode} without a report: {tail}",
-                                    seconds=None))
+                pass
+            partial = []
+            if os.path.exists(path + "l"):
+                with open(path + "l") as f:
+                    partial = [json.loads(line) for line in f if line.strip()]
+            records.extend(partial)
+            log.seek(0)
+            tail = log.read()[-2000:]
+            why = ("stopped at the --timeout" if proc.returncode == -9 and deadline is not None
+                   else f"exited {proc.returncode} without a report")
+            records.append(dict(op="<worker>", case=os.path.basename(path), dtype=None, chunk_size=None,
+                                draft_steps=None, check="<exception>", error=None, ref_error=None, ratio=None,
+                                passed=False, detail=f"worker {why} after {len(partial)} checks: {tail}",
+                                seconds=None))
+        for _, _, log in workers:
             log.close()
         if bar:
+            bar.update(jobs, "done", sum(not r["passed"] for r in records))
             bar.close()
     return records
 
@@ -330,6 +366,7 @@ def main(argv=None) -> int:
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
         cases, problems = shard(cases, i, n), (problems if i == 0 else [])
+    deadline = time.monotonic() + args.timeout if args.timeout else None
     jobs = args.jobs or (8 if device == "cuda" else 2)
     jobs = max(1, min(jobs, os.cpu_count() or 1, len(cases)))
     if not args.shard:
@@ -339,12 +376,18 @@ def main(argv=None) -> int:
               + (f", {jobs} workers" if jobs > 1 else ""), file=sys.stderr)
     if jobs > 1 and not args.shard:
         argv = list(sys.argv[1:] if argv is None else argv)
-        passthrough = [a for j, a in enumerate(argv) if a not in ("--json", "--jobs")
-                       and (j == 0 or argv[j - 1] not in ("--json", "--jobs"))]
+        own = ("--json", "--jobs", "--timeout")   # the parent's options, not the workers'
+        passthrough = [a for j, a in enumerate(argv) if a not in own and (j == 0 or argv[j - 1] not in own)]
         passthrough += ["--device", device]
-        records = problems + run_sharded(passthrough, jobs, progress=not args.no_progress)
+        records = problems + run_sharded(passthrough, jobs, progress=not args.no_progress, deadline=deadline)
     else:
-        records = problems + run_all(cases, device, progress=not args.no_progress)
+        lines = open(args.json + "l", "w") if args.shard and args.json else None
+
+        def stream_lines(recs):  # a worker streams its records as JSON lines next to its report
+            lines.write("".join(json.dumps(_clean(r)) + "\n" for r in recs))
+            lines.flush()
+        sink = stream_lines if lines is not None else None
+        records = problems + run_all(cases, device, progress=not args.no_progress, sink=sink, deadline=deadline)
     show_all = args.all_rows or len(records) <= 200
     print(format_summary(records if show_all else worst_per_case(records)), end="")
     print(totals(records) + f" in {time.perf_counter() - t0:.1f}s")

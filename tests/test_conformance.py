@@ -138,3 +138,14 @@ def test_shards_partition_the_cases_and_keep_variant_groups_together():
     for i, part in enumerate(parts):
         for c in part:
             assert owner.setdefault((c.op, c.dtype, c.chunk_size), i) == i     # one worker per group
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_timeout_reports_what_ran_and_fails(tmp_path, jobs):
+    """--timeout: the run stops, keeps the checks that ran, and the rest is a failure, never a silent pass."""
+    path = tmp_path / "report.json"
+    rc = runner.main(["--quick", "--device", DEVICE, "--ops", "gdn_gating,l2norm", "--json", str(path),
+                      "--no-progress", "--jobs", jobs, "--timeout", "0.001"])
+    records = _json(path)
+    assert rc != 0
+    assert any(not r["passed"] and "timeout" in (r["detail"] or "") for r in records)
