@@ -1,6 +1,6 @@
 """The conformance runner behind ``python -m conformance``.
 
-    python -m conformance [--quick] [--device cpu|cuda] [--json PATH] [--ops a,b] [--cases SUBSTR] [--jobs N]
+    python -m conformance [--quick | --full] [--device cpu|cuda] [--json PATH] [--ops a,b] [--cases SUBSTR] [--jobs N]
 
 Collects Cases from ``conformance.cases_prefill`` and (when present) ``conformance.cases_serving``,
 runs each on the device, applies ``conformance.core.evaluate`` to every Check, shows a progress
@@ -257,7 +257,11 @@ def write_json(records: list, path: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m conformance",
                                  description="Check every fast op against its refgdn twin.")
-    ap.add_argument("--quick", action="store_true", help="the CI-size matrix (CPU interpreter: minutes)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the CI-size matrix (CPU interpreter: minutes); "
+                      "the default on cpu")
+    size.add_argument("--full", action="store_true", help="the full matrix (Qwen3-Next head dims, T up to 4096); "
+                      "the default on cuda")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda if available, else cpu (Triton interpreter)")
     ap.add_argument("--json", default="conformance-report.json", metavar="PATH",
@@ -359,6 +363,8 @@ def main(argv=None) -> int:
         return 2
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
     t0 = time.perf_counter()
+    # the interpreter runs K = V = 128, T = 4096 for hours: on cpu the quick matrix unless --full
+    args.quick = args.quick or (not args.full and not device.startswith("cuda"))
     cases, problems, notes = collect(args.quick, device, ops, args.cases)
     if args.dtypes:
         keep = {d.strip() for d in args.dtypes.split(",")}
