@@ -43,6 +43,19 @@ def _need_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
 
 
+def check_float_param(name: str, t, shape: Sequence[int], contract: str, device: torch.device) -> None:
+    """A floating tensor of exactly `shape` (described as `contract`, e.g. "[HV]") on `device`."""
+    _need_tensor(name, t, len(shape))
+    _need_shape(name, t, shape, contract)
+    _need_float(name, t)
+    _need_device(name, t, device)
+
+
+def check_scale(scale) -> None:
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise ValueError(f"scale must be a real number or None (default K ** -0.5), got {scale!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     """chunk_size: a power of two >= 16."""
     if (not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool)
@@ -97,20 +110,13 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     _need_device("k", k, device)
     _need_device("v", v, device)
     for name, t in (("g", g), ("beta", beta)):
-        _need_tensor(name, t, 3)
-        _need_shape(name, t, (B, T, HV), "[B, T, HV]")
-        _need_float(name, t)
-        _need_device(name, t, device)
+        check_float_param(name, t, (B, T, HV), "[B, T, HV]", device)
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias must be given together (fused gating) or both left None")
     if A_log is not None:
         for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            _need_tensor(name, t, 1)
-            _need_shape(name, t, (HV,), "[HV]")
-            _need_float(name, t)
-            _need_device(name, t, device)
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-        raise ValueError(f"scale must be a real number or None (default K ** -0.5), got {scale!r}")
+            check_float_param(name, t, (HV,), "[HV]", device)
+    check_scale(scale)
     if cu_seqlens is not None:
         N = check_cu_seqlens(cu_seqlens, B, T, device)
     else:
@@ -137,10 +143,7 @@ def _check_weight_bias(weight, bias, D: int, device: torch.device) -> int:
     _need_float("weight", weight)
     _need_device("weight", weight, device)
     if bias is not None:
-        _need_tensor("bias", bias, 1)
-        _need_shape("bias", bias, (D,), "[D]")
-        _need_float("bias", bias)
-        _need_device("bias", bias, device)
+        check_float_param("bias", bias, (D,), "[D]", device)
     return weight.shape[1]
 
 

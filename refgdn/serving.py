@@ -68,7 +68,8 @@ from typing import Optional, Sequence
 import torch
 from einops import rearrange
 
-from .checks import _need_device, _need_float, _need_shape, _need_tensor, check_activation
+from .checks import (_need_device, _need_float, _need_shape, _need_tensor, check_activation, check_float_param,
+                     check_scale)
 from .conv import causal_conv1d
 from .delta_rule import recurrent_gated_delta_rule
 from .gating import compute_dtype, gdn_gating, l2norm
@@ -280,27 +281,14 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
         raise ValueError(f"mixed_qkv must have shape [T, D] = [{T}, {D}] (D = 2*H*K + HV*V = "
                          f"2*{H}*{K} + {HV}*{V}), got [{', '.join(map(str, mixed_qkv.shape))}]")
     for name, t in (("a", a), ("b", b)):
-        _need_tensor(name, t, 2)
-        _need_shape(name, t, (T, HV), "[T, HV]")
-        _need_float(name, t)
-        _need_device(name, t, dev)
+        check_float_param(name, t, (T, HV), "[T, HV]", dev)
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        _need_tensor(name, t, 1)
-        _need_shape(name, t, (HV,), "[HV]")
-        _need_float(name, t)
-        _need_device(name, t, dev)
-    _need_tensor("conv_weight", conv_weight, 2)
-    _need_shape("conv_weight", conv_weight, (D, W), "[D, W] (W from cache.conv_state)")
-    _need_float("conv_weight", conv_weight)
-    _need_device("conv_weight", conv_weight, dev)
+        check_float_param(name, t, (HV,), "[HV]", dev)
+    check_float_param("conv_weight", conv_weight, (D, W), "[D, W] (W from cache.conv_state)", dev)
     if conv_bias is not None:
-        _need_tensor("conv_bias", conv_bias, 1)
-        _need_shape("conv_bias", conv_bias, (D,), "[D]")
-        _need_float("conv_bias", conv_bias)
-        _need_device("conv_bias", conv_bias, dev)
+        check_float_param("conv_bias", conv_bias, (D,), "[D]", dev)
     check_activation(activation)
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-        raise ValueError(f"scale must be a real number or None (default K ** -0.5), got {scale!r}")
+    check_scale(scale)
     if cu_seqlens is None:
         return check_state_indices(state_indices, cache, T, check_values)
     _need_index("cu_seqlens", cu_seqlens, 1, dev)
