@@ -27,7 +27,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
 
     Inputs before a sequence's start come from initial_state (zeros when None).
     """
-    N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
+    check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
     B, T, D = x.shape
     W = weight.shape[1]
     dt = compute_dtype(x, weight, initial_state)
