@@ -25,9 +25,9 @@ fla's bytes: read initial state in its dtype + write the float32 final state (no
 (bytes / time) / measured device copy bandwidth (read + write, 1 GiB buffers). Target: decode
 N = 256, float32 state >= 90 % (fla: 373 us, 69 % on an H200).
 
-``python -m benchmarks.bench_decode [--sweep]``: --sweep adds a (BV x num_warps) table of the
-step kernel's pinned config (fast.serving.step_config; decode and verify have their own, marked *)
-at N = 256.
+``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of one
+launch (conv fused into the step kernel) vs two, and (BV, num_warps) around the pinned config
+(fast.serving.step_config, marked *).
 """
 from __future__ import annotations
 
@@ -152,8 +152,7 @@ def fla_fn(p, fla) -> tuple:
     import refgdn
 
     h, hv, kd, vd, w = p["shape"]
-    N, k, T = p["N"], p["k"], p["T"]
-    dev = p["x"].device
+    N, k = p["N"], p["k"]
     fn = fla.fused_recurrent_gated_delta_rule
     q = rearrange(p["x"][:, :h * kd], "t (h d) -> 1 t h d", h=h).contiguous()
     kk = rearrange(p["x"][:, h * kd:2 * h * kd], "t (h d) -> 1 t h d", h=h).contiguous()
@@ -247,29 +246,43 @@ def bench_main(device: str = "cuda", shape=None) -> list:
 
 
 def config_sweep(device: str = "cuda", shape=None) -> list:
-    """Step-kernel configs (BV x num_warps) at N = 256, float32 state: decode and verify k = 3."""
+    """The step's launch choices at N = 256, timed from CUDA graphs: one launch (conv fused into the
+    step kernel) vs two (conv kernel, then step kernel), and a few (BV, num_warps) around the pinned
+    config (marked *), for decode (float32 and bfloat16 state) and verify + accept (k = 1, 3, 7)."""
     import fast.serving as fs
 
     gbs = common.copy_bandwidth_gbs(device) if device.startswith("cuda") else float("nan")
     N = VERIFY_N
-    rows = []
     kd, vd = (K, V) if shape is None else (shape[2], shape[3])
-    default = {k: fs.step_config(kd, vd, torch.float32, mode="decode" if k == 0 else "verify") for k in (0, 3)}
+    plan = [  # (k, state dtype, [(fuse_conv, BV, num_warps), ...])
+        (0, torch.float32, [(False, 64, 4), (True, 64, 4), (True, 32, 4), (True, 64, 8), (True, 32, 2)]),
+        (0, torch.bfloat16, [(False, 128, 4), (True, 128, 4), (True, 64, 4), (True, 128, 8)]),
+        (3, torch.float32, [(False, 32, 1), (True, 32, 1), (True, 16, 1), (True, 32, 2), (True, 64, 4)]),
+        (1, torch.float32, [(False, 32, 1), (True, 32, 1)]),
+        (7, torch.float32, [(False, 32, 1), (True, 32, 1)]),
+        (3, torch.bfloat16, [(False, 32, 1), (True, 32, 1), (True, 64, 2)]),
+    ]
+    rows = []
     try:
-        for BV in (8, 16, 32, 64):
-            for nw in (1, 2, 4, 8):
-                fs.STEP_CONFIG_OVERRIDE = dict(BV=BV, num_warps=nw)
-                for k in (0, 3):
-                    p = make_problem(N, k, torch.float32, device, shape)
-                    fn = fast_decode_fn(p) if k == 0 else fast_verify_fn(p)
-                    ms = common.bench(fn)
-                    rows.append(_row("decode" if k == 0 else "verify+accept", "fast", N, k, torch.float32, ms,
-                                     traffic_bytes(N, k, torch.float32, shape=p["shape"]), gbs, BV=BV, warps=nw,
-                                     default="*" if (BV, nw) == (default[k]["BV"], default[k]["num_warps"]) else ""))
-                    del p
+        for k, sdt, cfgs in plan:
+            mode = "decode" if k == 0 else "verify"
+            pinned = fs.step_config(kd, vd, sdt, mode=mode)
+            for fuse, BV, nw in cfgs:
+                fs.STEP_CONFIG_OVERRIDE = dict(fuse_conv=fuse, BV=BV, num_warps=nw)
+                p = make_problem(N, k, sdt, device, shape)
+                fn = fast_decode_fn(p) if k == 0 else fast_verify_fn(p)
+                g = graphed(fn) if device.startswith("cuda") else None
+                ms = common.bench(g or fn)
+                star = (fuse, BV, nw) == (bool(pinned["fuse_conv"]), pinned["BV"], pinned["num_warps"])
+                rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, sdt, ms,
+                                 traffic_bytes(N, k, sdt, shape=p["shape"]), gbs, launches=1 if fuse else 2,
+                                 BV=BV, warps=nw, default="*" if star else "",
+                                 note="CUDA graph" if g is not None else "eager"))
+                print(common.format_table(rows[-1:]), file=sys.stderr, flush=True)
+                del p
     finally:
         fs.STEP_CONFIG_OVERRIDE = None
-    return sorted(rows, key=lambda r: (r["k"], r["us"]))
+    return rows
 
 
 META = {"shape": f"H={H}, HV={HV}, K=V={K}, W={W}, D={D}, bf16 activations",
@@ -284,7 +297,7 @@ def run_sections(device: str = "cuda", sweep: bool = False) -> list:
         meta["copy bandwidth"] = f"{common.copy_bandwidth_gbs(device):.0f} GB/s"
     sections = [(TITLE, bench_main(device), meta)]
     if sweep:
-        sections.append(("Decode: step-kernel config sweep, N=256, fp32 state", config_sweep(device), {}))
+        sections.append(("Decode / verify: launch and config sweep, N=256", config_sweep(device), {}))
     return sections
 
 

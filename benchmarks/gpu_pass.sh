@@ -2,7 +2,8 @@
 # One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
 # benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
 # are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
-#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|all]...   (default: all)
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|all|serving]...   (default: all)
+#   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 set -uo pipefail
 OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -30,6 +31,14 @@ if [[ $steps == *all* || $steps == *conformance* ]]; then
 fi
 if [[ $steps == *all* || $steps == *bench* ]]; then
   python3 -m benchmarks 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *serving* ]]; then
+  timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_serving_fast.py 2>&1 | tee "$OUT/pytest-serving.log" | tail -8
+  rc=$((rc | ${PIPESTATUS[0]}))
+  python3 -m conformance --device cuda --jobs 8 --ops gdn_decode,gdn_verify --timeout 200 \
+    --json "$OUT/conformance-serving.json" 2>"$OUT/conformance-serving.err" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
+  python3 -m benchmarks.bench_decode --sweep 2>&1 | tee "$OUT/bench-decode.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 echo "gpu_pass rc=$rc"

@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import refgdn
 from refgdn import delta_rule as dr
