@@ -25,9 +25,8 @@ fla's bytes: read initial state in its dtype + write the float32 final state (no
 (bytes / time) / measured device copy bandwidth (read + write, 1 GiB buffers). Target: decode
 N = 256, float32 state >= 90 % (fla: 373 us, 69 % on an H200).
 
-``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of one
-launch (conv fused into the step kernel) vs two, and (BV, num_warps) around the pinned config
-(fast.serving.step_config, marked *).
+``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of the
+launch choices: PDL on/off and the conv kernel's (BD, num_warps) (fast.serving, pinned choice marked *).
 """
 from __future__ import annotations
 
@@ -246,42 +245,39 @@ def bench_main(device: str = "cuda", shape=None) -> list:
 
 
 def config_sweep(device: str = "cuda", shape=None) -> list:
-    """The step's launch choices at N = 256, timed from CUDA graphs: one launch (conv fused into the
-    step kernel) vs two (conv kernel, then step kernel), and a few (BV, num_warps) around the pinned
-    config (marked *), for decode (float32 and bfloat16 state) and verify + accept (k = 1, 3, 7)."""
+    """Launch choices at N = 256, timed from CUDA graphs: the step kernel as a programmatic dependent
+    of the conv kernel (PDL) or not, and the conv kernel's channels per program (BD) and warps, for
+    decode (float32 and bfloat16 state) and verify + accept (k = 3). The pinned choice is marked *."""
     import fast.serving as fs
 
     gbs = common.copy_bandwidth_gbs(device) if device.startswith("cuda") else float("nan")
     N = VERIFY_N
-    kd, vd = (K, V) if shape is None else (shape[2], shape[3])
-    plan = [  # (k, state dtype, [(fuse_conv, BV, num_warps), ...])
-        (0, torch.float32, [(False, 64, 4), (True, 64, 4), (True, 32, 4), (True, 64, 8), (True, 32, 2)]),
-        (0, torch.bfloat16, [(False, 128, 4), (True, 128, 4), (True, 64, 4), (True, 128, 8)]),
-        (3, torch.float32, [(False, 32, 1), (True, 32, 1), (True, 16, 1), (True, 32, 2), (True, 64, 4)]),
-        (1, torch.float32, [(False, 32, 1), (True, 32, 1)]),
-        (7, torch.float32, [(False, 32, 1), (True, 32, 1)]),
-        (3, torch.bfloat16, [(False, 32, 1), (True, 32, 1), (True, 64, 2)]),
-    ]
+    h, hv, kd, vd, w = shape or (H, HV, K, V, W)
+    pinned_conv = fs.conv_config(2 * h * kd + hv * vd, w)
+    grid = [(pdl, BD, nw) for pdl in (True, False) for BD, nw in ((256, 4), (512, 4), (1024, 4), (1024, 8))]
+    plan = [(0, torch.float32, grid), (0, torch.bfloat16, grid[:4]), (3, torch.float32, grid[:4] + grid[4:5]),
+            (3, torch.bfloat16, grid[:2])]
     rows = []
     try:
         for k, sdt, cfgs in plan:
             mode = "decode" if k == 0 else "verify"
-            pinned = fs.step_config(kd, vd, sdt, mode=mode)
-            for fuse, BV, nw in cfgs:
-                fs.STEP_CONFIG_OVERRIDE = dict(fuse_conv=fuse, BV=BV, num_warps=nw)
+            pinned = (bool(fs.step_config(kd, vd, sdt, mode=mode)["pdl"]), pinned_conv["BD"], pinned_conv["num_warps"])
+            for pdl, BD, nw in cfgs:
+                fs.STEP_CONFIG_OVERRIDE = dict(pdl=pdl)
+                fs.CONV_CONFIG_OVERRIDE = dict(BD=BD, num_warps=nw)
                 p = make_problem(N, k, sdt, device, shape)
                 fn = fast_decode_fn(p) if k == 0 else fast_verify_fn(p)
                 g = graphed(fn) if device.startswith("cuda") else None
                 ms = common.bench(g or fn)
-                star = (fuse, BV, nw) == (bool(pinned["fuse_conv"]), pinned["BV"], pinned["num_warps"])
                 rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, sdt, ms,
-                                 traffic_bytes(N, k, sdt, shape=p["shape"]), gbs, launches=1 if fuse else 2,
-                                 BV=BV, warps=nw, default="*" if star else "",
+                                 traffic_bytes(N, k, sdt, shape=p["shape"]), gbs, pdl=pdl, conv_BD=BD, conv_warps=nw,
+                                 default="*" if (pdl, BD, nw) == pinned else "",
                                  note="CUDA graph" if g is not None else "eager"))
                 print(common.format_table(rows[-1:]), file=sys.stderr, flush=True)
                 del p
     finally:
         fs.STEP_CONFIG_OVERRIDE = None
+        fs.CONV_CONFIG_OVERRIDE = None
     return rows
 
 
@@ -297,7 +293,7 @@ def run_sections(device: str = "cuda", sweep: bool = False) -> list:
         meta["copy bandwidth"] = f"{common.copy_bandwidth_gbs(device):.0f} GB/s"
     sections = [(TITLE, bench_main(device), meta)]
     if sweep:
-        sections.append(("Decode / verify: launch and config sweep, N=256", config_sweep(device), {}))
+        sections.append(("Decode / verify: launch sweep (PDL, conv config), N=256", config_sweep(device), {}))
     return sections
 
 

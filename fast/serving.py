@@ -9,35 +9,34 @@ Same API, cache layout and contract as :mod:`refgdn.serving` (read its docstring
 
 Per token:  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q   (q, k l2-normalised).
 
-A step is one launch (conv width W <= 4 and a cache with ``step_sync``, as allocated):
+A step is two launches:
 
-``gdn_step_kernel``, grid (V-blocks, HV / HPP, N): one program owns a ``[K, BV]`` block of one
-slot's state (for HPP value heads in turn), in registers for the whole step: one read, the
-pending tokens re-applied, one write; the new tokens' conv (from the committed conv window and
-the raw inputs), gating (from raw a, b), l2norm and delta rule, outputs. Verify stores the new
-tokens' inputs into the other pending bank and the new ``(count, bank)``; decode commits
-everything. The decay is folded into a scalar (see the kernel).
+1. ``conv_step_kernel``, grid (D-blocks, N): reads the committed conv window (it starts at column
+   ``max(count-1, 0)`` of ``conv_state[slot]``), convolves the request's new raw inputs, writes the
+   conv outputs and the new window (oldest dropped), and snapshots the slot's ``(count, bank)`` into
+   a per-request buffer for launch 2. Conv width W <= 4: a sliding window of [BD] registers;
+   ``conv_step_any_w_kernel`` for wider convs.
+2. ``gdn_step_kernel``, grid (V-blocks, HV / HPP, N): one program owns a ``[K, BV]`` block of one
+   slot's state (for HPP value heads in turn), in registers for the whole step: one read, the
+   pending tokens re-applied, one write, the new tokens' gating (from raw a, b), l2norm and delta
+   rule, outputs. Verify stores the new tokens' inputs into the other pending bank and the new
+   ``(count, bank)``; decode commits everything. The decay is folded into a scalar (see the kernel).
 
-The conv state and the metadata are rewritten in place by the launch that reads them. A v channel
-is read by one program, which rewrites it; a q/k head's window is read by every (V-block, value
-head) of its group, so each reader adds 1 to a per-(slot, head) counter in ``cache.step_sync``
-once it has read it, and the last one rewrites it; the last head's writer of a slot writes the
-slot's ``(count, bank)``. No program waits on another, so the order programs run in is free.
-
-Otherwise (W > 4, or a cache without ``step_sync``) a step is two launches: ``conv_step_kernel``
-(``conv_step_any_w_kernel`` for W > 4) writes the conv outputs y and snapshots ``(count, bank)``,
-then ``gdn_step_kernel`` reads y and the snapshot. ``step_config(...)["fuse_conv"]`` = False forces it.
+On sm_90+ launch 2 is a programmatic dependent of launch 1 (PDL): its programs may start, and
+issue their state-block loads, while the conv's last programs run; they wait (``gdc_wait``) before
+reading y or the snapshot. (Folding the conv into the step kernel instead, one launch with the
+q/k windows rewritten by their last reader through per-slot atomic counters, measured 29 % slower
+for decode on an H200: benchmarks/RESULTS.md.)
 
 Performance (H200, Qwen3-Next shape, N = 256; benchmarks/bench_decode.py): decode moves the state
-at ~94 % of copy bandwidth in the step kernel (memory-bound: big blocks, many bytes in flight); a
-separate conv launch cost ~5 % more (latency-bound: 8192 small programs with dependent loads).
-Verify is bound by the per-token arithmetic and latency (small one-warp blocks, reductions by shuffles).
+at ~94 % of copy bandwidth in the step kernel (memory-bound: big blocks, many bytes in flight);
+verify is bound by the per-token arithmetic and latency (small one-warp blocks, reductions by shuffles).
 
-Why the snapshot (two launches): every program of a slot must see the same ``(count, bank)``, and
-programs of one launch do not run at once; launch 2 writes the slot's metadata, so it reads the
-copy launch 1 made. Why two pending banks: the step reads the pending k of a q/k head in several
-programs (all value heads of the group, all V-blocks) while others write the new tokens' k; the
-new ones go to the other bank.
+Why the snapshot: every program of a slot must see the same ``(count, bank)``, and programs of one
+launch do not run at once; launch 2 writes the slot's metadata, so it reads the copy launch 1 made
+(launch 1 only reads the slot's metadata). Why two banks: launch 2 reads the pending k of a q/k
+head in several programs (all value heads of the group, all V-blocks) while others write the new
+tokens' k; the new ones go to the other bank.
 
 CUDA graphs: no host reads (no ``.item()``), no data-dependent shapes, no autotune (the kernels
 mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config` and :func:`conv_config`.
@@ -48,6 +47,7 @@ lengths are clamped so memory is never touched out of bounds.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -70,7 +70,8 @@ CONV_CONFIG_OVERRIDE: Optional[dict] = None
 
 def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode") -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
-    fold (decay folded into a scalar), fuse_conv (the conv inside the step kernel: one launch).
+    fold (decay folded into a scalar), pdl (launched as the conv kernel's programmatic dependent where
+    the GPU has it, sm_90+: its programs start loading their state blocks while the conv finishes).
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -81,14 +82,14 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     """
     BK = next_pow2(K)
     if is_interpreting():
-        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True, fuse_conv=True)
+        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True, pdl=True)
     elif mode == "verify":
         BV = min(next_pow2(V), 32)
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True, fuse_conv=True)
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True, pdl=True)
     else:
         elem = torch.empty(0, dtype=state_dtype).element_size()
         BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True, fuse_conv=True)
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True, pdl=True)
     if STEP_CONFIG_OVERRIDE is not None:
         cfg.update(STEP_CONFIG_OVERRIDE)
     hpp = max(1, int(cfg["HPP"]))
@@ -96,6 +97,14 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         hpp //= 2
     cfg["HPP"] = hpp
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA sm_90+ (Hopper, Blackwell), not the interpreter."""
+    if is_interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def conv_config(D: int, W: int = 4) -> dict:
@@ -128,6 +137,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -143,6 +153,9 @@ def conv_step_kernel(
     window's reads need not wait for the count, measured slower on an H200: the column extraction
     and layout changes cost more than the dependent load.)
     """
+    if PDL:
+        # the step kernel may start now: it waits (gdc_wait) before it reads anything written here
+        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
@@ -265,6 +278,7 @@ def conv_step_any_w_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """conv_step_kernel for any conv width W (W > 4): the window and tokens as one [BD, SP] block.
 
@@ -273,6 +287,9 @@ def conv_step_any_w_kernel(
     conv_state[slot, :, 0 : W-1+L-drop] <- seq[drop:]        drop = min(L, 1) (oldest input out)
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     """
+    if PDL:
+        # the step kernel may start now: it waits (gdc_wait) before it reads anything written here
+        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
@@ -332,79 +349,19 @@ def conv_step_any_w_kernel(
 
 
 @triton.jit
-def _token_inputs(src, a, b, t, live, i_h, i_hv, o_k, o_v, m_k, m_v,
-                  stride_src_t, stride_src_d, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
+def _token_inputs(y, a, b, t, live, i_h, i_hv, o_k, o_v, m_k, m_v,
+                  stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Inputs of new token t for q/k head i_h, value head i_hv: (q, k, v, a, b), q/k/v from row t of
-    src [T, D] (conv outputs y, or the raw mixed_qkv when the conv is fused). Zeros when not ``live``."""
-    p_x = src + t * stride_src_t
+    """Raw inputs of new token t (row t of y, a, b) for q/k head i_h, value head i_hv: (q, k, v, a, b).
+    Nothing is loaded when ``live`` is false (zeros)."""
+    p_y = y + t * stride_y_t
     m_kl = m_k & _as_block(live, o_k)
-    b_q = tl.load(p_x + (i_h * K + o_k) * stride_src_d, mask=m_kl, other=0)
-    b_k = tl.load(p_x + (H * K + i_h * K + o_k) * stride_src_d, mask=m_kl, other=0)
-    b_v = tl.load(p_x + (2 * H * K + i_hv * V + o_v) * stride_src_d, mask=m_v & _as_block(live, o_v), other=0)
+    b_q = tl.load(p_y + i_h * K + o_k, mask=m_kl, other=0)
+    b_k = tl.load(p_y + H * K + i_h * K + o_k, mask=m_kl, other=0)
+    b_v = tl.load(p_y + 2 * H * K + i_hv * V + o_v, mask=m_v & _as_block(live, o_v), other=0)
     b_a = tl.load(a + t * stride_a_t + i_hv * stride_a_h, mask=live, other=0)
     b_b = tl.load(b + t * stride_b_t + i_hv * stride_b_h, mask=live, other=0)
     return b_q, b_k, b_v, b_a, b_b
-
-
-@triton.jit
-def _conv_window(p_c, p_w, stride_c_w, stride_w_w, off, m, m_live, W: tl.constexpr):
-    """Committed window and taps of some channels (W <= 4): registers r0 (oldest) .. r2 (newest) hold
-    window columns off+W-4 .. off+W-2 (zeros where W < 4 leaves none), w0 .. w3 the taps W-4 .. W-1."""
-    zero = tl.zeros(p_c.shape, dtype=tl.float32)
-    r0 = zero
-    r1 = zero
-    r2 = zero
-    w0 = zero
-    w1 = zero
-    w2 = zero
-    if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_live, other=0).to(tl.float32)
-        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m, other=0).to(tl.float32)
-    if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_live, other=0).to(tl.float32)
-        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m, other=0).to(tl.float32)
-    if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_live, other=0).to(tl.float32)
-        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m, other=0).to(tl.float32)
-    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m, other=0).to(tl.float32)
-    return r0, r1, r2, w0, w1, w2, w3
-
-
-@triton.jit
-def _conv_tap(x_t, r0, r1, r2, w0, w1, w2, w3, bias, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """y_t = act(bias + w0 r0 + w1 r1 + w2 r2 + w3 x_t) in float32 (conv_step_kernel's arithmetic)."""
-    acc = w3 * x_t + w2 * r2 + w1 * r1 + w0 * r0
-    if HAS_BIAS:
-        acc += bias
-    if SILU:
-        # silu = y * sigmoid(y); exp(-y) overflows to inf for y << 0 and y / inf = -0: no NaN.
-        acc = acc / (1 + tl.exp(-acc))
-    return acc
-
-
-@triton.jit
-def _conv_commit(p_c, p_x, m, stride_c_w, stride_x_t, bos, off, L, W: tl.constexpr, CWP: tl.constexpr):
-    """conv_state[slot, ch, 0 : keep+L] <- [window[drop:], x_0 .. x_{L-1}] for some channels, in place.
-
-    p_c: [BC] pointers to column 0 of the channels' rows; p_x: [BC] pointers to their inputs in row 0
-    of mixed_qkv; window = columns off .. off+W-2; drop = min(L, 1), keep = W-1-drop. Both parts are
-    re-read here (the window from conv_state: no other program writes these channels in this launch;
-    x is the step's input) as one [BC, CWP] tile, stored coalesced.
-    """
-    drop = tl.minimum(L, 1)
-    keep = W - 1 - drop
-    cols = tl.arange(0, CWP)
-    tt = cols - keep                                  # token of column c
-    b_w = tl.load(p_c[:, None] + (off + drop + cols)[None, :] * stride_c_w,
-                  mask=m[:, None] & (cols < keep)[None, :], other=0)
-    b_x = tl.load(p_x[:, None] + (bos + tt)[None, :] * stride_x_t,
-                  mask=m[:, None] & ((tt >= 0) & (tt < L))[None, :], other=0)
-    b_new = tl.where((cols < keep)[None, :], b_w, b_x.to(p_c.dtype.element_ty))
-    # in place: the tile's elements were read by other threads than the ones that store them; the
-    # barrier orders all of the program's loads before its stores. keep + L <= W-2+TMAX <= CW.
-    tl.debug_barrier()
-    tl.store(p_c[:, None] + cols[None, :] * stride_c_w, b_new, mask=m[:, None] & (cols < keep + L)[None, :])
 
 
 @triton.jit
@@ -439,25 +396,20 @@ def _fold_decay(b_s, c, b_g):
 
 @triton.jit
 def gdn_step_kernel(
-    src, a, b, A_log, dt_bias, o,
+    y, a, b, A_log, dt_bias, o,
     ssm, pk, pv, pg, pbeta, meta, snap, state_indices, cu_seqlens,
-    conv_weight, conv_bias, conv_state, sync,
     scale,
-    stride_src_t, stride_src_d, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
+    stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
     stride_s_n, stride_s_h, stride_s_k,
-    stride_w_d, stride_w_w, stride_c_n, stride_c_d, stride_c_w,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
-    FUSED: tl.constexpr, W: tl.constexpr, CWP: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
-    src: [T, D] q | k | v channels: the raw mixed_qkv (FUSED: the conv runs here) or the conv
-    outputs y of conv_step_kernel; a, b: [T, HV]; o: [T, HV, V] contiguous.
+    y: [T, D] conv outputs (q | k | v channels); a, b: [T, HV]; o: [T, HV, V] contiguous.
     ssm: [S, HV, K, V] (unit stride in V); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
-    pg / pbeta [S, 2, TCAP, HV], meta [S, 2], sync [S, H+1] (FUSED, zero between launches): contiguous.
-    Not FUSED: snap[i_n] = (count, bank) before the step, written by conv_step_kernel.
+    pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (count, bank) before the step.
 
     Per value head:
         S <- ssm[slot]; for the count pending tokens: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T
@@ -465,20 +417,6 @@ def gdn_step_kernel(
         decode: new tokens -> o; ssm[slot] <- S
     Latency: the state block of the next head is loaded while this one is worked on (HPP > 1), and
     each token's inputs are loaded one token ahead, so no load waits behind a reduction.
-
-    FUSED (conv width W <= 4): each program convolves the channels it reads, from the committed
-    window (conv_state[slot] at column max(count-1, 0), registers r0..r2) and the new raw inputs,
-    rounding each conv output to mixed_qkv's dtype as the two-launch path's y does. The new window
-    (conv_state[slot, :, :W-1+L-drop] <- [window, x_0..x_{L-1}][drop:]) may only be written once
-    every program that reads the old one has read it:
-      - v channels and the pending (count, bank) are read by one program ... v: its own program
-        writes them after its last read;
-      - q/k channels of head h are read by the P_h = (V/BV) * (HV/H) (program, head) pairs of the
-        group: each adds 1 to sync[slot, h] (acq_rel, after a barrier) once it has read them; the one
-        that sees P_h - 1 writes the window and resets the counter;
-      - meta (count, bank) is read by every program of the slot: each head's last writer adds 1 to
-        sync[slot, H]; the one that sees H - 1 writes meta and resets the counter.
-    No program waits on another (no spinning, so no dependence on which programs are resident).
 
     FOLD (arithmetic per token and state element: 2 for a pending token, 3 for a new one, 2 for the
     last draft, whose state verify never keeps): the block holds S' with S = c S' (c a scalar), so
@@ -503,15 +441,13 @@ def gdn_step_kernel(
     i_hv = tl.program_id(1) * HPP
     p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
     b_next = tl.load(p_s, mask=m_s, other=0)
+    if PDL:
+        # launched as the conv kernel's programmatic dependent: everything above reads only what the
+        # conv kernel does not write (indices, the ssm state); wait for its results (y, snap) here
+        tl.extra.cuda.gdc_wait()
 
-    if FUSED:
-        count = tl.load(meta + slot * 2, mask=valid, other=0)
-        bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
-        count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-        bank = (bank & 1).to(tl.int64)
-    else:
-        count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
-        bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
+    count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
+    bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
@@ -522,9 +458,6 @@ def gdn_step_kernel(
     pb = (slot * 2 + bank) * TCAP                     # token row 0 of the pending bank
     nb = (slot * 2 + (1 - bank)) * TCAP               # token row 0 of the other bank
     zero = i_n * 0                                    # (a tensor 0: comparisons with loop ints stay tensors)
-    off = tl.maximum(count - 1, 0).to(tl.int64)       # (FUSED) the committed window's first column
-    P_h = ((V + BV - 1) // BV) * (HV // H)            # (FUSED) (program, head) pairs reading a q/k head
-    m_kv = m_k & _as_block(valid, o_k)
 
     for j in tl.static_range(HPP):
         i_hv = tl.program_id(1) * HPP + j
@@ -532,35 +465,10 @@ def gdn_step_kernel(
         # prologue loads, all independent of the state: first pending token, first new token
         n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb, count > 0, i_h, i_hv, o_k, o_v,
                                                     m_k, m_v, H, HV, K, V)
-        n_q, n_k, n_v, n_a, n_b = _token_inputs(src, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                                stride_src_t, stride_src_d, stride_a_t, stride_a_h,
-                                                stride_b_t, stride_b_h, H, K, V)
+        n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                                stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
         b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
-        # channels of this head's q, k, v in mixed_qkv / conv_state
-        c_q = i_h * K + o_k
-        c_kk = H * K + i_h * K + o_k
-        c_vv = 2 * H * K + i_hv * V + o_v
-        p_cs = conv_state + slot * stride_c_n
-        if FUSED:
-            # the committed conv windows and taps of the channels this program reads
-            live_w = L > 0
-            rq0, rq1, rq2, wq0, wq1, wq2, wq3 = _conv_window(
-                p_cs + c_q.to(tl.int64) * stride_c_d, conv_weight + c_q * stride_w_d, stride_c_w, stride_w_w,
-                off, m_k, m_kv & _as_block(live_w, o_k), W)
-            rk0, rk1, rk2, wk0, wk1, wk2, wk3 = _conv_window(
-                p_cs + c_kk.to(tl.int64) * stride_c_d, conv_weight + c_kk * stride_w_d, stride_c_w, stride_w_w,
-                off, m_k, m_kv & _as_block(live_w, o_k), W)
-            rv0, rv1, rv2, wv0, wv1, wv2, wv3 = _conv_window(
-                p_cs + c_vv.to(tl.int64) * stride_c_d, conv_weight + c_vv * stride_w_d, stride_c_w, stride_w_w,
-                off, m_v, m_vv & _as_block(live_w, o_v), W)
-            bq_bias = 0.0
-            bk_bias = 0.0
-            bv_bias = 0.0
-            if HAS_BIAS:
-                bq_bias = tl.load(conv_bias + c_q, mask=m_k, other=0).to(tl.float32)
-                bk_bias = tl.load(conv_bias + c_kk, mask=m_k, other=0).to(tl.float32)
-                bv_bias = tl.load(conv_bias + c_vv, mask=m_v, other=0).to(tl.float32)
         b_cur = b_next
         if j + 1 < HPP:
             # the next head's block: in flight while this head is worked on
@@ -589,33 +497,17 @@ def gdn_step_kernel(
             tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
                      mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
 
-        # 2. the new tokens: conv (FUSED), gating, l2norm, delta rule, output
+        # 2. the new tokens: gating, l2norm, delta rule, output
         own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
         own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
         for i in range(0, L):
             t = bos + i
-            x_q, x_k, x_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
-            n_q, n_k, n_v, n_a, n_b = _token_inputs(src, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
-                                                    m_k, m_v, stride_src_t, stride_src_d, stride_a_t,
-                                                    stride_a_h, stride_b_t, stride_b_h, H, K, V)
-            if FUSED:
-                # conv outputs rounded to the activations' dtype, as the two-launch path's y is
-                xf_q = x_q.to(tl.float32)
-                xf_k = x_k.to(tl.float32)
-                xf_v = x_v.to(tl.float32)
-                b_q = _conv_tap(xf_q, rq0, rq1, rq2, wq0, wq1, wq2, wq3, bq_bias, HAS_BIAS, SILU)
-                b_k = _conv_tap(xf_k, rk0, rk1, rk2, wk0, wk1, wk2, wk3, bk_bias, HAS_BIAS, SILU)
-                b_vc = _conv_tap(xf_v, rv0, rv1, rv2, wv0, wv1, wv2, wv3, bv_bias, HAS_BIAS, SILU)
-                b_q = b_q.to(src.dtype.element_ty).to(tl.float32)
-                b_k = b_k.to(src.dtype.element_ty).to(tl.float32)
-                c_v = b_vc.to(src.dtype.element_ty)
-                rq0, rq1, rq2 = rq1, rq2, xf_q
-                rk0, rk1, rk2 = rk1, rk2, xf_k
-                rv0, rv1, rv2 = rv1, rv2, xf_v
-            else:
-                b_q = x_q.to(tl.float32)
-                b_k = x_k.to(tl.float32)
-                c_v = x_v
+            c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
+            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
+                                                    m_k, m_v, stride_y_t, stride_a_t, stride_a_h, stride_b_t,
+                                                    stride_b_h, H, K, V)
+            b_q = c_q.to(tl.float32)
+            b_k = c_k.to(tl.float32)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
             b_kq = tl.sum(b_k * b_q)
@@ -650,34 +542,12 @@ def gdn_step_kernel(
                      mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         p_s += stride_s_h
 
-        if FUSED:
-            # 3. the new conv windows (see the docstring for who writes what, and when)
-            _conv_commit(p_cs + c_vv.to(tl.int64) * stride_c_d, src + c_vv * stride_src_d, m_vv,
-                         stride_c_w, stride_src_t, bos, off, L, W, CWP)
-            tl.debug_barrier()                       # every thread's reads of the q/k windows are done
-            seen = tl.atomic_add(sync + slot * (H + 1) + i_h, 1, mask=valid, sem="acq_rel")
-            if valid & (seen == P_h - 1):            # the last reader of head i_h's q/k windows
-                _conv_commit(p_cs + c_q.to(tl.int64) * stride_c_d, src + c_q * stride_src_d, m_kv,
-                             stride_c_w, stride_src_t, bos, off, L, W, CWP)
-                _conv_commit(p_cs + c_kk.to(tl.int64) * stride_c_d, src + c_kk * stride_src_d, m_kv,
-                             stride_c_w, stride_src_t, bos, off, L, W, CWP)
-                tl.store(sync + slot * (H + 1) + i_h, 0)
-                heads = tl.atomic_add(sync + slot * (H + 1) + H, 1, sem="acq_rel")
-                if heads == H - 1:                   # the last head of the slot: every program read meta
-                    if KEEP_PENDING:
-                        tl.store(meta + slot * 2, L.to(tl.int32))
-                        tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32))
-                    else:
-                        tl.store(meta + slot * 2, (count * 0).to(tl.int32))
-                    tl.store(sync + slot * (H + 1) + H, 0)
-
-    if not FUSED:
-        own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
-        if KEEP_PENDING:
-            tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
-            tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32), mask=own_meta)
-        else:
-            tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
+    own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
+    if KEEP_PENDING:
+        tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
+        tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32), mask=own_meta)
+    else:
+        tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
 @triton.jit(do_not_specialize=["N"])  # one compiled variant for every batch size (N == 1 included)
@@ -706,55 +576,44 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     dev = cache.ssm_state.device
     varlen = cu_seqlens is not None
     TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
+    y = torch.empty(T, D, dtype=mixed_qkv.dtype, device=dev)        # conv outputs, [T, D]
     o = torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
+    snap = torch.empty(N, 2, dtype=torch.int32, device=dev)         # (count, bank) before the step
     if N == 0:
         return o
-    cs = cache.conv_state
+    cc = conv_config(D, W)
     sc = step_config(K, V, cache.ssm_state.dtype, HV, mode)
-    fused = bool(sc["fuse_conv"]) and W <= 4 and cache.step_sync is not None
-    silu = activation in ("silu", "swish")
-    cwp = next_pow2(max(W - 1, W - 2 + TMAX))        # the conv-state columns a step writes
-    if not fused:
-        # launch 1: the conv (and the (count, bank) snapshot); launch 2 reads y and snap
-        y = torch.empty(T, D, dtype=mixed_qkv.dtype, device=dev)    # conv outputs, [T, D]
-        snap = torch.empty(N, 2, dtype=torch.int32, device=dev)     # (count, bank) before the step
-        cc = conv_config(D, W)
-        conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, SILU=silu,
-                       HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
-        if W <= 4:
-            conv_kernel = conv_step_kernel
-            conv_kw.update(CWP=cwp)
-        else:
-            conv_kernel = conv_step_any_w_kernel
-            conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
-        conv_kernel[(cdiv(D, cc["BD"]), N)](
-            mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta,
-            snap, state_indices, cu_seqlens if varlen else state_indices,
-            D,
-            mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
-            cs.stride(0), cs.stride(1), cs.stride(2),
-            **conv_kw,
-        )
-        src = y
+    pdl = bool(sc["pdl"]) and _pdl_supported(dev)
+    cs = cache.conv_state
+    conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
+                   SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"],
+                   PDL=pdl)
+    if W <= 4:
+        conv_kernel = conv_step_kernel
+        conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
     else:
-        snap = state_indices                          # (unused)
-        src = mixed_qkv
+        conv_kernel = conv_step_any_w_kernel
+        conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
+    conv_kernel[(cdiv(D, cc["BD"]), N)](
+        mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
+        state_indices, cu_seqlens if varlen else state_indices,
+        D,
+        mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
+        cs.stride(0), cs.stride(1), cs.stride(2),
+        **conv_kw,
+    )
     BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
     gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
-        src, a, b, A_log, dt_bias, o,
+        y, a, b, A_log, dt_bias, o,
         s, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
         state_indices, cu_seqlens if varlen else state_indices,
-        conv_weight, conv_bias if conv_bias is not None else conv_weight, cs,
-        cache.step_sync if fused else cache.pend_meta,
         float(K ** -0.5 if scale is None else scale),
-        src.stride(0), src.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
-        conv_weight.stride(0), conv_weight.stride(1), cs.stride(0), cs.stride(1), cs.stride(2),
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
-        FUSED=fused, W=W, CWP=cwp, SILU=silu, HAS_BIAS=conv_bias is not None,
-        num_warps=sc["num_warps"],
+        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=pdl,
+        num_warps=sc["num_warps"], **({"launch_pdl": True} if pdl else {}),
     )
     return o
 
@@ -769,8 +628,8 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
 
-    One launch (conv + gating + l2norm + delta rule; two for conv widths > 4); one read and one write
-    of each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
+    Two launches (conv, then gating + l2norm + delta rule in one kernel); one read and one write of
+    each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
     """
     check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
                       scale, activation, check_values)

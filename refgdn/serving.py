@@ -93,9 +93,7 @@ class GDNStateCache:
     pend_beta:  [S, 2, 1+max_draft, HV]     beta of pending tokens, compute dtype
     pend_meta:  [S, 2] int32                (count, bank): the first `count` tokens of bank `bank`
                                             are accepted and not yet folded into ssm_state
-    step_sync:  [S, H+1] int32 or None      zero between steps; fast's per-slot program counters
-                                            (its one-launch step, see fast.serving); refgdn ignores it
-    The pend_* and step_sync tensors must be contiguous (kernels index them directly).
+    The pend_* tensors must be contiguous (kernels index them directly).
     """
 
     ssm_state: torch.Tensor
@@ -105,7 +103,6 @@ class GDNStateCache:
     pend_g: torch.Tensor
     pend_beta: torch.Tensor
     pend_meta: torch.Tensor
-    step_sync: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, HV: int, K: int, V: int, conv_width: int = 4,
@@ -135,7 +132,6 @@ class GDNStateCache:
             pend_g=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
             pend_beta=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
             pend_meta=torch.zeros(num_slots, 2, dtype=torch.int32, **z),
-            step_sync=torch.zeros(num_slots, H + 1, dtype=torch.int32, **z),
         )
 
     # sizes ------------------------------------------------------------------------------------
@@ -178,24 +174,18 @@ class GDNStateCache:
         return self.conv_state.shape[2] - self.max_draft + 1
 
     def tensors(self) -> list:
-        """The tensors in field order (no copies; step_sync only when present)."""
-        return [t for t in (getattr(self, f.name) for f in dataclasses.fields(self)) if t is not None]
+        """The seven tensors in field order (no copies)."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     def clone(self) -> "GDNStateCache":
-        return GDNStateCache(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).clone()
-                                for f in dataclasses.fields(self)})
+        return GDNStateCache(*(t.clone() for t in self.tensors()))
 
     def to(self, **kw) -> "GDNStateCache":
-        """Copy with every tensor moved/cast by ``Tensor.to(**kw)`` (pend_meta, step_sync keep int32)."""
+        """Copy with every tensor moved/cast by ``Tensor.to(**kw)`` (pend_meta keeps int32)."""
         out = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is None:
-                out[f.name] = None
-            elif f.name in ("pend_meta", "step_sync"):
-                out[f.name] = t.to(device=kw.get("device", t.device))
-            else:
-                out[f.name] = t.to(**kw)
+            out[f.name] = t.to(device=kw.get("device", t.device)) if f.name == "pend_meta" else t.to(**kw)
         return GDNStateCache(**out)
 
     def reset(self, slots) -> None:
@@ -239,12 +229,6 @@ def check_cache(cache) -> None:
             raise ValueError(f"{name} must be {cdt} (the compute dtype), got {t.dtype}")
     if cache.pend_meta.dtype != torch.int32:
         raise ValueError(f"cache.pend_meta must be int32, got {cache.pend_meta.dtype}")
-    if cache.step_sync is not None:
-        _need_tensor("cache.step_sync", cache.step_sync)
-        _need_shape("cache.step_sync", cache.step_sync, (S, H + 1), "[S, H+1]")
-        _need_device("cache.step_sync", cache.step_sync, dev)
-        if cache.step_sync.dtype != torch.int32 or not cache.step_sync.is_contiguous():
-            raise ValueError(f"cache.step_sync must be a contiguous int32 tensor, got {cache.step_sync.dtype}")
     _need_tensor("cache.conv_state", cache.conv_state, 3)
     _need_float("cache.conv_state", cache.conv_state)
     _need_device("cache.conv_state", cache.conv_state, dev)

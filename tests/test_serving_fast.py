@@ -92,64 +92,6 @@ def test_conv_widths(W):
     assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
 
 
-@pytest.mark.parametrize("W", [2, 4], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("cfg", [dict(), dict(HPP=2, BV=4)], ids=["default", "hpp2-bv4"])
-def test_one_launch_equals_two_launches(W, cfg, monkeypatch):
-    """The fused step (conv inside the step kernel, windows committed by the last reader through
-    cache.step_sync) against the two-launch path (conv kernel, then step kernel): the conv windows
-    and metadata are identical (copies), outputs and states equal up to float32 rounding, and the
-    program counters are back to zero after every step. GVA 2 with several V-blocks, so each q/k
-    window has several readers."""
-    H, HV, K, V, S = 2, 4, 8, 8, 5
-    D = 2 * H * K + HV * V
-    base = make_cache(S, H, HV, K, V, W, 3, seed=90 + W, state_dtype=torch.float32, act_dtype=torch.float32)
-    layer = _to(make_layer(H, HV, K, V, W, seed=91), torch.float32)
-    idx = torch.tensor([3, -1, 0, 4], dtype=torch.int32, device=DEVICE)
-    sched = [("verify", [3, 2, 4, 1], [2, 1, 4, 1]), ("decode", [1, 1, 1, 1], None),
-             ("verify", [2, 1, 1, 4], [1, 1, 1, 3]), ("materialize", [0] * 4, None)]
-    results = []
-    for fuse in (True, False):
-        monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", dict(cfg, fuse_conv=fuse))
-        c = base.clone().to(device=DEVICE)
-        outs = []
-        for i, (kind, lens, acc) in enumerate(sched):
-            x, a, b = (t.to(DEVICE) for t in make_tokens(sum(lens), HV, D, seed=200 + i, dtype=torch.float32))
-            cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-            if kind == "verify":
-                outs.append(fs.gdn_verify(x, a, b, *_args(layer), c, idx, cu))
-                fs.gdn_accept(c, idx, torch.tensor(acc, dtype=torch.int32, device=DEVICE))
-            elif kind == "decode":
-                outs.append(fs.gdn_decode(x, a, b, *_args(layer), c, idx))
-            else:
-                fs.gdn_materialize(c, idx)
-            assert torch.equal(c.step_sync, torch.zeros_like(c.step_sync)), (fuse, i)
-        results.append((c, outs))
-    (c1, o1), (c2, o2) = results
-    for x1, x2 in zip(o1, o2):
-        torch.testing.assert_close(x1, x2, rtol=1e-6, atol=1e-6)
-    assert torch.equal(c1.conv_state, c2.conv_state)
-    assert torch.equal(c1.pend_meta, c2.pend_meta)
-    torch.testing.assert_close(c1.ssm_state, c2.ssm_state, rtol=1e-6, atol=1e-6)
-
-
-def test_cache_without_step_sync_runs_two_launches():
-    """A cache built field by field without step_sync still works (conv kernel + step kernel)."""
-    H, HV, K, V, W, S = 1, 2, 8, 8, 4, 3
-    D = 2 * H * K + HV * V
-    base = make_cache(S, H, HV, K, V, W, 2, seed=95, state_dtype=torch.float32, act_dtype=torch.float32)
-    base.step_sync = None
-    c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
-    layer = _to(make_layer(H, HV, K, V, W, seed=96), torch.float32, "cpu")
-    sched = [("verify", [3, 2], [2, 2]), ("decode", [1, 1], None), ("materialize", [0, 0], None)]
-    outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32)
-    for o_r, o_f in outs:
-        if o_r is not None:
-            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
-    assert c_fast.step_sync is None
-    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
-    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("cfg", [dict(HPP=2), dict(HPP=4, BV=4), dict(HPP=3)], ids=["hpp2", "hpp4-bv4", "hpp3"])
 def test_step_kernel_configs(cfg, monkeypatch):
     """Step-kernel variants: several value heads per program (next head's state prefetched; HPP=3
