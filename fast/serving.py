@@ -22,12 +22,6 @@ A step is two launches:
    rule, outputs. Verify stores the new tokens' inputs into the other pending bank and the new
    ``(count, bank)``; decode commits everything. The decay is folded into a scalar (see the kernel).
 
-On sm_90+ launch 2 is a programmatic dependent of launch 1 (PDL): its programs may start, and
-issue their state-block loads, while the conv's last programs run; they wait (``gdc_wait``) before
-reading y or the snapshot. (Folding the conv into the step kernel instead, one launch with the
-q/k windows rewritten by their last reader through per-slot atomic counters, measured 29 % slower
-for decode on an H200: benchmarks/RESULTS.md.)
-
 Performance (H200, Qwen3-Next shape, N = 256; benchmarks/bench_decode.py): decode moves the state
 at ~94 % of copy bandwidth in the step kernel (memory-bound: big blocks, many bytes in flight);
 verify is bound by the per-token arithmetic and latency (small one-warp blocks, reductions by shuffles).
@@ -47,7 +41,6 @@ lengths are clamped so memory is never touched out of bounds.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -70,8 +63,7 @@ CONV_CONFIG_OVERRIDE: Optional[dict] = None
 
 def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode") -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
-    fold (decay folded into a scalar), pdl (launched as the conv kernel's programmatic dependent where
-    the GPU has it, sm_90+: its programs start loading their state blocks while the conv finishes).
+    fold (decay folded into a scalar).
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -82,14 +74,14 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     """
     BK = next_pow2(K)
     if is_interpreting():
-        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True, pdl=True)
+        cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True)
     elif mode == "verify":
         BV = min(next_pow2(V), 32)
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True, pdl=True)
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True)
     else:
         elem = torch.empty(0, dtype=state_dtype).element_size()
         BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True, pdl=True)
+        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
     if STEP_CONFIG_OVERRIDE is not None:
         cfg.update(STEP_CONFIG_OVERRIDE)
     hpp = max(1, int(cfg["HPP"]))
@@ -97,14 +89,6 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         hpp //= 2
     cfg["HPP"] = hpp
     return cfg
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA sm_90+ (Hopper, Blackwell), not the interpreter."""
-    if is_interpreting() or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def conv_config(D: int, W: int = 4) -> dict:
@@ -137,7 +121,6 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -153,9 +136,6 @@ def conv_step_kernel(
     window's reads need not wait for the count, measured slower on an H200: the column extraction
     and layout changes cost more than the dependent load.)
     """
-    if PDL:
-        # the step kernel may start now: it waits (gdc_wait) before it reads anything written here
-        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
@@ -278,7 +258,6 @@ def conv_step_any_w_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """conv_step_kernel for any conv width W (W > 4): the window and tokens as one [BD, SP] block.
 
@@ -287,9 +266,6 @@ def conv_step_any_w_kernel(
     conv_state[slot, :, 0 : W-1+L-drop] <- seq[drop:]        drop = min(L, 1) (oldest input out)
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     """
-    if PDL:
-        # the step kernel may start now: it waits (gdc_wait) before it reads anything written here
-        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
@@ -403,7 +379,7 @@ def gdn_step_kernel(
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
+    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
@@ -440,11 +416,10 @@ def gdn_step_kernel(
     # the state block of the first head: the one read of it, issued before anything else
     i_hv = tl.program_id(1) * HPP
     p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    b_next = tl.load(p_s, mask=m_s, other=0)
-    if PDL:
-        # launched as the conv kernel's programmatic dependent: everything above reads only what the
-        # conv kernel does not write (indices, the ssm state); wait for its results (y, snap) here
-        tl.extra.cuda.gdc_wait()
+    if STREAM:   # the state block is read once and written once: keep it out of L2's way
+        b_next = tl.load(p_s, mask=m_s, other=0, eviction_policy="evict_first")
+    else:
+        b_next = tl.load(p_s, mask=m_s, other=0)
 
     count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
     bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
@@ -472,7 +447,10 @@ def gdn_step_kernel(
         b_cur = b_next
         if j + 1 < HPP:
             # the next head's block: in flight while this head is worked on
-            b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
+            if STREAM:
+                b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0, eviction_policy="evict_first")
+            else:
+                b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
         b_s = b_cur.to(tl.float32)                   # bf16 states: rounded once, at the store
         if FOLD:
             c = (i_n * 0).to(tl.float32) + 1.0       # the state is c * b_s
@@ -538,8 +516,12 @@ def gdn_step_kernel(
                 tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
         if not KEEP_PENDING:
             # decode / materialize: the one write of the state block (skipped when nothing changed)
-            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+            if STREAM:
+                tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
+                         mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :], cache_modifier=".cs")
+            else:
+                tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
+                         mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         p_s += stride_s_h
 
     own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
@@ -582,12 +564,9 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     if N == 0:
         return o
     cc = conv_config(D, W)
-    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode)
-    pdl = bool(sc["pdl"]) and _pdl_supported(dev)
     cs = cache.conv_state
     conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
-                   SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"],
-                   PDL=pdl)
+                   SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
     if W <= 4:
         conv_kernel = conv_step_kernel
         conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
@@ -602,6 +581,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         cs.stride(0), cs.stride(1), cs.stride(2),
         **conv_kw,
     )
+    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode)
     BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
     gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
@@ -612,8 +592,8 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=pdl,
-        num_warps=sc["num_warps"], **({"launch_pdl": True} if pdl else {}),
+        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), STREAM=bool(sc.get("stream", False)),
+        num_warps=sc["num_warps"],
     )
     return o
 

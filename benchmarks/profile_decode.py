@@ -1,0 +1,81 @@
+"""Where decode / verify time goes: per-kernel device times (torch.profiler) and the CUDA-graph step
+time for launch-config variants of fast.serving at Qwen3-Next's shape, N = 256.
+
+    python -m benchmarks.profile_decode
+
+Per variant: "graph us" = one step replayed from a CUDA graph (benchmarks.common.bench), "% copy"
+= bench_decode.traffic_bytes / time / measured copy bandwidth, then each kernel's mean device time
+over 20 eager steps. Variants are fast.serving.STEP_CONFIG_OVERRIDE / CONV_CONFIG_OVERRIDE dicts.
+"""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+
+from . import bench_decode as bd
+from . import common
+
+VARIANTS = {
+    (0, torch.float32): [{}, {"stream": True}, {"HPP": 2}, {"HPP": 2, "stream": True}, {"BV": 128, "num_warps": 8},
+                         {"BV": 32, "num_warps": 2}, {"HPP": 4}],
+    (0, torch.bfloat16): [{}, {"stream": True}, {"HPP": 2}],
+    (3, torch.float32): [{}, {"stream": True}],
+}
+
+
+def kernel_times(fn, steps: int = 20) -> dict:
+    """Mean device time per kernel name (us) over ``steps`` eager calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name] += ev.device_time / steps
+    return dict(out)
+
+
+def main() -> list:
+    import fast.serving as fs
+
+    gbs = common.copy_bandwidth_gbs("cuda")
+    rows = []
+    for (k, sdt), variants in VARIANTS.items():
+        p = bd.make_problem(bd.VERIFY_N, k, sdt, "cuda")
+        nbytes = bd.traffic_bytes(bd.VERIFY_N, k, sdt)
+        for ov in variants:
+            fs.STEP_CONFIG_OVERRIDE = dict(ov)
+            try:
+                fn = bd.fast_decode_fn(p) if k == 0 else bd.fast_verify_fn(p)
+                g = bd.graphed(fn)
+                ms = common.bench(g or fn)
+                kt = kernel_times(fn)
+            finally:
+                fs.STEP_CONFIG_OVERRIDE = None
+            row = dict(op="decode" if k == 0 else f"verify+accept k={k}", state=bd._sname(sdt),
+                       variant=",".join(f"{a}={b}" for a, b in ov.items()) or "pinned",
+                       **{"graph us": ms * 1e3, "% copy": 100 * nbytes / (ms * 1e-3) / 1e9 / gbs})
+            for name, us in sorted(kt.items(), key=lambda kv: -kv[1]):
+                row[name.split("(")[0][:24]] = us
+            rows.append(row)
+            print(common.format_table([row]), file=sys.stderr, flush=True)
+        del p
+    return rows
+
+
+if __name__ == "__main__":
+    if not common.gpu_available():
+        print("profile_decode: a CUDA GPU is needed; nothing to do.")
+        sys.exit(0)
+    v = common.versions()
+    print(f"device: {common.device_name()} | torch {v['torch']} | triton {v['triton']}")
+    rows = main()
+    for r in rows:
+        print(r)
