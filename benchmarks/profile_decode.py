@@ -5,7 +5,7 @@ time for launch-config variants of fast.serving at Qwen3-Next's shape, N = 256.
 
 Per variant: "graph us" = one step replayed from a CUDA graph (benchmarks.common.bench), "% copy"
 = bench_decode.traffic_bytes / time / measured copy bandwidth, then each kernel's mean device time
-over 20 eager steps. Variants are fast.serving.STEP_CONFIG_OVERRIDE / CONV_CONFIG_OVERRIDE dicts.
+over 20 eager steps. Variants are (fast.serving.STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE) pairs.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import torch
 from . import bench_decode as bd
 from . import common
 
-VARIANTS = {
-    (0, torch.float32): [{}, {"stream": True}, {"HPP": 2}, {"HPP": 2, "stream": True}, {"BV": 128, "num_warps": 8},
-                         {"BV": 32, "num_warps": 2}, {"HPP": 4}],
-    (0, torch.bfloat16): [{}, {"stream": True}, {"HPP": 2}],
-    (3, torch.float32): [{}, {"stream": True}],
+VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE), ...]
+    (0, torch.float32): [({}, {}), ({}, {"flat": True}), ({}, {"flat": True, "BD": 512}),
+                         ({}, {"flat": True, "BD": 128}), ({}, {"BD": 128}), ({}, {"flat": True, "num_warps": 2})],
+    (0, torch.bfloat16): [({}, {}), ({}, {"flat": True})],
+    (3, torch.float32): [({}, {})],
 }
 
 
@@ -50,17 +50,18 @@ def main() -> list:
     for (k, sdt), variants in VARIANTS.items():
         p = bd.make_problem(bd.VERIFY_N, k, sdt, "cuda")
         nbytes = bd.traffic_bytes(bd.VERIFY_N, k, sdt)
-        for ov in variants:
-            fs.STEP_CONFIG_OVERRIDE = dict(ov)
+        for ov, cov in variants:
+            fs.STEP_CONFIG_OVERRIDE, fs.CONV_CONFIG_OVERRIDE = dict(ov), dict(cov)
             try:
                 fn = bd.fast_decode_fn(p) if k == 0 else bd.fast_verify_fn(p)
                 g = bd.graphed(fn)
                 ms = common.bench(g or fn)
                 kt = kernel_times(fn)
             finally:
-                fs.STEP_CONFIG_OVERRIDE = None
+                fs.STEP_CONFIG_OVERRIDE = fs.CONV_CONFIG_OVERRIDE = None
             row = dict(op="decode" if k == 0 else f"verify+accept k={k}", state=bd._sname(sdt),
-                       variant=",".join(f"{a}={b}" for a, b in ov.items()) or "pinned",
+                       variant=",".join(f"{a}={b}" for a, b in {**ov, **{"conv." + c: d for c, d in cov.items()}}.items())
+                       or "pinned",
                        **{"graph us": ms * 1e3, "% copy": 100 * nbytes / (ms * 1e-3) / 1e9 / gbs})
             for name, us in sorted(kt.items(), key=lambda kv: -kv[1]):
                 row[name.split("(")[0][:24]] = us

@@ -121,6 +121,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FLAT: tl.constexpr = False, CW: tl.constexpr = 1, FP: tl.constexpr = 1,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -130,6 +131,10 @@ def conv_step_kernel(
     conv_state[slot, :, 0 : W-1+L-drop] <- [window, x_0 .. x_{L-1}][drop:]   drop = min(L, 1)
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
+
+    FLAT (decode, slot rows contiguous: conv_state[slot, c0:c0+BD, :] is BD*CW consecutive elements):
+    the new window is written as that flat run, one coalesced vector store per thread instead of W-1
+    strided 2-byte stores per channel; element e = (channel e // CW, column e % CW).
 
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
     tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
@@ -208,7 +213,7 @@ def conv_step_kernel(
         x2d = tl.load(x + (bos + tt)[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
                       mask=m_dv[:, None] & ((tt >= 0) & (tt < L))[None, :], other=0)
         new2d = tl.where((cols < keep)[None, :], w2d, x2d.to(conv_state.dtype.element_ty))
-    else:
+    elif not FLAT:
         # decode (and materialize): a few columns, stored from the registers by the thread that
         # loaded them (one [BD] layout, program order: the in-place rewrite needs no barrier)
         if W >= 4:
@@ -248,6 +253,20 @@ def conv_step_kernel(
         # accesses of the threads that meet there). keep + L <= W - 2 + TMAX <= CW: inside the cache.
         tl.debug_barrier()
         tl.store(p_c[:, None] + cols[None, :] * stride_c_w, new2d, mask=m_dv[:, None] & (cols < keep + L)[None, :])
+    if FLAT:
+        # decode: new[ch, c] = old[ch, off + drop + c] (c < keep), x_0[ch] (c == keep), over the flat run
+        e = tl.arange(0, FP)
+        e_ch = e // CW
+        e_c = e % CW
+        m_e = (e < BD * CW) & (i_d * BD + e_ch < D) & _as_block(valid, e)
+        p_f = conv_state + slot * stride_c_n + i_d * (BD * CW)
+        b_old = tl.load(p_f + e + off + drop, mask=m_e & (e_c < keep), other=0)
+        b_xn = tl.load(x + bos * stride_x_t + (i_d * BD + e_ch) * stride_x_d,
+                       mask=m_e & (e_c == keep) & _as_block(L > 0, e), other=0)
+        b_new = tl.where(e_c < keep, b_old, b_xn.to(conv_state.dtype.element_ty))
+        # in place, in another layout than the window's loads: order all of them before the store
+        tl.debug_barrier()
+        tl.store(p_f + e, b_new, mask=m_e & (e_c < keep + L))
 
 
 @triton.jit
@@ -570,6 +589,8 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     if W <= 4:
         conv_kernel = conv_step_kernel
         conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
+        if cc.get("flat") and TMAX == 1 and cs.stride(2) == 1 and cs.stride(1) == cs.shape[2]:
+            conv_kw.update(FLAT=True, CW=cs.shape[2], FP=next_pow2(cc["BD"] * cs.shape[2]))
     else:
         conv_kernel = conv_step_any_w_kernel
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
