@@ -18,10 +18,9 @@ from . import bench_decode as bd
 from . import common
 
 VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE), ...]
-    (0, torch.float32): [({}, {}), ({}, {"flat": True}), ({}, {"flat": True, "BD": 512}),
-                         ({}, {"flat": True, "BD": 128}), ({}, {"BD": 128}), ({}, {"flat": True, "num_warps": 2})],
-    (0, torch.bfloat16): [({}, {}), ({}, {"flat": True})],
-    (3, torch.float32): [({}, {})],
+    (0, torch.float32): [({}, {}), ({}, {"spec": True}), ({}, {"spec": True, "BD": 512}),
+                         ({}, {"spec": True, "num_warps": 8}), ({}, {"spec": True, "BD": 512, "num_warps": 8})],
+    (0, torch.bfloat16): [({}, {}), ({}, {"spec": True})],
 }
 
 

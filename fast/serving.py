@@ -121,7 +121,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FLAT: tl.constexpr = False, CW: tl.constexpr = 1, FP: tl.constexpr = 1,
+    SPEC: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -132,12 +132,9 @@ def conv_step_kernel(
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
 
-    FLAT (decode, slot rows contiguous: conv_state[slot, c0:c0+BD, :] is BD*CW consecutive elements):
-    the new window is written as that flat run, one coalesced vector store per thread instead of W-1
-    strided 2-byte stores per channel; element e = (channel e // CW, column e % CW).
-
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
-    tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
+    tokens ahead. SPEC (decode): the window is loaded at column 0 (a committed slot's: count = 0)
+    together with the metadata, not after it, and loaded again only if the count says otherwise. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
     window's reads need not wait for the count, measured slower on an H200: the column extraction
     and layout changes cost more than the dependent load.)
     """
@@ -150,6 +147,17 @@ def conv_step_kernel(
     m_d = o_d < D
     m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
     p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
+    if SPEC:
+        # speculative window at column 0: in flight with the metadata load below
+        s0 = tl.zeros([BD], dtype=tl.float32)
+        s1 = s0
+        s2 = s0
+        if W >= 4:
+            s0 = tl.load(p_c + (W - 4) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        if W >= 3:
+            s1 = tl.load(p_c + (W - 3) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        if W >= 2:
+            s2 = tl.load(p_c + (W - 2) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
     count = tl.load(meta + slot * 2, mask=valid, other=0)
     bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
     if VARLEN:
@@ -188,14 +196,29 @@ def conv_step_kernel(
     w0 = zero
     w1 = zero
     w2 = zero
+    if SPEC:
+        r0 = s0
+        r1 = s1
+        r2 = s2
+        if off > 0:                                   # after a verify: the window starts further on
+            if W >= 4:
+                r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+            if W >= 3:
+                r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+            if W >= 2:
+                r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+    else:
+        if W >= 4:
+            r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        if W >= 3:
+            r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        if W >= 2:
+            r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
     if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
@@ -213,7 +236,7 @@ def conv_step_kernel(
         x2d = tl.load(x + (bos + tt)[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
                       mask=m_dv[:, None] & ((tt >= 0) & (tt < L))[None, :], other=0)
         new2d = tl.where((cols < keep)[None, :], w2d, x2d.to(conv_state.dtype.element_ty))
-    elif not FLAT:
+    else:
         # decode (and materialize): a few columns, stored from the registers by the thread that
         # loaded them (one [BD] layout, program order: the in-place rewrite needs no barrier)
         if W >= 4:
@@ -253,20 +276,6 @@ def conv_step_kernel(
         # accesses of the threads that meet there). keep + L <= W - 2 + TMAX <= CW: inside the cache.
         tl.debug_barrier()
         tl.store(p_c[:, None] + cols[None, :] * stride_c_w, new2d, mask=m_dv[:, None] & (cols < keep + L)[None, :])
-    if FLAT:
-        # decode: new[ch, c] = old[ch, off + drop + c] (c < keep), x_0[ch] (c == keep), over the flat run
-        e = tl.arange(0, FP)
-        e_ch = e // CW
-        e_c = e % CW
-        m_e = (e < BD * CW) & (i_d * BD + e_ch < D) & _as_block(valid, e)
-        p_f = conv_state + slot * stride_c_n + i_d * (BD * CW)
-        b_old = tl.load(p_f + e + off + drop, mask=m_e & (e_c < keep), other=0)
-        b_xn = tl.load(x + bos * stride_x_t + (i_d * BD + e_ch) * stride_x_d,
-                       mask=m_e & (e_c == keep) & _as_block(L > 0, e), other=0)
-        b_new = tl.where(e_c < keep, b_old, b_xn.to(conv_state.dtype.element_ty))
-        # in place, in another layout than the window's loads: order all of them before the store
-        tl.debug_barrier()
-        tl.store(p_f + e, b_new, mask=m_e & (e_c < keep + L))
 
 
 @triton.jit
@@ -589,8 +598,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     if W <= 4:
         conv_kernel = conv_step_kernel
         conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
-        if cc.get("flat") and TMAX == 1 and cs.stride(2) == 1 and cs.stride(1) == cs.shape[2]:
-            conv_kw.update(FLAT=True, CW=cs.shape[2], FP=next_pow2(cc["BD"] * cs.shape[2]))
+        conv_kw.update(SPEC=bool(cc.get("spec")) and TMAX == 1)
     else:
         conv_kernel = conv_step_any_w_kernel
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))

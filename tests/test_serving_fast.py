@@ -72,13 +72,12 @@ def test_strided_conv_state_and_inputs():
     assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
 
 
-@pytest.mark.parametrize("conv_cfg", [None, dict(flat=True), dict(flat=True, BD=64)],
-                         ids=["columns", "flat", "flat-bd64"])
+@pytest.mark.parametrize("conv_cfg", [dict(spec=False), dict(spec=True)], ids=["after-meta", "speculative"])
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 5], ids=lambda w: f"W{w}")
 def test_conv_widths(W, conv_cfg, monkeypatch):
     """Every conv width: W <= 4 runs the register sliding-window conv kernel, W > 4 the general one;
     outputs, conv window (exact) and states as refgdn through verify / accept / decode / materialize.
-    flat: decode writes the new window as one flat run per program (BD = 64 > D: masked tail)."""
+    speculative: decode loads the window at column 0 with the metadata (reloaded after a verify)."""
     monkeypatch.setattr(fs, "CONV_CONFIG_OVERRIDE", conv_cfg)
     H, HV, K, V, S = 1, 2, 8, 8, 3
     D = 2 * H * K + HV * V
