@@ -18,9 +18,11 @@ from . import bench_decode as bd
 from . import common
 
 VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE), ...]
-    (0, torch.float32): [({}, {}), ({}, {"spec": True}), ({}, {"spec": True, "BD": 512}),
-                         ({}, {"spec": True, "num_warps": 8}), ({}, {"spec": True, "BD": 512, "num_warps": 8})],
-    (0, torch.bfloat16): [({}, {}), ({}, {"spec": True})],
+    (0, torch.float32): [({}, {}), ({}, {"BD": 512}), ({}, {"BD": 1024}), ({}, {"BD": 1024, "num_warps": 8}),
+                         ({}, {"BD": 128}), ({}, {"BD": 512, "num_warps": 2})],
+    (0, torch.bfloat16): [({}, {}), ({}, {"BD": 512})],
+    (3, torch.float32): [({}, {}), ({}, {"BD": 512}), ({}, {"BD": 128})],
+    (3, torch.bfloat16): [({}, {})],
 }
 
 

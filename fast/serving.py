@@ -121,7 +121,6 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPEC: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -133,8 +132,7 @@ def conv_step_kernel(
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
 
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
-    tokens ahead. SPEC (decode): the window is loaded at column 0 (a committed slot's: count = 0)
-    together with the metadata, not after it, and loaded again only if the count says otherwise. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
+    tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
     window's reads need not wait for the count, measured slower on an H200: the column extraction
     and layout changes cost more than the dependent load.)
     """
@@ -147,17 +145,6 @@ def conv_step_kernel(
     m_d = o_d < D
     m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
     p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
-    if SPEC:
-        # speculative window at column 0: in flight with the metadata load below
-        s0 = tl.zeros([BD], dtype=tl.float32)
-        s1 = s0
-        s2 = s0
-        if W >= 4:
-            s0 = tl.load(p_c + (W - 4) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-        if W >= 3:
-            s1 = tl.load(p_c + (W - 3) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-        if W >= 2:
-            s2 = tl.load(p_c + (W - 2) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
     count = tl.load(meta + slot * 2, mask=valid, other=0)
     bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
     if VARLEN:
@@ -196,29 +183,14 @@ def conv_step_kernel(
     w0 = zero
     w1 = zero
     w2 = zero
-    if SPEC:
-        r0 = s0
-        r1 = s1
-        r2 = s2
-        if off > 0:                                   # after a verify: the window starts further on
-            if W >= 4:
-                r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-            if W >= 3:
-                r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-            if W >= 2:
-                r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-    else:
-        if W >= 4:
-            r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-        if W >= 3:
-            r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-        if W >= 2:
-            r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
     if W >= 4:
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
@@ -598,7 +570,6 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     if W <= 4:
         conv_kernel = conv_step_kernel
         conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
-        conv_kw.update(SPEC=bool(cc.get("spec")) and TMAX == 1)
     else:
         conv_kernel = conv_step_any_w_kernel
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))

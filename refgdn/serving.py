@@ -86,7 +86,8 @@ class GDNStateCache:
     """One layer's state cache: S slots, each owned by at most one request at a time.
 
     ssm_state:  [S, HV, K, V]            float32 or bfloat16 (float64 for truth runs); last dim contiguous
-    conv_state: [S, D, W-1+max_draft]    raw conv inputs, oldest first (any strides)
+    conv_state: [S, D, W-1+max_draft]    raw conv inputs, oldest first (any strides; allocate makes
+                                         the channels contiguous: a [S, W-1+max_draft, D] buffer)
     pend_k:     [S, 2, 1+max_draft, H, K]   l2-normalised k of pending tokens, compute dtype
     pend_v:     [S, 2, 1+max_draft, HV, V]  v of pending tokens (after the conv)
     pend_g:     [S, 2, 1+max_draft, HV]     g (log decay) of pending tokens, compute dtype
@@ -126,7 +127,9 @@ class GDNStateCache:
         z = dict(device=device)
         return cls(
             ssm_state=torch.zeros(num_slots, HV, K, V, dtype=state_dtype, **z),
-            conv_state=torch.zeros(num_slots, D, conv_width - 1 + max_draft, dtype=act_dtype, **z),
+            # [S, D, W-1+max_draft] as a view of [S, W-1+max_draft, D] storage (channels contiguous):
+            # a step reads and writes whole columns, which are then coalesced (newer vLLM's layout)
+            conv_state=torch.zeros(num_slots, conv_width - 1 + max_draft, D, dtype=act_dtype, **z).transpose(1, 2),
             pend_k=torch.zeros(num_slots, 2, TC, H, K, dtype=cdt, **z),
             pend_v=torch.zeros(num_slots, 2, TC, HV, V, dtype=act_dtype, **z),
             pend_g=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
