@@ -25,8 +25,9 @@ fla's bytes: read initial state in its dtype + write the float32 final state (no
 (bytes / time) / measured device copy bandwidth (read + write, 1 GiB buffers). Target: decode
 N = 256, float32 state >= 90 % (fla: 373 us, 69 % on an H200).
 
-``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of the
-launch choices: PDL on/off and the conv kernel's (BD, num_warps) (fast.serving, pinned choice marked *).
+``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of launch
+configs around the pinned ones (step kernel BV x num_warps, conv kernel BD; pinned marked *).
+Per-kernel times: ``python -m benchmarks.profile_decode``.
 """
 from __future__ import annotations
 
@@ -245,35 +246,34 @@ def bench_main(device: str = "cuda", shape=None) -> list:
 
 
 def config_sweep(device: str = "cuda", shape=None) -> list:
-    """Launch choices at N = 256, timed from CUDA graphs: the step kernel as a programmatic dependent
-    of the conv kernel (PDL) or not, and the conv kernel's channels per program (BD) and warps, for
-    decode (float32 and bfloat16 state) and verify + accept (k = 3). The pinned choice is marked *."""
+    """Launch configs at N = 256, timed from CUDA graphs: the step kernel's (BV, num_warps) and the
+    conv kernel's channels per program (BD), for decode (float32 state) and verify + accept (k = 3).
+    The pinned config (fast.serving.step_config / conv_config) is marked *."""
     import fast.serving as fs
 
     gbs = common.copy_bandwidth_gbs(device) if device.startswith("cuda") else float("nan")
     N = VERIFY_N
     h, hv, kd, vd, w = shape or (H, HV, K, V, W)
-    pinned_conv = fs.conv_config(2 * h * kd + hv * vd, w)
-    grid = [(pdl, BD, nw) for pdl in (True, False) for BD, nw in ((256, 4), (512, 4), (1024, 4), (1024, 8))]
-    plan = [(0, torch.float32, grid), (0, torch.bfloat16, grid[:4]), (3, torch.float32, grid[:4] + grid[4:5]),
-            (3, torch.bfloat16, grid[:2])]
+    pinned_bd = fs.conv_config(2 * h * kd + hv * vd, w)["BD"]
+    plan = [(0, [(64, 4, 256), (32, 2, 256), (64, 8, 256), (128, 8, 256), (64, 4, 512)]),
+            (3, [(32, 1, 256), (16, 1, 256), (32, 2, 256), (64, 2, 256), (32, 1, 512)])]
     rows = []
     try:
-        for k, sdt, cfgs in plan:
+        for k, cfgs in plan:
             mode = "decode" if k == 0 else "verify"
-            pinned = (bool(fs.step_config(kd, vd, sdt, mode=mode)["pdl"]), pinned_conv["BD"], pinned_conv["num_warps"])
-            for pdl, BD, nw in cfgs:
-                fs.STEP_CONFIG_OVERRIDE = dict(pdl=pdl)
-                fs.CONV_CONFIG_OVERRIDE = dict(BD=BD, num_warps=nw)
-                p = make_problem(N, k, sdt, device, shape)
+            pinned = fs.step_config(kd, vd, torch.float32, mode=mode)
+            for BV, nw, BD in cfgs:
+                fs.STEP_CONFIG_OVERRIDE = dict(BV=BV, num_warps=nw)
+                fs.CONV_CONFIG_OVERRIDE = dict(BD=BD)
+                p = make_problem(N, k, torch.float32, device, shape)
                 fn = fast_decode_fn(p) if k == 0 else fast_verify_fn(p)
                 g = graphed(fn) if device.startswith("cuda") else None
                 ms = common.bench(g or fn)
-                rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, sdt, ms,
-                                 traffic_bytes(N, k, sdt, shape=p["shape"]), gbs, pdl=pdl, conv_BD=BD, conv_warps=nw,
-                                 default="*" if (pdl, BD, nw) == pinned else "",
+                star = (BV, nw, BD) == (pinned["BV"], pinned["num_warps"], pinned_bd)
+                rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, torch.float32, ms,
+                                 traffic_bytes(N, k, torch.float32, shape=p["shape"]), gbs, BV=BV, warps=nw,
+                                 conv_BD=BD, default="*" if star else "",
                                  note="CUDA graph" if g is not None else "eager"))
-                print(common.format_table(rows[-1:]), file=sys.stderr, flush=True)
                 del p
     finally:
         fs.STEP_CONFIG_OVERRIDE = None
@@ -293,7 +293,7 @@ def run_sections(device: str = "cuda", sweep: bool = False) -> list:
         meta["copy bandwidth"] = f"{common.copy_bandwidth_gbs(device):.0f} GB/s"
     sections = [(TITLE, bench_main(device), meta)]
     if sweep:
-        sections.append(("Decode / verify: launch sweep (PDL, conv config), N=256", config_sweep(device), {}))
+        sections.append(("Decode / verify: launch config sweep, N=256, fp32 state", config_sweep(device), {}))
     return sections
 
 

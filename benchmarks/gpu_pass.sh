@@ -31,6 +31,7 @@ if [[ $steps == *all* || $steps == *conformance* ]]; then
 fi
 if [[ $steps == *all* || $steps == *bench* ]]; then
   python3 -m benchmarks 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  python3 -m benchmarks.profile_decode 2>/dev/null | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *serving* ]]; then

@@ -22,9 +22,16 @@ A step is two launches:
    rule, outputs. Verify stores the new tokens' inputs into the other pending bank and the new
    ``(count, bank)``; decode commits everything. The decay is folded into a scalar (see the kernel).
 
-Performance (H200, Qwen3-Next shape, N = 256; benchmarks/bench_decode.py): decode moves the state
-at ~94 % of copy bandwidth in the step kernel (memory-bound: big blocks, many bytes in flight);
-verify is bound by the per-token arithmetic and latency (small one-warp blocks, reductions by shuffles).
+Performance (H200, Qwen3-Next shape, N = 256, float32 state; benchmarks/profile_decode.py): decode
+~286 us = ~90 % of copy bandwidth: the step kernel ~270 us (the state at ~94 % of copy; memory-bound:
+big blocks, many bytes in flight), the conv kernel ~12 us. The conv kernel's cost is its strided
+per-channel accesses, so the cache keeps the conv state channels-contiguous (GDNStateCache.allocate;
+a row-major [S, D, W'] conv state works too, at ~17 us). Verify is bound by the per-token arithmetic
+and latency (small one-warp blocks, reductions by shuffles). Tried on an H200 and dropped: the conv
+folded into the step kernel (one launch, q/k windows rewritten by their last reader through atomic
+counters: 377 us), the step kernel as a programmatic dependent launch of the conv (PDL: no gain for
+float32, slower for bfloat16 states), evict-first state traffic, a speculative window load, a flat
+coalesced window store for row-major conv states (all within noise or slower).
 
 Why the snapshot: every program of a slot must see the same ``(count, bank)``, and programs of one
 launch do not run at once; launch 2 writes the slot's metadata, so it reads the copy launch 1 made
@@ -379,7 +386,7 @@ def gdn_step_kernel(
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, STREAM: tl.constexpr = False,
+    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
@@ -416,10 +423,7 @@ def gdn_step_kernel(
     # the state block of the first head: the one read of it, issued before anything else
     i_hv = tl.program_id(1) * HPP
     p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    if STREAM:   # the state block is read once and written once: keep it out of L2's way
-        b_next = tl.load(p_s, mask=m_s, other=0, eviction_policy="evict_first")
-    else:
-        b_next = tl.load(p_s, mask=m_s, other=0)
+    b_next = tl.load(p_s, mask=m_s, other=0)
 
     count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
     bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
@@ -447,10 +451,7 @@ def gdn_step_kernel(
         b_cur = b_next
         if j + 1 < HPP:
             # the next head's block: in flight while this head is worked on
-            if STREAM:
-                b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0, eviction_policy="evict_first")
-            else:
-                b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
+            b_next = tl.load(p_s + stride_s_h, mask=m_s, other=0)
         b_s = b_cur.to(tl.float32)                   # bf16 states: rounded once, at the store
         if FOLD:
             c = (i_n * 0).to(tl.float32) + 1.0       # the state is c * b_s
@@ -516,12 +517,8 @@ def gdn_step_kernel(
                 tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
         if not KEEP_PENDING:
             # decode / materialize: the one write of the state block (skipped when nothing changed)
-            if STREAM:
-                tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                         mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :], cache_modifier=".cs")
-            else:
-                tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                         mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
+                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         p_s += stride_s_h
 
     own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
@@ -592,7 +589,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), STREAM=bool(sc.get("stream", False)),
+        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
         num_warps=sc["num_warps"],
     )
     return o
