@@ -69,7 +69,7 @@ def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
     def wrong(*args, **kwargs):
         y, s = real(*args, **kwargs)
         s = s.clone()
-        s.view(-1)[-1] = torch.nextafter(s.view(-1)[-1], torch.tensor(float("inf"), dtype=s.dtype))
+        s.view(-1)[-1] = torch.nextafter(s.view(-1)[-1], torch.tensor(float("inf"), dtype=s.dtype, device=s.device))
         return y, s
 
     monkeypatch.setattr(fast, "causal_conv1d", wrong)
@@ -77,6 +77,7 @@ def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
     cases = [c for c in cases if c.dtype == torch.float32][:1]     # nextafter has no bf16 CUDA kernel
     records = runner.run_all(cases, DEVICE, progress=False)
     by_check = {r["check"]: r for r in records}
+    assert "y" in by_check, records     # (an "<exception>" record instead means the case itself broke)
     assert by_check["y"]["passed"] and not by_check["final_state"]["passed"]
 
 
