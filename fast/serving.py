@@ -99,9 +99,8 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
 
 
 def conv_config(D: int, W: int = 4) -> dict:
-    """Pinned launch config of the conv step kernels: BD channels per program, num_warps, wtile (a
-    channel's taps in one load when W = 4 and conv_weight is contiguous)."""
-    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1, wtile=True)
+    """Pinned launch config of the conv step kernels: BD channels per program."""
+    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
     if CONV_CONFIG_OVERRIDE is not None:
         cfg.update(CONV_CONFIG_OVERRIDE)
     return cfg
@@ -129,7 +128,6 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WTILE: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -139,7 +137,6 @@ def conv_step_kernel(
     conv_state[slot, :, 0 : W-1+L-drop] <- [window, x_0 .. x_{L-1}][drop:]   drop = min(L, 1)
     snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
-    WTILE (W = 4, conv_weight contiguous): a channel's 4 taps are one vector load, not 4 strided ones.
 
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
     tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
@@ -195,24 +192,14 @@ def conv_step_kernel(
     w2 = zero
     if W >= 4:
         r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
         r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
         r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
-    if WTILE:
-        # contiguous [D, 4] taps: one 8-byte load per channel (its 4 taps), split in registers
-        b_wt = tl.load(weight + o_d[:, None] * 4 + tl.arange(0, 4)[None, :], mask=m_d[:, None], other=0)
-        w_even, w_odd = tl.split(tl.reshape(b_wt.to(tl.float32), [BD, 2, 2]))   # taps 0, 2 | 1, 3
-        w0, w2 = tl.split(w_even)
-        w1, w3 = tl.split(w_odd)
-    else:
-        if W >= 4:
-            w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-        if W >= 3:
-            w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-        if W >= 2:
-            w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-        w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
     # the new window: columns c < keep hold the kept window (old columns off + drop + c), columns
@@ -580,7 +567,6 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     if W <= 4:
         conv_kernel = conv_step_kernel
         conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
-        conv_kw.update(WTILE=bool(cc.get("wtile")) and W == 4 and conv_weight.stride() == (4, 1))
     else:
         conv_kernel = conv_step_any_w_kernel
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))

@@ -80,13 +80,10 @@ def test_strided_conv_state_and_inputs(layout):
     assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
 
 
-@pytest.mark.parametrize("wtile", [True, False], ids=["taps-vector", "taps-columns"])
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 5], ids=lambda w: f"W{w}")
-def test_conv_widths(W, wtile, monkeypatch):
+def test_conv_widths(W):
     """Every conv width: W <= 4 runs the register sliding-window conv kernel, W > 4 the general one;
-    outputs, conv window (exact) and states as refgdn through verify / accept / decode / materialize.
-    taps-vector: W = 4 loads a channel's taps as one vector (conv_config wtile)."""
-    monkeypatch.setattr(fs, "CONV_CONFIG_OVERRIDE", dict(wtile=wtile))
+    outputs, conv window (exact) and states as refgdn through verify / accept / decode / materialize."""
     H, HV, K, V, S = 1, 2, 8, 8, 3
     D = 2 * H * K + HV * V
     base = make_cache(S, H, HV, K, V, W, 3, seed=50 + W, state_dtype=torch.float32, act_dtype=torch.float32)
