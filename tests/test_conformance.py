@@ -131,14 +131,25 @@ def test_workers_cover_the_same_checks_as_one_process(tmp_path):
     assert len(_json(one)) > 4
 
 
-def test_shards_partition_the_cases_and_keep_variant_groups_together():
+@pytest.mark.parametrize("max_group", [None, 3], ids=["default", "cap3"])
+def test_shards_partition_the_cases_and_keep_variant_groups_together(max_group):
+    """Workers' shares partition the cases; a variant group stays in one worker unless it is larger
+    than max_group, and then spans no more workers than the pieces it is cut into."""
     cases, _, _ = runner.collect(True, "cpu", modules=("conformance.cases_prefill",))
-    parts = [runner.shard(cases, i, 3) for i in range(3)]
+    parts = [runner.shard(cases, i, 3, max_group) for i in range(3)]
     assert sorted(map(id, sum(parts, []))) == sorted(map(id, cases))          # a partition
-    owner = {}
+    cap = max_group or max(4, -(-len(cases) // 12))
+    owners, size = {}, {}
     for i, part in enumerate(parts):
         for c in part:
-            assert owner.setdefault((c.op, c.dtype, c.chunk_size), i) == i     # one worker per group
+            key = (c.op, c.dtype, c.chunk_size)
+            owners.setdefault(key, set()).add(i)
+            size[key] = size.get(key, 0) + 1
+    assert all(len(owners[k]) <= -(-size[k] // cap) for k in owners)
+    if max_group == 3:
+        assert any(len(o) > 1 for o in owners.values())                       # big groups were cut
+    loads = [len(p) for p in parts]
+    assert max(loads) - min(loads) <= cap                                      # balanced
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
