@@ -31,6 +31,7 @@ Per-kernel times: ``python -m benchmarks.profile_decode``.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from typing import Callable, Optional
@@ -116,6 +117,29 @@ def fast_verify_fn(p) -> Callable[[], object]:
         fs.gdn_accept(p["cache"], p["idx"], p["acc"])
         return o
     return step
+
+
+def fast_step_fn(p) -> Callable[[], object]:
+    """fast_decode_fn for a problem with k = 0, else fast_verify_fn."""
+    return fast_decode_fn(p) if p["k"] == 0 else fast_verify_fn(p)
+
+
+@contextlib.contextmanager
+def launch_overrides(step: Optional[dict] = None, conv: Optional[dict] = None):
+    """fast.serving's STEP_CONFIG_OVERRIDE / CONV_CONFIG_OVERRIDE for the block, reset after (errors too)."""
+    import fast.serving as fs
+
+    fs.STEP_CONFIG_OVERRIDE, fs.CONV_CONFIG_OVERRIDE = step, conv
+    try:
+        yield
+    finally:
+        fs.STEP_CONFIG_OVERRIDE = fs.CONV_CONFIG_OVERRIDE = None
+
+
+def graph_time(fn: Callable[[], object], device: str) -> tuple:
+    """(ms, note): fn replayed from a CUDA graph on a GPU (eager if capture fails or on CPU)."""
+    g = graphed(fn) if device.startswith("cuda") else None
+    return common.bench(g or fn), "CUDA graph" if g is not None else "eager"
 
 
 def graphed(fn: Callable[[], object]) -> Optional[Callable[[], object]]:
@@ -258,26 +282,18 @@ def config_sweep(device: str = "cuda", shape=None) -> list:
     plan = [(0, [(64, 4, 256), (32, 2, 256), (64, 8, 256), (128, 8, 256), (64, 4, 512)]),
             (3, [(32, 1, 256), (16, 1, 256), (32, 2, 256), (64, 2, 256), (32, 1, 512)])]
     rows = []
-    try:
-        for k, cfgs in plan:
-            mode = "decode" if k == 0 else "verify"
-            pinned = fs.step_config(kd, vd, torch.float32, mode=mode)
-            for BV, nw, BD in cfgs:
-                fs.STEP_CONFIG_OVERRIDE = dict(BV=BV, num_warps=nw)
-                fs.CONV_CONFIG_OVERRIDE = dict(BD=BD)
-                p = make_problem(N, k, torch.float32, device, shape)
-                fn = fast_decode_fn(p) if k == 0 else fast_verify_fn(p)
-                g = graphed(fn) if device.startswith("cuda") else None
-                ms = common.bench(g or fn)
-                star = (BV, nw, BD) == (pinned["BV"], pinned["num_warps"], pinned_bd)
-                rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, torch.float32, ms,
-                                 traffic_bytes(N, k, torch.float32, shape=p["shape"]), gbs, BV=BV, warps=nw,
-                                 conv_BD=BD, default="*" if star else "",
-                                 note="CUDA graph" if g is not None else "eager"))
-                del p
-    finally:
-        fs.STEP_CONFIG_OVERRIDE = None
-        fs.CONV_CONFIG_OVERRIDE = None
+    for k, cfgs in plan:
+        mode = "decode" if k == 0 else "verify"
+        pinned = fs.step_config(kd, vd, torch.float32, mode=mode)
+        p = make_problem(N, k, torch.float32, device, shape)
+        nbytes = traffic_bytes(N, k, torch.float32, shape=p["shape"])
+        for BV, nw, BD in cfgs:
+            with launch_overrides(dict(BV=BV, num_warps=nw), dict(BD=BD)):
+                ms, note = graph_time(fast_step_fn(p), device)
+            star = (BV, nw, BD) == (pinned["BV"], pinned["num_warps"], pinned_bd)
+            rows.append(_row(mode if k == 0 else "verify+accept", "fast", N, k, torch.float32, ms, nbytes, gbs,
+                             BV=BV, warps=nw, conv_BD=BD, default="*" if star else "", note=note))
+        del p
     return rows
 
 

@@ -45,22 +45,16 @@ def kernel_times(fn, steps: int = 20) -> dict:
 
 
 def main() -> list:
-    import fast.serving as fs
-
     gbs = common.copy_bandwidth_gbs("cuda")
     rows = []
     for (k, sdt), variants in VARIANTS.items():
         p = bd.make_problem(bd.VERIFY_N, k, sdt, "cuda")
         nbytes = bd.traffic_bytes(bd.VERIFY_N, k, sdt)
         for ov, cov in variants:
-            fs.STEP_CONFIG_OVERRIDE, fs.CONV_CONFIG_OVERRIDE = dict(ov), dict(cov)
-            try:
-                fn = bd.fast_decode_fn(p) if k == 0 else bd.fast_verify_fn(p)
-                g = bd.graphed(fn)
-                ms = common.bench(g or fn)
+            with bd.launch_overrides(dict(ov), dict(cov)):
+                fn = bd.fast_step_fn(p)
+                ms, _ = bd.graph_time(fn, "cuda")
                 kt = kernel_times(fn)
-            finally:
-                fs.STEP_CONFIG_OVERRIDE = fs.CONV_CONFIG_OVERRIDE = None
             row = dict(op="decode" if k == 0 else f"verify+accept k={k}", state=bd._sname(sdt),
                        variant=",".join(f"{a}={b}" for a, b in {**ov, **{"conv." + c: d for c, d in cov.items()}}.items())
                        or "pinned",

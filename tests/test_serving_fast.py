@@ -50,6 +50,17 @@ def _run_both(cache_ref, cache_fast, layer_ref, layer_fast, slots, schedule, HV,
     return outs
 
 
+def _assert_as_refgdn(outs, c_fast, c_ref):
+    """Every step's outputs and the final ssm state close to refgdn's (float32); conv windows and
+    metadata identical (copies)."""
+    for o_r, o_f in outs:
+        if o_r is not None:
+            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
+    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
+
+
 @pytest.mark.parametrize("layout", ["channels-contiguous", "rows-contiguous", "sliced"])
 def test_strided_conv_state_and_inputs(layout):
     """conv_state layouts: allocate's ([S, W', D] storage seen as [S, D, W']), row-major [S, D, W']
@@ -72,12 +83,7 @@ def test_strided_conv_state_and_inputs(layout):
     sched = [("verify", [2, 4], [2, 1]), ("decode", [1, 1], None), ("verify", [3, 1], [3, 1]),
              ("materialize", [0, 0], None)]
     outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32, scale=0.5)
-    for o_r, o_f in outs:
-        if o_r is not None:
-            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
-    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
-    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
-    assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
+    _assert_as_refgdn(outs, c_fast, c_ref)
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 5], ids=lambda w: f"W{w}")
@@ -92,12 +98,7 @@ def test_conv_widths(W):
     sched = [("verify", [3, 4], [2, 4]), ("decode", [1, 1], None), ("verify", [2, 0], [1, 1]),
              ("verify", [4, 1], [3, 1]), ("materialize", [0, 0], None)]
     outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32)
-    for o_r, o_f in outs:
-        if o_r is not None:
-            torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
-    assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
-    torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
-    assert torch.equal(c_fast.pend_meta.cpu(), c_ref.pend_meta)
+    _assert_as_refgdn(outs, c_fast, c_ref)
 
 
 @pytest.mark.parametrize("cfg", [dict(HPP=2), dict(HPP=4, BV=4), dict(HPP=3)], ids=["hpp2", "hpp4-bv4", "hpp3"])
