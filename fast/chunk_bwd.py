@@ -1,0 +1,554 @@
+"""Triton backward of the chunked gated delta rule (fast.chunk's four forward kernels, run in reverse).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   do: [B, T, HV, V]   dht: [N, HV, K, V]
+    S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+What is saved and why: the forward (fast.library's autograd registration) saves only its inputs (q, k, v,
+g, beta, initial_state and the gating parameters), no intermediate. Everything chunk-sized is cheap to
+recompute with the forward's own chunk-parallel kernels 1-2 (G, l2norm(k), A, w, u) and the chunk states
+h with the sequential kernel 3; storing h and v_new from the forward instead would hold
+NC * HV * K * V (as much as the inputs' q/k/v at BT = 64, K = V = 128) across the whole model's forward,
+and the recompute costs about one forward without its output kernel.
+
+Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
+Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
+
+  0. recompute  G, kn (= l2norm(k)), A, w, u, h, v_new          fast.chunk kernels 1-3
+  1. ``bwd_dv_local_kernel``  grid (chunks * HV)      dv_local = scale ((Q K^T) M)^T dO      (chunk_dv_local)
+  2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
+         dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
+         dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
+  3. ``bwd_dqkwg_kernel``     grid (chunks * HV)       dq, dk, dw, dG through the output and (chunk_bwd_dqkwg)
+         the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
+  4. ``bwd_wy_kernel``        grid (chunks * HV)       through w = A Kb, u = A Vb, A = (I + L)^-1:  (wy_bwd +
+         dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
+         backward (da, and per-token terms of dA_log, ddt_bias)                              gating_bwd)
+  5. host (torch): q/k gradients summed over each GVA group, the l2norm backward, per-head sums of the
+     gating parameters' gradients, casts to the inputs' dtypes.
+
+Dots take the inputs' dtype as operands with fp32 accumulation (IEEE fp32 for fp32 inputs), like the
+forward; gradients that are summed further (dq, dk, dw, dv_new, dG) are kept in fp32. The products
+A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are pinned (``*_bwd_config``),
+never autotuned: these are training kernels but they share the forward's no-autotune rule.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
+                    _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt, _launch_state,
+                    _launch_w_u, _num_sms, _precise)
+from .utils import cdiv, is_interpreting
+
+
+@triton.jit
+def _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE: tl.constexpr):
+    """exp(G_L - G_i) per row [BT], 0 on rows past the sequence end (masked before exp: a padded row's
+    G is loaded as 0 and G_L - 0 may be > 0). On valid rows G_L - G_i <= 0 (G non-increasing)."""
+    d = G_last - b_G
+    if PRECISE:
+        d = d + (Gl_last - b_Gl)
+    return tl.where(m_r, _exp(tl.where(m_r, d, 0.0), PRECISE), 0.0)
+
+
+@triton.jit
+def _causal(b_G, b_Gl, keep, PRECISE: tl.constexpr):
+    """[BT, BT] exp(G_i - G_j) where keep, 0 elsewhere (mask before exp: discarded entries may be > 0)."""
+    return tl.where(keep, _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0), PRECISE), 0.0)
+
+
+# ============================================================================================
+# stage 1: dv_local = scale ((Q K^T) M)^T dO                         (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dv_local_kernel(
+    q, k, G, Gl, do, dv,
+    cu_seqlens, chunk_indices, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (chunk, value head): dv[j] = scale sum_{i >= j} (k_j . q_i) exp(G_i - G_j) dO[i].
+
+    q, k: [B, T, H, K] contiguous (normalised when asked); G, Gl: [B, T, HV] fp32; do: [B, T, HV, V];
+    dv: [B, T, HV, V] fp32. grid = (chunks * HV,), head fastest; V in blocks of BV inside.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    m_rk = m_r[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    b_Gl = b_G
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    # entry (j, i) = scale (k_j . q_i) exp(G_i - G_j) for i >= j: the transpose of the output's (i, j)
+    keep = (o_t[:, None] <= o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    d_ji = -_gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE)                          # [j, i] = G_i - G_j
+    decay = tl.where(keep, _exp(tl.where(keep, d_ji, 0.0), PRECISE), 0.0)   # mask before exp
+    b_A = _dot(b_k, tl.trans(b_q), PREC, DOT_F32) * decay * scale
+    b_A = b_A.to(b_q.dtype)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_rv = m_r[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv = _dot(b_A, b_do.to(b_A.dtype), PREC, DOT_F32)
+        tl.store(dv + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
+
+
+# ============================================================================================
+# stage 2: the reverse state pass (sequential over chunks, dS in registers)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dh_kernel(
+    q, k, w, G, Gl, do, dv_local, dht, dh, dv_new, dh0,
+    cu_seqlens, chunk_offsets, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (V-block, sequence, value head), for each chunk c from the last to the first:
+
+        dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
+        dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new
+
+    q, k: [B, T, H, K] contiguous; w: [B, T, HV, K]; do: [B, T, HV, V]; dv_local, dv_new: [B, T, HV, V] fp32;
+    dht, dh0: [N, HV, K, V] fp32; dh: [chunks, HV, K, V] (k's dtype: a dot operand of stage 3, like the
+    forward's h). dh[c] is the gradient of the state at the END of chunk c. dS: fp32 [BK, BV] in registers.
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        i_b = (i_n * 0).to(tl.int64)
+    else:
+        bos = 0
+        eos = T
+        boc = i_n.to(tl.int64) * NT
+        i_b = i_n.to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]
+
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+    for i_r in range(0, n_chunks):
+        i_t = n_chunks - 1 - i_r
+        rows = bos + i_t * BT + o_t
+        m_r = rows < eos
+        m_rk = m_r[:, None] & m_k[None, :]
+        m_rv = m_r[:, None] & m_v[None, :]
+        tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+        qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+        b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        tl.store(dh + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+
+        last = tl.minimum(eos - bos - i_t * BT, BT) - 1
+        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        b_G = tl.load(G + tok, mask=m_r, other=0.0)
+        G_last = tl.load(G + i_last)
+        if PRECISE:
+            b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+            Gl_last = tl.load(Gl + i_last)
+        else:
+            b_Gl = b_G
+            Gl_last = G_last
+        b_dv = tl.load(dv_local + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv += _dot(b_k, b_dS.to(b_k.dtype), PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
+                                                                           PRECISE)[:, None]
+        tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
+
+        b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        # exp(G) <= 1 on valid rows; padded rows have q = 0
+        b_qg = (b_q.to(tl.float32) * (_exp(b_G, PRECISE) * scale)[:, None]).to(b_q.dtype)
+        b_dS = b_dS * _exp(G_last, PRECISE)
+        b_dS += _dot(tl.trans(b_qg), b_do.to(b_qg.dtype), PREC, DOT_F32)
+        b_dS -= _dot(tl.trans(b_w), b_dv.to(b_w.dtype), PREC, DOT_F32)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_dS, mask=m_kv)
+
+
+# ============================================================================================
+# stage 3: dq, dk, dw, dG through the output and the state update     (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dqkwg_kernel(
+    q, k, v_new, h, dh, G, Gl, do, dv_new, dq, dk, dw, dG,
+    cu_seqlens, chunk_indices, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (chunk, value head), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
+
+        dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
+        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T ;   dw = -dv_new h^T
+        dG = rowsum(Q dq) - rowsum(K dk) ;  dG_L += sum(K dk_state) + exp(G_L) <h, dh>
+
+    q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; dv_new: fp32; h, dh: [chunks, HV, K, V];
+    dq, dk, dw: [B, T, HV, K] fp32 (per value head); dG: [B, T, HV] fp32. V in blocks of BV inside.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    m_rk = m_r[:, None] & m_k[None, :]
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    h_base = (i_c.to(tl.int64) * HV + i_h) * K * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_rv = m_r[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_do = b_do.to(b_h.dtype)
+        b_vn = b_vn.to(b_h.dtype)
+        b_dq += _dot(b_do, tl.trans(b_h), PREC, DOT_F32)
+        b_ds += _dot(b_do, tl.trans(b_vn), PREC, DOT_F32)
+        b_dk += _dot(b_vn, tl.trans(b_dh), PREC, DOT_F32)
+        b_dw += _dot(b_dv.to(b_h.dtype), tl.trans(b_h), PREC, DOT_F32)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+
+    b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    last = tl.minimum(eos - bos - i_t * BT, BT) - 1
+    i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    G_last = tl.load(G + i_last)
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+        Gl_last = tl.load(Gl + i_last)
+    else:
+        b_Gl = b_G
+        Gl_last = G_last
+    keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_ds = b_ds * _causal(b_G, b_Gl, keep, PRECISE) * scale                # (dO v_new^T) M scale
+    b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
+    b_dq = b_dq * (b_eG * scale)[:, None] + _dot(b_ds.to(b_k.dtype), b_k, PREC, DOT_F32)
+    b_dks = b_dk * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None]   # through the state update
+    b_dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, PREC, DOT_F32) + b_dks
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - tl.sum(b_k.to(tl.float32) * b_dk, 1)
+    g_last = tl.sum(tl.sum(b_k.to(tl.float32) * b_dks, 1), 0) + _exp(G_last, PRECISE) * tl.sum(b_hdh, 0)
+    b_dG = tl.where(o_t == last, b_dG + g_last, b_dG)
+
+    out = tok[:, None] * K + o_k[None, :]
+    tl.store(dq + out, b_dq, mask=m_rk)
+    tl.store(dk + out, b_dk, mask=m_rk)
+    tl.store(dw + out, -b_dw, mask=m_rk)
+    tl.store(dG + tok, b_dG, mask=m_r)
+
+
+# ============================================================================================
+# stage 4: the WY backward, then dg = reverse chunk cumsum of dG (+ fused gating)   (chunk-parallel)
+# ============================================================================================
+
+@triton.jit
+def _mm(a, b, P: tl.constexpr):
+    """fp32 product of the inverse's backward (input_precision P)."""
+    return tl.dot(a, b, input_precision=P)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_wy_kernel(
+    k, v, beta, g, A_log, dt_bias, G, Gl, A, dw, du, dk, dG,
+    dv, dbeta, dg, dA_log_t,
+    cu_seqlens, chunk_indices, T, NT,
+    s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_gb, s_gt, s_gh,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISE: tl.constexpr, THRESHOLD: tl.constexpr,
+):
+    """Per (chunk, value head), through w = A Kb, u = A Vb (Kb = beta exp(G) K, Vb = beta V), A = (I + L)^-1:
+
+        dA = dw Kb^T + du Vb^T ;  dKb = A^T dw ;  dVb = A^T du ;  dL = -A^T dA A^T (strictly lower)
+        dk += beta exp(G) dKb + R K + R^T K   (R = dL beta_i exp(G_i - G_j)) ;  dv = beta dVb
+        dbeta = rowsum(dKb exp(G) K + dVb V + dL (K K^T) exp(G_i - G_j))
+        dG += rowsum(dKb Kb) + rowsum(P) - colsum(P)   (P = R (K K^T) = dL L)
+        dg_s = sum_{c >= s in the chunk} dG_c ;  GATE: da = dg dg/da, dA_log per token = dg g
+
+    k: [B, T, H, K] contiguous (normalised when asked); v, beta, g: strided; A: [B, T, HV, BT];
+    dw, dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; du = dv_new: fp32;
+    dG: [B, T, HV] fp32 (stage 3's); dv: [B, T, HV, V] v's dtype; dbeta, dg, dA_log_t: [B, T, HV] fp32.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    m_rk = m_r[:, None] & m_k[None, :]
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    r64 = rows.to(tl.int64)
+
+    b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_beta = tl.load(beta + i_b * s_bb + i_h * s_bh + r64 * s_bt, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    b_Gl = b_G
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    b_A = tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0).to(b_k.dtype)
+    b_At = tl.trans(b_A)
+    b_dw = tl.load(dw + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+    b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
+    b_kf = b_k.to(tl.float32)
+    b_Kb = b_kf * (b_beta * b_eG)[:, None]
+    b_dA = _dot(b_dw.to(b_k.dtype), tl.trans(b_Kb.to(b_k.dtype)), PREC, DOT_F32)
+    b_dKb = _dot(b_At, b_dw.to(b_k.dtype), PREC, DOT_F32)
+    b_dbeta = tl.sum(b_dKb * b_kf * b_eG[:, None], 1)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_rv = m_r[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + i_b * s_vb + i_h * s_vh + r64[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
+        b_du = tl.load(du + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0).to(b_k.dtype)
+        b_vf = b_v.to(tl.float32)
+        b_dA += _dot(b_du, tl.trans((b_vf * b_beta[:, None]).to(b_k.dtype)), PREC, DOT_F32)
+        b_dVb = _dot(b_At, b_du, PREC, DOT_F32)
+        tl.store(dv + tok[:, None] * V + o_v[None, :], (b_dVb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
+        b_dbeta += tl.sum(b_dVb * b_vf, 1)
+
+    b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+    b_dk += b_dKb * (b_beta * b_eG)[:, None]
+    b_dG = tl.load(dG + tok, mask=m_r, other=0.0) + tl.sum(b_dKb * b_Kb, 1)
+
+    # dL = -A^T dA A^T on the strictly lower triangle of valid rows and columns (fp32 products)
+    strict = (o_t[:, None] > o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_Atf = b_At.to(tl.float32)
+    b_dL = -_mm(_mm(b_Atf, b_dA, INV_PREC), b_Atf, INV_PREC)
+    b_dL = tl.where(strict, b_dL, 0.0)
+    b_KK = _dot(b_k, tl.trans(b_k), PREC, DOT_F32)
+    b_R = b_dL * _causal(b_G, b_Gl, strict, PRECISE)                         # dL exp(G_i - G_j)
+    b_dbeta += tl.sum(b_R * b_KK, 1)
+    b_R = b_R * b_beta[:, None]
+    b_P = b_R * b_KK                                                         # dL * L
+    b_dG += tl.sum(b_P, 1) - tl.sum(b_P, 0)
+    b_Rk = b_R.to(b_k.dtype)
+    b_dk += _dot(b_Rk, b_k, PREC, DOT_F32) + _dot(tl.trans(b_Rk), b_k, PREC, DOT_F32)
+
+    # dg: reverse cumsum inside the chunk (padded rows carry dG = 0)
+    b_dG = tl.where(m_r, b_dG, 0.0)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+    if GATE:
+        A_log_h = tl.load(A_log + i_h).to(tl.float32)
+        dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
+        b_a = tl.load(g + i_b * s_gb + i_h * s_gh + r64 * s_gt, mask=m_r, other=0.0).to(tl.float32)
+        b_x = b_a + dt_bias_h
+        # softplus'(x) = sigmoid(x) below the threshold, 1 above it; sigmoid = 1 / (1 + exp(-x)) with
+        # exp only of -|x| (no overflow)
+        e = _exp(-tl.abs(b_x), PRECISE)
+        sig = tl.where(b_x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        dsp = tl.where(b_x > THRESHOLD, 1.0, sig)
+        b_gate = _gate(b_a, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
+        tl.store(dA_log_t + tok, b_dg * b_gate, mask=m_r)
+        b_dg = b_dg * (-_exp(A_log_h, PRECISE)) * dsp
+    tl.store(dg + tok, b_dg, mask=m_r)
+    tl.store(dbeta + tok, b_dbeta, mask=m_r)
+    tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
+
+
+# ============================================================================================
+# host side
+# ============================================================================================
+
+def dv_local_bwd_config(K: int, V: int) -> dict:
+    """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots."""
+    if is_interpreting():
+        return dict(BV=min(64, _blocks(K, V)[1]), num_warps=4, num_stages=1)
+    return dict(BV=min(128, _blocks(K, V)[1]), num_warps=4, num_stages=1)
+
+
+def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
+    """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
+    programs (parallelism) against redundant q/k/w reads."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
+    sms = _num_sms(device)
+    if N * HV * cdiv(V, 64) >= 2 * sms:
+        BV = 64
+    elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
+        BV = 32
+    else:
+        BV = 16
+    BV = min(BV, BVmax)
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
+
+
+def dqkwg_bwd_config(K: int, V: int) -> dict:
+    """Stage 3: four [BT, BK] / [BT, BT] fp32 accumulators, V in blocks of 64."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
+    return dict(BV=min(64, BVmax), num_warps=8, num_stages=1)
+
+
+def wy_bwd_config(K: int, V: int) -> dict:
+    """Stage 4: [BT, BK] fp32 dk/dKb, three [BT, BT] fp32 blocks, V in blocks of 64."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
+    return dict(BV=min(64, BVmax), num_warps=8, num_stages=1)
+
+
+def _l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
+    """l2norm over the last dim in fp32, returned in x's dtype (refgdn.l2norm's arithmetic)."""
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def _l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dx for y = x / sqrt(sum(x^2) + eps): (dy - y (y . dy)) / sqrt(sum(x^2) + eps), in fp32."""
+    xf = x.float()
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)
+    y = xf * r
+    return (dy - y * (y * dy).sum(-1, keepdim=True)) * r
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64):
+    """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
+
+    q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
+    -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): each in its input's dtype (dh0 float32 [N, HV, K, V],
+    None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
+    the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
+    """
+    _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    scale = K ** -0.5 if scale is None else float(scale)
+    dev, dt = q.device, q.dtype
+    l2 = bool(use_qk_l2norm_in_kernel)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
+    ch = _Chunks(B, T, BT, cu_seqlens)
+    precise = _precise(v.dtype)
+    prec, dot_f32 = _fp32_prec(dt), is_interpreting()
+    BK, _ = _blocks(K, V)
+    k_in = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+
+    # ---- 0. recompute the forward's intermediates (kernels 1-3 of fast.chunk) --------------------
+    G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    Gl = torch.empty_like(G) if precise else None
+    A = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
+    kn = torch.empty(B, T, H, K, dtype=dt, device=dev) if l2 else None
+    _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
+                store_g=True, do_a=True, precise=precise)
+    ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
+    qu = _l2norm_fwd(q) if l2 else q.contiguous()                        # likewise q ([B, T, H, K])
+    w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise)
+    h = torch.empty(ch.total, HV, K, V, dtype=dt, device=dev)
+    v_new = torch.empty_like(u)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise)
+    del u
+
+    Glx = G if Gl is None else Gl
+    do = do.contiguous()
+    f32 = dict(dtype=torch.float32, device=dev)
+    dv_new = torch.empty(B, T, HV, V, **f32)
+    dh = torch.empty(ch.total, HV, K, V, dtype=dt, device=dev)
+    dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
+    dq = torch.empty(B, T, HV, K, **f32)
+    dk = torch.empty(B, T, HV, K, **f32)
+    dw = torch.empty(B, T, HV, K, **f32)
+    dG = torch.empty(B, T, HV, **f32)
+    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dbeta = torch.empty(B, T, HV, **f32)
+    dg = torch.empty(B, T, HV, **f32)
+    dA_log_t = torch.empty(B, T, HV, **f32) if A_log is not None else None
+    common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen, PREC=prec,
+                  DOT_F32=dot_f32, PRECISE=precise)
+
+    if ch.total > 0 and HV > 0:
+        # ---- 1. dv_local --------------------------------------------------------------------------
+        dv_local = dv_new                                                # stage 2 reads it, then overwrites
+        bwd_dv_local_kernel[(ch.total * HV,)](
+            qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
+            **common, **dv_local_bwd_config(K, V))
+        # ---- 2. reverse state pass ----------------------------------------------------------------
+        cfg = dh_bwd_config(N, HV, K, V, dev)
+        BV = cfg.pop("BV")
+        dht_c = dht.float().contiguous() if dht is not None else None
+        bwd_dh_kernel[(cdiv(V, BV), N * HV)](
+            qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, T, ch.NT, scale,
+            **dict(common, BV=BV), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
+        # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
+        bwd_dqkwg_kernel[(ch.total * HV,)](
+            qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
+            **common, **dqkwg_bwd_config(K, V))
+        # ---- 4. WY backward, dg ---------------------------------------------------------------------
+        bwd_wy_kernel[(ch.total * HV,)](
+            ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
+            dA_log_t if dA_log_t is not None else dg,
+            ch.cu_seqlens, ch.indices, T, ch.NT, *v.stride()[:3], *beta.stride(), *g.stride(),
+            **common, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
+            **wy_bwd_config(K, V))
+    elif dh0 is not None:                                                # no tokens: dh0 = dht
+        dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+    if ch.total == 0:
+        for t in (dq, dk, dG, dbeta, dg, dv):
+            t.zero_()
+
+    # ---- 5. per key head: sum over the GVA group; l2norm backward; gating parameters -------------
+    dq = dq.view(B, T, H, HV // H, K).sum(3)                             # [B, T, (h j), K] -> [B, T, h, K]
+    dk = dk.view(B, T, H, HV // H, K).sum(3)
+    if l2:
+        dq, dk = _l2norm_bwd(q, dq), _l2norm_bwd(k, dk)
+    dA_log = ddt_bias = None
+    if A_log is not None:
+        dA_log = dA_log_t.sum((0, 1)).to(A_log.dtype) if T > 0 else torch.zeros_like(A_log)
+        ddt_bias = dg.sum((0, 1)).to(dt_bias.dtype) if T > 0 else torch.zeros_like(dt_bias)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, dA_log, ddt_bias)
