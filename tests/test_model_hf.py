@@ -1,0 +1,182 @@
+"""Third-party check of refgdn.model against Hugging Face transformers' Qwen3-Next.
+
+A tiny random ``transformers.Qwen3NextForCausalLM`` (GDN and full-attention layers, dense and MoE
+MLPs) is saved with ``save_pretrained``; the directory loads into ``Qwen3NextModel`` and a varlen
+batch of prompts of different lengths gives transformers' logits (transformers runs one prompt at a
+time, so no padding is involved on its side):
+
+* refgdn ops, float64: relative error < 1e-10 against transformers in float64;
+* fast ops, float32 (Triton interpreter on CPU): by the conformance rule against the float64 truth,
+  with refgdn in float32 as the reference precision; on a GPU also bfloat16.
+
+transformers computes GDN, norms, rotary and the router in float32 internally (``.float()``,
+``.to(torch.float32)``); for the float64 truth :func:`hf_float64` makes those casts keep float64
+(a stand-in ``torch`` in its modeling module whose float32 is float64, and ``Tensor.float`` keeping
+float64 tensors) and pins transformers' own torch fallbacks for the delta rule and the conv (never
+fla), counting that they ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+hf_mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+
+from conformance.core import Check, evaluate  # noqa: E402
+from refgdn.model import Qwen3NextModel  # noqa: E402
+
+PROMPT_LENS = (1, 6, 23, 70)          # 70 > 64: two chunks in both chunked forms
+SEED = 1234
+
+
+class _Float64Torch(types.ModuleType):
+    """``torch`` with float32 meaning float64 (for transformers' hard-coded upcasts)."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        if name in ("float32", "float"):
+            return torch.float64
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def hf_float64(monkeypatch):
+    """transformers' Qwen3-Next computing in float64 throughout, on its torch fallback paths."""
+    calls = {"chunk": 0, "conv": 0}
+    chunk = getattr(hf_mod.torch_chunk_gated_delta_rule, "__wrapped__", hf_mod.torch_chunk_gated_delta_rule)
+    conv = getattr(hf_mod.causal_conv1d_fn, "__wrapped__", hf_mod.causal_conv1d_fn)
+
+    def chunk_counted(*a, **k):
+        calls["chunk"] += 1
+        return chunk(*a, **k)
+
+    def conv_counted(*a, **k):
+        calls["conv"] += 1
+        return conv(*a, **k)
+
+    orig_float = torch.Tensor.float
+    monkeypatch.setattr(hf_mod, "torch", _Float64Torch())
+    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: self if self.dtype == torch.float64
+                        else orig_float(self, *a, **k))
+    monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", chunk_counted)
+    monkeypatch.setattr(hf_mod, "causal_conv1d_fn", conv_counted)
+    yield calls
+
+
+def hf_config(**overrides):
+    """A tiny HF config: layers [GDN, MoE] [GDN, dense] [attention, MoE] [GDN, dense (mlp_only_layers)]."""
+    kw = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+              layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+              num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1, 3],
+              rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    kw.update(overrides)
+    return transformers.Qwen3NextConfig(**kw)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (HF's init leaves norms at identity): norms matter in the comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                val = torch.empty(p.shape, dtype=torch.float64).uniform_(0.05, 1.0, generator=gen).log()
+            elif "norm" in name:
+                val = (1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.1 * torch.randn(
+                    p.shape, dtype=torch.float64, generator=gen)
+            else:
+                val = torch.randn(p.shape, dtype=torch.float64, generator=gen) * p.shape[-1] ** -0.5
+            p.copy_(val.to(p.dtype))
+
+
+@pytest.fixture(scope="module")
+def hf_truth(tmp_path_factory):
+    """(checkpoint dir, prompts, transformers' float64 logits per prompt, fallback call counts)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        with hf_float64(mp) as calls:
+            torch.manual_seed(SEED)
+            cfg = hf_config()
+            cfg._attn_implementation = "eager"
+            cfg._experts_implementation = "eager"      # the per-expert loop (grouped_mm has no float64)
+            hf = transformers.Qwen3NextForCausalLM(cfg).to(torch.float64).eval()
+            randomize(hf, SEED)
+            path = tmp_path_factory.mktemp("hf_qwen3_next")
+            hf.save_pretrained(path)
+            gen = torch.Generator().manual_seed(SEED + 1)
+            prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
+            with torch.no_grad():
+                truth = [hf(input_ids=p[None], use_cache=False).logits[0] for p in prompts]
+            counts = dict(calls)
+    finally:
+        mp.undo()
+    return path, prompts, truth, counts
+
+
+def run_ours(model: Qwen3NextModel, prompts) -> list:
+    """One varlen prefill over all prompts -> logits per prompt."""
+    ids = torch.cat(prompts).to(model.device)
+    logits = model(ids, seq_lens=[len(p) for p in prompts])
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def test_transformers_ran_its_torch_fallbacks_in_float64(hf_truth):
+    path, prompts, truth, counts = hf_truth
+    n_gdn = 3
+    assert counts["chunk"] == n_gdn * len(prompts) and counts["conv"] == n_gdn * len(prompts)
+    assert all(t.dtype == torch.float64 for t in truth)
+
+
+def test_config_roundtrip_from_transformers(hf_truth):
+    path = hf_truth[0]
+    model = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=torch.float64)
+    c = model.config
+    assert c.layer_types == ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert (c.partial_rotary_factor, c.rope_theta, c.mlp_only_layers) == (0.5, 10000.0, [1, 3])
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["SparseMoeBlock", "MLP", "SparseMoeBlock",
+                                                                         "MLP"]
+    assert not model.has_mtp          # transformers saves no mtp.* weights
+    with pytest.raises(ValueError, match="no MTP head"):
+        cache = model.allocate_cache(1, 8)
+        meta = model.metadata(cache, torch.zeros(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1,
+                              mtp=True)
+        model.mtp(cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, c.hidden_size, dtype=torch.float64), meta)
+
+
+def test_refgdn_float64_matches_transformers(hf_truth):
+    path, prompts, truth, _ = hf_truth
+    model = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=torch.float64)
+    ours = run_ours(model, prompts)
+    for n, (o, t) in enumerate(zip(ours, truth)):
+        rel = ((o - t).abs().max() / t.abs().max()).item()
+        assert rel < 1e-10, f"prompt {n} (length {len(prompts[n])}): relative error {rel:.3e}"
+
+
+def _fast_against_truth(hf_truth, dtype, device):
+    path, prompts, truth, _ = hf_truth
+    ref = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=dtype, device=device)
+    fast = Qwen3NextModel.from_pretrained(path, ops="fast", dtype=dtype, device=device)
+    ref_out, fast_out = run_ours(ref, prompts), run_ours(fast, prompts)
+    for n in range(len(prompts)):
+        res = evaluate(Check(f"logits[{n}]", fast_out[n], truth[n], ref=ref_out[n], dtype=dtype))
+        assert res["passed"], f"prompt {n} (length {len(prompts[n])}) {dtype}: {res}"
+
+
+def test_fast_float32_by_conformance_rule(hf_truth):
+    _fast_against_truth(hf_truth, torch.float32, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16 / native Triton)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_cuda_by_conformance_rule(hf_truth, dtype):
+    _fast_against_truth(hf_truth, dtype, "cuda")
