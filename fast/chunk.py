@@ -990,13 +990,34 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     (k once, in kernel 1). chunk_size: 16, 32 or 64. Inputs may be strided views (unit stride along
     the head dim is preferred; other layouts are copied). q, k, v in fp16/bf16/fp32; float64 inputs
     run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture).
+
+    Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
+    custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
+    kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
     """
     N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size)
     if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                              cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+    from . import library                                                # registers the ops (no cycle at import)
+    if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        o, final = library.chunk_gated_delta_rule_op(
+            q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
+            bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
+        return o, (final if output_final_state else None)
+    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                               chunk_size=64):
+    """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
+    autograd: for callers that validated already (the public function, the custom op). Not float64."""
+    _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     scale = K ** -0.5 if scale is None else float(scale)

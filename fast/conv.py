@@ -372,7 +372,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     (zeros when None). y in x.dtype; final_state (the last W-1 inputs of each sequence, oldest
     first; None unless output_final_state) in initial_state's dtype if given, else x's.
     refgdn.causal_conv1d's twin.
+
+    Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
+    custom op torch.ops.fast.causal_conv1d (fast.library), whose backward is fast.conv_bwd's kernel:
+    gradients of x, weight, bias and initial_state (the final state's gradient included).
     """
+    from . import library                                                # registers the ops (no cycle at import)
+    if library.wants_graph(x, weight, bias, initial_state):
+        check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
+        y, final = library.causal_conv1d_op(x, weight, bias, activation or "", initial_state, cu_seqlens)
+        return y, (final if output_final_state else None)
     return causal_conv1d_with_config(x, weight, bias, activation, initial_state, output_final_state,
                                      cu_seqlens)
 
