@@ -1,0 +1,488 @@
+"""refgdn.model on the CPU: serving steps agree with each other, checkpoints, metadata.
+
+* Consistency (refgdn ops, float64): prefill of whole prompts == prefill of a prefix + decode token by
+  token == prefix + one verify of the rest + accept == prefix + a continuing prefill; logits and every
+  cache (GDN ssm / conv states, KV rows, lengths). Partial acceptance rolls back to a fresh prefill of
+  the accepted tokens. The MTP head over many tokens at once == one token at a time.
+* fast ops (float32, Triton interpreter): the same decode / verify / accept steps by the conformance rule
+  against the float64 truth, refgdn float32 as the reference precision.
+* Checkpoints: save / load round trip (single file and shards), fused expert tensors, errors naming
+  the key; config.json round trip.
+* Metadata: values against a host loop; built and used without host reads (meta-device tensors,
+  and the model's glue code under a guard that fails on any host read).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conformance.core import Check, evaluate
+from refgdn.model import ModelCache, Qwen3NextConfig, Qwen3NextModel, StepMetadata, build_step_metadata
+from refgdn.serving import committed_state
+
+I32 = torch.int32
+
+
+def tiny(dtype=torch.float64, ops="refgdn", seed=0, **kw):
+    return Qwen3NextModel(Qwen3NextConfig.preset("tiny", **kw), ops=ops, dtype=dtype, seed=seed)
+
+
+def ids_of(lens, vocab=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
+
+
+def qsl_of(counts):
+    return torch.tensor([0] + list(counts)).cumsum(0).to(I32)
+
+
+def step(model, cache, slots, chunks, mode):
+    """One step over requests (slot s_n gets tokens chunks[n]; an empty chunk -> padded row in decode)."""
+    if mode == "decode":
+        si = torch.tensor([s if len(c) else -1 for s, c in zip(slots, chunks)], dtype=I32)
+        ids = torch.cat([c if len(c) else torch.zeros(1, dtype=torch.long) for c in chunks])
+        qsl = torch.arange(len(slots) + 1, dtype=I32)
+    else:
+        si = torch.tensor(slots, dtype=I32)
+        ids = torch.cat(chunks)
+        qsl = qsl_of([len(c) for c in chunks])
+    meta = model.metadata(cache, si, qsl, ids.shape[0])
+    hidden = getattr(model, mode)(cache, ids, meta)
+    return model.logits(hidden), qsl
+
+
+def assert_close(a, b, what, rel=1e-10):
+    scale = max(b.abs().max().item(), 1e-30) if b.numel() else 1.0
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    assert err <= rel * scale, f"{what}: error {err:.3e} (scale {scale:.3e})"
+
+
+def assert_caches_equal(model, c1: ModelCache, c2: ModelCache, slots, rel=1e-10, mtp=False):
+    """Committed GDN states, conv windows, KV rows below the lengths, and lengths."""
+    idx = torch.tensor(slots)
+    assert torch.equal(c1.kv_lens[idx], c2.kv_lens[idx]), (c1.kv_lens, c2.kv_lens)
+    for i, (g1, g2) in enumerate(zip(c1.gdn, c2.gdn)):
+        s1, w1 = committed_state(g1, slots)
+        s2, w2 = committed_state(g2, slots)
+        assert_close(s1, s2, f"gdn layer {i} ssm state", rel)
+        assert_close(w1, w2, f"gdn layer {i} conv window", rel)
+    pairs = [(c1.kv, c2.kv, c1.kv_lens)] + ([(c1.mtp_kv, c2.mtp_kv, c1.mtp_kv_lens)] if mtp else [])
+    if mtp:
+        assert torch.equal(c1.mtp_kv_lens[idx], c2.mtp_kv_lens[idx])
+    for kvs1, kvs2, lens in pairs:
+        for j, (k1, k2) in enumerate(zip(kvs1, kvs2)):
+            for s in slots:
+                L = int(lens[s])
+                assert_close(k1.k_cache[s, :L], k2.k_cache[s, :L], f"kv layer {j} slot {s} k", rel)
+                assert_close(k1.v_cache[s, :L], k2.v_cache[s, :L], f"kv layer {j} slot {s} v", rel)
+
+
+# ----------------------------------------------------------------------------------------------
+# consistency of the serving steps (float64 oracle)
+# ----------------------------------------------------------------------------------------------
+
+LENS = (9, 14, 5)
+PREFIX = (4, 6, 1)
+SLOTS = (2, 0, 3)           # not 0..N-1: slot mapping matters; slot 1 stays unused
+MAXLEN = 24
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def full_run(model64):
+    prompts = ids_of(LENS)
+    cache = model64.allocate_cache(4, MAXLEN, max_draft=max(LENS))
+    logits, qsl = step(model64, cache, SLOTS, prompts, "prefill")
+    per_req = list(logits.split(list(LENS)))
+    return prompts, cache, per_req
+
+
+def prefix_cache(model, prompts, max_draft):
+    cache = model.allocate_cache(4, MAXLEN, max_draft=max_draft)
+    logits, _ = step(model, cache, SLOTS, [p[:n] for p, n in zip(prompts, PREFIX)], "prefill")
+    return cache, list(logits.split(list(PREFIX)))
+
+
+def test_whole_prompt_logits_do_not_depend_on_batching(model64, full_run):
+    prompts, _, per_req = full_run
+    for p, ref in zip(prompts, per_req):
+        alone = model64(p[None])[0]
+        assert_close(alone, ref, "prompt alone vs in a varlen batch", 1e-12)
+
+
+def test_prefix_then_decode_token_by_token(model64, full_run):
+    prompts, full_cache, full_logits = full_run
+    cache, pre_logits = prefix_cache(model64, prompts, 0)
+    for n in range(len(LENS)):
+        assert_close(pre_logits[n], full_logits[n][:PREFIX[n]], f"prefix logits {n}")
+    for t in range(max(L - P for L, P in zip(LENS, PREFIX))):
+        pos = [P + t for P in PREFIX]
+        chunks = [p[q:q + 1] if q < len(p) else p[:0] for p, q in zip(prompts, pos)]
+        logits, _ = step(model64, cache, SLOTS, chunks, "decode")
+        for n, q in enumerate(pos):
+            if q < LENS[n]:        # padded rows (finished requests) are ignored
+                assert_close(logits[n], full_logits[n][q], f"decode request {n} position {q}")
+    assert_caches_equal(model64, cache, full_cache, list(SLOTS))
+
+
+def test_prefix_then_verify_rest_then_accept_all(model64, full_run):
+    prompts, full_cache, full_logits = full_run
+    cache, _ = prefix_cache(model64, prompts, max(L - P for L, P in zip(LENS, PREFIX)) - 1)
+    rest = [p[P:] for p, P in zip(prompts, PREFIX)]
+    logits, qsl = step(model64, cache, SLOTS, rest, "verify")
+    for n, lg in enumerate(logits.split([len(r) for r in rest])):
+        assert_close(lg, full_logits[n][PREFIX[n]:], f"verify logits {n}")
+    assert torch.equal(cache.kv_lens[list(SLOTS)], torch.tensor(PREFIX, dtype=I32))   # nothing committed yet
+    model64.accept(cache, torch.tensor(SLOTS, dtype=I32), torch.tensor([len(r) for r in rest], dtype=I32))
+    assert_caches_equal(model64, cache, full_cache, list(SLOTS))
+
+
+def test_prefix_then_continuing_prefill(model64, full_run):
+    prompts, full_cache, full_logits = full_run
+    cache, _ = prefix_cache(model64, prompts, 0)
+    rest = [p[P:] for p, P in zip(prompts, PREFIX)]
+    logits, _ = step(model64, cache, SLOTS, rest, "prefill")
+    for n, lg in enumerate(logits.split([len(r) for r in rest])):
+        assert_close(lg, full_logits[n][PREFIX[n]:], f"continued prefill logits {n}")
+    assert_caches_equal(model64, cache, full_cache, list(SLOTS))
+
+
+def test_partial_accept_rolls_back_to_the_accepted_prefix(model64):
+    """verify 1+k tokens, keep a few: caches equal a fresh prefill of the kept tokens, and the next
+    decode gives the same logits (stale KV rows and pending GDN tokens are invisible)."""
+    prompts = ids_of((11, 12, 10), seed=3)
+    pre = [p[:5] for p in prompts]
+    drafts = [p[5:] for p in prompts]                     # 6, 7, 5 tokens: 1 + k with k = 5, 6, 4
+    accepted = [1, 4, 5]
+    cache = model64.allocate_cache(4, MAXLEN, max_draft=6)
+    step(model64, cache, SLOTS, pre, "prefill")
+    step(model64, cache, SLOTS, drafts, "verify")
+    model64.accept(cache, torch.tensor(SLOTS, dtype=I32), torch.tensor(accepted, dtype=I32))
+    fresh = model64.allocate_cache(4, MAXLEN, max_draft=6)
+    step(model64, fresh, SLOTS, [p[:5 + a] for p, a in zip(prompts, accepted)], "prefill")
+    assert_caches_equal(model64, cache, fresh, list(SLOTS))
+    nxt = [torch.tensor([7]), torch.tensor([8]), torch.tensor([9])]
+    l1, _ = step(model64, cache, SLOTS, nxt, "decode")
+    l2, _ = step(model64, fresh, SLOTS, nxt, "decode")
+    assert_close(l1, l2, "decode after partial accept vs after a fresh prefill")
+    # a second round: verify on top of the rolled-back slot, then accept everything
+    more = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    l1, _ = step(model64, cache, SLOTS, more, "verify")
+    l2, _ = step(model64, fresh, SLOTS, more, "prefill")
+    assert_close(l1, l2, "second verify vs prefill")
+    model64.accept(cache, torch.tensor(SLOTS, dtype=I32), torch.tensor([3, 1, 2], dtype=I32))
+    assert_caches_equal(model64, cache, fresh, list(SLOTS))
+
+
+def test_mtp_many_tokens_at_once_equals_one_at_a_time(model64):
+    """The MTP head's catch-up step (varlen) == the same tokens one per step; lag rule of mtp_kv_lens."""
+    prompts = ids_of((7, 3), seed=5)
+    slots = [1, 3]
+    cache = model64.allocate_cache(4, MAXLEN, max_draft=2)
+    si = torch.tensor(slots, dtype=I32)
+    qsl = qsl_of([7, 3])
+    ids = torch.cat(prompts)
+    hidden = model64.prefill(cache, ids, model64.metadata(cache, si, qsl, 10))
+    assert torch.equal(cache.kv_lens[slots], torch.tensor([7, 3], dtype=I32))
+    assert torch.equal(cache.mtp_kv_lens[slots], torch.tensor([0, 0], dtype=I32))   # lags the prefill
+    nxt = torch.tensor([11, 12])                               # "sampled" tokens after each prompt
+    shifted = torch.cat([prompts[0][1:], nxt[:1], prompts[1][1:], nxt[1:]])
+    c1 = cache.clone()
+    out_all = model64.mtp(c1, shifted, hidden, model64.metadata(c1, si, qsl, 10, mtp=True))
+    assert torch.equal(c1.mtp_kv_lens[slots], torch.tensor([7, 3], dtype=I32))
+    c2 = cache.clone()
+    outs = {0: [], 1: []}
+    for t in range(7):
+        live = [t < 7, t < 3]
+        si_t = torch.tensor([s if ok else -1 for s, ok in zip(slots, live)], dtype=I32)
+        tok = torch.stack([shifted[min(t, 6)], shifted[7 + min(t, 2)]])
+        hid = torch.stack([hidden[min(t, 6)], hidden[7 + min(t, 2)]])
+        o = model64.mtp(c2, tok, hid, model64.metadata(c2, si_t, torch.arange(3, dtype=I32), 2, mtp=True))
+        for n in range(2):
+            if live[n]:
+                outs[n].append(o[n])
+    assert_close(torch.stack(outs[0] + outs[1]), out_all, "mtp one-at-a-time vs varlen")
+    assert_caches_equal(model64, c1, c2, slots, mtp=True)
+    assert model64.logits(out_all).shape == (10, 128)
+    # accept after a verify: mtp_kv_lens <- the target length before the accepted tokens
+    c3 = cache.clone()
+    step(model64, c3, slots, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], "verify")
+    model64.accept(c3, si, torch.tensor([2, 1], dtype=I32))
+    assert torch.equal(c3.kv_lens[slots], torch.tensor([9, 4], dtype=I32))
+    assert torch.equal(c3.mtp_kv_lens[slots], torch.tensor([7, 3], dtype=I32))
+
+
+# ----------------------------------------------------------------------------------------------
+# fast ops through the same model (float32, interpreter) by the conformance rule
+# ----------------------------------------------------------------------------------------------
+
+def _serving_run(model, lens=(6, 3), rest=((2, 1), (4, 2))):
+    """prefill, a decode, a verify + partial accept, a decode: logits of every step and the final states."""
+    prompts = ids_of(lens, seed=11)
+    slots = [1, 0]
+    si = torch.tensor(slots, dtype=I32)
+    cache = model.allocate_cache(3, 16, max_draft=3)
+    outs = [step(model, cache, slots, prompts, "prefill")[0]]
+    outs.append(step(model, cache, slots, [torch.tensor([5]), torch.tensor([6])], "decode")[0])
+    outs.append(step(model, cache, slots, [torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12])], "verify")[0])
+    model.accept(cache, si, torch.tensor([2, 2], dtype=I32))
+    outs.append(step(model, cache, slots, [torch.tensor([13]), torch.tensor([14])], "decode")[0])
+    states = [torch.cat([x.reshape(-1) for x in committed_state(g, slots)]) for g in cache.gdn]
+    return outs, states, cache.kv_lens.clone()
+
+
+def test_fast_serving_steps_by_conformance_rule():
+    truth, t_states, t_lens = _serving_run(tiny(torch.float64))
+    ref, r_states, _ = _serving_run(tiny(torch.float32))
+    fast, f_states, f_lens = _serving_run(tiny(torch.float32, ops="fast"))
+    assert torch.equal(f_lens, t_lens)
+    names = ["prefill", "decode", "verify", "decode after accept"]
+    for name, f, r, t in zip(names, fast, ref, truth):
+        res = evaluate(Check(name, f, t, ref=r, dtype=torch.float32))
+        assert res["passed"], f"{name} logits: {res}"
+    for i, (f, r, t) in enumerate(zip(f_states, r_states, t_states)):
+        res = evaluate(Check(f"gdn layer {i} state", f, t, ref=r, dtype=torch.float32))
+        assert res["passed"], f"gdn layer {i} committed state: {res}"
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints and config
+# ----------------------------------------------------------------------------------------------
+
+def test_save_load_roundtrip(tmp_path, model64):
+    model64.save_pretrained(tmp_path / "one")
+    assert sorted(os.listdir(tmp_path / "one")) == ["config.json", "model.safetensors"]
+    model64.save_pretrained(tmp_path / "sharded", max_shard_bytes=20_000)
+    shards = [n for n in os.listdir(tmp_path / "sharded") if n.endswith(".safetensors")]
+    assert len(shards) > 1 and os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
+    ids = ids_of((8,), seed=2)[0][None]
+    want = model64(ids)
+    for sub in ("one", "sharded"):
+        m = Qwen3NextModel.from_pretrained(tmp_path / sub)
+        assert m.dtype == torch.float64 and m.has_mtp
+        for (k1, v1), (k2, v2) in zip(model64.state_dict().items(), m.state_dict().items()):
+            assert k1 == k2 and torch.equal(v1, v2), k1
+        assert torch.equal(m(ids), want)
+
+
+def test_checkpoint_errors_name_the_key(tmp_path, model64):
+    model64.save_pretrained(tmp_path / "good")
+    good = load_file(tmp_path / "good" / "model.safetensors")
+    cfg = (tmp_path / "good" / "config.json").read_text()
+
+    def write(name, tensors):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(cfg)
+        save_file(tensors, d / "model.safetensors")
+        return d
+
+    key = "model.layers.1.linear_attn.in_proj_ba.weight"
+    missing = {k: v for k, v in good.items() if k != key}
+    with pytest.raises(ValueError, match="missing key 'model.layers.1.linear_attn.in_proj_ba.weight'"):
+        Qwen3NextModel.from_pretrained(write("missing", missing))
+    extra = dict(good, **{"model.layers.0.linear_attn.bogus": torch.zeros(2)})
+    with pytest.raises(ValueError, match="unexpected key 'model.layers.0.linear_attn.bogus'"):
+        Qwen3NextModel.from_pretrained(write("extra", extra))
+    bad = dict(good, **{"model.layers.3.self_attn.k_norm.weight": torch.zeros(15, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"'model.layers.3.self_attn.k_norm.weight' has shape \[15\]"):
+        Qwen3NextModel.from_pretrained(write("shape", bad))
+    no_mtp = Qwen3NextModel.from_pretrained(write("nomtp", {k: v for k, v in good.items() if not k.startswith("mtp.")}))
+    assert not no_mtp.has_mtp and no_mtp.mtp_head is None
+    c = no_mtp.allocate_cache(1, 4)
+    assert c.mtp_kv == []
+    meta = no_mtp.metadata(c, torch.zeros(1, dtype=I32), torch.tensor([0, 1], dtype=I32), 1, mtp=True)
+    with pytest.raises(ValueError, match="no MTP head"):
+        no_mtp.mtp(c, torch.zeros(1, dtype=torch.long), torch.zeros(1, 32, dtype=torch.float64), meta)
+
+
+def test_fused_expert_tensors_load(tmp_path, model64):
+    """transformers 5 keeps experts fused (gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I])."""
+    model64.save_pretrained(tmp_path / "a")
+    t = load_file(tmp_path / "a" / "model.safetensors")
+    fused = {}
+    for k, v in t.items():
+        if ".mlp.experts." not in k:
+            fused[k] = v
+    for layer in (1, 3):
+        p = f"model.layers.{layer}.mlp.experts"
+        E = model64.config.num_experts
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]])
+                                                  for e in range(E)])
+        fused[f"{p}.down_proj"] = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(E)])
+    d = tmp_path / "fused"
+    d.mkdir()
+    (d / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    save_file(fused, d / "model.safetensors")
+    m = Qwen3NextModel.from_pretrained(d)
+    for (k1, v1), (k2, v2) in zip(model64.state_dict().items(), m.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2), k1
+
+
+def test_config_roundtrip_and_legacy_rope_fields():
+    cfg = Qwen3NextConfig.preset("tiny")
+    assert Qwen3NextConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == Qwen3NextConfig.from_dict(cfg.to_dict())
+    back = Qwen3NextConfig.from_dict(cfg.to_dict())
+    for f in ("layer_types", "rope_theta", "partial_rotary_factor", "num_experts", "mlp_only_layers", "head_dim"):
+        assert getattr(back, f) == getattr(cfg, f), f
+    legacy = {k: v for k, v in cfg.to_dict().items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(rope_theta=5e6, partial_rotary_factor=0.25, full_attention_interval=2)
+    old = Qwen3NextConfig.from_dict(legacy)
+    assert (old.rope_theta, old.partial_rotary_factor) == (5e6, 0.25)
+    assert old.layer_types == ["linear_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match="layer_types"):
+        Qwen3NextConfig.preset("tiny", layer_types=["linear_attention"] * 3)
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        Qwen3NextConfig.preset("tiny", linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="rope_type"):
+        Qwen3NextConfig.from_dict(dict(cfg.to_dict(), rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    bench = Qwen3NextConfig.preset("bench")
+    assert (bench.hidden_size, bench.linear_num_key_heads, bench.linear_num_value_heads, bench.linear_key_head_dim,
+            bench.vocab_size, bench.layer_types.count("full_attention"), bench.num_hidden_layers) == (
+        2048, 16, 32, 128, 32768, 1, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# metadata
+# ----------------------------------------------------------------------------------------------
+
+def test_metadata_values_against_a_host_loop():
+    kv_lens = torch.tensor([5, 0, 9, 2, 7], dtype=I32)
+    si = torch.tensor([2, -1, 0, 4], dtype=I32)
+    counts = [3, 2, 1, 4]
+    qsl = qsl_of(counts)
+    T, max_len = 12, 12                           # 2 trailing padding tokens; slot 4 runs past max_len
+    offset = torch.tensor([1, 0, 2, 0], dtype=I32)
+    meta = build_step_metadata(kv_lens, si, qsl, T, max_len, position_offset=offset)
+    pos, sm, ts, sl = [0] * T, [-1] * T, [-1] * T, []
+    for n, s in enumerate(si.tolist()):
+        start = int(kv_lens[s]) + int(offset[n]) if s >= 0 else 0
+        sl.append(start + counts[n] if s >= 0 else 0)
+        for j in range(counts[n]):
+            t = int(qsl[n]) + j
+            if s >= 0:
+                pos[t], ts[t] = start + j, s
+                sm[t] = s * max_len + start + j if start + j < max_len else -1
+    assert meta.positions.tolist() == pos
+    assert meta.slot_mapping.tolist() == sm
+    assert meta.token_slots.tolist() == ts
+    assert meta.seq_lens.tolist() == sl
+    assert all(t.dtype == I32 for t in meta.tensors())
+    scalar = build_step_metadata(kv_lens, si, qsl, T, max_len, position_offset=torch.tensor(3, dtype=I32))
+    assert scalar.positions.tolist()[0] == int(kv_lens[2]) + 3
+    with pytest.raises(ValueError, match="query_start_loc"):
+        build_step_metadata(kv_lens, si, qsl[:-1], T, max_len)
+
+
+def test_metadata_on_meta_device_reads_no_values():
+    """meta tensors have no values: any host read (.item, .tolist, bool) would raise."""
+    d = "meta"
+    meta = build_step_metadata(torch.empty(8, dtype=I32, device=d), torch.empty(3, dtype=I32, device=d),
+                               torch.empty(4, dtype=I32, device=d), 7, 32,
+                               position_offset=torch.empty((), dtype=I32, device=d))
+    assert all(t.device.type == "meta" for t in meta.tensors())
+    assert meta.positions.shape == (7,) and meta.seq_lens.shape == (3,)
+
+
+class _StubOps:
+    """Shape-correct stand-ins for the GDN ops (they are tested elsewhere): isolates the model's own code."""
+    __name__ = "stub"
+    from refgdn import GDNStateCache
+
+    @staticmethod
+    def gdn_decode(mixed_qkv, a, *args, **kw):
+        cache = args[5]
+        return mixed_qkv.new_zeros(mixed_qkv.shape[0], cache.HV, cache.V)
+
+    gdn_verify = gdn_decode
+
+    @staticmethod
+    def gdn_accept(*a, **k):
+        pass
+
+    @staticmethod
+    def gdn_materialize(*a, **k):
+        pass
+
+    @staticmethod
+    def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None):
+        return torch.zeros_like(x), torch.zeros_like(initial_state)
+
+    @staticmethod
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, **kw):
+        return torch.zeros_like(v), torch.zeros_like(initial_state)
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Fail on any Python-level host read of a tensor value."""
+    def boom(name):
+        def f(*a, **k):
+            raise AssertionError(f"host read: Tensor.{name}")
+        return f
+    saved = {}
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        saved[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, boom(name))
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+def test_model_steps_do_no_host_reads():
+    """Metadata, prefill, decode, verify, accept and the MTP step with the model's glue code only (stub GDN
+    ops, check_values off): no .item / .tolist / bool / .cpu anywhere."""
+    model = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=_StubOps(), dtype=torch.float32, check_values=False)
+    cache = model.allocate_cache(4, 16, max_draft=3)
+    si = torch.tensor([3, -1, 1], dtype=I32)
+    with no_host_reads():
+        with pytest.raises(AssertionError, match="host read"):
+            torch.zeros(1).item()                   # the guard works
+        for mode, counts in (("prefill", [5, 2, 3]), ("decode", [1, 1, 1]), ("verify", [4, 1, 2])):
+            qsl = qsl_of(counts)
+            T = sum(counts)
+            meta = model.metadata(cache, si, qsl, T)
+            h = getattr(model, mode)(cache, torch.zeros(T, dtype=torch.long), meta)
+        model.accept(cache, si, torch.tensor([2, 1, 1], dtype=I32))
+        meta = model.metadata(cache, si, qsl_of([2, 1, 1]), 4, mtp=True, position_offset=torch.tensor(1, dtype=I32))
+        out = model.mtp(cache, torch.zeros(4, dtype=torch.long), torch.zeros(4, 32), meta)
+        logits = model.logits(out)
+    assert logits.shape == (4, 128) and h.shape == (7, 32)
+    assert cache.kv_lens.tolist() == [0, 3 + 1 + 1, 0, 5 + 1 + 2]       # slot 1: prefill 3, decode, accept 1
+    assert cache.mtp_kv_lens.tolist() == [0, 4 + 1 + 1, 0, 6 + 1 + 2]   # lens before accept + offset 1 + tokens
+
+
+def test_step_argument_errors(model64):
+    cache = model64.allocate_cache(2, 8, max_draft=1)
+    si, qsl = torch.tensor([0, 1], dtype=I32), qsl_of([1, 1])
+    meta = model64.metadata(cache, si, qsl, 2)
+    with pytest.raises(ValueError, match="input_ids"):
+        model64.decode(cache, torch.zeros(3, dtype=torch.long), meta)
+    with pytest.raises(ValueError, match="input_ids"):
+        model64.decode(cache, torch.zeros(2, dtype=torch.float32), meta)
+    with pytest.raises(ValueError, match="cache"):
+        model64.decode(object(), torch.zeros(2, dtype=torch.long), meta)
+    vmeta = model64.metadata(cache, si, qsl_of([3, 1]), 4)
+    with pytest.raises(ValueError, match="at most 1 \\+ max_draft"):
+        model64.verify(cache, torch.zeros(4, dtype=torch.long), vmeta)
+    dup = model64.metadata(cache, torch.tensor([1, 1], dtype=I32), qsl, 2)
+    with pytest.raises(ValueError, match="state_indices"):
+        model64.decode(cache, torch.zeros(2, dtype=torch.long), dup)
+    far = model64.metadata(cache, si, qsl, 2, position_offset=8)
+    with pytest.raises(ValueError, match="max_len"):
+        model64.decode(cache, torch.zeros(2, dtype=torch.long), far)
+    assert int(cache.kv_lens.sum()) == 0          # nothing was touched
+    with pytest.raises(ValueError, match="num_accepted"):
+        model64.accept(cache, si, torch.tensor([1], dtype=I32))
