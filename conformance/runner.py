@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Iterable, Optional
 
-CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving")
+CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 

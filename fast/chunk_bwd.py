@@ -19,7 +19,8 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
          dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
          dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
   3. ``bwd_dqkwg_kernel``     grid (chunks * HV)       dq, dk, dw, dG through the output and (chunk_bwd_dqkwg)
-         the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
+         the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row), its
+         intra-chunk part as rowsum(P) - colsum(P) with P = ((dO v_new^T) M) * (Q K^T) off the diagonal
   4. ``bwd_wy_kernel``        grid (chunks * HV)       through w = A Kb, u = A Vb, A = (I + L)^-1:  (wy_bwd +
          dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
          backward (da, and per-token terms of dA_log, ddt_bias)                              gating_bwd)
@@ -212,6 +213,7 @@ def bwd_dqkwg_kernel(
         dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
         dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T ;   dw = -dv_new h^T
         dG = rowsum(Q dq) - rowsum(K dk) ;  dG_L += sum(K dk_state) + exp(G_L) <h, dh>
+           (intra-chunk part computed as rowsum(P) - colsum(P), P = scale ((dO v_new^T) M) (Q K^T), i > j)
 
     q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; dv_new: fp32; h, dh: [chunks, HV, K, V];
     dq, dk, dw: [B, T, HV, K] fp32 (per value head); dG: [B, T, HV] fp32. V in blocks of BV inside.
@@ -268,10 +270,17 @@ def bwd_dqkwg_kernel(
     keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None] & m_r[None, :]
     b_ds = b_ds * _causal(b_G, b_Gl, keep, PRECISE) * scale                # (dO v_new^T) M scale
     b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
-    b_dq = b_dq * (b_eG * scale)[:, None] + _dot(b_ds.to(b_k.dtype), b_k, PREC, DOT_F32)
+    b_dqi = b_dq * (b_eG * scale)[:, None]                                  # through the chunk-start state
+    b_dq = b_dqi + _dot(b_ds.to(b_k.dtype), b_k, PREC, DOT_F32)
     b_dks = b_dk * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None]   # through the state update
     b_dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, PREC, DOT_F32) + b_dks
-    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - tl.sum(b_k.to(tl.float32) * b_dk, 1)
+    # dG = rowsum(Q dq) - rowsum(K dk), with the intra-chunk part taken from P = ds * (Q K^T) directly:
+    # rowsum(P) - colsum(P). precision hazard: via Q dq - K dk the diagonal terms P_ii (large when the
+    # decay is strong) would cancel only up to rounding; here they are left out (they cancel exactly).
+    strict = (o_t[:, None] > o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_P = tl.where(strict, b_ds * _dot(b_q, tl.trans(b_k), PREC, DOT_F32), 0.0)
+    b_dG = (tl.sum(b_q.to(tl.float32) * b_dqi, 1) - tl.sum(b_k.to(tl.float32) * b_dks, 1)
+            + tl.sum(b_P, 1) - tl.sum(b_P, 0))
     g_last = tl.sum(tl.sum(b_k.to(tl.float32) * b_dks, 1), 0) + _exp(G_last, PRECISE) * tl.sum(b_hdh, 0)
     b_dG = tl.where(o_t == last, b_dG + g_last, b_dG)
 
@@ -457,7 +466,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
-    -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): each in its input's dtype (dh0 float32 [N, HV, K, V],
+    -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): each in its input's dtype (dh0 [N, HV, K, V],
     None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
     the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
     """
@@ -551,4 +560,6 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if A_log is not None:
         dA_log = dA_log_t.sum((0, 1)).to(A_log.dtype) if T > 0 else torch.zeros_like(A_log)
         ddt_bias = dg.sum((0, 1)).to(dt_bias.dtype) if T > 0 else torch.zeros_like(dt_bias)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
     return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, dA_log, ddt_bias)

@@ -67,19 +67,22 @@ def chunk_gated_delta_rule_bwd_op(do: Tensor, dht: Optional[Tensor], q: Tensor, 
     """-> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); absent ones (no initial state / gating) are empty."""
     out = _chunk_bwd.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens,
                                                 use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
-    empty = q.new_empty(0, dtype=torch.float32)
-    return tuple(t if t is not None else empty for t in out)
+    # a fresh empty tensor per absent gradient: a custom op's returns may not alias each other
+    return tuple(t if t is not None else q.new_empty(0, dtype=torch.float32) for t in out)
 
 
 @chunk_gated_delta_rule_bwd_op.register_fake
 def _(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
       chunk_size):
-    empty = q.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta),
-            torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else empty,
-            torch.empty_like(A_log) if A_log is not None else empty,
-            torch.empty_like(dt_bias) if dt_bias is not None else empty)
+    def empty():
+        return q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape),
+            initial_state.new_empty(initial_state.shape) if initial_state is not None
+            else empty(),
+            torch.empty_like(A_log) if A_log is not None else empty(),
+            torch.empty_like(dt_bias) if dt_bias is not None else empty())
 
 
 def _chunk_setup_context(ctx, inputs, output):
@@ -129,17 +132,14 @@ def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx, dweight, dbias, dinitial_state); absent ones (no bias / initial state) are empty."""
     out = _conv_bwd.causal_conv1d_bwd(x, weight, dy, bias, activation or None, initial_state, cu_seqlens, dfinal)
-    empty = x.new_empty(0)
-    return tuple(t if t is not None else empty for t in out)
+    return tuple(t if t is not None else x.new_empty(0) for t in out)       # fresh: returns may not alias
 
 
 @causal_conv1d_bwd_op.register_fake
 def _(dy, dfinal, x, weight, bias, activation, initial_state, cu_seqlens):
-    empty = x.new_empty(0)
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            torch.empty_like(bias) if bias is not None else empty,
-            torch.empty_like(initial_state, memory_format=torch.contiguous_format)
-            if initial_state is not None else empty)
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty(0),
+            initial_state.new_empty(initial_state.shape) if initial_state is not None else x.new_empty(0))
 
 
 def _conv_setup_context(ctx, inputs, output):

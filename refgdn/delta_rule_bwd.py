@@ -116,6 +116,7 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: to
         dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
         dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T          dw = -dv_new h^T
         dG = rowsum(Q dq) - rowsum(K dk);  dG_L += rowsum(K dk_state) summed + exp(G_L) <h, dh>
+    (the intra-chunk part of dG computed as rowsum(P) - colsum(P), P = scale ((dO v_new^T) M) (Q K^T), i > j)
     """
     BT, HV, H = chunk_size, v_new.shape[2], q.shape[2]
     Gn = HV // H
@@ -130,7 +131,10 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: to
     dk_state = torch.exp(G_last - Gc)[..., None] * (vc @ dhc.transpose(-1, -2))
     dk = scale * ds.transpose(-1, -2) @ qc + dk_state
     dw = -dvc @ hc.transpose(-1, -2)
-    dG = (qc * dq).sum(-1) - (kc * dk).sum(-1)                             # [B, NC, H, G, BT]
+    # dG = rowsum(Q dq) - rowsum(K dk); the intra-chunk terms as rowsum(P) - colsum(P) with
+    # P = ds * (Q K^T): the diagonal P_ii (in both sums) cancels exactly instead of up to rounding
+    P = (ds * (qc @ kc.transpose(-1, -2))).tril(-1)
+    dG = (qc * (dq - scale * ds @ kc)).sum(-1) - (kc * dk_state).sum(-1) + P.sum(-1) * scale - P.sum(-2) * scale
     last = (kc * dk_state).sum((-1, -2)) + torch.exp(G_last[..., 0]) * (hc * dhc).sum((-1, -2))
     dG = dG + F.one_hot(torch.tensor(BT - 1), BT).to(dG) * last[..., None]
     return _flat(dq), _flat(dk), _flat(dw), rearrange(dG, "b n h j c -> b (n c) (h j)")
