@@ -77,7 +77,8 @@ def cast_cache(c: GDNStateCache, state_dtype, act_dtype) -> GDNStateCache:
     """The same contents in other dtypes (compute-dtype pending buffers follow the rule of allocate)."""
     cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
     return GDNStateCache(c.ssm_state.to(state_dtype), c.conv_state.to(act_dtype), c.pend_k.to(cdt),
-                         c.pend_v.to(act_dtype), c.pend_g.to(cdt), c.pend_beta.to(cdt), c.pend_meta.clone())
+                         c.pend_v.to(act_dtype), c.pend_g.to(cdt), c.pend_beta.to(cdt), c.pend_meta.clone(),
+                         err=c.err.clone())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ def drive(ops, cache, layer, steps, slots, *, H, HV, K, V, dtype, seed=0, device
             o = ops.gdn_decode(x, a, b, layer["conv_weight"], layer["conv_bias"], layer["A_log"],
                                layer["dt_bias"], cache, idx)
             rec = dict(kind="decode", o=o, lens=[1] * len(slots))
+        cache.check()      # a valid schedule records no fault (fast's device-side value checks)
         ssm, conv = committed_state(cache, valid) if valid else (None, None)
         rec.update(ssm=ssm, conv=conv, conv_state=cache.conv_state.clone(), pend_meta=cache.pend_meta.clone())
         out.append(rec)
@@ -180,7 +182,7 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
         untouched = [s for s in range(num_slots) if s not in slots]
         if untouched:
             u = torch.tensor(untouched)
-            for fname in ("ssm_state", "conv_state", "pend_k", "pend_v", "pend_g", "pend_beta", "pend_meta"):
+            for fname in GDNStateCache.SLOT_FIELDS:
                 checks.append(Check(f"untouched.{fname}", getattr(c_fast, fname)[u.to(device)],
                                     getattr(cast_cache(base, state_dtype, dtype), fname)[u], exact=True))
         return checks

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from refgdn.serving import (GDNStateCache, check_accept_inputs, check_cache, check_state_indices,
-                            check_step_inputs)
+                            check_step_inputs, raise_first, step_value_faults)
 
 from .utils import cdiv, is_interpreting, next_pow2
 
@@ -66,6 +66,9 @@ __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_mater
 # replace the heuristic's). Never changed while graphs are captured: a new value is a new compile variant.
 STEP_CONFIG_OVERRIDE: Optional[dict] = None
 CONV_CONFIG_OVERRIDE: Optional[dict] = None
+
+DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
+ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
 def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode") -> dict:
@@ -121,13 +124,117 @@ def _as_block(cond, ref):
 
 
 @triton.jit
+def _record_fault(err, code, n, value, extra):
+    """err <- (code, n, value, extra) if code != 0 and no fault is recorded yet (first fault wins).
+
+    err: [4] int64, code 0 = empty. The compare-and-swap of the code claims the buffer; only the
+    claimant writes the other three words, so they always belong to the recorded code. Programs
+    without a fault take the branch's fall-through: no atomic on the hot path.
+    """
+    if code != 0:
+        old = tl.atomic_cas(err, 0, code.to(tl.int64))
+        if old == 0:
+            tl.store(err + 1, n.to(tl.int64))
+            tl.store(err + 2, value.to(tl.int64))
+            tl.store(err + 3, extra.to(tl.int64))
+
+
+@triton.jit
+def _earliest_other(state_indices, slot, i_n, N, BN: tl.constexpr):
+    """Among the rows m != i_n of state_indices [N] holding the value ``slot``: min of (m if m < i_n
+    else N + m), 2N if there is none. So < N: an earlier row has it; in [N, 2N): only later rows.
+    A deterministic pairwise compare (blocks of BN rows; no atomics, no scratch buffer)."""
+    best = slot * 0 + 2 * N
+    for start in range(0, N, BN):
+        o = start + tl.arange(0, BN)
+        s = tl.load(state_indices + o, mask=o < N, other=-1).to(tl.int64)
+        hit = (s == slot) & (o != i_n) & (o < N)
+        best = tl.minimum(best, tl.min(tl.where(hit, tl.where(o < i_n, o, N + o), 2 * N), axis=0))
+    return best
+
+
+@triton.jit
+def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S,
+                    TCAP: tl.constexpr, TMAX: tl.constexpr, VARLEN: tl.constexpr, BN: tl.constexpr):
+    """The value rules of one request of a step (refgdn.serving.step_faults, on the device).
+
+    Returns (slot, ok, live, bos, L, count, word, code, value, extra):
+      slot   a safe slot address (the request's slot when it is a real one, else 0)
+      ok     the request runs and writes (a real slot, no fault of any request's making touches it)
+      live   its token rows [bos, bos + L) are inside the call's tensors (reads and zero outputs)
+      count, word  the slot's pend_meta (0 unless a real slot); code, value, extra: its fault (0: none)
+    Nothing here forms an address from an unchecked value: slot and bos are clamped first.
+    """
+    raw = tl.load(state_indices + i_n).to(tl.int64)
+    in_range = (raw >= -1) & (raw < S)
+    real = in_range & (raw >= 0)
+    slot = tl.where(real, raw, 0)
+    count = tl.load(meta + slot * 2, mask=real, other=0)
+    word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
+    if VARLEN:
+        c0 = tl.load(cu_seqlens).to(tl.int64)
+        cN = tl.load(cu_seqlens + N).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        c0 = raw * 0
+        cN = c0 + T
+        bos = c0 + i_n
+        eos = bos + 1
+    L = eos - bos
+    other = _earliest_other(state_indices, raw, i_n, N, BN)
+    dup = real & (other < 2 * N)
+    awaiting = real & ((word & 2) != 0)               # refgdn.serving.AWAIT_ACCEPT
+    # the request's fault: the rules from the lowest priority to the highest, each overriding
+    zero = raw * 0
+    code = tl.where(awaiting, 8, zero)                                              # E_AWAITING
+    value = tl.where(awaiting, raw, zero)
+    extra = zero
+    if VARLEN:
+        f = L > TCAP                                                                # E_TOO_LONG
+        code, value, extra = tl.where(f, 7, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
+        f = (i_n != N - 1) & ((eos < 0) | (eos > T))                               # E_CU_RANGE
+        code, value, extra = tl.where(f, 6, code), tl.where(f, eos, value), tl.where(f, T, extra)
+        f = (i_n == N - 1) & (eos != T)                                             # E_CU_END
+        code, value, extra = tl.where(f, 5, code), tl.where(f, eos, value), tl.where(f, T, extra)
+        f = eos < bos                                                               # E_CU_ORDER
+        code, value, extra = tl.where(f, 4, code), tl.where(f, eos, value), tl.where(f, bos, extra)
+        f = (i_n == 0) & (bos != 0)                                                 # E_CU_START
+        code, value, extra = tl.where(f, 3, code), tl.where(f, bos, value), tl.where(f, 0, extra)
+    f = real & (other < N)                                                          # E_SLOT_DUP
+    code, value, extra = tl.where(f, 2, code), tl.where(f, raw, value), tl.where(f, other, extra)
+    f = in_range == 0                                                               # E_SLOT_RANGE
+    code, value, extra = tl.where(f, 1, code), tl.where(f, raw, value), tl.where(f, S, extra)
+    # token rows: every offset of the call sane (else no row is trusted), this one's span in [0, T]
+    live = (c0 == 0) & (cN == T) & (bos >= 0) & (bos <= eos) & (eos <= T) & (L <= TCAP)
+    ok = live & real & (code == 0) & (dup == 0)
+    bos = tl.where(live, bos, 0)
+    L = tl.where(live, tl.minimum(L, TMAX), 0)
+    return slot, ok, live, bos, L, count, word, code, value, extra
+
+
+@triton.jit
+def _publish_row(snap, err, i_n, first, slot, ok, count, word, bos, L, code, value, extra, TCAP: tl.constexpr):
+    """From the program ``first`` of request i_n: snap[i_n] <- (slot or -1 if it must not write, count,
+    bank, bos, L) for gdn_step_kernel, and its fault into err."""
+    if first:
+        p = snap + i_n * 5
+        tl.store(p, tl.where(ok, slot, -1).to(tl.int32))
+        tl.store(p + 1, tl.minimum(tl.maximum(count, 0), TCAP).to(tl.int32))   # corrupt metadata: clamped
+        tl.store(p + 2, (word & 1).to(tl.int32))
+        tl.store(p + 3, bos.to(tl.int32))
+        tl.store(p + 4, L.to(tl.int32))
+        _record_fault(err, code, i_n, value, extra)
+
+
+@triton.jit(do_not_specialize=["N", "T", "S"])   # one variant for every batch size, token count, cache size
 def conv_step_kernel(
-    x, weight, bias, y, conv_state, meta, snap, state_indices, cu_seqlens,
-    D,
+    x, weight, bias, y, conv_state, meta, snap, err, state_indices, cu_seqlens,
+    D, N, T, S,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
-    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -135,7 +242,9 @@ def conv_step_kernel(
     [BD] registers r0 (oldest) .. r2 (newest), zero-padded on the left when W < 4; per new token t < L:
         y_t = act(bias + w[W-4] r0 + w[W-3] r1 + w[W-2] r2 + w[W-1] x_t);  (r0, r1, r2) <- (r1, r2, x_t)
     conv_state[slot, :, 0 : W-1+L-drop] <- [window, x_0 .. x_{L-1}][drop:]   drop = min(L, 1)
-    snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
+    snap[i_n] <- (slot, or -1 if it must not write; count, bank before the step; bos, L), and the
+    request's fault into err (the i_d == 0 program; the rules: _step_row_check). A failed request
+    writes nothing; its tokens' rows of y are scratch.
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
 
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
@@ -145,22 +254,14 @@ def conv_step_kernel(
     """
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
+    slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
+        meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, TMAX, VARLEN, BN)
+    first = i_d == 0
+    _publish_row(snap, err, i_n, first, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    m_dv = m_d & _as_block(valid, o_d)              # channels of a real (not padded) request
+    m_dv = m_d & _as_block(valid, o_d)              # channels of a request that writes (real, no fault)
     p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
-    count = tl.load(meta + slot * 2, mask=valid, other=0)
-    bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
-    else:
-        bos = i_n.to(tl.int64)
-        L = bos * 0 + 1
-    L = tl.minimum(tl.maximum(L, 0), TMAX)          # tokens beyond the cache's capacity are not run
     # the new tokens' raw inputs: up to 4 in flight (p0 is token t, p1 token t+1, ...)
     p_x = x + bos * stride_x_t + o_d * stride_x_d
     p0 = tl.load(p_x, mask=m_d & _as_block(L > 0, o_d), other=0)
@@ -174,10 +275,6 @@ def conv_step_kernel(
     if TMAX > 3:
         p3 = tl.load(p_x + 3 * stride_x_t, mask=m_d & _as_block(L > 3, o_d), other=0)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-    bank = bank & 1
-    first = i_d == 0
-    tl.store(snap + i_n * 2, count, mask=first)
-    tl.store(snap + i_n * 2 + 1, bank, mask=first)
     off = tl.maximum(count - 1, 0).to(tl.int64)
     drop = tl.minimum(L, 1)
 
@@ -257,41 +354,30 @@ def conv_step_kernel(
         tl.store(p_c[:, None] + cols[None, :] * stride_c_w, new2d, mask=m_dv[:, None] & (cols < keep + L)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "T", "S"])
 def conv_step_any_w_kernel(
-    x, weight, bias, y, conv_state, meta, snap, state_indices, cu_seqlens,
-    D,
+    x, weight, bias, y, conv_state, meta, snap, err, state_indices, cu_seqlens,
+    D, N, T, S,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
-    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
 ):
     """conv_step_kernel for any conv width W (W > 4): the window and tokens as one [BD, SP] block.
 
     seq = [committed window (W-1 columns from conv_state at max(count-1, 0)), x_0 .. x_{L-1}]
     y_t = act(bias + sum_j weight[:, j] seq[t + j])          for t < L   (y: [T, D] contiguous)
     conv_state[slot, :, 0 : W-1+L-drop] <- seq[drop:]        drop = min(L, 1) (oldest input out)
-    snap[i_n] <- (count, bank) of the slot before this step  (written by the i_d == 0 program)
+    snap[i_n] <- (slot, or -1 if it must not write; count, bank before the step; bos, L), and the
+    request's fault into err (the i_d == 0 program; the rules: _step_row_check). A failed request
+    writes nothing; its tokens' rows of y are scratch.
     """
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)                       # a safe address for the (masked) padded row
-    count = tl.load(meta + slot * 2, mask=valid, other=0)
-    bank = tl.load(meta + slot * 2 + 1, mask=valid, other=0)
+    slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
+        meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, TMAX, VARLEN, BN)
+    _publish_row(snap, err, i_n, i_d == 0, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-    bank = bank & 1
-    first = i_d == 0
-    tl.store(snap + i_n * 2, count, mask=first)
-    tl.store(snap + i_n * 2 + 1, bank, mask=first)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
-    else:
-        bos = i_n.to(tl.int64)
-        L = bos * 0 + 1
-    L = tl.minimum(tl.maximum(L, 0), TMAX)          # tokens beyond the cache's capacity are not run
     off = tl.maximum(count - 1, 0)
 
     o_d = i_d * BD + tl.arange(0, BD)
@@ -380,19 +466,21 @@ def _fold_decay(b_s, c, b_g):
 @triton.jit
 def gdn_step_kernel(
     y, a, b, A_log, dt_bias, o,
-    ssm, pk, pv, pg, pbeta, meta, snap, state_indices, cu_seqlens,
+    ssm, pk, pv, pg, pbeta, meta, snap,
     scale,
     stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    VARLEN: tl.constexpr, KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
+    KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
     y: [T, D] conv outputs (q | k | v channels); a, b: [T, HV]; o: [T, HV, V] contiguous.
     ssm: [S, HV, K, V] (unit stride in V); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
-    pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (count, bank) before the step.
+    pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (slot or -1, count, bank, bos, L)
+    from the conv kernel, which checked the request: slot -1 (padded or failed) writes nothing but
+    zero outputs for its L tokens; L = 0 when its token rows are not trustworthy.
 
     Per value head:
         S <- ssm[slot]; for the count pending tokens: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T
@@ -410,7 +498,7 @@ def gdn_step_kernel(
     """
     i_v = tl.program_id(0)
     i_n = tl.program_id(2)
-    slot = tl.load(state_indices + i_n).to(tl.int64)
+    slot = tl.load(snap + i_n * 5).to(tl.int64)
     valid = slot >= 0
     slot = tl.maximum(slot, 0)
 
@@ -425,15 +513,10 @@ def gdn_step_kernel(
     p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
     b_next = tl.load(p_s, mask=m_s, other=0)
 
-    count = tl.load(snap + i_n * 2)                  # clamped to [0, TCAP] by conv_step_kernel
-    bank = tl.load(snap + i_n * 2 + 1).to(tl.int64)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos)
-    else:
-        bos = i_n.to(tl.int64)
-        L = bos * 0 + 1
-    L = tl.minimum(tl.maximum(L, 0), TMAX)
+    count = tl.load(snap + i_n * 5 + 1)              # clamped to [0, TCAP] by conv_step_kernel
+    bank = tl.load(snap + i_n * 5 + 2).to(tl.int64)
+    bos = tl.load(snap + i_n * 5 + 3).to(tl.int64)   # checked: [bos, bos + L) inside [0, T)
+    L = tl.load(snap + i_n * 5 + 4)                  # in [0, TMAX]
     pb = (slot * 2 + bank) * TCAP                     # token row 0 of the pending bank
     nb = (slot * 2 + (1 - bank)) * TCAP               # token row 0 of the other bank
     zero = i_n * 0                                    # (a tensor 0: comparisons with loop ints stay tensors)
@@ -522,24 +605,56 @@ def gdn_step_kernel(
         p_s += stride_s_h
 
     own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
-    if KEEP_PENDING:
+    if KEEP_PENDING:   # the new tokens pending in the other bank; the slot awaits its accept
         tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
-        tl.store(meta + slot * 2 + 1, (1 - bank).to(tl.int32), mask=own_meta)
+        tl.store(meta + slot * 2 + 1, ((1 - bank) | 2).to(tl.int32), mask=own_meta)   # | AWAIT_ACCEPT
     else:
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
-@triton.jit(do_not_specialize=["N"])  # one compiled variant for every batch size (N == 1 included)
-def accept_kernel(meta, state_indices, num_accepted, N, BN: tl.constexpr):
-    """count[slot] <- min(max(num_accepted, 1), count[slot]) for the valid rows of a block of requests."""
+@triton.jit(do_not_specialize=["N", "S"])  # one compiled variant for every batch size (N == 1 included)
+def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr, BC: tl.constexpr):
+    """count[slot] <- num_accepted, AWAIT_ACCEPT cleared, for the rows of a block of BN requests that pass
+    the value rules (refgdn.serving.accept_faults): slot in [-1, S), no other row with the same slot
+    (a [BN, BC] pairwise compare per column block: deterministic, no atomics), a verify awaiting the
+    accept, num_accepted in [min(1, count), count]. The block's first faulty row is recorded in err.
+    """
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
     m_n = o_n < N
-    slot = tl.load(state_indices + o_n, mask=m_n, other=-1).to(tl.int64)
-    m = m_n & (slot >= 0)
-    slot = tl.maximum(slot, 0)
-    count = tl.load(meta + slot * 2, mask=m, other=0)
-    acc = tl.load(num_accepted + o_n, mask=m, other=1).to(tl.int32)
-    tl.store(meta + slot * 2, tl.minimum(tl.maximum(acc, 1), count), mask=m)
+    raw = tl.load(state_indices + o_n, mask=m_n, other=-1).to(tl.int64)
+    in_range = (raw >= -1) & (raw < S)
+    real = m_n & in_range & (raw >= 0)
+    slot = tl.where(real, raw, 0)
+    count = tl.load(meta + slot * 2, mask=real, other=0)
+    word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
+    acc = tl.load(num_accepted + o_n, mask=m_n, other=0).to(tl.int64)
+    # duplicates: per row, min over other rows m with the same value of (m if m < n else N + m)
+    other = tl.zeros([BN], dtype=tl.int64) + 2 * N
+    for start in range(0, N, BC):
+        o_c = start + tl.arange(0, BC)
+        s_c = tl.load(state_indices + o_c, mask=o_c < N, other=-1).to(tl.int64)
+        hit = (s_c[None, :] == raw[:, None]) & (o_c[None, :] != o_n[:, None]) & (o_c < N)[None, :]
+        key = tl.where(o_c[None, :] < o_n[:, None], o_c[None, :], N + o_c[None, :])
+        other = tl.minimum(other, tl.min(tl.where(hit, key, 2 * N), axis=1))
+    dup = real & (other < 2 * N)
+    # the row's fault, lowest priority first
+    zero = raw * 0
+    f = real & ((acc < tl.minimum(count, 1)) | (acc > count))                       # E_ACCEPT_RANGE
+    code, value, extra = tl.where(f, 10, zero), tl.where(f, acc, zero), tl.where(f, count, zero)
+    f = real & ((word & 2) == 0)                                                    # E_NO_VERIFY
+    code, value, extra = tl.where(f, 9, code), tl.where(f, raw, value), tl.where(f, 0, extra)
+    f = real & (other < N)                                                          # E_SLOT_DUP
+    code, value, extra = tl.where(f, 2, code), tl.where(f, raw, value), tl.where(f, other, extra)
+    f = m_n & (in_range == 0)                                                       # E_SLOT_RANGE
+    code, value, extra = tl.where(f, 1, code), tl.where(f, raw, value), tl.where(f, S, extra)
+    ok = real & (code == 0) & (dup == 0)
+    tl.store(meta + slot * 2, acc.to(tl.int32), mask=ok)
+    tl.store(meta + slot * 2 + 1, (word & 1).to(tl.int32), mask=ok)
+    # record the block's first faulty row
+    bad = tl.min(tl.where(code != 0, o_n, N), axis=0)
+    pick = o_n == bad
+    _record_fault(err, tl.sum(tl.where(pick, code, 0), axis=0), bad, tl.sum(tl.where(pick, value, 0), axis=0),
+                  tl.sum(tl.where(pick, extra, 0), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,12 +672,12 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
     y = torch.empty(T, D, dtype=mixed_qkv.dtype, device=dev)        # conv outputs, [T, D]
     o = torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
-    snap = torch.empty(N, 2, dtype=torch.int32, device=dev)         # (count, bank) before the step
+    snap = torch.empty(N, 5, dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
     if N == 0:
         return o
     cc = conv_config(D, W)
     cs = cache.conv_state
-    conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen,
+    conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
                    SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
     if W <= 4:
         conv_kernel = conv_step_kernel
@@ -572,8 +687,8 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
     conv_kernel[(cdiv(D, cc["BD"]), N)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
-        state_indices, cu_seqlens if varlen else state_indices,
-        D,
+        cache.err, state_indices, cu_seqlens if varlen else state_indices,
+        D, N, T, cache.num_slots,
         mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
         cs.stride(0), cs.stride(1), cs.stride(2),
         **conv_kw,
@@ -584,12 +699,11 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
         y, a, b, A_log, dt_bias, o,
         s, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
-        state_indices, cu_seqlens if varlen else state_indices,
         float(K ** -0.5 if scale is None else scale),
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
+        KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
         num_warps=sc["num_warps"],
     )
     return o
@@ -646,8 +760,8 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
     if N == 0:
         return
-    BN = min(next_pow2(N), 1024)
-    accept_kernel[(cdiv(N, BN),)](cache.pend_meta, state_indices, num_accepted, N, BN=BN, num_warps=1)
+    accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices, num_accepted, N,
+                                            cache.num_slots, BN=ACCEPT_BLOCK, BC=32, num_warps=4)
 
 
 def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
@@ -657,7 +771,9 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request.
     """
     check_cache(cache)
-    N = check_state_indices(state_indices, cache, None, check_values)
+    N = check_state_indices(state_indices, cache, None, False)
+    if check_values:
+        raise_first(step_value_faults(cache, state_indices, None, N)[1])
     dev = cache.ssm_state.device
     HV, D, W = cache.HV, cache.D, cache.W
     zeros_cu = torch.zeros(N + 1, dtype=torch.int32, device=dev)     # every request brings 0 tokens

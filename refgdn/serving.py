@@ -5,7 +5,7 @@ Shapes (one layer; H q/k heads, HV value heads, head dims K and V, conv width W,
     mixed_qkv [T, D]   the in-projection's q | k | v channels before the conv (T = N for decode)
     a, b      [T, HV]  raw gate inputs:  g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
     o         [T, HV, V]
-    state_indices [N] int32/int64: the slot of each request; a negative index marks a padded row
+    state_indices [N] int32/int64: the slot of each request; -1 marks a padded row
     cu_seqlens    [N+1] int (vLLM's query_start_loc): request n owns tokens [cu[n], cu[n+1])
 
 Per token, after the conv:  q, k = l2norm(q), l2norm(k);  S <- exp(g) S;
@@ -44,26 +44,58 @@ tokens it holds the last W-1 old inputs followed by the L new ones, minus the ol
 (``[w_1 .. w_{W-2}, x_0 .. x_{L-1}]``). With ``count`` pending tokens accepted, the committed
 window is the W-1 columns starting at ``max(count - 1, 0)``; no copy is needed at accept time.
 
-Per-slot metadata ``pend_meta[slot] = (count, bank)``, int32. A slot is *committed* when
-count == 0: then ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]`` are its state (what prefill
-reads and writes; call :func:`gdn_materialize` first, or :meth:`GDNStateCache.reset` for a new
-request).
+Per-slot metadata ``pend_meta[slot] = (count, bank | AWAIT_ACCEPT * awaiting)``, int32: bit 0 of
+the second word is the bank, bit 1 (:data:`AWAIT_ACCEPT`) is set by a verify and cleared by its
+accept. A slot is *committed* when count == 0: then ``ssm_state[slot]`` and
+``conv_state[slot, :, :W-1]`` are its state (what prefill reads and writes; call
+:func:`gdn_materialize` first, or :meth:`GDNStateCache.reset` for a new request).
 
 Precision: the ssm state may be float32 or bfloat16 (float64 in truth runs); it is read once,
 carried in float32 (float64) and rounded once when written. Outputs, conv outputs and pending v
 are in mixed_qkv's dtype (pending v is a copy of a conv output, so lossless); pending k, g, beta
 are kept in the compute dtype (float32, float64 for float64 inputs), also lossless.
 
-Values are validated here (the oracle syncs with the host anyway: cu_seqlens, state_indices
-range and uniqueness, num_accepted range). ``fast`` shares the shape/dtype checks but skips the
-value checks by default (they would read device memory from the host, which CUDA-graph capture
-forbids); there, out-of-range values are clamped so memory is never touched out of bounds.
+Validation: shapes, then values, then faults recorded on the device
+-------------------------------------------------------------------
+Shapes, dtypes and devices are checked on the host before anything runs (ValueError naming the
+argument), identically in refgdn and fast. *Values* (slot indices, token counts, accept counts)
+are checked per request by the rules below. A request that breaks one is a **failed request**:
+nothing of it is written (its slot, the cache's other slots, and memory outside the cache are
+byte-identical afterwards). The fault codes and their wording (:func:`fault_message`) are shared
+by both packages:
+
+    state_indices[n]   in [0, num_slots), or -1 (padded row)           E_SLOT_RANGE
+                       no other request with the same slot (both fail;  E_SLOT_DUP, reported by the
+                       the later one reports, naming the earlier one)    later of the two requests
+    cu_seqlens         cu[0] == 0 (request 0 reports), non-decreasing,  E_CU_START, E_CU_ORDER,
+                       cu[N] == T (request N-1 reports), within [0, T]; E_CU_END, E_CU_RANGE
+                       if any offset is bad every request fails (its tokens are not trustworthy)
+                       cu[n+1] - cu[n] <= 1 + max_draft                 E_TOO_LONG
+    sequence           decode / verify / materialize of a slot whose    E_AWAITING
+                       verify still awaits its accept
+                       accept of a slot with no verify awaiting it      E_NO_VERIFY
+                       (after a decode, a materialize, a second accept)
+    num_accepted[n]    in [1, L] for a request that brought L >= 1      E_ACCEPT_RANGE
+                       tokens to the verify; exactly 0 when L == 0
+
+So every verify is followed by exactly one accept (of the same slots) before the slot is stepped
+again; the rule catches a forgotten accept, which would otherwise commit every draft silently.
+Within a request the codes are checked in the order above and the first one is the request's fault.
+
+refgdn (``check_values=True``, the default) reads the values on the host and raises the first
+fault in request order before touching anything. fast cannot read device values on the host (a
+sync, forbidden inside CUDA-graph capture), so its kernels check them on the device, skip the
+failed requests (other requests of the call proceed) and record the first fault in ``cache.err``;
+:meth:`GDNStateCache.check` raises it as the same ValueError at the next host sync (see
+fast.serving). ``check_values=False`` makes refgdn behave like fast (skip and record), and makes
+fast check on the host like refgdn (a sync per call; not inside capture).
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional, Sequence
+from collections import Counter
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange
@@ -75,6 +107,124 @@ from .delta_rule import recurrent_gated_delta_rule
 from .gating import compute_dtype, gdn_gating, l2norm
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+# ----------------------------------------------------------------------------------------------
+# faults: value errors of the serving protocol, shared with fast (its kernels record the codes)
+# ----------------------------------------------------------------------------------------------
+
+AWAIT_ACCEPT = 2     # bit of pend_meta[:, 1] (bit 0 is the bank): a verify awaits its gdn_accept
+
+E_SLOT_RANGE, E_SLOT_DUP, E_CU_START, E_CU_ORDER, E_CU_END, E_CU_RANGE, E_TOO_LONG, E_AWAITING = range(1, 9)
+E_NO_VERIFY, E_ACCEPT_RANGE = 9, 10
+
+Fault = Tuple[int, int, int, int]    # (code, request n, bad value, extra: a bound or another index)
+
+
+def fault_message(code: int, n: int, value: int, extra: int) -> str:
+    """The ValueError text of a fault: names the argument, the request and the bad value."""
+    if code == E_SLOT_RANGE:
+        return (f"state_indices[{n}] = {value} is out of range: a slot index must be in [0, num_slots={extra}), "
+                f"or -1 for a padded row")
+    if code == E_SLOT_DUP:
+        return (f"state_indices must be distinct (one request per slot): state_indices[{n}] = {value} "
+                f"is also the slot of request {extra}")
+    if code == E_CU_START:
+        return f"cu_seqlens must start at 0, got cu_seqlens[0] = {value}"
+    if code == E_CU_ORDER:
+        return (f"cu_seqlens must be non-decreasing: request {n} spans cu_seqlens[{n}] = {extra} .. "
+                f"cu_seqlens[{n + 1}] = {value}")
+    if code == E_CU_END:
+        return f"cu_seqlens must end at T={extra} (the tokens in mixed_qkv), got cu_seqlens[{n + 1}] = {value}"
+    if code == E_CU_RANGE:
+        return f"cu_seqlens must stay within [0, T={extra}]: request {n} ends at cu_seqlens[{n + 1}] = {value}"
+    if code == E_TOO_LONG:
+        return (f"cu_seqlens: request {n} has {value} tokens; a verify step takes 0..1+max_draft={extra} "
+                f"tokens per request")
+    if code == E_AWAITING:
+        return (f"state_indices[{n}] = {value}: the slot's last verify awaits gdn_accept (no decode, verify or "
+                f"materialize may come between a verify and its accept)")
+    if code == E_NO_VERIFY:
+        return (f"state_indices[{n}] = {value}: gdn_accept without a verify awaiting acceptance on that slot "
+                f"(each verify is followed by exactly one accept)")
+    if code == E_ACCEPT_RANGE:
+        if extra == 0:
+            return f"num_accepted[{n}] must be 0 (request {n} brought no tokens to the slot's last verify), got {value}"
+        return (f"num_accepted[{n}] must be in [1, {extra}] (the tokens request {n} brought to the slot's last "
+                f"verify), got {value}")
+    return f"unknown serving fault code {code} (request {n}, value {value}, extra {extra})"
+
+
+def _slot_faults(slots: Sequence[int], num_slots: int):
+    """Per request: (fault or None, failed). Range first; then duplicates: every request sharing a slot
+    fails, each but the first reports E_SLOT_DUP naming the first."""
+    seen = Counter(s for s in slots if 0 <= s < num_slots)
+    first = {}
+    out = []
+    for n, s in enumerate(slots):
+        if not -1 <= s < num_slots:
+            out.append(((E_SLOT_RANGE, n, s, num_slots), True))
+        elif s >= 0 and seen[s] > 1:
+            out.append(((E_SLOT_DUP, n, s, first[s]) if s in first else None, True))
+            first.setdefault(s, n)
+        else:
+            out.append((None, False))
+    return out
+
+
+def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], bool],
+                offsets: Optional[Sequence[int]] = None, T: int = 0, cap: int = 1) -> Tuple[List[bool], List]:
+    """The value rules of decode (offsets None), verify and materialize, on host lists.
+
+    slots: state_indices; awaiting(slot): its AWAIT_ACCEPT bit; offsets: cu_seqlens; T: tokens;
+    cap: 1 + max_draft. Returns (ok [N]: the request runs, faults [N]: its Fault or None).
+    fast's ``_step_row_check`` (a kernel helper) computes the same per request on the device.
+    """
+    N = len(slots)
+    ok, faults = [], []
+    cu_bad = offsets is not None and N > 0 and (offsets[0] != 0 or offsets[-1] != T)
+    for n, (fault, failed) in enumerate(_slot_faults(slots, num_slots)):
+        s = slots[n]
+        if offsets is not None:
+            bos, eos = offsets[n], offsets[n + 1]
+            failed = failed or cu_bad or not 0 <= bos <= T
+            if fault is None:
+                if n == 0 and bos != 0:
+                    fault = (E_CU_START, 0, bos, 0)
+                elif eos < bos:
+                    fault = (E_CU_ORDER, n, eos, bos)
+                elif n == N - 1 and eos != T:
+                    fault = (E_CU_END, n, eos, T)
+                elif not 0 <= eos <= T:
+                    fault = (E_CU_RANGE, n, eos, T)
+                elif eos - bos > cap:
+                    fault = (E_TOO_LONG, n, eos - bos, cap)
+        if fault is None and 0 <= s < num_slots and awaiting(s):
+            fault = (E_AWAITING, n, s, 0)
+        ok.append(fault is None and not failed)
+        faults.append(fault)
+    return ok, faults
+
+
+def accept_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], bool],
+                  count: Callable[[int], int], accepted: Sequence[int]) -> Tuple[List[bool], List]:
+    """The value rules of gdn_accept, on host lists (as step_faults; padded rows: not ok, no fault)."""
+    ok, faults = [], []
+    for n, (fault, failed) in enumerate(_slot_faults(slots, num_slots)):
+        s, acc = slots[n], accepted[n]
+        if fault is None and s >= 0:
+            c = count(s)
+            if not awaiting(s):
+                fault = (E_NO_VERIFY, n, s, 0)
+            elif not min(c, 1) <= acc <= c:
+                fault = (E_ACCEPT_RANGE, n, acc, c)
+        ok.append(fault is None and not failed and s >= 0)
+        faults.append(fault)
+    return ok, faults
+
+
+def first_fault(faults) -> Optional[Fault]:
+    """The first recorded fault in request order (refgdn raises it; fast's kernels record one)."""
+    return next((f for f in faults if f is not None), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,9 +242,16 @@ class GDNStateCache:
     pend_v:     [S, 2, 1+max_draft, HV, V]  v of pending tokens (after the conv)
     pend_g:     [S, 2, 1+max_draft, HV]     g (log decay) of pending tokens, compute dtype
     pend_beta:  [S, 2, 1+max_draft, HV]     beta of pending tokens, compute dtype
-    pend_meta:  [S, 2] int32                (count, bank): the first `count` tokens of bank `bank`
-                                            are accepted and not yet folded into ssm_state
-    The pend_* tensors must be contiguous (kernels index them directly).
+    pend_meta:  [S, 2] int32                (count, bank | AWAIT_ACCEPT if a verify awaits its accept):
+                                            the first `count` tokens of bank `bank` are accepted and
+                                            not yet folded into ssm_state
+    err:        [4] int64                   the first recorded fault (code, request, value, extra);
+                                            code 0 = none. Not slot-indexed. Written by fast's kernels
+                                            (and refgdn with check_values=False), raised by check().
+    The pend_* tensors must be contiguous (kernels index them directly). ``err`` defaults to a
+    fresh zero buffer, so a cache built from the seven slot tensors keeps working; several
+    caches (a model's layers) may share one err buffer (``allocate(err=...)``): one check() then
+    covers them all, and the first fault of any of them wins.
     """
 
     ssm_state: torch.Tensor
@@ -104,15 +261,22 @@ class GDNStateCache:
     pend_g: torch.Tensor
     pend_beta: torch.Tensor
     pend_meta: torch.Tensor
+    err: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.err is None and isinstance(self.ssm_state, torch.Tensor):
+            self.err = torch.zeros(4, dtype=torch.int64, device=self.ssm_state.device)
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, HV: int, K: int, V: int, conv_width: int = 4,
                  max_draft: int = 0, state_dtype: torch.dtype = torch.float32,
-                 act_dtype: torch.dtype = torch.bfloat16, device="cpu") -> "GDNStateCache":
+                 act_dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 err: Optional[torch.Tensor] = None) -> "GDNStateCache":
         """A zeroed cache for ``num_slots`` requests with up to ``max_draft`` drafts per verify.
 
         The conv state holds ``act_dtype`` (raw inputs are stored losslessly); pending k, g, beta
         use float64 when ``act_dtype`` or ``state_dtype`` is float64, else float32.
+        err: an int64 [4] fault buffer to share with other caches (default: a fresh one).
         """
         for name, val in (("num_slots", num_slots), ("H", H), ("HV", HV), ("K", K), ("V", V),
                           ("conv_width", conv_width)):
@@ -122,6 +286,11 @@ class GDNStateCache:
             raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
         if HV % H:
             raise ValueError(f"HV={HV} must be a multiple of H={H} (GVA)")
+        if err is not None:
+            _need_tensor("err", err, 1)
+            if err.shape[0] != 4 or err.dtype != torch.int64 or err.device != torch.device(device):
+                raise ValueError(f"err must be an int64 [4] tensor on {device}, got {err.dtype} "
+                                 f"[{', '.join(map(str, err.shape))}] on {err.device}")
         cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
         D, TC = 2 * H * K + HV * V, 1 + max_draft
         z = dict(device=device)
@@ -135,6 +304,7 @@ class GDNStateCache:
             pend_g=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
             pend_beta=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
             pend_meta=torch.zeros(num_slots, 2, dtype=torch.int32, **z),
+            err=err,
         )
 
     # sizes ------------------------------------------------------------------------------------
@@ -176,26 +346,43 @@ class GDNStateCache:
         """Conv width (conv_state keeps W - 1 + max_draft columns)."""
         return self.conv_state.shape[2] - self.max_draft + 1
 
+    SLOT_FIELDS = ("ssm_state", "conv_state", "pend_k", "pend_v", "pend_g", "pend_beta", "pend_meta")
+
     def tensors(self) -> list:
-        """The seven tensors in field order (no copies)."""
+        """Every tensor in field order, the seven slot tensors then err (no copies)."""
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def slot_tensors(self) -> list:
+        """The seven slot-indexed tensors (dim 0 = slot), without err."""
+        return [getattr(self, name) for name in self.SLOT_FIELDS]
 
     def clone(self) -> "GDNStateCache":
         return GDNStateCache(*(t.clone() for t in self.tensors()))
 
     def to(self, **kw) -> "GDNStateCache":
-        """Copy with every tensor moved/cast by ``Tensor.to(**kw)`` (pend_meta keeps int32)."""
+        """Copy with every tensor moved/cast by ``Tensor.to(**kw)`` (pend_meta keeps int32, err int64)."""
         out = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            out[f.name] = t.to(device=kw.get("device", t.device)) if f.name == "pend_meta" else t.to(**kw)
+            out[f.name] = t.to(device=kw.get("device", t.device)) if f.name in ("pend_meta", "err") else t.to(**kw)
         return GDNStateCache(**out)
 
     def reset(self, slots) -> None:
         """Zero the given slots (state, conv window, pending) for new requests. Host-side helper."""
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.ssm_state.device).reshape(-1)
-        for t in self.tensors():
+        for t in self.slot_tensors():
             t[idx] = 0
+
+    def check(self) -> None:
+        """Raise the fault recorded in ``err`` (ValueError, refgdn's words) and clear it; else nothing.
+
+        One device->host read of 32 bytes (a sync): call it where the host syncs anyway (e.g.
+        after reading the sampled tokens), never inside CUDA-graph capture.
+        """
+        code, n, value, extra = self.err.tolist()
+        if code:
+            self.err.zero_()
+            raise ValueError(fault_message(code, n, value, extra))
 
 
 def check_cache(cache) -> None:
@@ -232,6 +419,11 @@ def check_cache(cache) -> None:
             raise ValueError(f"{name} must be {cdt} (the compute dtype), got {t.dtype}")
     if cache.pend_meta.dtype != torch.int32:
         raise ValueError(f"cache.pend_meta must be int32, got {cache.pend_meta.dtype}")
+    _need_tensor("cache.err", cache.err, 1)
+    _need_shape("cache.err", cache.err, (4,), "[4] (code, request, value, extra)")
+    _need_device("cache.err", cache.err, dev)
+    if cache.err.dtype != torch.int64 or not cache.err.is_contiguous():
+        raise ValueError(f"cache.err must be a contiguous int64 tensor, got {cache.err.dtype}")
     _need_tensor("cache.conv_state", cache.conv_state, 3)
     _need_float("cache.conv_state", cache.conv_state)
     _need_device("cache.conv_state", cache.conv_state, dev)
@@ -252,18 +444,45 @@ def _need_index(name: str, t, ndim: int, device) -> None:
 
 
 def check_state_indices(state_indices, cache: GDNStateCache, N: Optional[int], check_values: bool) -> int:
-    """state_indices: [N] int; values < num_slots, distinct among the non-negative ones. Returns N."""
+    """state_indices: [N] int. With check_values: the slot rules (range, distinct) on the host. Returns N."""
     _need_index("state_indices", state_indices, 1, cache.ssm_state.device)
     if N is not None and state_indices.shape[0] != N:
         raise ValueError(f"state_indices must have shape [N] = [{N}], got [{state_indices.shape[0]}]")
     if check_values:
-        idx = [i for i in state_indices.tolist() if i >= 0]  # host read: validation only
-        if any(i >= cache.num_slots for i in idx):
-            raise ValueError(f"state_indices must be < num_slots={cache.num_slots} (negative = padded row), "
-                             f"got {state_indices.tolist()}")
-        if len(set(idx)) != len(idx):
-            raise ValueError(f"state_indices must be distinct (one request per slot), got {state_indices.tolist()}")
+        raise_first(f for f, _ in _slot_faults(state_indices.tolist(), cache.num_slots))  # host read
     return state_indices.shape[0]
+
+
+def raise_first(faults) -> None:
+    """Raise the first fault (ValueError with fault_message's text), if any."""
+    f = first_fault(faults)
+    if f is not None:
+        raise ValueError(fault_message(*f))
+
+
+def _awaiting(cache: GDNStateCache) -> Callable[[int], bool]:
+    flags = cache.pend_meta[:, 1].tolist()      # host read
+    return lambda slot: bool(flags[slot] & AWAIT_ACCEPT)
+
+
+def step_value_faults(cache: GDNStateCache, state_indices, cu_seqlens, T: int):
+    """step_faults on the call's tensors (host reads): (ok [N], faults [N])."""
+    offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
+    return step_faults(state_indices.tolist(), cache.num_slots, _awaiting(cache), offsets, T, cache.tokens_cap)
+
+
+def accept_value_faults(cache: GDNStateCache, state_indices, num_accepted):
+    """accept_faults on the call's tensors (host reads): (ok [N], faults [N])."""
+    counts = cache.pend_meta[:, 0].tolist()
+    return accept_faults(state_indices.tolist(), cache.num_slots, _awaiting(cache), lambda s: counts[s],
+                         num_accepted.tolist())
+
+
+def record_fault(cache: GDNStateCache, faults) -> None:
+    """Record the first fault in cache.err unless one is there already (fast's kernels do the same)."""
+    f = first_fault(faults)
+    if f is not None and int(cache.err[0]) == 0:
+        cache.err.copy_(torch.tensor(f, dtype=torch.int64))
 
 
 def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -271,7 +490,8 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
     """Validate a decode (cu_seqlens None) or verify step's arguments; return N, the request count.
 
     mixed_qkv: [T, D]; a, b: [T, HV]; conv_weight: [D, W]; conv_bias: [D]; A_log, dt_bias: [HV];
-    state_indices: [N]; cu_seqlens: [N+1] (verify) -- T == N for decode.
+    state_indices: [N]; cu_seqlens: [N+1] (verify) -- T == N for decode. Shapes, dtypes and
+    devices always; with check_values the value rules too (step_faults; host reads).
     """
     check_cache(cache)
     dev = cache.ssm_state.device
@@ -293,36 +513,26 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
     check_activation(activation)
     check_scale(scale)
     if cu_seqlens is None:
-        return check_state_indices(state_indices, cache, T, check_values)
-    _need_index("cu_seqlens", cu_seqlens, 1, dev)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must hold N+1 >= 1 offsets [0, ..., T]")
-    N = check_state_indices(state_indices, cache, cu_seqlens.numel() - 1, check_values)
+        N = check_state_indices(state_indices, cache, T, False)
+    else:
+        _need_index("cu_seqlens", cu_seqlens, 1, dev)
+        if cu_seqlens.numel() < 1:
+            raise ValueError("cu_seqlens must hold N+1 >= 1 offsets [0, ..., T]")
+        N = check_state_indices(state_indices, cache, cu_seqlens.numel() - 1, False)
     if check_values:
-        offs = cu_seqlens.tolist()  # host read: validation only
-        if offs[0] != 0 or offs[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offs}")
-        lens = [e - s for s, e in zip(offs, offs[1:])]
-        for n, (L, slot) in enumerate(zip(lens, state_indices.tolist())):
-            if L < 0 or (slot >= 0 and L > cache.tokens_cap):
-                raise ValueError(f"cu_seqlens: request {n} has {L} tokens; a verify step takes 0..1+max_draft="
-                                 f"{cache.tokens_cap} tokens per request (cache.max_draft={cache.max_draft})")
+        raise_first(step_value_faults(cache, state_indices, cu_seqlens, T)[1])
     return N
 
 
 def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -> int:
-    """num_accepted: [N] int, 1 <= num_accepted[n] <= the tokens of n's last verify (1 after a decode)."""
+    """num_accepted: [N] int; with check_values the value rules too (accept_faults; host reads)."""
     check_cache(cache)
-    N = check_state_indices(state_indices, cache, None, check_values)
+    N = check_state_indices(state_indices, cache, None, False)
     _need_index("num_accepted", num_accepted, 1, cache.ssm_state.device)
     if num_accepted.shape[0] != N:
         raise ValueError(f"num_accepted must have shape [N] = [{N}], got [{num_accepted.shape[0]}]")
     if check_values:
-        counts = cache.pend_meta[:, 0].tolist()
-        for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
-            if slot >= 0 and not 1 <= acc <= max(counts[slot], 1):
-                raise ValueError(f"num_accepted[{n}] must be in [1, {max(counts[slot], 1)}] (the tokens of "
-                                 f"slot {slot}'s last verify), got {acc}")
+        raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     return N
 
 
@@ -332,8 +542,8 @@ def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -
 
 def _pending(cache: GDNStateCache, slot: int, dt: torch.dtype):
     """(count, bank, k [1, c, H, K], v [1, c, HV, V], g, beta [1, c, HV]) of a slot's pending tokens."""
-    count, bank = (int(x) for x in cache.pend_meta[slot].tolist())
-    count = min(max(count, 0), cache.tokens_cap)
+    count, word = (int(x) for x in cache.pend_meta[slot].tolist())
+    count, bank = min(max(count, 0), cache.tokens_cap), word & 1
     sel = (slot, bank, slice(0, count))
     return count, bank, *(t[sel][None].to(dt) for t in (cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta))
 
@@ -350,15 +560,19 @@ def _fold_pending(cache: GDNStateCache, slot: int, dt: torch.dtype):
 
 def _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
           scale, activation, keep_pending: bool):
-    """Shared body of decode (keep_pending False: commit everything) and verify (keep the new tokens)."""
+    """Shared body of decode (keep_pending False: commit everything) and verify (keep the new tokens).
+    Requests that break a value rule are skipped; the first fault is recorded in cache.err (callers
+    with check_values have raised it already)."""
     H, HV, K, V, W = cache.H, cache.HV, cache.K, cache.V, cache.W
     T = mixed_qkv.shape[0]
     dt = compute_dtype(mixed_qkv, cache.ssm_state, cache.pend_k)
+    ok, faults = step_value_faults(cache, state_indices, cu_seqlens, T)
+    record_fault(cache, faults)
     offsets = list(range(T + 1)) if cu_seqlens is None else cu_seqlens.tolist()
-    o = mixed_qkv.new_zeros(T, HV, V)              # padded rows: zeros
+    o = mixed_qkv.new_zeros(T, HV, V)              # padded (and failed) rows: zeros
     writes = []                                    # (slot, ...) applied after every request is computed
     for n, slot in enumerate(state_indices.tolist()):
-        if slot < 0:
+        if slot < 0 or not ok[n]:
             continue
         bos, eos = offsets[n], offsets[n + 1]
         L = eos - bos
@@ -384,7 +598,7 @@ def _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_
                                                 output_final_state=True)
         o[bos:eos] = o_n[0].to(o.dtype)
         if keep_pending:   # verify: commit the accepted prefix only; the new tokens become pending
-            writes.append((slot, S if count else None, new_conv, (L, 1 - bank), (kn, v, g, beta)))
+            writes.append((slot, S if count else None, new_conv, (L, (1 - bank) | AWAIT_ACCEPT), (kn, v, g, beta)))
         else:              # decode: everything committed
             writes.append((slot, S_end if count + L else None, new_conv, (0, bank), None))
     for slot, S, new_conv, meta, pend in writes:
@@ -392,7 +606,7 @@ def _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_
             cache.ssm_state[slot] = S[0].to(cache.ssm_state.dtype)   # the one rounding of the state
         cache.conv_state[slot, :, :new_conv.shape[1]] = new_conv
         if pend is not None:
-            L, nb = meta
+            L, nb = meta[0], meta[1] & 1
             for buf, val in zip((cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta), pend):
                 buf[slot, nb, :L] = val.to(buf.dtype)
         cache.pend_meta[slot] = torch.tensor(meta, dtype=torch.int32)
@@ -404,13 +618,14 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
 
     mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
-    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
+    state_indices: [N] int (-1 = padded row: reads nothing, writes nothing, output zeros)
     Returns o: [N, HV, V] in mixed_qkv's dtype.
 
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
 
     Pending tokens (accepted by a previous verify) are re-applied first, so a decode may follow a
-    verify + accept directly; afterwards the slot is committed (count 0).
+    verify + accept directly (not a verify alone: E_AWAITING); afterwards the slot is committed
+    (count 0). Value rules and faults: the module docstring (check_values=False: skip and record).
     """
     check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
                       scale, activation, check_values)
@@ -430,7 +645,9 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         S <- fold(pending) (written back once);  for each new token: the delta rule on from S, o_t
 
     The new tokens are not committed: they become the slot's pending tokens, all accepted until
-    :func:`gdn_accept` says how many to keep. The next decode / verify / materialize re-applies them.
+    :func:`gdn_accept` says how many to keep; the slot then awaits that accept (AWAIT_ACCEPT), and
+    a decode / verify / materialize of it before the accept is a fault (E_AWAITING). The next step
+    re-applies the accepted tokens. Value rules and faults: the module docstring.
     """
     if cu_seqlens is None:
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
@@ -443,34 +660,43 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = True) -> None:
     """After a verify: keep the first ``num_accepted[n]`` tokens of request n, drop the rest.
 
-    state_indices: [N] int (negative = padded row, ignored)   num_accepted: [N] int in [1, 1+k_n]
+    state_indices: [N] int (-1 = padded row, ignored)   num_accepted: [N] int in [1, L_n], L_n = the
+    tokens request n brought to the verify (0 when L_n = 0)
 
-        count[slot] <- min(max(num_accepted, 1), count[slot])
+        count[slot] <- num_accepted;  the slot no longer awaits an accept
 
     Only the per-slot pending count changes (one int per request); the state itself is committed
-    lazily by the next step. After a decode (count 0) this is a no-op, so a caller may accept 1 for
-    every row of a mixed batch.
+    lazily by the next step. Exactly one accept follows each verify, for the verify's slots: an
+    accept of a slot with no verify awaiting it (after a decode, a materialize, or a second accept)
+    is a fault (E_NO_VERIFY), as is a count out of range (E_ACCEPT_RANGE).
     """
     check_accept_inputs(cache, state_indices, num_accepted, check_values)
-    for slot, acc in zip(state_indices.tolist(), num_accepted.tolist()):
-        if slot >= 0:
-            cache.pend_meta[slot, 0] = min(max(acc, 1), int(cache.pend_meta[slot, 0]))
+    ok, faults = accept_value_faults(cache, state_indices, num_accepted)
+    record_fault(cache, faults)
+    for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
+        if ok[n]:
+            bank = int(cache.pend_meta[slot, 1]) & 1
+            cache.pend_meta[slot] = torch.tensor((acc, bank), dtype=torch.int32)
 
 
 def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = True) -> None:
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
-    state_indices: [N] int (negative = ignored)
+    state_indices: [N] int (-1 = ignored). A slot whose verify awaits its accept is a fault (E_AWAITING).
 
         S <- fold(pending);  window <- conv_state[slot, :, max(count-1, 0) : ... + W-1]
     """
     check_cache(cache)
-    check_state_indices(state_indices, cache, None, check_values)
+    check_state_indices(state_indices, cache, None, False)
+    ok, faults = step_value_faults(cache, state_indices, None, state_indices.shape[0])
+    if check_values:
+        raise_first(faults)
+    record_fault(cache, faults)
     W = cache.W
     dt = compute_dtype(cache.ssm_state, cache.pend_k)
-    for slot in state_indices.tolist():
-        if slot < 0:
+    for n, slot in enumerate(state_indices.tolist()):
+        if slot < 0 or not ok[n]:
             continue
         S, count, bank = _fold_pending(cache, slot, dt)
         if count:
@@ -483,9 +709,11 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Tr
 def committed_state(cache: GDNStateCache, slots: Sequence[int]):
     """(ssm [n, HV, K, V], conv [n, D, W-1]) of the given slots as if materialized, without writing.
 
-    For tests and conformance: compares slots regardless of how much is still pending.
+    For tests and conformance: compares slots regardless of how much is still pending (a slot
+    awaiting its accept is read as if all its verify's tokens were accepted).
     """
     c = cache.clone()
     idx = torch.as_tensor(list(slots), dtype=torch.int64, device=cache.ssm_state.device)
+    c.pend_meta[:, 1] &= 1                       # a reader, not a protocol step: no AWAIT_ACCEPT fault
     gdn_materialize(c, idx)
     return c.ssm_state[idx], c.conv_state[idx, :, :cache.W - 1]

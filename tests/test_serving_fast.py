@@ -1,5 +1,7 @@
 """fast.serving (Triton; the interpreter on CPU) against refgdn.serving: the conformance matrix, strided
-conv states, bfloat16 state storage, padded rows, clamping of bad values, and identical input errors."""
+conv states, bfloat16 state storage, padded rows, device-side faults (skip the request, record, raise at
+check()) matching refgdn's skip-and-record mode, and identical input errors. The full list of bad-input
+classes, run against both packages, is tests/test_bad_inputs.py."""
 import pytest
 import torch
 
@@ -95,7 +97,7 @@ def test_conv_widths(W):
     base = make_cache(S, H, HV, K, V, W, 3, seed=50 + W, state_dtype=torch.float32, act_dtype=torch.float32)
     c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
     layer = _to(make_layer(H, HV, K, V, W, seed=60 + W), torch.float32, "cpu")
-    sched = [("verify", [3, 4], [2, 4]), ("decode", [1, 1], None), ("verify", [2, 0], [1, 1]),
+    sched = [("verify", [3, 4], [2, 4]), ("decode", [1, 1], None), ("verify", [2, 0], [1, 0]),
              ("verify", [4, 1], [3, 1]), ("materialize", [0, 0], None)]
     outs = _run_both(c_ref, c_fast, layer, _to(layer), [2, 0], sched, HV, D, torch.float32)
     _assert_as_refgdn(outs, c_fast, c_ref)
@@ -164,24 +166,93 @@ def test_bf16_state_storage():
 
 
 def test_padded_rows_and_zero_length_rows():
-    """Padded rows (negative slot) touch nothing and output zeros, whatever their token count."""
+    """Padded rows (slot -1) touch nothing and output zeros, whatever their token count."""
     H, HV, K, V, W = 1, 1, 8, 8, 4
     D = 2 * H * K + HV * V
     c = make_cache(2, H, HV, K, V, W, 2, seed=5, state_dtype=torch.float32, act_dtype=torch.float32).to(device=DEVICE)
     before = c.clone()
     layer = _to(make_layer(H, HV, K, V, W, seed=6), torch.float32)
     x, a, b = (t.to(DEVICE) for t in make_tokens(5, HV, D, seed=7, dtype=torch.float32))
-    idx = torch.tensor([-1, -1, -3], dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([-1, -1, -1], dtype=torch.int32, device=DEVICE)
     o = fs.gdn_verify(x, a, b, *_args(layer), c, idx, torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=DEVICE))
     fs.gdn_accept(c, idx, torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE))
     fs.gdn_materialize(c, idx)
+    c.check()
     assert torch.equal(o, torch.zeros_like(o))
     for f, g in zip(c.tensors(), before.tensors()):
         assert torch.equal(f, g)
 
 
-def test_bad_values_are_clamped_not_out_of_bounds():
-    """Without value checks, counts beyond capacity and accept counts out of range are clamped."""
+def _mixed_fault_schedule():
+    """(kind, state_indices, cu_seqlens or None, num_accepted or None, the fault check() raises after it)."""
+    return [
+        ("verify", [0, 3, 1], [0, 2, 5, 6], [2, 1, 1], "state_indices[1] = 3 is out of range"),   # rows 0, 2 run
+        ("verify", [2, 1, 1], [0, 1, 3, 4], [1, 1, 1], "state_indices[2] = 1 is also the slot of request 1"),
+        ("verify_only", [0, -1, 2], [0, 3, 3, 4], None, None),               # slots 0 and 2 await their accept
+        ("decode", [0, 1, -1], None, None, "state_indices[0] = 0: the slot's last verify awaits gdn_accept"),
+        ("accept_only", [2, 0, 1], None, [1, 4, 1], "num_accepted[1] must be in [1, 3]"),  # slot 2 accepted
+        ("accept_only", [0], None, [2], None),
+        ("verify", [0, 2, -1], [0, 4, 5, 6], [1, 1, 1], "cu_seqlens: request 0 has 4 tokens"),  # row 1 runs
+        ("verify", [2, 0, -1], [0, 1, 3, 2], [1, 1, 1],                     # a bad offset: no row runs
+         "cu_seqlens must stay within [0, T=2]: request 1 ends at cu_seqlens[2] = 3"),
+        ("verify_only", [1], [0, 1], None, None),
+        ("materialize", [0, 1, 2], None, None, "state_indices[1] = 1: the slot's last verify awaits gdn_accept"),
+        ("accept_only", [1, -1], None, [1, 7], None),
+        ("materialize", [0, 1, 2], None, None, None),
+    ]
+
+
+def test_device_faults_match_refgdn_skip_and_record():
+    """Calls mixing good and faulty requests: fast (device checks) and refgdn with check_values=False
+    (skip the failed requests, record the first fault) leave the same cache and raise the same
+    ValueError at check(); good requests' outputs agree."""
+    H, HV, K, V, W, md = 1, 2, 8, 8, 4, 2
+    D = 2 * H * K + HV * V
+    base = make_cache(3, H, HV, K, V, W, md, seed=8, state_dtype=torch.float32, act_dtype=torch.float32)
+    c_ref, c_fast = base.clone(), base.clone().to(device=DEVICE)
+    layer = _to(make_layer(H, HV, K, V, W, seed=9), torch.float32, "cpu")
+    lay_d = _to(layer)
+    for i, (kind, slots, cu, acc, expect) in enumerate(_mixed_fault_schedule()):
+        T = cu[-1] if cu is not None else len(slots)
+        x, a, b = make_tokens(max(T, 0), HV, D, seed=20 + i, dtype=torch.float32)
+        msgs, outs = [], []
+        for ops, c, lay, dev in ((rs, c_ref, layer, "cpu"), (fs, c_fast, lay_d, DEVICE)):
+            idx = torch.tensor(slots, dtype=torch.int32, device=dev)
+            xd, ad, bd = x.to(dev), a.to(dev), b.to(dev)
+            kw = dict(check_values=False) if ops is rs else {}
+            o = None
+            if kind.startswith("verify"):
+                o = ops.gdn_verify(xd, ad, bd, *_args(lay), c, idx, torch.tensor(cu, dtype=torch.int32, device=dev),
+                                   **kw)
+                if kind == "verify":
+                    ops.gdn_accept(c, idx, torch.tensor(acc, dtype=torch.int32, device=dev), **kw)
+            elif kind == "accept_only":
+                ops.gdn_accept(c, idx, torch.tensor(acc, dtype=torch.int32, device=dev), **kw)
+            elif kind == "decode":
+                o = ops.gdn_decode(xd, ad, bd, *_args(lay), c, idx, **kw)
+            else:
+                ops.gdn_materialize(c, idx, **kw)
+            outs.append(o)
+            try:
+                c.check()
+                msgs.append(None)
+            except ValueError as e:
+                msgs.append(str(e))
+        assert msgs[0] == msgs[1], (i, msgs)
+        assert (msgs[0] is None) if expect is None else (expect in (msgs[0] or "")), (i, msgs[0])
+        if outs[0] is not None:   # rows of requests that ran (refgdn's non-zero rows); failed rows: unspecified
+            ran = outs[0].flatten(1).abs().amax(1) > 0
+            torch.testing.assert_close(outs[1].cpu()[ran], outs[0][ran], rtol=1e-5, atol=1e-5)
+        for name, f, g in zip(c_ref.SLOT_FIELDS, c_fast.slot_tensors(), c_ref.slot_tensors()):
+            if name in ("conv_state", "pend_meta"):       # raw inputs and counts: exact
+                assert torch.equal(f.cpu(), g), (i, name)
+            else:                                         # computed in float32 by both: close
+                torch.testing.assert_close(f.cpu(), g, rtol=1e-5, atol=1e-5)
+        assert c_fast.err.tolist() == c_ref.err.tolist() == [0, 0, 0, 0]
+
+
+def test_corrupt_metadata_is_clamped_not_out_of_bounds():
+    """A pend_meta count beyond capacity (device state, not an argument) is read as the capacity."""
     H, HV, K, V, W = 1, 1, 8, 8, 4
     D = 2 * H * K + HV * V
     c = make_cache(2, H, HV, K, V, W, 1, seed=8, state_dtype=torch.float32, act_dtype=torch.float32).to(device=DEVICE)
@@ -189,15 +260,13 @@ def test_bad_values_are_clamped_not_out_of_bounds():
     idx = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     x, a, b = (t.to(DEVICE) for t in make_tokens(2, HV, D, seed=10, dtype=torch.float32))
     fs.gdn_verify(x, a, b, *_args(layer), c, idx, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE))
-    fs.gdn_accept(c, idx, torch.tensor([7], dtype=torch.int32, device=DEVICE))
-    assert c.pend_meta[1, 0].item() == 2
-    fs.gdn_accept(c, idx, torch.tensor([-4], dtype=torch.int32, device=DEVICE))
-    assert c.pend_meta[1, 0].item() == 1
+    fs.gdn_accept(c, idx, torch.tensor([2], dtype=torch.int32, device=DEVICE))
     c.pend_meta[1, 0] = 99                                  # corrupt: read as the capacity (2)
     ref = c.to(device="cpu")
     ref.pend_meta[1, 0] = 2
     fs.gdn_materialize(c, idx)
     rs.gdn_materialize(ref, idx.cpu())
+    c.check()
     torch.testing.assert_close(c.ssm_state.cpu(), ref.ssm_state, rtol=1e-5, atol=1e-5)
     assert torch.equal(c.conv_state.cpu()[:, :, :W - 1], ref.conv_state[:, :, :W - 1])
 

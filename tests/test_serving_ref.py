@@ -75,8 +75,9 @@ def test_verify_rollback_equals_plain_decode_float64(sched, gva):
     # slots no request owns are untouched
     other = [s for s in range(5) if s not in slots]
     fresh = make_cache(5, H, HV, K, V, W, max_draft=7, seed=3)
-    for f, g in zip(spec.tensors(), fresh.tensors()):
+    for f, g in zip(spec.slot_tensors(), fresh.slot_tensors()):
         assert torch.equal(f[other], g[other])
+    assert spec.err.tolist() == [0, 0, 0, 0]
 
 
 def test_decode_equals_core_ops():
@@ -119,10 +120,11 @@ def test_verify_state_traffic_and_materialize():
     rs.gdn_verify(x, a, b, *_step_args(layer), cache, idx, cu, activation=None)
     # nothing was pending: the committed state is unchanged; the 4 tokens are pending (all accepted)
     assert torch.equal(cache.ssm_state, before.ssm_state)
-    assert cache.pend_meta[1, 0].item() == 4 and cache.pend_meta[1, 1].item() == 1 - before.pend_meta[1, 1].item()
+    assert cache.pend_meta[1, 0].item() == 4
+    assert cache.pend_meta[1, 1].item() == (1 - before.pend_meta[1, 1].item()) | rs.AWAIT_ACCEPT   # new bank, awaiting
     assert torch.equal(cache.conv_state[1, :, :W - 1 + 3], torch.cat([before.conv_state[1, :, 1:W - 1], x.T], 1))
     rs.gdn_accept(cache, idx, torch.tensor([2], dtype=torch.int32))
-    assert cache.pend_meta[1, 0].item() == 2
+    assert cache.pend_meta[1].tolist() == [2, 1 - before.pend_meta[1, 1].item()]       # accepted: flag cleared
     ssm, conv = committed_state(cache, [1])
     rs.gdn_materialize(cache, idx)
     assert cache.pend_meta[1, 0].item() == 0
@@ -134,7 +136,7 @@ def test_verify_state_traffic_and_materialize():
     rs.gdn_materialize(again, idx)
     for f, g in zip(again.tensors(), cache.tensors()):
         assert torch.equal(f, g)
-    for f, g in zip(cache.tensors(), before.tensors()):
+    for f, g in zip(cache.slot_tensors(), before.slot_tensors()):
         assert torch.equal(f[0], g[0])
 
 
@@ -156,27 +158,49 @@ def test_zero_token_verify_row_equals_materialize():
     assert cache.pend_meta[[0, 2], 0].tolist() == [0, 0]
 
 
-def test_accept_after_decode_is_noop_and_counts_clamp():
+def test_accept_sequence_rules():
+    """An accept needs a verify awaiting it (not after a decode, not twice); a step between a verify and
+    its accept is a fault; num_accepted in [1, L] (0 for a row that brought no tokens). check_values=False
+    skips the failed rows and records the first fault in cache.err (fast's behaviour), check() raises it."""
     H, HV, K, V, W = 1, 1, 4, 4, 4
     D = 2 * H * K + HV * V
     layer = make_layer(H, HV, K, V, W, seed=15)
-    cache = make_cache(2, H, HV, K, V, W, max_draft=3, seed=16)
+    cache = make_cache(3, H, HV, K, V, W, max_draft=3, seed=16)
     idx = torch.tensor([1, -1], dtype=torch.int32)
-    x, a, b = make_tokens(2, HV, D, seed=17)
-    rs.gdn_decode(x, a, b, *_step_args(layer), cache, idx)
+    x, a, b = make_tokens(4, HV, D, seed=17)
+    rs.gdn_decode(x[:2], a[:2], b[:2], *_step_args(layer), cache, idx)
     before = cache.clone()
-    rs.gdn_accept(cache, idx, torch.tensor([1, 5], dtype=torch.int32))   # padded row's value is ignored
-    for f, g in zip(cache.tensors(), before.tensors()):
+    with pytest.raises(ValueError, match=r"state_indices\[0\] = 1: gdn_accept without a verify awaiting"):
+        rs.gdn_accept(cache, idx, torch.tensor([1, 5], dtype=torch.int32))
+    assert all(torch.equal(f, g) for f, g in zip(cache.tensors(), before.tensors()))
+    cu = torch.tensor([0, 3, 3], dtype=torch.int32)
+    rs.gdn_verify(x[:3], a[:3], b[:3], *_step_args(layer), cache, idx, cu)
+    after_verify = cache.clone()
+    for acc in (0, 4):
+        with pytest.raises(ValueError, match=rf"num_accepted\[0\] must be in \[1, 3\] .* got {acc}"):
+            rs.gdn_accept(cache, idx, torch.tensor([acc, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"state_indices\[0\] = 1: the slot's last verify awaits gdn_accept"):
+        rs.gdn_decode(x[:2], a[:2], b[:2], *_step_args(layer), cache, idx)
+    with pytest.raises(ValueError, match=r"awaits gdn_accept"):
+        rs.gdn_materialize(cache, idx)
+    for f, g in zip(cache.tensors(), after_verify.tensors()):
         assert torch.equal(f, g)
-    with pytest.raises(ValueError, match=r"num_accepted\[0\] must be in \[1, 1\]"):
-        rs.gdn_accept(cache, idx, torch.tensor([2, 1], dtype=torch.int32))
-    # without value checks (fast's default) the count is clamped instead
-    rs.gdn_verify(x[:1].repeat(3, 1), a[:1].repeat(3, 1), b[:1].repeat(3, 1), *_step_args(layer), cache, idx,
-                  torch.tensor([0, 3, 3], dtype=torch.int32))
+    # skip-and-record: the faulty accept leaves the slot awaiting; check() raises it once
     rs.gdn_accept(cache, idx, torch.tensor([9, 0], dtype=torch.int32), check_values=False)
-    assert cache.pend_meta[1, 0].item() == 3
-    rs.gdn_accept(cache, idx, torch.tensor([0, 0], dtype=torch.int32), check_values=False)
-    assert cache.pend_meta[1, 0].item() == 1
+    assert cache.pend_meta[1].tolist() == after_verify.pend_meta[1].tolist()
+    with pytest.raises(ValueError, match=r"num_accepted\[0\] must be in \[1, 3\] .* got 9"):
+        cache.check()
+    cache.check()                                        # cleared
+    rs.gdn_accept(cache, idx, torch.tensor([2, 0], dtype=torch.int32))
+    assert cache.pend_meta[1, 0].item() == 2
+    with pytest.raises(ValueError, match=r"gdn_accept without a verify"):  # a second accept
+        rs.gdn_accept(cache, idx, torch.tensor([1, 0], dtype=torch.int32))
+    # a row that brought no tokens accepts exactly 0
+    rs.gdn_verify(x[:0], a[:0], b[:0], *_step_args(layer), cache, idx, torch.tensor([0, 0, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"num_accepted\[0\] must be 0"):
+        rs.gdn_accept(cache, idx, torch.tensor([1, 0], dtype=torch.int32))
+    rs.gdn_accept(cache, idx, torch.tensor([0, 0], dtype=torch.int32))
+    assert cache.pend_meta[1, 0].item() == 0
 
 
 def test_bf16_state_is_rounded_once_per_write():
@@ -217,9 +241,9 @@ BAD = [
     pytest.param(lambda L, c, x, a, b: rs.gdn_decode(x, a, b, *_step_args(L), c, torch.tensor([0., 1, 2, -1])),
                  r"state_indices must be int32 or int64", id="indices-dtype"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_decode(x, a, b, *_step_args(L), c, torch.tensor([0, 1, 1, -1])),
-                 r"state_indices must be distinct", id="indices-duplicate"),
+                 r"state_indices must be distinct .* state_indices\[2\] = 1 is also the slot of request 1", id="indices-duplicate"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_decode(x, a, b, *_step_args(L), c, torch.tensor([0, 1, 3, -1])),
-                 r"state_indices must be < num_slots=3", id="indices-range"),
+                 r"state_indices\[2\] = 3 is out of range: a slot index must be in \[0, num_slots=3\)", id="indices-range"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_decode(x, a, b, L["conv_weight"][:, :3], *list(_step_args(L))[1:], c,
                                                      torch.tensor([0, 1, 2, -1])),
                  r"conv_weight must have shape \[D, W\]", id="conv-width"),
@@ -228,7 +252,7 @@ BAD = [
                  r"request 0 has 4 tokens; a verify step takes 0..1\+max_draft=3", id="too-many-drafts"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_verify(x, a, b, *_step_args(L), c, torch.tensor([0, 1]),
                                                      torch.tensor([0, 2, 3])),
-                 r"cu_seqlens must start at 0 and end at T=4", id="cu-end"),
+                 r"cu_seqlens must end at T=4 \(the tokens in mixed_qkv\), got cu_seqlens\[2\] = 3", id="cu-end"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_verify(x, a, b, *_step_args(L), c, torch.tensor([0, 1]), None),
                  r"cu_seqlens must be given", id="cu-missing"),
     pytest.param(lambda L, c, x, a, b: rs.gdn_verify(x, a, b, *_step_args(L), c, torch.tensor([0, 1, 2]),
