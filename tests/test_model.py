@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conformance.core import Check, evaluate
-from refgdn.model import ModelCache, Qwen3NextConfig, Qwen3NextModel, StepMetadata, build_step_metadata
+from refgdn.model import ModelCache, Qwen3NextConfig, Qwen3NextModel, build_step_metadata
 from refgdn.serving import committed_state
 
 I32 = torch.int32
@@ -51,8 +51,9 @@ def step(model, cache, slots, chunks, mode):
         si = torch.tensor(slots, dtype=I32)
         ids = torch.cat(chunks)
         qsl = qsl_of([len(c) for c in chunks])
-    meta = model.metadata(cache, si, qsl, ids.shape[0])
-    hidden = getattr(model, mode)(cache, ids, meta)
+    dev = model.device
+    meta = model.metadata(cache, si.to(dev), qsl.to(dev), ids.shape[0])
+    hidden = getattr(model, mode)(cache, ids.to(dev), meta)
     return model.logits(hidden), qsl
 
 
@@ -225,33 +226,52 @@ def test_mtp_many_tokens_at_once_equals_one_at_a_time(model64):
 # fast ops through the same model (float32, interpreter) by the conformance rule
 # ----------------------------------------------------------------------------------------------
 
-def _serving_run(model, lens=(6, 3), rest=((2, 1), (4, 2))):
+def _serving_run(model, lens=(6, 3)):
     """prefill, a decode, a verify + partial accept, a decode: logits of every step and the final states."""
-    prompts = ids_of(lens, seed=11)
+    prompts = ids_of(lens, seed=11, vocab=model.config.vocab_size)
     slots = [1, 0]
-    si = torch.tensor(slots, dtype=I32)
-    cache = model.allocate_cache(3, 16, max_draft=3)
+    dev = model.device
+    si = torch.tensor(slots, dtype=I32, device=dev)
+    cache = model.allocate_cache(3, max(lens) + 8, max_draft=3)
     outs = [step(model, cache, slots, prompts, "prefill")[0]]
     outs.append(step(model, cache, slots, [torch.tensor([5]), torch.tensor([6])], "decode")[0])
     outs.append(step(model, cache, slots, [torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12])], "verify")[0])
-    model.accept(cache, si, torch.tensor([2, 2], dtype=I32))
+    model.accept(cache, si, torch.tensor([2, 2], dtype=I32, device=dev))
     outs.append(step(model, cache, slots, [torch.tensor([13]), torch.tensor([14])], "decode")[0])
     states = [torch.cat([x.reshape(-1) for x in committed_state(g, slots)]) for g in cache.gdn]
-    return outs, states, cache.kv_lens.clone()
+    return [o.cpu() for o in outs], [x.cpu() for x in states], cache.kv_lens.cpu()
 
 
-def test_fast_serving_steps_by_conformance_rule():
-    truth, t_states, t_lens = _serving_run(tiny(torch.float64))
-    ref, r_states, _ = _serving_run(tiny(torch.float32))
-    fast, f_states, f_lens = _serving_run(tiny(torch.float32, ops="fast"))
+def _fast_serving_by_rule(preset, dtype, device, lens=(6, 3)):
+    cfg = Qwen3NextConfig.preset(preset)
+    models = {}
+    for name, ops, dt in (("truth", "refgdn", torch.float64), ("ref", "refgdn", dtype), ("fast", "fast", dtype)):
+        models[name] = Qwen3NextModel(cfg, ops, dt, device, seed=0 if name == "truth" else None)
+        if name != "truth":            # the same weights, rounded (one random init: the bench shape is large)
+            models[name].load_state_dict(models["truth"].state_dict())
+    truth, t_states, t_lens = _serving_run(models["truth"], lens)
+    ref, r_states, _ = _serving_run(models["ref"], lens)
+    fast, f_states, f_lens = _serving_run(models["fast"], lens)
     assert torch.equal(f_lens, t_lens)
     names = ["prefill", "decode", "verify", "decode after accept"]
     for name, f, r, t in zip(names, fast, ref, truth):
-        res = evaluate(Check(name, f, t, ref=r, dtype=torch.float32))
-        assert res["passed"], f"{name} logits: {res}"
+        res = evaluate(Check(name, f, t, ref=r, dtype=dtype))
+        assert res["passed"], f"{name} logits ({preset}, {dtype}, {device}): {res}"
     for i, (f, r, t) in enumerate(zip(f_states, r_states, t_states)):
-        res = evaluate(Check(f"gdn layer {i} state", f, t, ref=r, dtype=torch.float32))
-        assert res["passed"], f"gdn layer {i} committed state: {res}"
+        res = evaluate(Check(f"gdn layer {i} state", f, t, ref=r, dtype=dtype))
+        assert res["passed"], f"gdn layer {i} committed state ({preset}, {dtype}, {device}): {res}"
+
+
+def test_fast_serving_steps_by_conformance_rule():
+    _fast_serving_by_rule("tiny", torch.float32, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16 / native Triton kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset,lens", [("tiny", (6, 3)), ("bench", (70, 33))])
+def test_fast_serving_steps_cuda(preset, lens, dtype):
+    """On a GPU: the tiny model and the bench shape (hidden 2048, GDN 16/32 heads of 128, vocab 32K)."""
+    _fast_serving_by_rule(preset, dtype, "cuda", lens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,8 +336,8 @@ def test_fused_expert_tensors_load(tmp_path, model64):
     for layer in (1, 3):
         p = f"model.layers.{layer}.mlp.experts"
         E = model64.config.num_experts
-        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]])
-                                                  for e in range(E)])
+        fused[f"{p}.gate_up_proj"] = torch.stack(                       # [E, 2I, hidden]: gate rows, up rows
+            [torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]]) for e in range(E)])
         fused[f"{p}.down_proj"] = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(E)])
     d = tmp_path / "fused"
     d.mkdir()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Dict, List, Optional
 
 LINEAR, FULL = "linear_attention", "full_attention"

@@ -307,6 +307,7 @@ class Qwen3NextModel(nn.Module):
         safe = torch.where(state_indices >= 0, state_indices, cache.num_slots).long()
         self._commit(cache, state_indices, cache.kv_lens_buf[safe] + num_accepted.to(torch.int32))
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] (after the final norm) -> logits [T, vocab] in the model dtype."""
         return self.lm_head(hidden)
