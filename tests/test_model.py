@@ -243,7 +243,9 @@ def _serving_run(model, lens=(6, 3)):
 
 
 def _fast_serving_by_rule(preset, dtype, device, lens=(6, 3)):
-    cfg = Qwen3NextConfig.preset(preset)
+    # bfloat16: dense MLPs only (rounding flips near-tied top-k expert choices: a jump no error-proportional
+    # rule covers); the bench preset is dense anyway
+    cfg = Qwen3NextConfig.preset(preset, **({"num_experts": 0} if dtype == torch.bfloat16 else {}))
     models = {}
     for name, ops, dt in (("truth", "refgdn", torch.float64), ("ref", "refgdn", dtype), ("fast", "fast", dtype)):
         models[name] = Qwen3NextModel(cfg, ops, dt, device, seed=0 if name == "truth" else None)

@@ -99,14 +99,13 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(val.to(p.dtype))
 
 
-@pytest.fixture(scope="module")
-def hf_truth(tmp_path_factory):
+def make_truth(tmp_path_factory, **overrides):
     """(checkpoint dir, prompts, transformers' float64 logits per prompt, fallback call counts)."""
     mp = pytest.MonkeyPatch()
     try:
         with hf_float64(mp) as calls:
             torch.manual_seed(SEED)
-            cfg = hf_config()
+            cfg = hf_config(**overrides)
             cfg._attn_implementation = "eager"
             cfg._experts_implementation = "eager"      # the per-expert loop (grouped_mm has no float64)
             hf = transformers.Qwen3NextForCausalLM(cfg).to(torch.float64).eval()
@@ -121,6 +120,18 @@ def hf_truth(tmp_path_factory):
     finally:
         mp.undo()
     return path, prompts, truth, counts
+
+
+@pytest.fixture(scope="module")
+def hf_truth(tmp_path_factory):
+    return make_truth(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hf_truth_dense(tmp_path_factory):
+    """All-dense MLPs, for bfloat16: top-k routing is discontinuous, and bfloat16 rounding flips near-tied
+    expert choices, a jump that no error-proportional rule (the conformance rule) covers."""
+    return make_truth(tmp_path_factory, num_experts=0)
 
 
 def run_ours(model: Qwen3NextModel, prompts) -> list:
@@ -176,7 +187,11 @@ def test_fast_float32_by_conformance_rule(hf_truth):
     _fast_against_truth(hf_truth, torch.float32, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16 / native Triton)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_cuda_by_conformance_rule(hf_truth, dtype):
-    _fast_against_truth(hf_truth, dtype, "cuda")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (native Triton)")
+def test_fast_cuda_float32_by_conformance_rule(hf_truth):
+    _fast_against_truth(hf_truth, torch.float32, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16)")
+def test_fast_cuda_bfloat16_dense_by_conformance_rule(hf_truth_dense):
+    _fast_against_truth(hf_truth_dense, torch.bfloat16, "cuda")
