@@ -214,6 +214,6 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
             dinit[empty] = dfinal[empty].to(dinit.dtype)
     elif dinit is not None and n_tiles == 0 and dfinal is not None:
         dinit.copy_(dfinal)
-    dweight = dw_part.sum(0).t().to(weight.dtype)                        # [W, D] -> [D, W]
+    dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)           # [W, D] -> [D, W]
     dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dinit
