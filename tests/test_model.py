@@ -508,3 +508,18 @@ def test_step_argument_errors(model64):
     assert int(cache.kv_lens.sum()) == 0          # nothing was touched
     with pytest.raises(ValueError, match="num_accepted"):
         model64.accept(cache, si, torch.tensor([1], dtype=I32))
+
+
+def test_attn_window_bounds_the_attended_rows(model64):
+    prompts = ids_of((9, 4), seed=7)
+    cache = model64.allocate_cache(2, 32)
+    step(model64, cache, [0, 1], prompts, "prefill")
+    si, qsl, ids = torch.tensor([0, 1], dtype=I32), torch.arange(3, dtype=I32), torch.tensor([3, 4])
+    c1, c2 = cache.clone(), cache.clone()
+    whole = model64.decode(c1, ids, model64.metadata(c1, si, qsl, 2))
+    windowed = model64.decode(c2, ids, model64.metadata(c2, si, qsl, 2, attn_window=10))   # positions 9, 4
+    assert_close(windowed, whole, "decode with attn_window", 1e-13)
+    with pytest.raises(ValueError, match="attn_window"):
+        model64.decode(cache, ids, model64.metadata(cache, si, qsl, 2, attn_window=9))
+    with pytest.raises(ValueError, match="attn_window"):
+        model64.metadata(cache, si, qsl, 2, attn_window=33)

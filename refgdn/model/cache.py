@@ -125,6 +125,9 @@ class StepMetadata:
     slot_mapping    [T]    flat KV row ``slot * max_len + position`` written by each token; -1 for
                            padding tokens and for positions >= max_len (never written)
     token_slots     [T]    slot of each token's request; -1 for padding
+    attn_window     host int or None: attention reads KV rows [0, attn_window) only (must exceed every
+                    position of the step; None = the whole max_len). Not a tensor: a CUDA graph
+                    captures it as a constant (leave it None, or the capture's bound, there).
     """
 
     state_indices: torch.Tensor
@@ -133,6 +136,7 @@ class StepMetadata:
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
     token_slots: torch.Tensor
+    attn_window: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,7 +147,8 @@ class StepMetadata:
         return self.state_indices.shape[0]
 
     def tensors(self) -> list:
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+        """The six device tensors in field order (attn_window left out)."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "attn_window"]
 
     def copy_(self, other: "StepMetadata") -> "StepMetadata":
         """Copy another metadata object's values into this one's buffers (static-buffer refresh)."""
@@ -163,14 +168,15 @@ def _need_int_vector(name: str, t, length: Optional[int] = None) -> None:
 
 
 def build_step_metadata(kv_lens: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
-                        num_tokens: int, max_len: int,
-                        position_offset: Union[int, torch.Tensor] = 0) -> StepMetadata:
+                        num_tokens: int, max_len: int, position_offset: Union[int, torch.Tensor] = 0,
+                        attn_window: Optional[int] = None) -> StepMetadata:
     """Attention metadata for one step, from device tensors with device ops only (no host reads).
 
     kv_lens: [num_slots] int (the lengths before the step: the target's or the MTP head's)
     state_indices: [N] int (-1 = padded row)   query_start_loc: [N+1] int   num_tokens: T (host int:
     the padded token count of the step)   position_offset: int, or a device int tensor [] or [N]
     added to every request's start position (e.g. a draft-step index kept on the device).
+    attn_window: optional host bound on the positions the step attends to (see StepMetadata).
 
         start[n] = kv_lens[slot_n] + offset;  positions[t] = start[n(t)] + t - qsl[n(t)];
         seq_lens[n] = start[n] + qsl[n+1] - qsl[n];  slot_mapping[t] = slot * max_len + positions[t]
@@ -189,6 +195,8 @@ def build_step_metadata(kv_lens: torch.Tensor, state_indices: torch.Tensor, quer
     for name, t in (("state_indices", state_indices), ("query_start_loc", query_start_loc)):
         if t.device != dev:
             raise ValueError(f"{name} must be on {dev} (kv_lens' device), got {t.device}")
+    if attn_window is not None and (not isinstance(attn_window, numbers.Integral) or not 1 <= attn_window <= max_len):
+        raise ValueError(f"attn_window must be None or an int in [1, max_len={max_len}], got {attn_window!r}")
     if isinstance(position_offset, torch.Tensor):
         if position_offset.dim() > 1 or (position_offset.dim() == 1 and position_offset.shape[0] != N):
             raise ValueError(f"position_offset must be an int, a scalar tensor or [N] = [{N}], "
@@ -222,4 +230,5 @@ def build_step_metadata(kv_lens: torch.Tensor, state_indices: torch.Tensor, quer
     live = (tok_slot >= 0) & (pos < max_len)
     slot_mapping = torch.where(live, tok_slot * max_len + pos, -1).to(i32)
     return StepMetadata(state_indices=si, query_start_loc=qsl, positions=pos.to(i32), seq_lens=seq_lens,
-                        slot_mapping=slot_mapping, token_slots=tok_slot.to(i32))
+                        slot_mapping=slot_mapping, token_slots=tok_slot.to(i32),
+                        attn_window=None if attn_window is None else int(attn_window))

@@ -177,10 +177,12 @@ class Qwen3NextModel(nn.Module):
                           num_slots, max_len, max_draft)
 
     def metadata(self, cache: ModelCache, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
-                 num_tokens: int, mtp: bool = False, position_offset: Union[int, torch.Tensor] = 0) -> StepMetadata:
+                 num_tokens: int, mtp: bool = False, position_offset: Union[int, torch.Tensor] = 0,
+                 attn_window: Optional[int] = None) -> StepMetadata:
         """:func:`build_step_metadata` from the cache's target lengths (``mtp=False``) or MTP lengths."""
         lens = cache.mtp_kv_lens if mtp else cache.kv_lens
-        return build_step_metadata(lens, state_indices, query_start_loc, num_tokens, cache.max_len, position_offset)
+        return build_step_metadata(lens, state_indices, query_start_loc, num_tokens, cache.max_len, position_offset,
+                                   attn_window)
 
     # ------------------------------------------------------------------------------------------
     # checks (host: shapes, dtypes, devices; values only with check_values)
@@ -224,9 +226,10 @@ class Qwen3NextModel(nn.Module):
             L = qsl[n + 1] - qsl[n]
             if s >= 0 and mode == "verify" and L > 1 + cache.max_draft:
                 raise ValueError(f"verify: request {n} has {L} tokens; at most 1 + max_draft = {1 + cache.max_draft}")
-        if bool(((meta.token_slots >= 0) & (meta.positions >= cache.max_len)).any()):
-            raise ValueError(f"a position reaches max_len={cache.max_len}: allocate a longer cache "
-                             f"(positions up to {int(meta.positions.max())})")
+        limit = meta.attn_window or cache.max_len
+        if bool(((meta.token_slots >= 0) & (meta.positions >= limit)).any()):
+            what = f"meta.attn_window={limit}" if meta.attn_window else f"max_len={cache.max_len}: allocate a longer cache"
+            raise ValueError(f"a position reaches {what} (positions up to {int(meta.positions.max())})")
 
     # ------------------------------------------------------------------------------------------
     # the target

@@ -192,20 +192,23 @@ class Attention(nn.Module):
         kv.k.index_copy_(0, dest, k.to(kv.k.dtype))
         kv.v.index_copy_(0, dest, v.to(kv.v.dtype))
         o = torch.cat([self._attend(q[s:s + ATTN_BLOCK], meta.token_slots[s:s + ATTN_BLOCK],
-                                    meta.positions[s:s + ATTN_BLOCK], kv)
+                                    meta.positions[s:s + ATTN_BLOCK], kv, meta.attn_window or kv.max_len)
                        for s in range(0, T, ATTN_BLOCK)] or [q.new_zeros(0, self.nh, self.hd)])
         o = rearrange(o, "t h d -> t (h d)") * torch.sigmoid(rearrange(gate, "t h d -> t (h d)"))
         return self.o_proj(o)
 
-    def _attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """q: [t, nh, hd], slots, positions: [t] -> [t, nh, hd] in q.dtype (torch paged attention)."""
+    def _attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                window: int) -> torch.Tensor:
+        """q: [t, nh, hd], slots, positions: [t] -> [t, nh, hd] in q.dtype (torch paged attention over the
+        first ``window`` KV rows of each token's slot; rows past the token's position are masked)."""
         dt = compute_dtype(q)
         G = self.nh // self.kvh
-        keys = kv.k_cache[slots.clamp(min=0).long()].to(dt)                  # [t, L, kvh, hd]
-        vals = kv.v_cache[slots.clamp(min=0).long()].to(dt)
+        rows = slots.clamp(min=0).long()
+        keys = kv.k_cache[rows, :window].to(dt)                              # [t, L, kvh, hd]
+        vals = kv.v_cache[rows, :window].to(dt)
         qg = rearrange(q.to(dt), "t (h g) d -> t h g d", g=G)                # head h*G+j reads kv head h
         scores = torch.einsum("thgd,tlhd->thgl", qg, keys) * self.hd ** -0.5
-        visible = torch.arange(kv.max_len, device=q.device)[None, :] <= positions[:, None].long()   # [t, L]
+        visible = torch.arange(window, device=q.device)[None, :] <= positions[:, None].long()      # [t, L]
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         o = torch.einsum("thgl,tlhd->thgd", p, vals)
