@@ -161,9 +161,10 @@ def gdn_materialize(cache, state_indices, check_values=False) -> List[CompileKey
 # ----------------------------------------------------------------------------------------------
 
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None) -> List[CompileKey]:
+                  cu_seqlens=None, *, device=None) -> List[CompileKey]:
     """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
-    fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. (A pinned BT grows
+    fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
+    call runs (default x's; CUDA float32 compute takes the approximate silu). (A pinned BT grows
     when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
     B, T, D = x.shape
     W = weight.shape[1]
@@ -178,7 +179,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
                  HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
         if window:
-            gpu_f32 = x.is_cuda and not fp64 and not is_interpreting()
+            on_cuda = (torch.device(device) if device is not None else x.device).type == "cuda"
+            gpu_f32 = on_cuda and not fp64 and not is_interpreting()
             c.update(FAST_SILU=gpu_f32, PREFETCH=True)
         d = dict(x=x.dtype, y=x.dtype, weight=weight.dtype, bias=_dt(bias), initial_state=_dt(initial_state),
                  cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None)

@@ -58,7 +58,8 @@ __all__ = [
     "LifecycleError", "CompileDuringCapture", "AutotuneAfterReserve", "CompileAfterReserve",
     "SharedWarmupMetadata", "StaleDraftMetadata", "HostSyncInCapture", "AllocationOutsidePool",
     "StaticBufferMoved", "PhaseError", "CompileKey", "CaptureDescriptor", "StepSpec", "Lifecycle",
-    "SimulatedGraph", "LaunchRecorder", "traced_ops", "key_of_launch", "recording",
+    "SimulatedGraph", "LaunchRecorder", "KeyLog", "traced_ops", "key_of_launch", "recording", "ServingConfig",
+    "Plan", "plan", "metadata_tensors",
 ]
 
 
@@ -428,6 +429,7 @@ def traced_ops(ops, keys=None, names: Optional[Iterable[str]] = None):
         else:
             setattr(ns, name, fn)
     ns.__wrapped_ops__ = ops
+    ns.__name__ = getattr(ops, "__name__", "ops")
     return ns
 
 
@@ -627,8 +629,9 @@ class SimulatedGraph:
 
     # replay ---------------------------------------------------------------------------------
     def replay(self) -> None:
-        for ev in self.events:
-            ev()
+        with torch.no_grad():                  # a graph records no autograd
+            for ev in self.events:
+                ev()
         self.replays += 1
 
 
@@ -892,6 +895,15 @@ class Lifecycle(LaunchRecorder):
         self._need(Phase.RESERVE, Phase.SERVE, what=f"capture of {desc}")
         if desc in self.steps:
             raise PhaseError(f"{desc} is captured already")
+        try:
+            spec, graph, outputs, warm_keys, capture_keys = self._warmup_and_capture(desc, make_step)
+        finally:
+            self.phase, self._where, self._desc, self._warm, self._capture_keys = Phase.SERVE, "serve", None, None, None
+        static, owners = self._static_of(spec)
+        self.steps[desc] = CapturedStep(desc, spec, graph, outputs, warm_keys, capture_keys, static, owners)
+        return outputs
+
+    def _warmup_and_capture(self, desc, make_step):
         self._desc = desc
         # warmup ------------------------------------------------------------------------------
         self.phase, self._where = Phase.WARMUP, f"warmup of {desc}"
@@ -899,7 +911,7 @@ class Lifecycle(LaunchRecorder):
         fp_before = _state_fingerprint(warm.metadata)
         self._warm = set()
         try:
-            with recording(self):
+            with torch.no_grad(), recording(self):
                 warm.fn()
         finally:
             warm_keys, self._warm = self._warm, None
@@ -911,14 +923,8 @@ class Lifecycle(LaunchRecorder):
         self.phase, self._where = Phase.CAPTURE, f"capture of {desc}"
         self._warm, self._capture_keys = warm_keys, set()
         graph = (self.graph_backend or _sim_backend)(desc)
-        try:
-            outputs = graph.capture(spec.fn, self)
-        finally:
-            capture_keys, self._warm, self._capture_keys = self._capture_keys, None, None
-            self.phase, self._where, self._desc = Phase.SERVE, "serve", None
-        static, owners = self._static_of(spec)
-        self.steps[desc] = CapturedStep(desc, spec, graph, outputs, warm_keys, capture_keys, static, owners)
-        return outputs
+        outputs = graph.capture(spec.fn, self)
+        return spec, graph, outputs, warm_keys, self._capture_keys
 
     def _check_not_shared(self, desc, warm: StepSpec, spec: StepSpec, flipped, fp_before):
         if warm.metadata is not None and spec.metadata is warm.metadata:
@@ -1101,8 +1107,8 @@ class _SimBackend:
         where = f"capture of {self.desc}"
         rec = _OpaqueRecorder(self.graph)
         # fast's launchers skip host-side cache checks while a stream is capturing: the simulation says so too
-        with _capturing_flag(), recording(lifecycle), recording(rec), _HostGuard(where, lifecycle.device), \
-                _DispatchGuard(where, self.graph):
+        with torch.no_grad(), _capturing_flag(), recording(lifecycle), recording(rec), \
+                _HostGuard(where, lifecycle.device), _DispatchGuard(where, self.graph):
             outputs = fn()
         return outputs
 
@@ -1181,3 +1187,141 @@ class _LiveBytes(TorchDispatchMode):
                 self.peak = max(self.peak, self.live)
                 weakref.finalize(o, self._free, n)
         return out
+
+
+# ==============================================================================================
+# the warmup planner
+# ==============================================================================================
+
+@dataclasses.dataclass
+class ServingConfig:
+    """What a server will run, for :func:`plan`.
+
+    capture_batch_sizes: padded batch sizes of the decode / verify / draft graphs; max_draft: k (verify
+    graphs for 1 + k tokens, k = 1..max_draft); max_batch: largest batch served (eagerly above the largest
+    graph); max_prefill_tokens / max_prefill_seqs: the largest packed prefill (tokens, sequences);
+    chunk_size: the prefill chunk-size rule ``T -> BT`` (None: fast.chunk_gated_delta_rule's default,
+    what the model passes; ``fast.keys.bt_rule`` for BT = min(64, max(16, next_pow2(T))));
+    state_dtype: GDN ssm state; index_dtype / accept_dtype: dtypes of state_indices / num_accepted the
+    caller passes; device: where the model runs (its SM count and type pick configs).
+    """
+
+    capture_batch_sizes: Sequence[int] = (1, 2, 4, 8)
+    max_draft: int = 0
+    max_batch: int = 8
+    max_prefill_tokens: int = 64
+    max_prefill_seqs: int = 4
+    chunk_size: Optional[Callable[[int], int]] = None
+    state_dtype: torch.dtype = torch.float32
+    index_dtype: torch.dtype = torch.int32
+    accept_dtype: torch.dtype = torch.int32
+    device: Any = "cpu"
+
+    def descriptors(self) -> List[CaptureDescriptor]:
+        """decode[N], verify[N, 1+k] for k = 1..max_draft, and the MTP draft step draft[N, 1] (when k > 0)."""
+        out = [CaptureDescriptor("decode", n) for n in self.capture_batch_sizes]
+        for k in range(1, self.max_draft + 1):
+            out += [CaptureDescriptor("verify", n, 1 + k) for n in self.capture_batch_sizes]
+        if self.max_draft:
+            out += [CaptureDescriptor("draft", n, 1) for n in self.capture_batch_sizes]
+        return out
+
+
+@dataclasses.dataclass
+class Plan:
+    """keys: every compile key profiling must launch; steps: name -> keys, e.g. "decode[N=4, T=1]",
+    "prefill[T<=16, N=2]", "accept[N=4]" (prefill and eager entries by class)."""
+
+    keys: set
+    steps: Dict[str, set]
+
+    def for_descriptor(self, desc: CaptureDescriptor) -> set:
+        return self.steps[str(desc)]
+
+
+def _pow2_upto(n: int) -> List[int]:
+    out, p = [], 1
+    while p < n:
+        out.append(p)
+        p *= 2
+    return out + [n]
+
+
+def plan(model, cfg: ServingConfig, keys=None) -> Plan:
+    """Every compile key that profiling, warmup, capture and serving of ``model`` (a refgdn.model
+    Qwen3NextModel, any ops) under ``cfg`` will launch, from fast.keys' pure functions on meta tensors.
+
+    The model's GDN layers call (refgdn/model/layers.py): prefill -> gdn_materialize, causal_conv1d
+    (varlen, initial state, final state), chunk_gated_delta_rule (varlen, fused gating, l2norm); decode
+    -> gdn_decode; verify -> gdn_verify; accept -> gdn_accept. Attention, MLPs and the MTP head are
+    plain torch (no compile keys). Keys depend on the prefill's packed length T only through
+    next_pow2(T) classes (and the chunk-size rule), on its sequence count N through the state pass's
+    BV, so T runs over powers of two up to the maximum and N over 1..max_prefill_seqs.
+    """
+    if keys is None:
+        import fast.keys as keys
+    import inspect
+
+    import refgdn.serving as rs
+    c = model.config
+    H, HV, K, V, W = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    D = 2 * H * K + HV * V
+    dt = model.dtype
+    cdt = torch.float64 if dt == torch.float64 else torch.float32     # compute dtype (beta, pending k/g/beta)
+    dev = torch.device(cfg.device)
+    meta = dict(device="meta")
+
+    def e(*shape, dtype=dt):
+        return torch.empty(*shape, dtype=dtype, **meta)
+
+    cache = rs.GDNStateCache.allocate(2, H, HV, K, V, conv_width=W, max_draft=cfg.max_draft,
+                                      state_dtype=cfg.state_dtype, act_dtype=dt, device="meta")
+    conv_w = e(D, W)
+    A_log, dt_bias = e(HV), e(HV)
+    idx = cfg.index_dtype
+    default_bt = inspect.signature(_fast_chunk_op()).parameters["chunk_size"].default
+    rule = cfg.chunk_size or (lambda T: default_bt)
+    steps: Dict[str, set] = {}
+
+    def decode(N):
+        return keys.gdn_decode(e(N, D), e(N, HV), e(N, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx))
+
+    def verify(N, T):
+        return keys.gdn_verify(e(N * T, D), e(N * T, HV), e(N * T, HV), conv_w, None, A_log, dt_bias, cache,
+                               e(N, dtype=idx), e(N + 1, dtype=torch.int32))
+
+    def accept(N):
+        return keys.gdn_accept(cache, e(N, dtype=idx), e(N, dtype=cfg.accept_dtype))
+
+    def prefill(T, N):
+        cu = e(N + 1, dtype=torch.int32)
+        out = list(keys.gdn_materialize(cache, e(N, dtype=torch.int32)))
+        out += keys.causal_conv1d(e(1, T, D), conv_w, None, "silu", e(N, D, W - 1), True, cu, device=dev)
+        out += keys.chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV),
+                                           e(1, T, HV, dtype=cdt), None, e(N, HV, K, V, dtype=cfg.state_dtype),
+                                           True, cu, True, A_log, dt_bias, rule(T), device=dev)
+        return out
+
+    for desc in cfg.descriptors():
+        if desc.mode == "decode":
+            steps[str(desc)] = set(decode(desc.batch))
+        elif desc.mode == "verify":
+            steps[str(desc)] = set(verify(desc.batch, desc.tokens))
+        else:
+            steps[str(desc)] = set()                         # the MTP head: plain torch
+    for N in range(1, cfg.max_batch + 1):
+        steps[f"decode-eager[N={N}]"] = set(decode(N))
+        if cfg.max_draft:
+            steps[f"verify-eager[N={N}]"] = set(verify(N, 1 + cfg.max_draft))
+            steps[f"accept[N={N}]"] = set(accept(N))
+    for T in _pow2_upto(cfg.max_prefill_tokens):
+        for N in range(1, min(T, cfg.max_prefill_seqs) + 1):
+            steps[f"prefill[T<={T}, N={N}]"] = set(prefill(T, N))
+    allk = set().union(*steps.values()) if steps else set()
+    return Plan(allk, steps)
+
+
+def _fast_chunk_op():
+    import fast
+    return fast.chunk_gated_delta_rule

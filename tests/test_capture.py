@@ -1,0 +1,473 @@
+"""The CUDA-graph lifecycle on CPU (refgdn.capture): the seed failures raise their named errors, the right
+way passes, the planner's keys equal what the model launches, fast.keys equals fast's real launches.
+
+The model is refgdn's Qwen3NextModel (tiny preset, float32) over ``traced_ops(refgdn)``: every GDN op
+call reports the compile keys fast would launch for it (fast.keys), so the machine sees real keys while
+the steps run at refgdn's speed. test_keys_match_fast_launches runs the fast ops themselves (Triton
+interpreter) to tie fast.keys to the launchers.
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import fast
+import fast.keys as fk
+import refgdn
+from refgdn import capture as cap
+from refgdn.capture import (AllocationOutsidePool, AutotuneAfterReserve, CaptureDescriptor, CompileAfterReserve,
+                            CompileDuringCapture, HostSyncInCapture, KeyLog, Lifecycle, ServingConfig,
+                            SharedWarmupMetadata, StaleDraftMetadata, StaticBufferMoved, StepSpec, recording,
+                            traced_ops)
+from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+
+I32 = torch.int32
+
+
+@pytest.fixture(scope="module")
+def model():
+    ops = traced_ops(refgdn)
+    return Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=ops, dtype=torch.float32, seed=3, check_values=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# drivers: eager serving traffic (what a server does), and step factories for capture
+# ----------------------------------------------------------------------------------------------
+
+def _prefill(m, cache, lens, slots, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=gen)
+    qsl = torch.tensor([0] + list(lens)).cumsum(0).to(I32)
+    meta = m.metadata(cache, torch.tensor(slots, dtype=I32), qsl, ids.shape[0])
+    return m.prefill(cache, ids, meta)
+
+
+def _decode(m, cache, slots, N=None):
+    """One decode step of `slots`, padded to N rows (-1)."""
+    N = N or len(slots)
+    si = torch.full((N,), -1, dtype=I32)
+    si[:len(slots)] = torch.tensor(slots, dtype=I32)
+    ids = (torch.arange(N) * 7 + 1) % m.config.vocab_size
+    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32), N)
+    return m.logits(m.decode(cache, ids, meta))
+
+
+def _verify_accept(m, cache, slots, k, accepted):
+    N = len(slots)
+    si = torch.tensor(slots, dtype=I32)
+    ids = (torch.arange(N * (1 + k)) * 5 + 2) % m.config.vocab_size
+    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32) * (1 + k), N * (1 + k))
+    logits = m.logits(m.verify(cache, ids, meta))
+    m.accept(cache, si, torch.tensor(accepted, dtype=I32))
+    return logits
+
+
+def serving_traffic(m, k=2):
+    """Eager traffic covering every class the planner lists for CFG (below): prefills of packed lengths in
+    each next_pow2 class up to 24 with 1 and 2 sequences, decodes and verify/accept rounds at N = 1..4."""
+    cache = m.allocate_cache(4, 64, max_draft=k)
+    for lens, slots in (([1], [0]), ([2], [1]), ([1, 1], [2, 3]), ([3], [0]), ([2, 2], [1, 2]), ([6], [3]),
+                        ([3, 4], [0, 1]), ([9], [2]), ([5, 6], [3, 0]), ([20], [1]), ([10, 12], [2, 3])):
+        _prefill(m, cache, lens, slots)
+    for n in range(1, 5):
+        slots = list(range(n))
+        _decode(m, cache, slots)
+        _verify_accept(m, cache, slots, k, [1 + (i % (k + 1)) for i in range(n)])
+    return cache
+
+
+CFG = ServingConfig(capture_batch_sizes=(1, 2, 4), max_draft=2, max_batch=4, max_prefill_tokens=24,
+                    max_prefill_seqs=2)
+
+
+def decode_step(m, cache, shared=None):
+    """make_step for decode graphs: warmup and capture on padded rows only (slot -1: scratch), fresh metadata."""
+    def make(desc, warmup):
+        N = desc.batch
+        ids = torch.zeros(N, dtype=torch.int64)
+        meta = shared if shared is not None else m.metadata(cache, torch.full((N,), -1, dtype=I32),
+                                                            torch.arange(N + 1, dtype=I32), N)
+        return StepSpec(lambda: m.logits(m.decode(cache, ids, meta)), meta, {"ids": ids})
+    return make
+
+
+def verify_step(m, cache, warm_path="verify"):
+    def make(desc, warmup):
+        N, T = desc.batch, desc.tokens
+        si = torch.full((N,), -1, dtype=I32)
+        if warmup and warm_path == "decode":          # seeds 000/001: warmup through the non-speculative path
+            ids = torch.zeros(N, dtype=torch.int64)
+            meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32), N)
+            return StepSpec(lambda: m.logits(m.decode(cache, ids, meta)), meta, {"ids": ids})
+        ids = torch.zeros(N * T, dtype=torch.int64)
+        meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32) * T, N * T)
+        return StepSpec(lambda: m.logits(m.verify(cache, ids, meta)), meta, {"ids": ids})
+    return make
+
+
+class DraftState:
+    """Static buffers of the captured MTP draft step: ids [N], hidden [N, hidden], the step index (a
+    device scalar) and the draft tokens [N, k] (column `step` written inside the graph)."""
+
+    def __init__(self, m, N, k):
+        self.ids = torch.zeros(N, dtype=torch.int64)
+        self.hidden = torch.zeros(N, m.config.hidden_size)
+        self.step = torch.zeros((), dtype=torch.int64)
+        self.drafts = torch.zeros(N, k, dtype=torch.int64)
+
+
+def draft_fn(m, cache, st: DraftState, meta):
+    def fn():
+        h = m.mtp(cache, st.ids, st.hidden, meta)
+        tok = m.logits(h).argmax(-1)
+        st.drafts.index_copy_(1, st.step.reshape(1), tok[:, None])      # column `step`, chosen on the device
+        st.ids.copy_(tok)                                                # fed back to the next draft step
+        st.hidden.copy_(h)
+        return tok
+    return fn
+
+
+def draft_step(m, cache, k, states):
+    def make(desc, warmup):
+        st = DraftState(m, desc.batch, k)
+        if not warmup:
+            states[desc] = st
+        N = desc.batch
+        meta = m.metadata(cache, torch.full((N,), -1, dtype=I32), torch.arange(N + 1, dtype=I32), N, mtp=True)
+        return StepSpec(draft_fn(m, cache, st, meta), meta, {"ids": st.ids, "hidden": st.hidden},
+                        step_index=st.step, position_fields=("positions", "seq_lens", "slot_mapping"))
+    return make
+
+
+def ready(m, k=2, profile=True):
+    """A lifecycle past profile (all of CFG's variants launched) and reserve; returns (lc, cache)."""
+    lc = Lifecycle("cpu")
+    if profile:
+        lc.profile(lambda: serving_traffic(m, k))
+    else:
+        lc.profile(lambda: None)
+    cache = lc.reserve(lambda: m.allocate_cache(4, 64, max_draft=k))
+    return lc, cache
+
+
+# ----------------------------------------------------------------------------------------------
+# keys and planner
+# ----------------------------------------------------------------------------------------------
+
+def test_keys_match_fast_launches():
+    """fast.keys predicts exactly the Triton launches of every fast op (traced_ops(fast) raises otherwise)."""
+    H, HV, K, V, W = 1, 2, 16, 16, 4
+    D = 2 * H * K + HV * V
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    cache = fast.GDNStateCache.allocate(4, H, HV, K, V, conv_width=W, max_draft=2, state_dtype=torch.float32,
+                                        act_dtype=torch.float32)
+    F = traced_ops(fast)
+    si = torch.tensor([0, 2], dtype=I32)
+    w, bias, A, dt = r(D, W), r(D), r(HV), r(HV)
+    log = KeyLog()
+    with recording(log):
+        F.gdn_decode(r(2, D), r(2, HV), r(2, HV), w, bias, A, dt, cache, si)
+        F.gdn_verify(r(6, D), r(6, HV), r(6, HV), w, None, A, dt, cache, si, torch.tensor([0, 3, 6], dtype=I32))
+        F.gdn_accept(cache, si, torch.tensor([1, 3], dtype=I32))
+        F.gdn_materialize(cache, si)
+        q, k, v = r(1, 20, H, K), r(1, 20, H, K), r(1, 20, HV, V)
+        g, beta = -torch.rand(1, 20, HV, generator=gen), torch.rand(1, 20, HV, generator=gen)
+        F.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 chunk_size=fk.bt_rule(20), cu_seqlens=torch.tensor([0, 5, 20]))
+        F.recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        F.causal_conv1d(r(1, 20, D), w, bias, "silu", None, True, torch.tensor([0, 5, 20]))
+        F.causal_conv1d_update(r(2, D), r(2, D, W - 1), w, bias, "silu")
+        F.gdn_gating(A, r(2, HV), dt, r(2, HV))
+        F.l2norm(q)
+    names = [key.kernel for key in log.launched]
+    assert names.count("gdn_step_kernel") == 3 and "chunk_output_kernel" in names and "accept_kernel" in names
+    assert len(log.launched) == 17        # 2 + 2 + 1 + 2 (serving) + 4 + 1 (prefill) + 2 + 1 (conv) + 1 + 1
+
+
+def test_bt_rule_and_prefill_lengths():
+    assert [fk.bt_rule(T) for T in (1, 15, 16, 17, 32, 33, 64, 65, 4096)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+    lens = fk.prefill_lengths(64)
+    assert {fk.bt_rule(T) for T in lens} == {16, 32, 64} and 1 in lens and any(T % 16 for T in lens)
+
+
+def test_planner_equals_keys_of_the_eager_run(model):
+    """plan(model, CFG).keys == the keys the model's eager serving traffic launches (no more, no fewer)."""
+    log = KeyLog()
+    with recording(log):
+        serving_traffic(model, CFG.max_draft)
+    p = cap.plan(model, CFG)
+    assert log.keys, "the traced model launched nothing"
+    missing, extra = p.keys - log.keys, log.keys - p.keys
+    assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
+    decode = p.for_descriptor(CaptureDescriptor("decode", 4))
+    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel"}
+    assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
+
+
+# ----------------------------------------------------------------------------------------------
+# the right way: the whole lifecycle with the model, graph replay == eager bit for bit
+# ----------------------------------------------------------------------------------------------
+
+def _same_cache(a, b):
+    for x, y in zip(a.gdn, b.gdn):
+        for s, t in zip(x.tensors(), y.tensors()):
+            assert torch.equal(s, t)
+    for x, y in zip(a.kv + a.mtp_kv, b.kv + b.mtp_kv):
+        assert torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
+    assert torch.equal(a.kv_lens_buf, b.kv_lens_buf) and torch.equal(a.mtp_kv_lens_buf, b.mtp_kv_lens_buf)
+
+
+def test_lifecycle_right_way_replay_equals_eager(model):
+    m, k = model, 2
+    lc, cache = ready(m, k)
+    states = {}
+    for desc in (CaptureDescriptor("decode", 2), CaptureDescriptor("decode", 4), CaptureDescriptor("verify", 2, 1 + k),
+                 CaptureDescriptor("draft", 2)):
+        make = {"decode": decode_step(m, cache), "verify": verify_step(m, cache),
+                "draft": draft_step(m, cache, k, states)}[desc.mode]
+        lc.capture(desc, make)
+    assert lc.steps[CaptureDescriptor("verify", 2, 3)].capture_keys == \
+        cap.plan(m, CFG).for_descriptor(CaptureDescriptor("verify", 2, 3))
+    _prefill(m, cache, [5, 3], [0, 1])
+    twin = cache.clone()
+    for rnd in range(3):
+        # decode, 2 real requests padded to the N = 4 graph; the twin runs the same padded step eagerly
+        desc = lc.descriptor_for("decode", 2)
+        assert desc == CaptureDescriptor("decode", 2) and lc.descriptor_for("decode", 5) is None
+        si = torch.tensor([0, 1, -1, -1], dtype=I32)
+        ids = torch.tensor([rnd + 3, 7, 0, 0])
+        qsl = torch.arange(5, dtype=I32)
+        out = lc.replay(CaptureDescriptor("decode", 4), {"ids": ids}, m.metadata(cache, si, qsl, 4))
+        ref = m.logits(m.decode(twin, ids, m.metadata(twin, si, qsl, 4)))
+        assert torch.equal(out, ref)
+        _same_cache(cache, twin)
+        # verify k = 2 and a partial accept
+        si2, qv = torch.tensor([0, 1], dtype=I32), torch.tensor([0, 3, 6], dtype=I32)
+        vids = torch.arange(6) + rnd
+        out = lc.replay(CaptureDescriptor("verify", 2, 3), {"ids": vids}, m.metadata(cache, si2, qv, 6))
+        ref = m.logits(m.verify(twin, vids, m.metadata(twin, si2, qv, 6)))
+        assert torch.equal(out, ref)
+        acc = torch.tensor([1 + rnd % 3, 2], dtype=I32)
+        m.accept(cache, si2, acc)
+        m.accept(twin, si2, acc)
+        _same_cache(cache, twin)
+        # k draft steps: one graph, replayed per step with metadata rebuilt for that step
+        st = states[CaptureDescriptor("draft", 2)]
+        hid = torch.randn(2, m.config.hidden_size, generator=torch.Generator().manual_seed(rnd))
+        tid = torch.tensor([5, 9])
+        st.ids.copy_(tid)
+        st.hidden.copy_(hid)
+        ref_tok = []
+        for step in range(k):
+            meta = m.metadata(cache, si2, torch.arange(3, dtype=I32), 2, mtp=True)
+            lc.replay_draft(CaptureDescriptor("draft", 2), step, meta)
+            h = m.mtp(twin, tid, hid, m.metadata(twin, si2, torch.arange(3, dtype=I32), 2, mtp=True))
+            tid = m.logits(h).argmax(-1)
+            hid = h
+            ref_tok.append(tid)
+        assert torch.equal(st.drafts, torch.stack(ref_tok, 1))
+        _same_cache(cache, twin)
+    # an eager batch above the largest graph still runs (its variants were profiled)
+    lc.eager(lambda: _decode(m, cache, [0, 1, 2], N=3))
+
+
+# ----------------------------------------------------------------------------------------------
+# the seeds, the wrong way: each raises its named error
+# ----------------------------------------------------------------------------------------------
+
+def test_seed_000_001_warmup_non_speculative_then_capture_speculative(model):
+    m = model
+    # profile and warmup through the non-speculative path only: the verify variants are first seen in capture
+    lc, cache = ready(m, profile=False)
+    lc.profile  # (profile ran nothing speculative)
+    with pytest.raises(CompileAfterReserve):      # even warmup of decode after reserve is a first compile
+        lc.capture(CaptureDescriptor("decode", 2), decode_step(m, cache))
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: _decode(m, m.allocate_cache(2, 16, max_draft=2), [0, 1]))
+    cache = lc.reserve(lambda: m.allocate_cache(4, 64, max_draft=2))
+    with pytest.raises(CompileDuringCapture, match=r"verify\[N=2, T=3\].*conv_step_kernel.*TMAX=3.*never launched"):
+        lc.capture(CaptureDescriptor("verify", 2, 3), verify_step(m, cache, warm_path="decode"))
+    # profile covered verify, but this descriptor's warmup took the decode path: still caught, naming the key
+    lc, cache = ready(m)
+    with pytest.raises(CompileDuringCapture, match=r"not launched by this descriptor's warmup"):
+        lc.capture(CaptureDescriptor("verify", 2, 3), verify_step(m, cache, warm_path="decode"))
+    # the fix (warmup = the capture's path) passes
+    lc.capture(CaptureDescriptor("verify", 4, 3), verify_step(m, cache))
+
+
+def _gdn_prefill(ops, T, chunk_size, seed=0):
+    H, HV, K, V = 1, 2, 16, 16
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, T, h, d, generator=gen) for h, d in ((H, K), (H, K), (HV, V)))
+    g, beta = -torch.rand(1, T, HV, generator=gen), torch.rand(1, T, HV, generator=gen)
+    return ops.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size)
+
+
+def test_seed_003_bt_variant_after_reserve():
+    ops = traced_ops(refgdn)
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: _gdn_prefill(ops, 64, fk.bt_rule(64)))              # only BT = 64 warmed
+    lc.reserve(lambda: None)
+    lc._need  # noqa: B018
+    lc.phase = cap.Phase.SERVE
+    lc.eager(lambda: _gdn_prefill(ops, 50, fk.bt_rule(50)))                 # BT = 64 again: fine
+    with pytest.raises(CompileAfterReserve, match=r"chunk_kkt_inv_kernel\[.*BT=32.*first launched after the cache"):
+        lc.eager(lambda: _gdn_prefill(ops, 20, fk.bt_rule(20)))
+    # the fix: profile every BT the rule can select (T = 16, 32, 64)
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: [_gdn_prefill(ops, T, fk.bt_rule(T)) for T in fk.prefill_lengths(64)])
+    lc.reserve(lambda: None)
+    lc.phase = cap.Phase.SERVE
+    for T in (3, 20, 40, 64):
+        lc.eager(lambda: _gdn_prefill(ops, T, fk.bt_rule(T)))
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+@triton.jit
+def _tuned_scale_kernel(x, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x + o, tl.load(x + o, mask=o < n) * 2, mask=o < n)
+
+
+@triton.jit
+def _pinned_scale_kernel(x, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x + o, tl.load(x + o, mask=o < n) * 2, mask=o < n)
+
+
+def test_seed_003_kernel_that_would_autotune_at_run_time():
+    x = torch.ones(40)
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: _pinned_scale_kernel[(3,)](torch.ones(40), 40, BLOCK=16))
+    lc.reserve(lambda: None)
+    # an in-place kernel with several configs and an untuned key: raised before any benchmark re-runs it
+    with pytest.raises(AutotuneAfterReserve, match=r"_tuned_scale_kernel would autotune for key \(40, 'torch.float32'\)"):
+        lc.eager(lambda: _tuned_scale_kernel[(3,)](x, 40))
+    assert torch.equal(x, torch.ones(40)), "the kernel ran although the guard fired"
+    lc.eager(lambda: _pinned_scale_kernel[(3,)](x, 40, BLOCK=16))           # pinned and profiled: fine
+    assert torch.equal(x, torch.full((40,), 2.0))
+
+
+class LazyBackendMeta:
+    """A metadata object with a lazily initialised workspace (FlashMLA-style): the first step that uses it
+    zeroes the workspace and flips `initialized`; later steps skip that."""
+
+    def __init__(self, N):
+        self.initialized = False
+        self.workspace = torch.full((N,), float("nan"))
+        self.scale = torch.ones(N)
+
+
+def lazy_step(meta, x):
+    if not meta.initialized:
+        meta.workspace.zero_()
+        meta.initialized = True
+    return (x + meta.workspace) * meta.scale
+
+
+def test_seed_004_warmup_and_capture_share_lazy_metadata():
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: None)
+    lc.reserve(lambda: None)
+    x = torch.ones(4)
+    shared = {}
+
+    def make_shared(desc, warmup):               # the bug: one cached metadata object per descriptor
+        meta = shared.setdefault(desc, LazyBackendMeta(desc.batch))
+        return StepSpec(lambda: lazy_step(meta, x), meta, {"x": x})
+
+    with pytest.raises(SharedWarmupMetadata, match=r"decode\[N=4, T=1\].*same metadata object.*initialized"):
+        lc.capture(CaptureDescriptor("decode", 4), make_shared)
+
+    backend = LazyBackendMeta(2)
+
+    class Meta:
+        def __init__(self):
+            self.backend = backend               # distinct top-level objects sharing the lazy backend state
+            self.positions = torch.zeros(2, dtype=I32)
+
+    def make_nested(desc, warmup):
+        meta = Meta()
+        return StepSpec(lambda: lazy_step(meta.backend, x[:2]), meta)
+
+    with pytest.raises(SharedWarmupMetadata, match=r"share the mutable object.*backend"):
+        lc.capture(CaptureDescriptor("decode", 2), make_nested)
+
+    def make_fresh(desc, warmup):                # the fix: separate objects for warmup and capture
+        meta = LazyBackendMeta(desc.batch)
+        return StepSpec(lambda: lazy_step(meta, x[:desc.batch]), meta)
+
+    out = lc.capture(CaptureDescriptor("decode", 1), make_fresh)
+    assert torch.equal(lc.replay(CaptureDescriptor("decode", 1)), torch.ones(1)) and torch.equal(out, torch.ones(1))
+
+
+def test_seed_002_draft_step_replayed_with_step0_metadata(model):
+    m, k = model, 3
+    lc, cache = ready(m, k=2)
+    states = {}
+    desc = CaptureDescriptor("draft", 2)
+    lc.capture(desc, draft_step(m, cache, k, states))
+    _prefill(m, cache, [4, 6], [0, 1])
+    si = torch.tensor([0, 1], dtype=I32)
+    meta0 = m.metadata(cache, si, torch.arange(3, dtype=I32), 2, mtp=True)
+    lc.replay_draft(desc, 0, meta0)
+    with pytest.raises(StaleDraftMetadata, match=r"draft\[N=2, T=1\]: draft step 1 .*step 0's in \['positions'"):
+        lc.replay_draft(desc, 1, meta0)                        # the bug: step 0's positions again
+    # the fix: rebuild after every step (the MTP lengths advanced on the device), for k = 3 steps
+    for step in range(k):
+        lc.replay_draft(desc, step, m.metadata(cache, si, torch.arange(3, dtype=I32), 2, mtp=True))
+    assert torch.equal(states[desc].step, torch.tensor(k - 1))
+
+
+def test_host_syncs_allocations_and_moved_buffers(model):
+    m = model
+    lc, cache = ready(m)
+    x = torch.arange(4.0)
+    cases = [
+        (lambda: x * x.sum().item(), HostSyncInCapture, r"Tensor.item\(\)"),
+        (lambda: x.cpu() + 1, HostSyncInCapture, r"Tensor.cpu\(\)"),
+        (lambda: x[x > 1].sum(), HostSyncInCapture, r"data-dependent"),
+        (lambda: x + torch.tensor([1.0, 2.0, 3.0, 4.0]), AllocationOutsidePool, r"host memory"),
+        (lambda: (torch.zeros(4, device="meta"), x * 2)[1], AllocationOutsidePool, r"device=meta.*outside the graph pool"),
+    ]
+    for i, (fn, err, msg) in enumerate(cases):
+        with pytest.raises(err, match=msg):
+            lc.capture(CaptureDescriptor("decode", 10 + i), lambda d, w, fn=fn: StepSpec(fn))
+    # the model with host value checks on (the refgdn default) is not capturable: .tolist() in _check_values
+    m.check_values = True
+    try:
+        with pytest.raises(HostSyncInCapture, match=r"tolist"):
+            lc.capture(CaptureDescriptor("decode", 2), decode_step(m, cache))
+    finally:
+        m.check_values = False
+    # static buffers must keep their addresses: a replaced input, a replaced metadata field, a re-allocated cache
+    desc = CaptureDescriptor("decode", 4)
+    lc.capture(desc, decode_step(m, cache))
+    lc.watch("gdn[0].ssm_state", lambda: cache.gdn[0].ssm_state)
+    st = lc.steps[desc]
+    lc.replay(desc)
+    st.spec.inputs["ids"] = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(StaticBufferMoved, match=r"inputs.ids moved since capture"):
+        lc.replay(desc)
+    lc.steps.pop(desc)
+    lc.capture(desc, decode_step(m, cache))
+    lc.steps[desc].spec.metadata.positions = torch.zeros(4, dtype=I32)
+    with pytest.raises(StaticBufferMoved, match=r"metadata.positions moved"):
+        lc.replay(desc)
+    lc.steps.pop(desc)
+    lc.capture(desc, decode_step(m, cache))
+    cache.gdn[0].ssm_state = cache.gdn[0].ssm_state.clone()
+    with pytest.raises(StaticBufferMoved, match=r"gdn\[0\].ssm_state moved"):
+        lc.replay(desc)
+
+
+def test_phase_order_is_enforced(model):
+    lc = Lifecycle("cpu")
+    with pytest.raises(cap.PhaseError):
+        lc.capture(CaptureDescriptor("decode", 1), lambda d, w: StepSpec(lambda: None))
+    lc.profile(lambda: None)
+    with pytest.raises(cap.PhaseError):
+        lc.replay(CaptureDescriptor("decode", 1))
+    with pytest.raises(ValueError, match="mode"):
+        CaptureDescriptor("prefill", 1)
