@@ -1,0 +1,302 @@
+"""Backward of the chunked gated delta rule and of the causal conv1d.
+
+1. Each refgdn backward stage (refgdn.delta_rule_bwd, refgdn.conv_bwd) on its own against
+   torch.autograd of the forward stage it differentiates, in float64 (to ~1e-12).
+2. The composed refgdn backward against autograd of the time loop (the base truth).
+3. fast's gradients (autograd through the custom ops) against refgdn autograd by the conformance rule,
+   for the paths the conformance matrix does not walk: only o or only the final state used,
+   output_final_state=False, some inputs without requires_grad, float64 routing, zero-length input.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fast
+import refgdn
+from conformance.core import Check, evaluate
+from refgdn import conv_bwd as rcb
+from refgdn import delta_rule as rd
+from refgdn import delta_rule_bwd as rb
+from tests.helpers import gdn_inputs
+
+F64 = torch.float64
+
+
+def close(a, b, tol=1e-10):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol * max(1.0, b.abs().max().item() if b.numel() else 0.0), err
+
+
+def _group_sum(x, H):
+    """[B, T, HV, K] per value head -> [B, T, H, K] (sum over each GVA group)."""
+    B, T, HV, K = x.shape
+    return x.view(B, T, H, HV // H, K).sum(3)
+
+
+def _stage_inputs(B=2, T=32, H=1, HV=2, K=8, V=6, BT=16, seed=0, gate="mid"):
+    q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, gate=gate, seed=seed, init=True)
+    # pad-like tail: the last 5 tokens of batch row 1 inert (g = beta = k = 0), as refgdn pads
+    k[1, -5:] = 0
+    g[1, -5:] = 0
+    beta[1, -5:] = 0
+    G = rd.chunk_cumsum(g, BT)
+    A = rd.wy_repr(k, beta, G, BT)
+    w, u = rd.w_u(k, v, beta, A, G, BT)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, S0=S0, G=G, A=A, w=w, u=u, BT=BT, scale=K ** -0.5, H=H)
+
+
+@pytest.mark.parametrize("BT", [16, 32])
+def test_stage1_dv_local(BT):
+    s = _stage_inputs(BT=BT)
+    h, v_new, _ = rd.state_passing(s["k"], s["w"], s["u"], s["G"], BT, s["S0"])
+    v_new = v_new.detach().requires_grad_()
+    o = rd.chunk_output(s["q"], s["k"], v_new, h, s["G"], s["scale"], BT)
+    do = torch.randn_like(o)
+    (want,) = torch.autograd.grad(o, v_new, do)
+    close(rb.chunk_dv_local(s["q"], s["k"], s["G"], do, s["scale"], BT), want)
+
+
+def _stage2_loss(s, k, w, u, G, S0, do, dht):
+    h, v_new, S = rd.state_passing(k, w, u, G, s["BT"], S0)
+    o = rd.chunk_output(s["q"], k, v_new, h, G, s["scale"], s["BT"])
+    return (o * do).sum() + (S * dht).sum(), h, v_new
+
+
+@pytest.mark.parametrize("H,HV", [(1, 2), (2, 2)])
+def test_stage2_state_passing_bwd(H, HV):
+    s = _stage_inputs(H=H, HV=HV, T=48)
+    BT = s["BT"]
+    u = s["u"].detach().requires_grad_()
+    S0 = s["S0"].detach().requires_grad_()
+    do = torch.randn(*s["v"].shape, dtype=F64)
+    dht = torch.randn_like(S0)
+    loss, h, v_new = _stage2_loss(s, s["k"], s["w"], u, s["G"], S0, do, dht)
+    du, dS0 = torch.autograd.grad(loss, [u, S0])
+    dv_loc = rb.chunk_dv_local(s["q"], s["k"], s["G"], do, s["scale"], BT)
+    dh, dv_new, dh0 = rb.state_passing_bwd(s["q"], s["k"], s["w"], s["G"], do, dv_loc, s["scale"], BT, dht)
+    close(dv_new, du)                                                  # v_new = u - w S: du = dv_new
+    close(dh0, dS0)
+    # dh[c]: the gradient of the state at the end of chunk c, from the suffix c+1.. started at it
+    NC = s["k"].shape[1] // BT
+    for c in range(NC):
+        start = h[:, c + 1] if c + 1 < NC else None
+        if start is None:
+            close(dh[:, c], dht)
+            continue
+        leaf = start.detach().requires_grad_()
+        t0 = (c + 1) * BT
+        sub = dict(s, q=s["q"][:, t0:])
+        lo, _, _ = _stage2_loss(sub, s["k"][:, t0:], s["w"][:, t0:], s["u"][:, t0:], s["G"][:, t0:], leaf,
+                                do[:, t0:], dht)
+        (want,) = torch.autograd.grad(lo, leaf)
+        close(dh[:, c], want)
+
+
+@pytest.mark.parametrize("gate", ["mid", "strong"])
+def test_stage3_dqkwg(gate):
+    s = _stage_inputs(H=1, HV=2, T=48, gate=gate)
+    BT, H = s["BT"], s["H"]
+    q, k, w, G = (s[n].detach().requires_grad_() for n in ("q", "k", "w", "G"))
+    do = torch.randn(*s["v"].shape, dtype=F64)
+    dht = torch.randn_like(s["S0"])
+    loss, h, v_new = _stage2_loss(dict(s, q=q), k, w, s["u"], G, s["S0"], do, dht)
+    dq_w, dk_w, dw_w, dG_w = torch.autograd.grad(loss, [q, k, w, G])
+    dv_loc = rb.chunk_dv_local(s["q"], s["k"], s["G"], do, s["scale"], BT)
+    dh, dv_new, _ = rb.state_passing_bwd(s["q"], s["k"], s["w"], s["G"], do, dv_loc, s["scale"], BT, dht)
+    dq, dk, dw, dG = rb.chunk_bwd_dqkwg(s["q"], s["k"], v_new.detach(), h.detach(), dh, do, dv_new, s["G"],
+                                        s["scale"], BT)
+    close(_group_sum(dq, H), dq_w)
+    close(_group_sum(dk, H), dk_w)
+    close(dw, dw_w)
+    close(dG, dG_w)
+
+
+@pytest.mark.parametrize("H,HV,BT", [(1, 2, 16), (2, 2, 32)])
+def test_stage4_wy_bwd(H, HV, BT):
+    s = _stage_inputs(H=H, HV=HV, BT=BT, T=64)
+    k, v, beta, G = (s[n].detach().requires_grad_() for n in ("k", "v", "beta", "G"))
+    A = rd.wy_repr(k, beta, G, BT)
+    w, u = rd.w_u(k, v, beta, A, G, BT)
+    dw, du = torch.randn_like(w), torch.randn_like(u)
+    want = torch.autograd.grad((w * dw).sum() + (u * du).sum(), [k, v, beta, G])
+    dk, dv, dbeta, dG = rb.wy_bwd(s["k"], s["v"], s["beta"], s["G"], s["A"], dw, du, BT)
+    for got, ref in zip((_group_sum(dk, H), dv, dbeta, dG), want):
+        close(got, ref)
+
+
+def test_stage5_cumsum_gating_l2norm_bwd():
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(2, 32, 3, dtype=F64, generator=gen, requires_grad=True)
+    dG = torch.randn(2, 32, 3, dtype=F64, generator=gen)
+    (want,) = torch.autograd.grad(rd.chunk_cumsum(g, 16), g, dG)
+    close(rb.chunk_cumsum_bwd(dG, 16), want)
+
+    a = (12 * torch.randn(4, 5, 3, dtype=F64, generator=gen)).requires_grad_()   # both softplus branches
+    A_log = torch.rand(3, dtype=F64, generator=gen).requires_grad_()
+    dt_bias = torch.randn(3, dtype=F64, generator=gen).requires_grad_()
+    gg, _ = refgdn.gdn_gating(A_log, a, dt_bias, a)
+    dg = torch.randn_like(gg)
+    want = torch.autograd.grad(gg, [a, A_log, dt_bias], dg)
+    for got, ref in zip(rb.gating_bwd(dg, a.detach(), A_log.detach(), dt_bias.detach()), want):
+        close(got, ref)
+
+    x = torch.randn(3, 7, 10, dtype=F64, generator=gen).requires_grad_()
+    dy = torch.randn_like(x)
+    (want,) = torch.autograd.grad(refgdn.l2norm(x), x, dy)
+    close(rb.l2norm_bwd(x.detach(), dy), want)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(B=2, T=37, H=1, HV=2, BT=16),
+    dict(B=1, T=50, H=2, HV=4, BT=32, cu=[0, 0, 1, 20, 50], l2=True, fused=True),
+    dict(B=1, T=40, H=1, HV=1, BT=64, init=False),
+], ids=["dense-gva2", "varlen-l2norm-fused", "no-init"])
+def test_refgdn_composed_bwd_matches_autograd_of_the_time_loop(kw):
+    B, T, H, HV, BT = kw["B"], kw["T"], kw["H"], kw["HV"], kw["BT"]
+    K, V = 8, 6
+    cu = kw.get("cu")
+    N = B if cu is None else len(cu) - 1
+    q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, seed=5, init=True, N=N)
+    extra = {}
+    if kw.get("fused"):
+        gen = torch.Generator().manual_seed(6)
+        g = torch.randn(B, T, HV, dtype=F64, generator=gen)
+        extra = dict(A_log=torch.rand(HV, dtype=F64, generator=gen), dt_bias=torch.randn(HV, dtype=F64, generator=gen))
+    if not kw.get("init", True):
+        S0 = None
+    cut = None if cu is None else torch.tensor(cu)
+    leaves = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0, **extra)
+    leaves = {n: t.clone().requires_grad_() for n, t in leaves.items() if t is not None}
+    o, S = refgdn.recurrent_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cut,
+                                             use_qk_l2norm_in_kernel=kw.get("l2", False))
+    do, dht = torch.randn_like(o), torch.randn_like(S)
+    want = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (S * dht).sum(), list(leaves.values()))))
+    got = rb.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, None, S0, cut, kw.get("l2", False),
+                                        chunk_size=BT, **extra)
+    names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log",
+                 dt_bias="ddt_bias")
+    for n, ref in want.items():
+        close(got[names[n]], ref, tol=1e-9)
+
+
+@pytest.mark.parametrize("W,act,cu", [(4, "silu", None), (3, None, [0, 0, 1, 2, 30]), (2, "silu", [0, 1, 30])])
+def test_refgdn_conv_bwd_matches_autograd(W, act, cu):
+    gen = torch.Generator().manual_seed(7)
+    B = 2 if cu is None else 1
+    T, D = 30, 5
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, dtype=F64, generator=gen)  # noqa: E731
+    x, w, b, s0 = r(B, T, D), r(D, W), r(D), r(N, D, W - 1)
+    cut = None if cu is None else torch.tensor(cu)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, s0)]
+    y, fin = refgdn.causal_conv1d(leaves[0], leaves[1], leaves[2], act, leaves[3], True, cut)
+    dy, dfin = torch.randn_like(y), torch.randn_like(fin)
+    want = torch.autograd.grad((y * dy).sum() + (fin * dfin).sum(), leaves)
+    for got, ref in zip(rcb.causal_conv1d_bwd(x, w, dy, b, act, s0, cut, dfin), want):
+        close(got, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# fast against refgdn autograd, by the conformance rule
+# ----------------------------------------------------------------------------------------------
+
+def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):
+    """fn(ops, **inputs) -> scalar loss. Gradients of fast (inputs in dtype), refgdn in dtype and refgdn
+    in float64 on the same rounded values; every gradient must pass the conformance rule."""
+    def grads(ops, cast):
+        leaves = {n: (cast(t).requires_grad_() if rg else cast(t)) for n, (t, rg) in inputs.items()}
+        want = [n for n, (_, rg) in inputs.items() if rg]
+        loss = fn(ops, **leaves)
+        return dict(zip(want, torch.autograd.grad(loss, [leaves[n] for n in want])))
+
+    low = lambda t: t.detach().to(dtype if t.dtype != torch.float32 else torch.float32)  # noqa: E731
+    g_f = grads(fast, low)
+    g_r = grads(refgdn, low)
+    g_t = grads(refgdn, lambda t: low(t).double())
+    for n in g_t:
+        res = evaluate(Check(n, g_f[n], g_t[n], g_r[n], dtype=dtype))
+        assert res["passed"], (n, res)
+    return g_f
+
+
+def _fast_inputs(grad_mask=None, T=40, HV=2):
+    q, k, v, g, beta, S0 = gdn_inputs(1, T, 1, HV, 16, 16, seed=11, init=True, dtype=torch.float32)
+    d = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0)
+    return {n: (t, True if grad_mask is None else n in grad_mask) for n, t in d.items()}
+
+
+@pytest.mark.parametrize("use", ["o-only", "state-only", "no-final-state"])
+def test_fast_grad_output_paths(use):
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(1, 40, 2, 16, generator=gen)
+    dht = torch.randn(1, 2, 16, 16, generator=gen)
+
+    def fn(ops, **kw):
+        o, S = ops.chunk_gated_delta_rule(**kw, output_final_state=use != "no-final-state", chunk_size=16)
+        if use == "state-only":
+            return (S * dht.to(S)).sum()
+        assert use == "o-only" or S is None
+        return (o * do.to(o)).sum()
+
+    # the final state does not depend on q: no gradient to compare there
+    _fast_vs_ref(fn, _fast_inputs(grad_mask=None if use != "state-only" else ("k", "v", "g", "beta", "initial_state")))
+
+
+def test_fast_grad_some_inputs_only():
+    """Only v and beta require grad: the others get none, and v, beta's gradients are right."""
+    def fn(ops, **kw):
+        o, _ = ops.chunk_gated_delta_rule(**kw, chunk_size=32)
+        return (o * o.detach().sin()).sum()
+
+    got = _fast_vs_ref(fn, _fast_inputs(grad_mask=("v", "beta")))
+    assert set(got) == {"v", "beta"}
+
+
+def test_fast_grad_float64_routes_to_refgdn():
+    q, k, v, g, beta = (t.requires_grad_() for t in gdn_inputs(1, 20, 1, 1, 8, 8, seed=13))
+    o, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    dq, = torch.autograd.grad(o.sum(), [q])
+    o_r, _ = refgdn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    dq_r, = torch.autograd.grad(o_r.sum(), [q])
+    assert torch.equal(dq, dq_r)
+
+
+def test_fast_grad_no_grad_needed_skips_the_op(monkeypatch):
+    """Inference calls (no input requires grad) run the kernels directly, not the custom op."""
+    from fast import library
+
+    def boom(*a, **k):
+        raise AssertionError("custom op used for an inference call")
+
+    monkeypatch.setattr(library, "chunk_gated_delta_rule_op", boom)
+    monkeypatch.setattr(library, "causal_conv1d_op", boom)
+    q, k, v, g, beta = gdn_inputs(1, 20, 1, 1, 16, 16, seed=14, dtype=torch.float32)
+    fast.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    fast.causal_conv1d(torch.randn(1, 8, 4), torch.randn(4, 4))
+    with pytest.raises(AssertionError):
+        fast.chunk_gated_delta_rule(q.requires_grad_(), k, v, g, beta, chunk_size=16)
+
+
+def test_fast_conv_grad_without_final_state_and_bias():
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(2, 33, 12, generator=gen)
+    w = torch.randn(12, 4, generator=gen)
+    s0 = torch.randn(2, 12, 3, generator=gen)
+    dy = torch.randn(2, 33, 12, generator=gen)
+
+    def fn(ops, x, weight, initial_state):
+        y, fin = ops.causal_conv1d(x, weight, None, "silu", initial_state)
+        assert fin is None
+        return (y * dy.to(y)).sum()
+
+    _fast_vs_ref(fn, dict(x=(x, True), weight=(w, True), initial_state=(s0, True)))
+
+
+def test_fast_grad_validation_unchanged():
+    """Bad input is still a ValueError before anything runs, with gradients requested."""
+    q, k, v, g, beta = (t.requires_grad_() for t in gdn_inputs(1, 20, 1, 2, 16, 16, seed=16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="beta"):
+        fast.chunk_gated_delta_rule(q, k, v, g, beta[..., :1], chunk_size=16)
+    with pytest.raises(ValueError, match="weight"):
+        fast.causal_conv1d(torch.randn(1, 8, 4, requires_grad=True), torch.randn(5, 4))
