@@ -133,21 +133,22 @@ class SparseMoeBlock(nn.Module):
 class Rotary(nn.Module):
     """Partial rotary embedding (NeoX halves) on the first ``rotary_dim`` channels of each head.
 
-    inv_freq[i] = theta ** (-2i / rotary_dim), kept in float64; cos/sin are built per step from the
-    step's positions in the compute dtype.
+    inv_freq[i] = theta ** (-2i / rotary_dim), computed per call in the compute dtype on the positions'
+    device (a buffer would be rounded by ``model.to(bfloat16)``); cos/sin from the step's positions.
     """
 
     def __init__(self, cfg: Qwen3NextConfig, device=None):
         super().__init__()
-        rot = cfg.rotary_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-        self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.rotary_dim = rot
+        self.rotary_dim, self.theta = cfg.rotary_dim, float(cfg.rope_theta)
+
+    def inv_freq(self, dt: torch.dtype, device) -> torch.Tensor:
+        rot = self.rotary_dim
+        return 1.0 / (self.theta ** (torch.arange(0, rot, 2, dtype=dt, device=device) / rot))
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim], positions: [T] int -> [T, heads, head_dim] in x.dtype."""
         dt = compute_dtype(x)
-        freqs = positions.to(dt)[:, None] * self.inv_freq.to(dt)           # [T, rot/2]
+        freqs = positions.to(dt)[:, None] * self.inv_freq(dt, x.device)     # [T, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]                 # [T, 1, rot]
         cos, sin = emb.cos(), emb.sin()
         xf = x.to(dt)
