@@ -7,7 +7,8 @@ time, so no padding is involved on its side):
 
 * refgdn ops, float64: relative error < 1e-10 against transformers in float64;
 * fast ops, float32 (Triton interpreter on CPU): by the conformance rule against the float64 truth,
-  with refgdn in float32 as the reference precision; on a GPU also bfloat16.
+  with refgdn in float32 as the reference precision; on a GPU also bfloat16 (dense-MLP checkpoint);
+* the other direction: our save_pretrained loads into transformers with the same float64 logits.
 
 transformers computes GDN, norms, rotary and the router in float32 internally (``.float()``,
 ``.to(torch.float32)``); for the float64 truth :func:`hf_float64` makes those casts keep float64
@@ -28,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 hf_mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
 
 from conformance.core import Check, evaluate  # noqa: E402
-from refgdn.model import Qwen3NextModel  # noqa: E402
+from refgdn.model import Qwen3NextConfig, Qwen3NextModel  # noqa: E402
 
 PROMPT_LENS = (1, 6, 23, 70)          # 70 > 64: two chunks in both chunked forms
 SEED = 1234
@@ -195,3 +196,25 @@ def test_fast_cuda_float32_by_conformance_rule(hf_truth):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16)")
 def test_fast_cuda_bfloat16_dense_by_conformance_rule(hf_truth_dense):
     _fast_against_truth(hf_truth_dense, torch.bfloat16, "cuda")
+
+
+def test_our_checkpoint_loads_into_transformers(tmp_path):
+    """The other direction: save_pretrained of a random tiny model (with MTP weights, which transformers
+    ignores) loads into transformers and gives our logits (float64)."""
+    model = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="refgdn", dtype=torch.float64, seed=7)
+    model.save_pretrained(tmp_path)
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 20)]
+    ours = run_ours(model, prompts)
+    mp = pytest.MonkeyPatch()
+    try:
+        with hf_float64(mp):
+            hf = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path, dtype=torch.float64,
+                                                                   attn_implementation="eager",
+                                                                   experts_implementation="eager").eval()
+            with torch.no_grad():
+                theirs = [hf(input_ids=p[None], use_cache=False).logits[0] for p in prompts]
+    finally:
+        mp.undo()
+    for o, t in zip(ours, theirs):
+        rel = ((o - t).abs().max() / t.abs().max()).item()
+        assert rel < 1e-10, f"relative error {rel:.3e}"
