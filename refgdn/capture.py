@@ -306,8 +306,9 @@ class _Hooks:
                 for rec in recs:
                     rec.on_launch(key, event)
                 before = cls.compiles
+                size = None if cls.prev_hook is not None else _cache_len(self)
                 out = event()
-                if cls.compiles != before:
+                if cls.compiles != before or (size is not None and _cache_len(self) != size):
                     for rec in recs:
                         rec.on_compiled(key)
                 for rec in recs:
@@ -362,6 +363,15 @@ class _Hooks:
             except Exception:  # noqa: BLE001
                 pass
             cls.prev_hook = None
+
+
+def _cache_len(kernel) -> Optional[int]:
+    """Compiled variants in a JITFunction's in-memory cache (the compile counter when Triton has no
+    jit_post_compile_hook); None for the interpreter."""
+    try:
+        return sum(len(v[0]) for v in kernel.device_caches.values())
+    except Exception:  # noqa: BLE001
+        return None
 
 
 @contextlib.contextmanager

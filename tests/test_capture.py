@@ -471,3 +471,39 @@ def test_phase_order_is_enforced(model):
         lc.replay(CaptureDescriptor("decode", 1))
     with pytest.raises(ValueError, match="mode"):
         CaptureDescriptor("prefill", 1)
+
+
+def test_graphed_model_on_cpu_equals_eager(model):
+    """fast.graphs.GraphedModel with simulated graphs (CPU): decode / verify / draft through graphs, padded
+    and above the largest graph, equal an eager twin bit for bit; cuda_graphs=False runs eagerly."""
+    from fast.graphs import GraphedModel
+    m, k = model, 2
+    cfg = ServingConfig(capture_batch_sizes=(2, 4), max_draft=k, max_batch=5, max_prefill_tokens=8,
+                        max_prefill_seqs=2)
+    from fast.graphs import profile_traffic
+    gm = GraphedModel(m, batch_sizes=(2, 4), max_draft=k, num_slots=5, max_len=64).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    assert sorted(map(str, gm.lc.steps)) == sorted(map(str, cfg.descriptors()))
+    eager = GraphedModel(m, cache=gm.cache.clone(), batch_sizes=(2, 4), max_draft=k, cuda_graphs=False).setup()
+    eager.lc.seen_keys |= gm.lc.seen_keys            # the twin shares the process's profiled variants
+    for g in (gm, eager):
+        _prefill(m, g.cache, [3, 5, 2], [0, 1, 2])
+    for n in (1, 3, 5):                                    # 1, 3: padded graphs; 5: above the largest -> eager
+        si = torch.arange(n, dtype=I32)
+        ids = torch.arange(n) + 11
+        a, b = gm.decode(ids, si), eager.decode(ids, si)
+        assert a.shape == (n, m.config.vocab_size) and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        vids = torch.arange(n * (1 + k)) % 50
+        a, b = gm.verify(vids, si, k), eager.verify(vids, si, k)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        for g in (gm, eager):
+            g.accept(si, torch.full((n,), 2, dtype=I32))
+    si = torch.arange(2, dtype=I32)
+    hid = torch.randn(2, m.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    toks = [gm.draft(0, si, torch.tensor([4, 6]), hid)] + [gm.draft(s, si) for s in range(1, k)]
+    ref, tid, h = [], torch.tensor([4, 6]), hid
+    for s in range(k):
+        h = m.mtp(eager.cache, tid, h, m.metadata(eager.cache, si, torch.arange(3, dtype=I32), 2, mtp=True))
+        tid = m.logits(h).argmax(-1)
+        ref.append(tid)
+    assert all(torch.equal(a, b) for a, b in zip(toks, ref))
