@@ -45,6 +45,15 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _launch_w_u, _num_sms, _precise)
 from .utils import cdiv, is_interpreting
 
+# Per-stage config overrides merged over the pinned heuristics below, for benchmark sweeps
+# (benchmarks/bench_train.py --sweep): {"dv_local": {...}, "dh": {...}, "dqkwg": {...}, "wy": {...}} with
+# keys BV, num_warps, num_stages. Each distinct config is its own compiled variant.
+CONFIG_OVERRIDES: dict = {}
+
+
+def _cfg(name: str, base: dict) -> dict:
+    return dict(base, **CONFIG_OVERRIDES.get(name, {}))
+
 
 @triton.jit
 def _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE: tl.constexpr):
@@ -526,9 +535,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         dv_local = dv_new                                                # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **dv_local_bwd_config(K, V))
+            **common, **_cfg("dv_local", dv_local_bwd_config(K, V)))
         # ---- 2. reverse state pass ----------------------------------------------------------------
-        cfg = dh_bwd_config(N, HV, K, V, dev)
+        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev))
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
@@ -537,14 +546,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV,)](
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **dqkwg_bwd_config(K, V))
+            **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V)))
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, *v.stride()[:3], *beta.stride(), *g.stride(),
             **common, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
-            **wy_bwd_config(K, V))
+            **_cfg("wy", wy_bwd_config(K, V)))
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:
