@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+import refgdn.serving as rs
 from refgdn.serving import (GDNStateCache, check_accept_inputs, check_cache, check_state_indices,
                             check_step_inputs, raise_first, step_value_faults)
 
@@ -66,6 +67,13 @@ __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_mater
 # replace the heuristic's). Never changed while graphs are captured: a new value is a new compile variant.
 STEP_CONFIG_OVERRIDE: Optional[dict] = None
 CONV_CONFIG_OVERRIDE: Optional[dict] = None
+
+# fault codes and the awaiting-accept bit, shared with refgdn.serving (kernel-visible constants)
+_E_SLOT_RANGE, _E_SLOT_DUP = tl.constexpr(rs.E_SLOT_RANGE), tl.constexpr(rs.E_SLOT_DUP)
+_E_CU_START, _E_CU_ORDER, _E_CU_END = tl.constexpr(rs.E_CU_START), tl.constexpr(rs.E_CU_ORDER), tl.constexpr(rs.E_CU_END)
+_E_TOO_LONG, _E_AWAITING = tl.constexpr(rs.E_TOO_LONG), tl.constexpr(rs.E_AWAITING)
+_E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_ACCEPT_RANGE)
+_AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
 
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
@@ -184,27 +192,25 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S,
     L = eos - bos
     other = _earliest_other(state_indices, raw, i_n, N, BN)
     dup = real & (other < 2 * N)
-    awaiting = real & ((word & 2) != 0)               # refgdn.serving.AWAIT_ACCEPT
+    awaiting = real & ((word & _AWAIT) != 0)
     # the request's fault: the rules from the lowest priority to the highest, each overriding
     zero = raw * 0
-    code = tl.where(awaiting, 8, zero)                                              # E_AWAITING
+    code = tl.where(awaiting, _E_AWAITING, zero)
     value = tl.where(awaiting, raw, zero)
     extra = zero
     if VARLEN:
-        f = L > TCAP                                                                # E_TOO_LONG
-        code, value, extra = tl.where(f, 7, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
-        f = (i_n != N - 1) & ((eos < 0) | (eos > T))                               # E_CU_RANGE
-        code, value, extra = tl.where(f, 6, code), tl.where(f, eos, value), tl.where(f, T, extra)
-        f = (i_n == N - 1) & (eos != T)                                             # E_CU_END
-        code, value, extra = tl.where(f, 5, code), tl.where(f, eos, value), tl.where(f, T, extra)
-        f = eos < bos                                                               # E_CU_ORDER
-        code, value, extra = tl.where(f, 4, code), tl.where(f, eos, value), tl.where(f, bos, extra)
-        f = (i_n == 0) & (bos != 0)                                                 # E_CU_START
-        code, value, extra = tl.where(f, 3, code), tl.where(f, bos, value), tl.where(f, 0, extra)
-    f = real & (other < N)                                                          # E_SLOT_DUP
-    code, value, extra = tl.where(f, 2, code), tl.where(f, raw, value), tl.where(f, other, extra)
-    f = in_range == 0                                                               # E_SLOT_RANGE
-    code, value, extra = tl.where(f, 1, code), tl.where(f, raw, value), tl.where(f, S, extra)
+        f = L > TCAP
+        code, value, extra = tl.where(f, _E_TOO_LONG, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
+        f = (i_n == N - 1) & (eos != T)
+        code, value, extra = tl.where(f, _E_CU_END, code), tl.where(f, eos, value), tl.where(f, T, extra)
+        f = eos < bos
+        code, value, extra = tl.where(f, _E_CU_ORDER, code), tl.where(f, eos, value), tl.where(f, bos, extra)
+        f = (i_n == 0) & (bos != 0)
+        code, value, extra = tl.where(f, _E_CU_START, code), tl.where(f, bos, value), tl.where(f, 0, extra)
+    f = real & (other < N)
+    code, value, extra = tl.where(f, _E_SLOT_DUP, code), tl.where(f, raw, value), tl.where(f, other, extra)
+    f = in_range == 0
+    code, value, extra = tl.where(f, _E_SLOT_RANGE, code), tl.where(f, raw, value), tl.where(f, S, extra)
     # token rows: every offset of the call sane (else no row is trusted), this one's span in [0, T]
     live = (c0 == 0) & (cN == T) & (bos >= 0) & (bos <= eos) & (eos <= T) & (L <= TCAP)
     ok = live & real & (code == 0) & (dup == 0)
@@ -607,7 +613,7 @@ def gdn_step_kernel(
     own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)
     if KEEP_PENDING:   # the new tokens pending in the other bank; the slot awaits its accept
         tl.store(meta + slot * 2, L.to(tl.int32), mask=own_meta)
-        tl.store(meta + slot * 2 + 1, ((1 - bank) | 2).to(tl.int32), mask=own_meta)   # | AWAIT_ACCEPT
+        tl.store(meta + slot * 2 + 1, ((1 - bank) | _AWAIT).to(tl.int32), mask=own_meta)
     else:
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
@@ -639,14 +645,14 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
     dup = real & (other < 2 * N)
     # the row's fault, lowest priority first
     zero = raw * 0
-    f = real & ((acc < tl.minimum(count, 1)) | (acc > count))                       # E_ACCEPT_RANGE
-    code, value, extra = tl.where(f, 10, zero), tl.where(f, acc, zero), tl.where(f, count, zero)
-    f = real & ((word & 2) == 0)                                                    # E_NO_VERIFY
-    code, value, extra = tl.where(f, 9, code), tl.where(f, raw, value), tl.where(f, 0, extra)
-    f = real & (other < N)                                                          # E_SLOT_DUP
-    code, value, extra = tl.where(f, 2, code), tl.where(f, raw, value), tl.where(f, other, extra)
-    f = m_n & (in_range == 0)                                                       # E_SLOT_RANGE
-    code, value, extra = tl.where(f, 1, code), tl.where(f, raw, value), tl.where(f, S, extra)
+    f = real & ((acc < tl.minimum(count, 1)) | (acc > count))
+    code, value, extra = tl.where(f, _E_ACCEPT_RANGE, zero), tl.where(f, acc, zero), tl.where(f, count, zero)
+    f = real & ((word & _AWAIT) == 0)
+    code, value, extra = tl.where(f, _E_NO_VERIFY, code), tl.where(f, raw, value), tl.where(f, 0, extra)
+    f = real & (other < N)
+    code, value, extra = tl.where(f, _E_SLOT_DUP, code), tl.where(f, raw, value), tl.where(f, other, extra)
+    f = m_n & (in_range == 0)
+    code, value, extra = tl.where(f, _E_SLOT_RANGE, code), tl.where(f, raw, value), tl.where(f, S, extra)
     ok = real & (code == 0) & (dup == 0)
     tl.store(meta + slot * 2, acc.to(tl.int32), mask=ok)
     tl.store(meta + slot * 2 + 1, (word & 1).to(tl.int32), mask=ok)
@@ -665,6 +671,10 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
             scale, activation, mode: str):
     """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens)."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
+    # the kernels index these with unit stride (a no-op for contiguous tensors, also inside capture)
+    state_indices, A_log, dt_bias = state_indices.contiguous(), A_log.contiguous(), dt_bias.contiguous()
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    conv_bias = conv_bias.contiguous() if conv_bias is not None else None
     N = state_indices.shape[0]
     T = mixed_qkv.shape[0]
     dev = cache.ssm_state.device
@@ -760,7 +770,8 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
     if N == 0:
         return
-    accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices, num_accepted, N,
+    accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices.contiguous(),
+                                            num_accepted.contiguous(), N,
                                             cache.num_slots, BN=ACCEPT_BLOCK, BC=32, num_warps=4)
 
 

@@ -67,9 +67,13 @@ by both packages:
     state_indices[n]   in [0, num_slots), or -1 (padded row)           E_SLOT_RANGE
                        no other request with the same slot (both fail;  E_SLOT_DUP, reported by the
                        the later one reports, naming the earlier one)    later of the two requests
-    cu_seqlens         cu[0] == 0 (request 0 reports), non-decreasing,  E_CU_START, E_CU_ORDER,
-                       cu[N] == T (request N-1 reports), within [0, T]; E_CU_END, E_CU_RANGE
-                       if any offset is bad every request fails (its tokens are not trustworthy)
+    cu_seqlens         cu[0] == 0 (request 0 reports), non-decreasing   E_CU_START, E_CU_ORDER,
+                       (the request whose end is below its start        E_CU_END
+                       reports), cu[N] == T (request N-1 reports); if
+                       any offset is bad every request fails (no row is
+                       trustworthy); an offset beyond [0, T] implies one
+                       of these faults, reported there (one report per
+                       fault, so the report does not depend on timing)
                        cu[n+1] - cu[n] <= 1 + max_draft                 E_TOO_LONG
     sequence           decode / verify / materialize of a slot whose    E_AWAITING
                        verify still awaits its accept
@@ -114,8 +118,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 AWAIT_ACCEPT = 2     # bit of pend_meta[:, 1] (bit 0 is the bank): a verify awaits its gdn_accept
 
-E_SLOT_RANGE, E_SLOT_DUP, E_CU_START, E_CU_ORDER, E_CU_END, E_CU_RANGE, E_TOO_LONG, E_AWAITING = range(1, 9)
-E_NO_VERIFY, E_ACCEPT_RANGE = 9, 10
+E_SLOT_RANGE, E_SLOT_DUP, E_CU_START, E_CU_ORDER, E_CU_END, E_TOO_LONG, E_AWAITING, E_NO_VERIFY, E_ACCEPT_RANGE = \
+    range(1, 10)
 
 Fault = Tuple[int, int, int, int]    # (code, request n, bad value, extra: a bound or another index)
 
@@ -135,8 +139,6 @@ def fault_message(code: int, n: int, value: int, extra: int) -> str:
                 f"cu_seqlens[{n + 1}] = {value}")
     if code == E_CU_END:
         return f"cu_seqlens must end at T={extra} (the tokens in mixed_qkv), got cu_seqlens[{n + 1}] = {value}"
-    if code == E_CU_RANGE:
-        return f"cu_seqlens must stay within [0, T={extra}]: request {n} ends at cu_seqlens[{n + 1}] = {value}"
     if code == E_TOO_LONG:
         return (f"cu_seqlens: request {n} has {value} tokens; a verify step takes 0..1+max_draft={extra} "
                 f"tokens per request")
@@ -186,7 +188,7 @@ def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], 
         s = slots[n]
         if offsets is not None:
             bos, eos = offsets[n], offsets[n + 1]
-            failed = failed or cu_bad or not 0 <= bos <= T
+            failed = failed or cu_bad or not 0 <= bos <= eos <= T
             if fault is None:
                 if n == 0 and bos != 0:
                     fault = (E_CU_START, 0, bos, 0)
@@ -194,8 +196,6 @@ def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], 
                     fault = (E_CU_ORDER, n, eos, bos)
                 elif n == N - 1 and eos != T:
                     fault = (E_CU_END, n, eos, T)
-                elif not 0 <= eos <= T:
-                    fault = (E_CU_RANGE, n, eos, T)
                 elif eos - bos > cap:
                     fault = (E_TOO_LONG, n, eos - bos, cap)
         if fault is None and 0 <= s < num_slots and awaiting(s):
@@ -519,6 +519,9 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
         if cu_seqlens.numel() < 1:
             raise ValueError("cu_seqlens must hold N+1 >= 1 offsets [0, ..., T]")
         N = check_state_indices(state_indices, cache, cu_seqlens.numel() - 1, False)
+        if N == 0 and T != 0:   # [cu[0]] must be both 0 and T: a shape fault, no value needed
+            raise ValueError(f"cu_seqlens must end at T={T} (the tokens in mixed_qkv) and start at 0: with N = 0 "
+                             f"requests (one offset) T must be 0")
     if check_values:
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, T)[1])
     return N
