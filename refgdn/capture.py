@@ -306,7 +306,7 @@ class _Hooks:
                 for rec in recs:
                     rec.on_launch(key, event)
                 before = cls.compiles
-                size = None if cls.prev_hook is not None else _cache_len(self)
+                size = _cache_len(self)       # either signal counts: the hook, or the JIT cache growing
                 out = event()
                 if cls.compiles != before or (size is not None and _cache_len(self) != size):
                     for rec in recs:

@@ -1,0 +1,141 @@
+"""CUDA-graph benchmarks (GPU): one GDN layer's decode step under a graph and eager, and the model with graphs.
+
+1. One GDN layer's decode step (conv update + gating + l2norm + delta rule: fast.gdn_decode) at Qwen3-Next's
+   shape (H = 16, HV = 32, K = V = 128, bf16 activations, float32 state): CUDA graph at N = 1 and N = 8
+   (do_bench medians of the replay), eager at N = 1 as host wall time per call (launch overhead included:
+   a loop of calls, one synchronize at the end); fla's fused_recurrent_gated_delta_rule beside it in the
+   same run (no conv, no gating). Targets (issue 10): <= 5 us (graph, N = 1), <= 11 us (graph, N = 8),
+   <= 40 us (eager wall, N = 1).
+2. The model (refgdn.model "bench" preset, fast ops, bf16; fast.graphs.GraphedModel): decode latency per
+   token, and one speculative round (k MTP draft steps + verify of 1 + k + accept) for k = 1..3, graphs vs
+   eager, batch 1 and 32; tokens/s at the round's measured greedy acceptance and at full acceptance.
+
+Run: python -m benchmarks.bench_graphs  (appends a section to benchmarks/RESULTS.md)
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks import common
+from benchmarks.bench_decode import fla_fn, graphed, make_problem
+
+TITLE = "CUDA graphs: GDN decode step and the model (fast.graphs)"
+
+
+def wall_us(fn, iters: int = 200, repeats: int = 5) -> float:
+    """Median over `repeats` of (wall time of `iters` back-to-back calls + one sync) / iters, in us."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) / iters * 1e6)
+    return statistics.median(out)
+
+
+def layer_rows() -> list:
+    import fast.serving as fs
+    rows = []
+    fla = common.try_import_fla()
+    for N in (1, 8):
+        p = make_problem(N, 0, torch.float32, "cuda")
+        args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
+                p["idx"])
+        step = lambda: fs.gdn_decode(*args)  # noqa: E731
+        g = graphed(step)
+        if g is not None:
+            rows.append(dict(what="GDN layer decode step", impl="fast graph", N=N, us=common.bench(g) * 1e3,
+                             target={1: 5, 8: 11}[N]))
+        if N == 1:
+            rows.append(dict(what="GDN layer decode step", impl="fast eager (wall, host incl.)", N=N,
+                             us=wall_us(step), target=40))
+        if fla is not None and getattr(fla, "fused_recurrent_gated_delta_rule", None) is not None:
+            try:
+                call, _, note = fla_fn(p, fla)
+                gf = graphed(call)
+                if gf is not None:
+                    rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla graph", N=N,
+                                     us=common.bench(gf) * 1e3, note=note))
+                if N == 1:
+                    rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla eager (wall)", N=N,
+                                     us=wall_us(call), note=note))
+            except Exception as e:  # noqa: BLE001 - the peer's failure is reported, not fatal
+                rows.append(dict(what="fla fused_recurrent", impl="fla", N=N, note=f"failed: {e!r}"[:120]))
+    return rows
+
+
+def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20) -> list:
+    from fast.graphs import GraphedModel, profile_traffic
+    from refgdn.capture import ServingConfig
+    from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+    m = Qwen3NextModel(Qwen3NextConfig.preset("bench"), ops="fast", dtype=torch.bfloat16, device="cuda", seed=0)
+    K = max(ks)
+    cfg = ServingConfig(capture_batch_sizes=batches, max_draft=K, max_batch=max(batches), max_prefill_tokens=64,
+                        max_prefill_seqs=4, device="cuda")
+    rows = []
+    prof = lambda: profile_traffic(m, cfg)  # noqa: E731
+    for graphs in (True, False):
+        gm = GraphedModel(m, batch_sizes=batches, max_draft=K, cuda_graphs=graphs, num_slots=max(batches),
+                          max_len=iters * (K + 2) * 2 + 64).setup(profile=prof)
+        impl = "graphs" if graphs else "eager"
+        for B in batches:
+            si = torch.arange(B, dtype=torch.int32, device="cuda")
+            tok = torch.zeros(B, dtype=torch.int64, device="cuda")
+            gm.cache.reset(list(range(max(batches))))
+            t = wall_us(lambda: gm.decode(tok, si), iters=iters, repeats=3)
+            rows.append(dict(what="model decode step", impl=impl, N=B, us=t, tok_s=B / t * 1e6))
+            for k in ks:
+                hid = torch.zeros(B, m.config.hidden_size, dtype=m.dtype, device="cuda")
+                accepted = []
+
+                def round_():
+                    gm.cache.reset(list(range(max(batches))))   # host zeroing, same cost both ways
+                    if graphs:
+                        d = [gm.draft(0, si, tok, hid)] + [gm.draft(j, si) for j in range(1, k)]
+                    else:
+                        d, h, x = [], hid, tok
+                        for _ in range(k):
+                            meta = m.metadata(gm.cache, si, torch.arange(B + 1, dtype=torch.int32, device="cuda"),
+                                              B, mtp=True)
+                            h = m.mtp(gm.cache, x, h, meta)
+                            x = m.logits(h).argmax(-1)
+                            d.append(x)
+                    vids = torch.cat([tok[:, None], torch.stack(d, 1)], 1).reshape(-1)
+                    tgt = gm.verify(vids, si, k).argmax(-1).view(B, 1 + k)
+                    acc = ((tgt[:, :k] == torch.stack(d, 1)).int().cumprod(1).sum(1) + 1).to(torch.int32)
+                    gm.accept(si, acc)
+                    accepted.append(acc)
+
+                t = wall_us(round_, iters=iters, repeats=3)
+                mean_acc = float(torch.cat(accepted).float().mean())
+                rows.append(dict(what=f"speculative round k={k}", impl=impl, N=B, us=t,
+                                 tok_s=B * mean_acc / t * 1e6, tok_s_full_accept=B * (1 + k) / t * 1e6,
+                                 mean_accepted=mean_acc,
+                                 note="random weights: acceptance is the model's, not a real checkpoint's"))
+        compiles = dict(gm.lc.real_compiles)
+        rows.append(dict(what="Triton compilations per phase", impl=impl, note=str(compiles)))
+    return rows
+
+
+def run() -> list:
+    return layer_rows() + model_rows()
+
+
+def main():
+    if not common.gpu_available():
+        print("bench_graphs: needs a GPU")
+        return
+    rows = run()
+    print(common.format_table(rows))
+    common.append_results(TITLE, rows, meta=common.versions() if hasattr(common, "versions") else None)
+
+
+if __name__ == "__main__":
+    main()
