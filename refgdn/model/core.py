@@ -17,9 +17,18 @@ All return the hidden state after the final norm (what the MTP head takes, as in
     prefill / decode / accept:  mtp_kv_lens[slot] <- kv_lens[slot] (old);  kv_lens[slot] <- new length
         accept's new length is kv_lens + num_accepted (verify left kv_lens unchanged)
 
-The MTP lag rule: after any step that commits target tokens, the MTP head's KV length equals the
-target's length before those tokens; the next ``mtp`` call (the round's first draft step) covers
-exactly them: MTP position p takes (token p+1, target hidden at p). See /work/notes/model_api.md.
+The MTP head (vLLM's qwen3_next_mtp): MTP position p takes (token p+1, the target's hidden at p after
+its final norm). Lag rule: after any step that commits target tokens, the MTP head's KV length equals
+the target's length before those tokens, so the next ``mtp`` call covers exactly them. A round:
+
+    after prefill of x_0..x_{T-1} and sampling x_T:  mtp(ids = x_1..x_T, hidden = h_0..h_{T-1}) -> d_1
+    draft steps j = 2..k (one token per request):    mtp(ids = d_{j-1}, hidden = the previous MTP output)
+    verify [x_T, d_1..d_k] (positions T..T+k), sample, accept(a)
+    next round's first MTP step (varlen, a tokens per request): ids = d_1..d_{a-1} and the bonus/correction
+        token, hidden = the verify's hiddens of the request's first a tokens; positions resume at the first
+        verified position (the draft steps' KV rows are overwritten or masked)
+
+Every step needs fresh metadata (``metadata(...)``): the lengths move after each step.
 
 No host reads in the steps after the argument checks (shape/dtype/device). The refgdn ops themselves
 validate values on the host (they are the oracle); with ``check_values=True`` (the default for refgdn)
