@@ -524,3 +524,44 @@ def test_attn_window_bounds_the_attended_rows(model64):
         model64.decode(cache, ids, model64.metadata(cache, si, qsl, 2, attn_window=9))
     with pytest.raises(ValueError, match="attn_window"):
         model64.metadata(cache, si, qsl, 2, attn_window=33)
+
+
+def test_mtp_round_then_rollback_equals_a_fresh_run(model64):
+    """A whole round at the model level (catch-up MTP step, k-1 single draft steps, verify, partial accept,
+    the next catch-up) leaves target and MTP caches and outputs equal to a fresh prefill + catch-up over
+    the accepted tokens (the lag rule undoes the draft steps' MTP KV rows)."""
+    m, k = model64, 3
+    prompts, slots = ids_of((6, 4), seed=9), [0, 2]
+    si = torch.tensor(slots, dtype=I32)
+    cache = m.allocate_cache(3, 32, max_draft=k)
+    hid = m.prefill(cache, torch.cat(prompts), m.metadata(cache, si, qsl_of([6, 4]), 10))
+    x_T = torch.tensor([17, 23])                                   # the "sampled" next tokens
+    ids = torch.cat([prompts[0][1:], x_T[:1], prompts[1][1:], x_T[1:]])
+    mh = m.mtp(cache, ids, hid, m.metadata(cache, si, qsl_of([6, 4]), 10, mtp=True))
+    last, drafts = mh[[5, 9]], []
+    for j in range(k):
+        d = m.logits(last).argmax(-1)
+        drafts.append(d)
+        if j < k - 1:
+            last = m.mtp(cache, d, last, m.metadata(cache, si, torch.arange(3, dtype=I32), 2, mtp=True))
+    assert torch.equal(cache.mtp_kv_lens[slots], torch.tensor([6 + k - 1, 4 + k - 1], dtype=I32))
+    drafts = torch.stack(drafts, 1)                                # [2, k]
+    verified = [torch.cat([x_T[n:n + 1], drafts[n]]) for n in range(2)]   # 1 + k tokens each
+    vh = m.verify(cache, torch.cat(verified), m.metadata(cache, si, qsl_of([1 + k] * 2), 2 * (1 + k)))
+    acc = [2, 4]
+    m.accept(cache, si, torch.tensor(acc, dtype=I32))
+    bonus = torch.tensor([5, 6])
+    nxt = [torch.cat([verified[n][1:acc[n]], bonus[n:n + 1]]) for n in range(2)]
+    vh_kept = torch.cat([vh[n * (1 + k):n * (1 + k) + acc[n]] for n in range(2)])
+    mh2 = m.mtp(cache, torch.cat(nxt), vh_kept, m.metadata(cache, si, qsl_of(acc), sum(acc), mtp=True))
+
+    fresh = m.allocate_cache(3, 32, max_draft=k)
+    seqs = [torch.cat([prompts[n], verified[n][:acc[n]]]) for n in range(2)]
+    lens = [len(s) for s in seqs]
+    hid_f = m.prefill(fresh, torch.cat(seqs), m.metadata(fresh, si, qsl_of(lens), sum(lens)))
+    ids_f = torch.cat([torch.cat([seqs[n][1:], bonus[n:n + 1]]) for n in range(2)])
+    mh_f = m.mtp(fresh, ids_f, hid_f, m.metadata(fresh, si, qsl_of(lens), sum(lens), mtp=True))
+    tail = torch.cat([mh_f[sum(lens[:n]) + lens[n] - acc[n]:sum(lens[:n]) + lens[n]] for n in range(2)])
+    assert_close(mh2, tail, "MTP outputs after rollback vs fresh")
+    assert torch.equal(cache.mtp_kv_lens[slots], torch.tensor(lens, dtype=I32))
+    assert_caches_equal(m, cache, fresh, slots, mtp=True)
