@@ -25,6 +25,13 @@ fla's bytes: read initial state in its dtype + write the float32 final state (no
 (bytes / time) / measured device copy bandwidth (read + write, 1 GiB buffers). Target: decode
 N = 256, float32 state >= 90 % (fla: 373 us, 69 % on an H200).
 
+Device-side value checks (issue 8): every decode / verify checks its slot indices (range,
+duplicates), offsets and the verify -> accept sequence on the device; there is no switch in the ops.
+The second table measures what they cost: decode replayed from a CUDA graph with the checks (the op
+as served) and with ``fast.serving._launch(..., checks=False)``, a benchmark-only argument that
+skips the duplicate scan and the global offset loads in the same compiled kernel (valid inputs
+only). Target: overhead < 2 % at N = 256 (the rows alternate on/off three times; medians).
+
 ``python -m benchmarks.bench_decode [--sweep] [--no-results]``: --sweep adds a table at N = 256 of launch
 configs around the pinned ones (step kernel BV x num_warps, conv kernel BD; pinned marked *).
 Per-kernel times: ``python -m benchmarks.profile_decode``.
@@ -117,6 +124,14 @@ def fast_verify_fn(p) -> Callable[[], object]:
         fs.gdn_accept(p["cache"], p["idx"], p["acc"])
         return o
     return step
+
+
+def fast_decode_unchecked_fn(p) -> Callable[[], object]:
+    """fast_decode_fn without the device-side value checks (benchmark-only: fast.serving._launch checks=False)."""
+    import fast.serving as fs
+
+    args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"], p["idx"])
+    return lambda: fs._launch(*args, None, None, "silu", "decode", checks=False)
 
 
 def fast_step_fn(p) -> Callable[[], object]:
@@ -269,6 +284,35 @@ def bench_main(device: str = "cuda", shape=None) -> list:
     return rows
 
 
+CHECK_TITLE = "Decode: cost of the device-side value checks"
+
+
+def check_cost(device: str = "cuda", shape=None, Ns=(1, 256)) -> list:
+    """Decode with the value checks (as served) vs without (benchmark-only), CUDA graphs, alternating
+    on / off three times per row; medians. Overhead = on / off - 1 (target < 2 % at N = 256)."""
+    import statistics
+
+    gbs = common.copy_bandwidth_gbs(device) if device.startswith("cuda") else float("nan")
+    rows = []
+    for sdt in STATE_DTYPES:
+        for N in Ns:
+            p = make_problem(N, 0, sdt, device, shape)
+            nbytes = traffic_bytes(N, 0, sdt, shape=p["shape"])
+            fns = {"on": fast_decode_fn(p), "off": fast_decode_unchecked_fn(p)}
+            reps = {name: (graphed(fn) if device.startswith("cuda") else None) or fn for name, fn in fns.items()}
+            times = {"on": [], "off": []}
+            for _ in range(3):
+                for name in ("on", "off"):
+                    times[name].append(common.bench(reps[name]))
+            on, off = statistics.median(times["on"]), statistics.median(times["off"])
+            p["cache"].check()                       # the benchmark's inputs are valid: nothing recorded
+            rows.append(_row("decode", "fast", N, 0, sdt, on, nbytes, gbs, **{
+                "us without checks": off * 1e3, "overhead %": 100 * (on / off - 1),
+                "target": ("< 2 %: " + ("met" if on / off - 1 < 0.02 else "MISSED")) if N == 256 else ""}))
+            del p
+    return rows
+
+
 def config_sweep(device: str = "cuda", shape=None) -> list:
     """Launch configs at N = 256, timed from CUDA graphs: the step kernel's (BV, num_warps) and the
     conv kernel's channels per program (BD), for decode (float32 state) and verify + accept (k = 3).
@@ -307,7 +351,10 @@ def run_sections(device: str = "cuda", sweep: bool = False) -> list:
     meta = dict(META)
     if device.startswith("cuda"):
         meta["copy bandwidth"] = f"{common.copy_bandwidth_gbs(device):.0f} GB/s"
-    sections = [(TITLE, bench_main(device), meta)]
+    sections = [(TITLE, bench_main(device), meta),
+                (CHECK_TITLE, check_cost(device), {"what": "decode with the device-side value checks (as served) "
+                                                          "vs fast.serving._launch(checks=False) (benchmark-only), "
+                                                          "CUDA-graph replay, medians of 3 alternating runs"})]
     if sweep:
         sections.append(("Decode / verify: launch config sweep, N=256, fp32 state", config_sweep(device), {}))
     return sections

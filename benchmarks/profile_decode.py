@@ -5,7 +5,9 @@ time for launch-config variants of fast.serving at Qwen3-Next's shape, N = 256.
 
 Per variant: "graph us" = one step replayed from a CUDA graph (benchmarks.common.bench), "% copy"
 = bench_decode.traffic_bytes / time / measured copy bandwidth, then each kernel's mean device time
-over 20 eager steps. Variants are (fast.serving.STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE) pairs.
+over 20 eager steps. Variants are (fast.serving.STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE) pairs, and
+one decode row without the device-side value checks (benchmark-only ``fast.serving._launch(checks=False)``:
+the conv kernel's share of the checks' cost; bench_decode's second table times the whole step).
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from . import common
 
 TITLE = "Decode / verify: where the time goes (N=256)"
 
-VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE), ...]
-    (0, torch.float32): [({}, {}), ({}, {"BD": 512}), ({}, {"BD": 128})],
+VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE[, value checks]), ...]
+    (0, torch.float32): [({}, {}), ({}, {}, False), ({}, {"BD": 512}), ({}, {"BD": 128})],
     (0, torch.bfloat16): [({}, {})],
     (3, torch.float32): [({}, {})],
     (3, torch.bfloat16): [({}, {})],
@@ -50,14 +52,16 @@ def main() -> list:
     for (k, sdt), variants in VARIANTS.items():
         p = bd.make_problem(bd.VERIFY_N, k, sdt, "cuda")
         nbytes = bd.traffic_bytes(bd.VERIFY_N, k, sdt)
-        for ov, cov in variants:
+        for variant in variants:
+            ov, cov, checks = (tuple(variant) + (True,))[:3]
             with bd.launch_overrides(dict(ov), dict(cov)):
-                fn = bd.fast_step_fn(p)
+                fn = bd.fast_step_fn(p) if checks else bd.fast_decode_unchecked_fn(p)
                 ms, _ = bd.graph_time(fn, "cuda")
                 kt = kernel_times(fn)
             row = dict(op="decode" if k == 0 else f"verify+accept k={k}", state=bd._sname(sdt),
                        variant=",".join(f"{a}={b}" for a, b in {**ov, **{"conv." + c: d for c, d in cov.items()}}.items())
                        or "pinned",
+                       checks="on" if checks else "off (benchmark-only)",
                        **{"graph us": ms * 1e3, "% copy": 100 * nbytes / (ms * 1e-3) / 1e9 / gbs})
             for name, us in sorted(kt.items(), key=lambda kv: -kv[1]):
                 row[name.split("(")[0][:24]] = us

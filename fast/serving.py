@@ -13,8 +13,8 @@ A step is two launches:
 
 1. ``conv_step_kernel``, grid (D-blocks, N): reads the committed conv window (it starts at column
    ``max(count-1, 0)`` of ``conv_state[slot]``), convolves the request's new raw inputs, writes the
-   conv outputs and the new window (oldest dropped), and snapshots the slot's ``(count, bank)`` into
-   a per-request buffer for launch 2. Conv width W <= 4: a sliding window of [BD] registers;
+   conv outputs and the new window (oldest dropped), checks the request's values, and snapshots its
+   verdict with the slot's ``(count, bank)`` into a per-request buffer for launch 2. Conv width W <= 4: a sliding window of [BD] registers;
    ``conv_step_any_w_kernel`` for wider convs.
 2. ``gdn_step_kernel``, grid (V-blocks, HV / HPP, N): one program owns a ``[K, BV]`` block of one
    slot's state (for HPP value heads in turn), in registers for the whole step: one read, the
@@ -33,18 +33,49 @@ counters: 377 us), the step kernel as a programmatic dependent launch of the con
 float32, slower for bfloat16 states), evict-first state traffic, a speculative window load, a flat
 coalesced window store for row-major conv states (all within noise or slower).
 
-Why the snapshot: every program of a slot must see the same ``(count, bank)``, and programs of one
+Why the snapshot: every program of a slot must see the same verdict and ``(count, bank)``, and programs of one
 launch do not run at once; launch 2 writes the slot's metadata, so it reads the copy launch 1 made
 (launch 1 only reads the slot's metadata). Why two banks: launch 2 reads the pending k of a q/k
 head in several programs (all value heads of the group, all V-blocks) while others write the new
 tokens' k; the new ones go to the other bank.
 
+Validation that survives CUDA graphs (issue 8; the rules and their wording: refgdn.serving)
+-------------------------------------------------------------------------------------------
+Shapes, dtypes and devices are checked on the host before any launch, with refgdn's functions.
+Values live on the device, and reading them on the host is a sync (forbidden inside capture), so
+the kernels check them where they already load them, at no extra launch:
+
+* ``conv_step_kernel`` (and ``conv_step_any_w_kernel``; materialize runs them too): every program
+  of request n computes the same verdict for its row (``_step_row_check``): slot in [-1, num_slots),
+  no other row with the same slot (a pairwise compare of the row's slot against state_indices in
+  blocks of DUP_BLOCK: deterministic, no atomics, no scratch to clear), offsets sane (cu[0] = 0,
+  cu[N] = T, cu[n] <= cu[n+1], at most 1 + max_draft tokens), and the slot not awaiting an accept.
+  It publishes the verdict in the per-request snapshot gdn_step_kernel already reads (slot -1 =
+  write nothing), so the step kernel needs no check of its own. A failed request writes nothing:
+  no conv window, no state, no pending tokens, no metadata; its outputs are zeros, or undefined when
+  the offsets themselves are bad (its rows cannot be trusted).
+* ``accept_kernel``: slot range and duplicates (a [64, 32] pairwise compare per column block),
+  a verify awaiting the accept, num_accepted in [1, count] (exactly 0 for a zero-token row).
+
+No address is ever formed from an unchecked value: slot, bos and L are clamped to safe values
+first, and every access is masked, so no argument value makes a kernel touch memory outside the
+tensors it was given. The first fault is recorded in ``cache.err`` ([4] int64: code, request,
+value, extra) by a compare-and-swap of the code (first fault wins; only programs that found a
+fault take that branch). :meth:`GDNStateCache.check` (refgdn) reads it at the caller's next host
+sync, clears it and raises refgdn's ValueError. When several requests of one call are faulty,
+refgdn reports the first in request order; fast reports one of them (the conv kernel's programs
+race; accept reports the first of each block of 64): each message names its own request. The
+eager ops do not call check() themselves: it costs a device->host copy and a sync (> 5 us), and
+the same code runs inside capture; ``check_values=True`` instead runs refgdn's host checks first
+(a sync per call, not inside capture) and raises before any launch. Cost: the checks add loads of
+state_indices (L2-resident) to the conv kernel; benchmarks/bench_decode.py measures decode with
+and without them (the second table; target < 2 % at N = 256).
+
 CUDA graphs: no host reads (no ``.item()``), no data-dependent shapes, no autotune (the kernels
-mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config` and :func:`conv_config`.
-Compile variants (warm them all up before capture, invariant 1): per dtype set, per
-(decode | verify | materialize) mode and per cache geometry. Values are not validated by default
-(``check_values=False``: it would read device memory from the host); out-of-range counts and
-lengths are clamped so memory is never touched out of bounds.
+mutate state in place: DESIGN.md invariant 2) -- configs are pinned by :func:`step_config` and
+:func:`conv_config`; N, T and the slot count are not specialised (``do_not_specialize``). Compile
+variants (warm them all up before capture, invariant 1): per dtype set, per (decode | verify |
+materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
@@ -162,7 +193,7 @@ def _earliest_other(state_indices, slot, i_n, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S,
+def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
                     TCAP: tl.constexpr, TMAX: tl.constexpr, VARLEN: tl.constexpr, BN: tl.constexpr):
     """The value rules of one request of a step (refgdn.serving.step_faults, on the device).
 
@@ -172,6 +203,8 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S,
       live   its token rows [bos, bos + L) are inside the call's tensors (reads and zero outputs)
       count, word  the slot's pend_meta (0 unless a real slot); code, value, extra: its fault (0: none)
     Nothing here forms an address from an unchecked value: slot and bos are clamped first.
+    ``checks`` == 0 skips the duplicate scan and the global offset loads: for benchmarks/bench_decode's
+    cost measurement only (a runtime int, so both run the one compiled variant; never 0 in serving).
     """
     raw = tl.load(state_indices + i_n).to(tl.int64)
     in_range = (raw >= -1) & (raw < S)
@@ -179,18 +212,21 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S,
     slot = tl.where(real, raw, 0)
     count = tl.load(meta + slot * 2, mask=real, other=0)
     word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
+    c0 = raw * 0
+    cN = c0 + T
     if VARLEN:
-        c0 = tl.load(cu_seqlens).to(tl.int64)
-        cN = tl.load(cu_seqlens + N).to(tl.int64)
+        if checks != 0:
+            c0 = tl.load(cu_seqlens).to(tl.int64)
+            cN = tl.load(cu_seqlens + N).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     else:
-        c0 = raw * 0
-        cN = c0 + T
         bos = c0 + i_n
         eos = bos + 1
     L = eos - bos
-    other = _earliest_other(state_indices, raw, i_n, N, BN)
+    other = raw * 0 + 2 * N
+    if checks != 0:
+        other = _earliest_other(state_indices, raw, i_n, N, BN)
     dup = real & (other < 2 * N)
     awaiting = real & ((word & _AWAIT) != 0)
     # the request's fault: the rules from the lowest priority to the highest, each overriding
@@ -233,10 +269,10 @@ def _publish_row(snap, err, i_n, first, slot, ok, count, word, bos, L, code, val
         _record_fault(err, code, i_n, value, extra)
 
 
-@triton.jit(do_not_specialize=["N", "T", "S"])   # one variant for every batch size, token count, cache size
+@triton.jit(do_not_specialize=["N", "T", "S", "checks"])   # one variant for every batch size, token count, ...
 def conv_step_kernel(
     x, weight, bias, y, conv_state, meta, snap, err, state_indices, cu_seqlens,
-    D, N, T, S,
+    D, N, T, S, checks,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
@@ -261,7 +297,7 @@ def conv_step_kernel(
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
-        meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, TMAX, VARLEN, BN)
+        meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
     first = i_d == 0
     _publish_row(snap, err, i_n, first, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -360,10 +396,10 @@ def conv_step_kernel(
         tl.store(p_c[:, None] + cols[None, :] * stride_c_w, new2d, mask=m_dv[:, None] & (cols < keep + L)[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "T", "S"])
+@triton.jit(do_not_specialize=["N", "T", "S", "checks"])
 def conv_step_any_w_kernel(
     x, weight, bias, y, conv_state, meta, snap, err, state_indices, cu_seqlens,
-    D, N, T, S,
+    D, N, T, S, checks,
     stride_x_t, stride_x_d, stride_w_d, stride_w_w,
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
@@ -381,7 +417,7 @@ def conv_step_any_w_kernel(
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
-        meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, TMAX, VARLEN, BN)
+        meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
     _publish_row(snap, err, i_n, i_d == 0, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
     off = tl.maximum(count - 1, 0)
@@ -668,8 +704,10 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
 # ----------------------------------------------------------------------------------------------
 
 def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-            scale, activation, mode: str):
-    """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens)."""
+            scale, activation, mode: str, checks: bool = True):
+    """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens).
+    checks=False (benchmarks/bench_decode.py's cost measurement only, valid inputs only): the conv
+    kernel skips the duplicate scan and the global offset checks; the ops never pass it."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
     # the kernels index these with unit stride (a no-op for contiguous tensors, also inside capture)
     state_indices, A_log, dt_bias = state_indices.contiguous(), A_log.contiguous(), dt_bias.contiguous()
@@ -698,7 +736,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
     conv_kernel[(cdiv(D, cc["BD"]), N)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
         cache.err, state_indices, cu_seqlens if varlen else state_indices,
-        D, N, T, cache.num_slots,
+        D, N, T, cache.num_slots, int(checks),
         mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
         cs.stride(0), cs.stride(1), cs.stride(2),
         **conv_kw,
@@ -724,12 +762,13 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
 
     mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
-    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
+    state_indices: [N] int (-1 = padded row: reads nothing, writes nothing, output zeros)
     Returns o: [N, HV, V] in mixed_qkv's dtype.
 
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
 
-    Two launches (conv, then gating + l2norm + delta rule in one kernel); one read and one write of
+    Values are checked on the device (module docstring): a bad request writes nothing and its fault
+    is raised by ``cache.check()``; check_values=True checks on the host first (a sync). Two launches (conv, then gating + l2norm + delta rule in one kernel); one read and one write of
     each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
     """
     check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
@@ -750,7 +789,8 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         S <- fold(pending) (written back once);  for each new token: the delta rule on from S, o_t
 
     State traffic is a decode's (one read, one write per block) plus the few pending inputs. The new
-    tokens become pending, all accepted until :func:`gdn_accept`.
+    tokens become pending, all accepted until :func:`gdn_accept`, which must come next for these slots
+    (refgdn.serving's sequence rules). Values: checked on the device, as gdn_decode.
     """
     if cu_seqlens is None:
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
@@ -763,9 +803,13 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = False) -> None:
     """After a verify: keep the first ``num_accepted[n]`` tokens of request n (one tiny launch).
 
-    state_indices: [N] int (negative = ignored)   num_accepted: [N] int in [1, 1+k_n]
+    state_indices: [N] int (-1 = ignored)   num_accepted: [N] int in [1, L_n] (L_n: the tokens of
+    request n's verify; 0 when L_n = 0)
 
-        count[slot] <- min(max(num_accepted, 1), count[slot])
+        count[slot] <- num_accepted;  the slot no longer awaits an accept
+
+    Checked on the device (slot range, duplicates, a verify awaiting this accept, the count's range):
+    a bad row writes nothing and its fault is raised by ``cache.check()``.
     """
     N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
     if N == 0:
@@ -779,7 +823,8 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
-    state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request.
+    state_indices: [N] int (-1 = ignored). The decode kernels with zero new tokens per request; a slot
+    whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
     """
     check_cache(cache)
     N = check_state_indices(state_indices, cache, None, False)

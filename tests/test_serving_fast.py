@@ -361,5 +361,79 @@ def test_cuda_graph_capture_and_replay_matches_eager():
             g_decode.replay()
             assert torch.equal(o_decode, decode_step(c_eager))
     torch.cuda.synchronize()
+    c_graph.check(), c_eager.check()            # the device-side value checks found nothing
     for f, g in zip(c_graph.tensors(), c_eager.tensors()):
         assert torch.equal(f, g)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_records_faults_and_writes_nothing():
+    """Bad values copied into a captured graph's static buffers: the replay writes nothing for the bad
+    requests (the 4-slot cache is a view of a 6-slot allocation: every byte of it is checked) and
+    check() after the replay raises refgdn's ValueError; a good replay afterwards runs normally."""
+    H, HV, K, V, W, md = 2, 4, 64, 64, 4, 2
+    D = 2 * H * K + HV * V
+    dev = "cuda"
+    big = make_cache(6, H, HV, K, V, W, md, seed=32, state_dtype=torch.float32, act_dtype=torch.float32).to(device=dev)
+    err_big = torch.zeros(8, dtype=torch.int64, device=dev)
+    cache = rs.GDNStateCache(*(t[:4] for t in big.slot_tensors()), err=err_big[2:6])
+    scratch = cache.clone()
+    layer = _to(make_layer(H, HV, K, V, W, seed=33), torch.float32, dev)
+    x, a, b = make_tokens(4, HV, D, seed=34, dtype=torch.float32, device=dev)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=dev)
+    acc = torch.tensor([1, 2], dtype=torch.int32, device=dev)
+
+    def decode(c):
+        return fs.gdn_decode(x[:2], a[:2], b[:2], *_args(layer), c, idx)
+
+    def verify(c):
+        o = fs.gdn_verify(x, a, b, *_args(layer), c, idx, cu)
+        fs.gdn_accept(c, idx, acc)
+        return o
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            verify(scratch)
+            decode(scratch)
+    torch.cuda.current_stream().wait_stream(s)
+    g_dec, g_ver = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_dec):
+        decode(cache)
+    with torch.cuda.graph(g_ver):
+        verify(cache)
+    cache.check()
+
+    def memory():
+        return [t.clone() for t in big.slot_tensors()] + [err_big.clone()]
+
+    def replay_fails(graph, message):
+        before = memory()
+        graph.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError) as e:
+            cache.check()
+        assert message in str(e.value), str(e.value)
+        assert all(torch.equal(p, q) for p, q in zip(before, memory()))
+
+    idx.copy_(torch.tensor([-1, 4]))
+    replay_fails(g_dec, "state_indices[1] = 4 is out of range: a slot index must be in [0, num_slots=4)")
+    idx.copy_(torch.tensor([3, 3]))
+    replay_fails(g_dec, "state_indices must be distinct (one request per slot): state_indices[1] = 3 is also")
+    idx.copy_(torch.tensor([-1, 2]))
+    cu.copy_(torch.tensor([0, 0, 4]))                  # request 1: 4 tokens > 1 + max_draft = 3
+    replay_fails(g_ver, "cu_seqlens: request 1 has 4 tokens")
+    cu.copy_(torch.tensor([0, 3, 2]))                  # decreasing, and not ending at T = 4
+    replay_fails(g_ver, "cu_seqlens must be non-decreasing: request 1")
+    # good values again: the graphs run as captured (a verify, then its accept, then a decode)
+    idx.copy_(torch.tensor([0, 1]))
+    cu.copy_(torch.tensor([0, 2, 4]))
+    before = memory()
+    g_ver.replay()
+    g_dec.replay()
+    cache.check()
+    assert not all(torch.equal(p, q) for p, q in zip(before, memory()))
+    for t, t0 in zip(big.slot_tensors(), before):
+        assert torch.equal(t[4:], t0[4:])             # slots 4, 5: outside the cache
