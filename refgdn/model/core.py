@@ -316,8 +316,9 @@ class Qwen3NextModel(nn.Module):
                              f"got [{num_accepted.shape[0]}]")
         for gc in cache.gdn:
             self.ops.gdn_accept(gc, state_indices, num_accepted)
-        safe = torch.where(state_indices >= 0, state_indices, cache.num_slots).long()
-        self._commit(cache, state_indices, cache.kv_lens_buf[safe] + num_accepted.to(torch.int32))
+        real = state_indices >= 0
+        safe = torch.where(real, state_indices, cache.num_slots).long()
+        self._commit(cache, state_indices, torch.where(real, cache.kv_lens_buf[safe] + num_accepted.to(torch.int32), 0))
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
