@@ -565,3 +565,32 @@ def test_mtp_round_then_rollback_equals_a_fresh_run(model64):
     assert_close(mh2, tail, "MTP outputs after rollback vs fresh")
     assert torch.equal(cache.mtp_kv_lens[slots], torch.tensor(lens, dtype=I32))
     assert_caches_equal(m, cache, fresh, slots, mtp=True)
+
+
+def test_padded_rows_touch_no_real_slot(model64):
+    """A padded row (-1) with tokens in prefill / verify / accept changes no real slot's outputs or caches."""
+    prompts = ids_of((5, 7), seed=13)
+    drafts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    junk = torch.tensor([9, 9, 9, 9])
+    runs = []
+    for padded in (False, True):
+        cache = model64.allocate_cache(3, 16, max_draft=3)
+        si = torch.tensor([0, -1, 2] if padded else [0, 2], dtype=I32)
+
+        def run(mode, chunks):
+            parts = [chunks[0], junk, chunks[1]] if padded else chunks
+            ids = torch.cat(parts)
+            meta = model64.metadata(cache, si, qsl_of([len(c) for c in parts]), ids.shape[0])
+            out = model64.logits(getattr(model64, mode)(cache, ids, meta))
+            if padded:                                            # drop the padded row's tokens
+                a, b = len(chunks[0]), len(junk)
+                out = torch.cat([out[:a], out[a + b:]])
+            return out
+        outs = [run("prefill", prompts), run("verify", drafts)]
+        model64.accept(cache, si, torch.tensor([2, 1, 1] if padded else [2, 1], dtype=I32))
+        runs.append((outs, cache))
+    (o1, c1), (o2, c2) = runs
+    for a, b in zip(o1, o2):
+        assert_close(b, a, "logits with a padded row", 1e-13)
+    assert_caches_equal(model64, c2, c1, [0, 2], rel=1e-13)
+    assert int(c2.kv_lens_buf[-1]) == 0 and int(c2.kv_lens[1]) == 0       # scratch and unused slot untouched
