@@ -594,3 +594,14 @@ def test_padded_rows_touch_no_real_slot(model64):
         assert_close(b, a, "logits with a padded row", 1e-13)
     assert_caches_equal(model64, c2, c1, [0, 2], rel=1e-13)
     assert int(c2.kv_lens_buf[-1]) == 0 and int(c2.kv_lens[1]) == 0       # scratch and unused slot untouched
+
+
+def test_tied_embeddings_roundtrip(tmp_path):
+    m = tiny(tie_word_embeddings=True, seed=4)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    m.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    back = Qwen3NextModel.from_pretrained(tmp_path)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = ids_of((5,), seed=1)[0][None]
+    assert torch.equal(back(ids), m(ids))
