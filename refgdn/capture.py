@@ -244,7 +244,6 @@ class _Hooks:
 
     lock = threading.RLock()
     active: List[LaunchRecorder] = []
-    installed: Dict[Any, Callable] = {}
     compiles = 0                       # bumped by Triton's jit_post_compile_hook
     prev_hook = None
     local = threading.local()
@@ -270,28 +269,27 @@ class _Hooks:
             cls.local.opaque -= opaque
             cls.local.mute -= mute
 
+    built: Optional[List[Tuple[Any, Callable, Callable]]] = None     # (class, original run, wrapper)
+    knobs = None
+
     @classmethod
-    def _targets(cls):
-        out = []
+    def _build(cls):
+        """The wrappers, made once: class-level replacements of JITFunction.run, InterpretedFunction.run
+        and Autotuner.run (each falls through to the original when no recorder is active)."""
+        cls.built = []
+        klasses = []
         try:
             from triton.runtime.jit import JITFunction
-            out.append(JITFunction)
+            klasses.append(JITFunction)
         except Exception:  # noqa: BLE001 - no triton: only traced ops are recorded
             pass
         try:
             from triton.runtime.interpreter import InterpretedFunction
-            out.append(InterpretedFunction)
+            klasses.append(InterpretedFunction)
         except Exception:  # noqa: BLE001
             pass
-        return out
-
-    @classmethod
-    def install(cls):
-        for klass in cls._targets():
-            if klass in cls.installed:
-                continue
+        for klass in klasses:
             orig = klass.run
-            cls.installed[klass] = orig
 
             def run(self, *args, grid, warmup, _orig=orig, **kwargs):
                 if warmup or cls.mute() > 0 or not cls.active:
@@ -315,34 +313,41 @@ class _Hooks:
                     rec.note_output(None)
                 return out
 
-            klass.run = run
+            cls.built.append((klass, orig, run))
         try:
             from triton.runtime.autotuner import Autotuner
-            if Autotuner not in cls.installed:
-                orig_a = Autotuner.run
-                cls.installed[Autotuner] = orig_a
+            orig_a = Autotuner.run
 
-                def arun(self, *args, _orig=orig_a, **kwargs):
-                    if cls.active and cls.mute() == 0 and len(self.configs) > 1:
-                        all_args = {**dict(zip(self.arg_names, args)), **kwargs}
-                        named = {k: v for k, v in all_args.items() if k in self.arg_names}
-                        tk = [named[k] for k in self.keys if k in named]
-                        tk += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
-                        tk = tuple(tk)
-                        for rec in list(cls.active):
-                            rec.on_autotune(_pyfn(self).__name__, tk, tk in self.cache)
-                    return _orig(self, *args, **kwargs)
+            def arun(self, *args, _orig=orig_a, **kwargs):
+                if cls.active and cls.mute() == 0 and len(self.configs) > 1:
+                    all_args = {**dict(zip(self.arg_names, args)), **kwargs}
+                    named = {k: v for k, v in all_args.items() if k in self.arg_names}
+                    tk = [named[k] for k in self.keys if k in named]
+                    tk += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+                    tk = tuple(tk)
+                    for rec in list(cls.active):
+                        rec.on_autotune(_pyfn(self).__name__, tk, tk in self.cache)
+                return _orig(self, *args, **kwargs)
 
-                Autotuner.run = arun
+            cls.built.append((Autotuner, orig_a, arun))
         except Exception:  # noqa: BLE001
             pass
         try:   # Triton's own compile hook (3.4+): counts real compilations on a GPU
             from triton import knobs
-            if cls.prev_hook is None and knobs.runtime.jit_post_compile_hook is not cls._post_compile:
-                cls.prev_hook = knobs.runtime.jit_post_compile_hook or False
-                knobs.runtime.jit_post_compile_hook = cls._post_compile
+            knobs.runtime.jit_post_compile_hook  # noqa: B018 - present?
+            cls.knobs = knobs
         except Exception:  # noqa: BLE001
-            pass
+            cls.knobs = None
+
+    @classmethod
+    def install(cls):
+        if cls.built is None:
+            cls._build()
+        for klass, _, wrap in cls.built:
+            klass.run = wrap
+        if cls.knobs is not None and cls.knobs.runtime.jit_post_compile_hook is not cls._post_compile:
+            cls.prev_hook = cls.knobs.runtime.jit_post_compile_hook or False
+            cls.knobs.runtime.jit_post_compile_hook = cls._post_compile
 
     @staticmethod
     def _post_compile(*args, **kwargs):
@@ -352,17 +357,11 @@ class _Hooks:
 
     @classmethod
     def uninstall(cls):
-        for klass, orig in cls.installed.items():
+        for klass, orig, _ in cls.built or ():
             klass.run = orig
-        cls.installed.clear()
-        if cls.prev_hook is not None:
-            try:
-                from triton import knobs
-                if knobs.runtime.jit_post_compile_hook is cls._post_compile:
-                    knobs.runtime.jit_post_compile_hook = cls.prev_hook or None
-            except Exception:  # noqa: BLE001
-                pass
-            cls.prev_hook = None
+        if cls.knobs is not None and cls.knobs.runtime.jit_post_compile_hook is cls._post_compile:
+            cls.knobs.runtime.jit_post_compile_hook = cls.prev_hook or None
+        cls.prev_hook = None
 
 
 def _cache_len(kernel) -> Optional[int]:
