@@ -228,17 +228,21 @@ def test_mtp_many_tokens_at_once_equals_one_at_a_time(model64):
 # ----------------------------------------------------------------------------------------------
 
 def _serving_run(model, lens=(6, 3)):
-    """prefill, a decode, a verify + partial accept, a decode: logits of every step and the final states."""
+    """prefill, decode, verify + partial accept, decode, verify + accept, a continuing prefill (commits the
+    pending tokens first): logits of every step and the final states."""
     prompts = ids_of(lens, seed=11, vocab=model.config.vocab_size)
     slots = [1, 0]
     dev = model.device
     si = torch.tensor(slots, dtype=I32, device=dev)
-    cache = model.allocate_cache(3, max(lens) + 8, max_draft=3)
+    cache = model.allocate_cache(3, max(lens) + 12, max_draft=3)
     outs = [step(model, cache, slots, prompts, "prefill")[0]]
     outs.append(step(model, cache, slots, [torch.tensor([5]), torch.tensor([6])], "decode")[0])
     outs.append(step(model, cache, slots, [torch.tensor([7, 8, 9, 10]), torch.tensor([11, 12])], "verify")[0])
     model.accept(cache, si, torch.tensor([2, 2], dtype=I32, device=dev))
     outs.append(step(model, cache, slots, [torch.tensor([13]), torch.tensor([14])], "decode")[0])
+    outs.append(step(model, cache, slots, [torch.tensor([15, 16]), torch.tensor([17, 18])], "verify")[0])
+    model.accept(cache, si, torch.tensor([1, 2], dtype=I32))
+    outs.append(step(model, cache, slots, [torch.tensor([19, 20, 21]), torch.tensor([22])], "prefill")[0])
     states = [torch.cat([x.reshape(-1) for x in committed_state(g, slots)]) for g in cache.gdn]
     return [o.cpu() for o in outs], [x.cpu() for x in states], cache.kv_lens.cpu()
 
@@ -256,7 +260,7 @@ def _fast_serving_by_rule(preset, dtype, device, lens=(6, 3)):
     ref, r_states, _ = _serving_run(models["ref"], lens)
     fast, f_states, f_lens = _serving_run(models["fast"], lens)
     assert torch.equal(f_lens, t_lens)
-    names = ["prefill", "decode", "verify", "decode after accept"]
+    names = ["prefill", "decode", "verify", "decode after accept", "verify 2", "prefill after accept"]
     for name, f, r, t in zip(names, fast, ref, truth):
         res = evaluate(Check(name, f, t, ref=r, dtype=dtype))
         assert res["passed"], f"{name} logits ({preset}, {dtype}, {device}): {res}"
