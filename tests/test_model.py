@@ -609,3 +609,19 @@ def test_tied_embeddings_roundtrip(tmp_path):
     assert back.lm_head.weight is back.model.embed_tokens.weight
     ids = ids_of((5,), seed=1)[0][None]
     assert torch.equal(back(ids), m(ids))
+
+
+def test_mtp_argument_errors(model64):
+    no_mtp = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), dtype=torch.float64, mtp=False)
+    foreign = no_mtp.allocate_cache(2, 8)                        # allocated without MTP KV caches
+    si, qsl = torch.tensor([0], dtype=I32), qsl_of([1])
+    meta = model64.metadata(foreign, si, qsl, 1, mtp=True)
+    ids, hid = torch.tensor([3]), torch.zeros(1, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="MTP KV"):
+        model64.mtp(foreign, ids, hid, meta)
+    cache = model64.allocate_cache(2, 8)
+    with pytest.raises(ValueError, match="hidden"):
+        model64.mtp(cache, ids, torch.zeros(1, 31, dtype=torch.float64), model64.metadata(cache, si, qsl, 1, mtp=True))
+    with pytest.raises(ValueError, match="input_ids must be in"):
+        model64.mtp(cache, torch.tensor([128]), hid, model64.metadata(cache, si, qsl, 1, mtp=True))
+    assert int(cache.mtp_kv_lens.sum()) == 0

@@ -219,8 +219,14 @@ class Qwen3NextModel(nn.Module):
                            "positions", "seq_lens", "slot_mapping", "token_slots")), [input_ids] + meta.tensors()):
             if t.device != cache.device:
                 raise ValueError(f"{name} must be on {cache.device} (the cache's device), got {t.device}")
+        if mode == "mtp" and len(cache.mtp_kv) != len(self.mtp_head.layers):
+            raise ValueError(f"cache has {len(cache.mtp_kv)} MTP KV caches, the MTP head has {len(self.mtp_head.layers)} "
+                             f"layer(s): allocate the cache with this model")
         if self.check_values:
             self._check_values(cache, meta, mode, T)
+            if T and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:
+                raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size}), got "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
 
     def _check_values(self, cache: ModelCache, meta: StepMetadata, mode: str, T: int) -> None:
         si = meta.state_indices.tolist()                                 # host reads: validation only
