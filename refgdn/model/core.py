@@ -296,7 +296,8 @@ class Qwen3NextModel(nn.Module):
         """1 + k_n tokens per request (the last sampled token and the drafts).  input_ids: [T] -> hidden [T, hidden].
 
         KV rows and GDN pending tokens are written for all of them; nothing is committed (kv_lens
-        unchanged) until :meth:`accept`.
+        unchanged) until :meth:`accept`, which must follow before the slots' next step (the GDN layers
+        count every verified token as accepted until told otherwise, the KV lengths count none).
         """
         self._check_step(cache, input_ids, meta, "verify")
         return self._run_target(cache, input_ids, meta, "verify")
