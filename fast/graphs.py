@@ -34,7 +34,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from refgdn.capture import (CaptureDescriptor, KeyLog, Lifecycle, ServingConfig, StepSpec, capture_guards, plan,
-                            recording)
+                            prefill_classes, recording)
 
 __all__ = ["CudaGraphBackend", "GraphedModel", "profile_traffic", "lifecycle_report"]
 
@@ -122,7 +122,7 @@ class GraphedModel:
         else:
             self.lc.reserve(lambda: self.cache)
         if not self.cuda_graphs:
-            self.lc.phase = type(self.lc.phase).SERVE
+            self.lc.serve()
             return self
         for desc in self.descriptors():
             self.lc.capture(desc, self._make_step)
@@ -224,23 +224,16 @@ class GraphedModel:
 # profile traffic and the GPU report
 # ----------------------------------------------------------------------------------------------
 
-def _pow2_upto(n):
-    out, p = [], 1
-    while p < n:
-        out.append(p)
-        p *= 2
-    return out + [n]
-
-
 @torch.no_grad()
 def profile_traffic(model, cfg: ServingConfig):
     """Launch every variant ``plan(model, cfg)`` lists, eagerly, on a throw-away cache: prefills of each
-    packed-length class with 1..max_prefill_seqs sequences, decode / verify / accept at every batch size."""
+    packed-length class (refgdn.capture.prefill_classes: powers of two, odd lengths past 16) with
+    1..max_prefill_seqs sequences, decode / verify / accept at every batch size."""
     m, dev = model, model.device
     n = max(cfg.max_batch, cfg.max_prefill_seqs)
     cache = m.allocate_cache(n, max(cfg.max_prefill_tokens, 1) + 2 * (cfg.max_draft + 2) * 4 + 8,
                              max_draft=cfg.max_draft)
-    for T in _pow2_upto(cfg.max_prefill_tokens):
+    for T in prefill_classes(cfg.max_prefill_tokens):
         for N in range(1, min(T, cfg.max_prefill_seqs) + 1):
             cache.reset(list(range(n)))
             lens = [T // N] * N

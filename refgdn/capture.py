@@ -59,7 +59,7 @@ __all__ = [
     "SharedWarmupMetadata", "StaleDraftMetadata", "HostSyncInCapture", "AllocationOutsidePool",
     "StaticBufferMoved", "PhaseError", "CompileKey", "CaptureDescriptor", "StepSpec", "Lifecycle",
     "SimulatedGraph", "LaunchRecorder", "KeyLog", "traced_ops", "key_of_launch", "recording", "ServingConfig",
-    "Plan", "plan", "metadata_tensors",
+    "Plan", "plan", "prefill_classes", "metadata_tensors",
 ]
 
 
@@ -895,6 +895,11 @@ class Lifecycle(LaunchRecorder):
         with recording(self):
             return allocate()
 
+    def serve(self) -> None:
+        """Start serving without (more) captures: reserve -> serve (an eager-only server, cuda_graphs=False)."""
+        self._need(Phase.RESERVE, Phase.SERVE, what="serve")
+        self.phase, self._where = Phase.SERVE, "serve"
+
     def capture(self, desc: CaptureDescriptor, make_step: Callable[[CaptureDescriptor, bool], StepSpec]):
         """Warm up ``make_step(desc, warmup=True)`` eagerly, then capture ``make_step(desc, warmup=False)``.
 
@@ -1248,12 +1253,19 @@ class Plan:
         return self.steps[str(desc)]
 
 
-def _pow2_upto(n: int) -> List[int]:
-    out, p = [], 1
-    while p < n:
-        out.append(p)
+def prefill_classes(max_tokens: int) -> List[int]:
+    """Packed prefill lengths that reach every key class up to ``max_tokens``: each power of two (keys
+    depend on T through next_pow2(T) and the chunk-size rule), the maximum, and for T >= 16 also an
+    odd length (p + 1): on a GPU Triton compiles integer arguments divisible by 16 (T, batch strides
+    T * D) as their own variant, so profile must see both classes of every key."""
+    out, p = set(), 1
+    while p < max_tokens:
+        out.add(p)
+        if p >= 16 and p + 1 <= max_tokens:
+            out.add(p + 1)
         p *= 2
-    return out + [n]
+    out.add(max_tokens)
+    return sorted(out)
 
 
 def plan(model, cfg: ServingConfig, keys=None) -> Plan:
@@ -1265,7 +1277,7 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     -> gdn_decode; verify -> gdn_verify; accept -> gdn_accept. Attention, MLPs and the MTP head are
     plain torch (no compile keys). Keys depend on the prefill's packed length T only through
     next_pow2(T) classes (and the chunk-size rule), on its sequence count N through the state pass's
-    BV, so T runs over powers of two up to the maximum and N over 1..max_prefill_seqs.
+    BV, so T runs over :func:`prefill_classes` and N over 1..max_prefill_seqs.
     """
     if keys is None:
         import fast.keys as keys
@@ -1324,9 +1336,9 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         if cfg.max_draft:
             steps[f"verify-eager[N={N}]"] = set(verify(N, 1 + cfg.max_draft))
             steps[f"accept[N={N}]"] = set(accept(N))
-    for T in _pow2_upto(cfg.max_prefill_tokens):
+    for T in prefill_classes(cfg.max_prefill_tokens):
         for N in range(1, min(T, cfg.max_prefill_seqs) + 1):
-            steps[f"prefill[T<={T}, N={N}]"] = set(prefill(T, N))
+            steps[f"prefill[T={T}, N={N}]"] = set(prefill(T, N))
     allk = set().union(*steps.values()) if steps else set()
     return Plan(allk, steps)
 
