@@ -14,8 +14,8 @@ A step is two launches:
 1. ``conv_step_kernel``, grid (D-blocks, N): reads the committed conv window (it starts at column
    ``max(count-1, 0)`` of ``conv_state[slot]``), convolves the request's new raw inputs, writes the
    conv outputs and the new window (oldest dropped), checks the request's values, and snapshots its
-   verdict with the slot's ``(count, bank)`` into a per-request buffer for launch 2. Conv width W <= 4: a sliding window of [BD] registers;
-   ``conv_step_any_w_kernel`` for wider convs.
+   verdict with the slot's ``(count, bank)`` into a per-request buffer for launch 2. Conv width
+   W <= 4: a sliding window of [BD] registers; ``conv_step_any_w_kernel`` for wider convs.
 2. ``gdn_step_kernel``, grid (V-blocks, HV / HPP, N): one program owns a ``[K, BV]`` block of one
    slot's state (for HPP value heads in turn), in registers for the whole step: one read, the
    pending tokens re-applied, one write, the new tokens' gating (from raw a, b), l2norm and delta
@@ -66,7 +66,9 @@ sync, clears it and raises refgdn's ValueError. When several requests of one cal
 refgdn reports the first in request order; fast reports one of them (the conv kernel's programs
 race; accept reports the first of each block of 64): each message names its own request. The
 eager ops do not call check() themselves: it costs a device->host copy and a sync (> 5 us), and
-the same code runs inside capture; ``check_values=True`` instead runs refgdn's host checks first
+the same code runs inside capture -- except on a CPU device (the Triton interpreter), where the
+cache is host memory and reading err is free: there every op ends with check(), so a fault raises
+at once (after the call's good requests ran). ``check_values=True`` runs refgdn's host checks first
 (a sync per call, not inside capture) and raises before any launch. Cost: the checks add loads of
 state_indices (L2-resident) to the conv kernel; benchmarks/bench_decode.py measures decode with
 and without them (the second table; target < 2 % at N = 256).
@@ -101,7 +103,8 @@ CONV_CONFIG_OVERRIDE: Optional[dict] = None
 
 # fault codes and the awaiting-accept bit, shared with refgdn.serving (kernel-visible constants)
 _E_SLOT_RANGE, _E_SLOT_DUP = tl.constexpr(rs.E_SLOT_RANGE), tl.constexpr(rs.E_SLOT_DUP)
-_E_CU_START, _E_CU_ORDER, _E_CU_END = tl.constexpr(rs.E_CU_START), tl.constexpr(rs.E_CU_ORDER), tl.constexpr(rs.E_CU_END)
+_E_CU_START, _E_CU_ORDER = tl.constexpr(rs.E_CU_START), tl.constexpr(rs.E_CU_ORDER)
+_E_CU_END = tl.constexpr(rs.E_CU_END)
 _E_TOO_LONG, _E_AWAITING = tl.constexpr(rs.E_TOO_LONG), tl.constexpr(rs.E_AWAITING)
 _E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_ACCEPT_RANGE)
 _AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
@@ -171,7 +174,8 @@ def _record_fault(err, code, n, value, extra):
     without a fault take the branch's fall-through: no atomic on the hot path.
     """
     if code != 0:
-        old = tl.atomic_cas(err, 0, code.to(tl.int64))
+        code = code.to(tl.int64)
+        old = tl.atomic_cas(err, code * 0, code)
         if old == 0:
             tl.store(err + 1, n.to(tl.int64))
             tl.store(err + 2, value.to(tl.int64))
@@ -703,6 +707,14 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
 # launchers
 # ----------------------------------------------------------------------------------------------
 
+def _check_if_free(cache: GDNStateCache) -> None:
+    """cache.check() when it costs nothing: the cache lives in host memory (CPU, the Triton interpreter).
+    On a GPU reading err is a device->host copy and a sync (far over 5 us, and it would stall the
+    launch queue), so there the caller checks at its next sync."""
+    if cache.err.device.type == "cpu":
+        cache.check()
+
+
 def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
             scale, activation, mode: str, checks: bool = True):
     """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens).
@@ -768,13 +780,15 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
 
     Values are checked on the device (module docstring): a bad request writes nothing and its fault
-    is raised by ``cache.check()``; check_values=True checks on the host first (a sync). Two launches (conv, then gating + l2norm + delta rule in one kernel); one read and one write of
-    each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
+    is raised by ``cache.check()`` (on a CPU device by the op itself); check_values=True checks on the host first (a sync). Two launches
+    (conv, then gating + l2norm + delta rule in one kernel); one read and one write of each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
     """
     check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
                       scale, activation, check_values)
-    return _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
-                   scale, activation, "decode")
+    o = _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                scale, activation, "decode")
+    _check_if_free(cache)
+    return o
 
 
 def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
@@ -796,8 +810,10 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
     check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       cu_seqlens, scale, activation, check_values)
-    return _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                   scale, activation, "verify")
+    o = _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                scale, activation, "verify")
+    _check_if_free(cache)
+    return o
 
 
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = False) -> None:
@@ -809,7 +825,7 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
         count[slot] <- num_accepted;  the slot no longer awaits an accept
 
     Checked on the device (slot range, duplicates, a verify awaiting this accept, the count's range):
-    a bad row writes nothing and its fault is raised by ``cache.check()``.
+    a bad row writes nothing and its fault is raised by ``cache.check()`` (on a CPU device by the op itself).
     """
     N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
     if N == 0:
@@ -817,6 +833,7 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices.contiguous(),
                                             num_accepted.contiguous(), N,
                                             cache.num_slots, BN=ACCEPT_BLOCK, BC=32, num_warps=4)
+    _check_if_free(cache)
 
 
 def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
@@ -838,3 +855,4 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     hv = torch.zeros(HV, dtype=torch.float32, device=dev)
     w = torch.zeros(D, W, dtype=torch.float32, device=dev)
     _launch(dummy, ab, ab, w, None, hv, hv, cache, state_indices, zeros_cu, None, None, "materialize")
+    _check_if_free(cache)

@@ -191,7 +191,8 @@ BAD = [
     # ---------------------------------------------------------------- decode: shapes (host)
     Bad("decode-mixed_qkv-width", "mixed_qkv", lambda o, w: w.decode(o, [0, 1], mixed_qkv=w.x[:2, :-1])),
     Bad("decode-a-shape", "a", lambda o, w: w.decode(o, [0, 1], a=w.a[:2, :1])),
-    Bad("decode-mixed_qkv-device", "mixed_qkv", lambda o, w: w.decode(o, [0, 1], mixed_qkv=_m(w.x[:2], device=ELSEWHERE))),
+    Bad("decode-mixed_qkv-device", "mixed_qkv", lambda o, w: w.decode(o, [0, 1],
+                                                                      mixed_qkv=_m(w.x[:2], device=ELSEWHERE))),
     Bad("decode-indices-float", "state_indices", lambda o, w: w.decode(o, _i([0, 1], F32))),
     Bad("decode-indices-rank", "state_indices", lambda o, w: w.decode(o, _i([[0, 1]]), mixed_qkv=w.x[:1],
                                                                      a=w.a[:1], b=w.b[:1])),
@@ -480,7 +481,8 @@ def test_fuzz_conv_shapes_against_refgdn(data):
     N = 1 if cu is None else len(cu) - 1
     act = data.draw(st.sampled_from([None, "silu"]), "activation")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16), "seed"))
-    x, wt, bias = torch.randn(1, T, Dc, generator=gen), torch.randn(Dc, Wc, generator=gen), torch.randn(Dc, generator=gen)
+    x, wt = torch.randn(1, T, Dc, generator=gen), torch.randn(Dc, Wc, generator=gen)
+    bias = torch.randn(Dc, generator=gen)
     s0 = torch.randn(N, Dc, Wc - 1, generator=gen)
     run = lambda ops, dt, dev: ops.causal_conv1d(   # noqa: E731
         x.to(dev, dt), wt.to(dev, dt), bias.to(dev, dt), act, initial_state=s0.to(dev, dt), output_final_state=True,
