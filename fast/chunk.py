@@ -171,6 +171,13 @@ def _l2norm_rows(x, EPS: tl.constexpr):
 
 
 @triton.jit
+def _trunc_tf32(x):
+    """fp32 -> the tf32 value tensor cores read (the low 13 mantissa bits dropped: truncation, the
+    conservative model). Interpreter only: it computes tl.dot in fp32 whatever input_precision says."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """tl.dot with fp32 accumulation. PREC: input_precision for fp32 operands ("ieee", "tf32x3"), or
     None for 16-bit operands (the default). DOT_F32 (interpreter only): cast operands to fp32 first, as
@@ -178,6 +185,9 @@ def _dot(a, b, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT_F32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+        if PREC == "tf32":          # the interpreter computes fp32: model the tensor cores' tf32 operands
+            a = _trunc_tf32(a)
+            b = _trunc_tf32(b)
     if PREC is None:
         return tl.dot(a, b)
     else:
@@ -589,7 +599,8 @@ def chunk_state_kernel(
         tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
         b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
         b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
-        tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_hc.to(h.dtype.element_ty), mask=m_kv)
+        # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
+        tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
 
         b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                    # v_new = u - w S
@@ -898,7 +909,7 @@ class _Chunks:
 
 
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
-                l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool):
+                l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None)."""
     H, K = k.shape[2], k.shape[3]
@@ -912,12 +923,14 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=BK,
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
         LOAD_G=load_g, STORE_G=store_g, DO_A=do_a,
-        PREC=_fp32_prec(k.dtype), INV_PREC=INV_PRECISION[k.dtype], INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype],
+        PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
+        INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
+        INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_ROWS=_inv_rows(), DOT_F32=is_interpreting(),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **_cfg("kkt", kkt_config(K)))
 
 
-def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool):
+def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None):
     """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]."""
     H, K = k.shape[2], k.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -929,11 +942,13 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         ch.cu_seqlens, ch.indices, T, ch.NT,
         *k.stride()[:3], *v.stride()[:3], *beta.stride(),
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype), DOT_F32=is_interpreting(), PRECISE=precise,
+        IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
+        PRECISE=precise,
         **_cfg("w_u", w_u_config(K, V)))
 
 
-def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool):
+def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
+                  prec_of=None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0)."""
     H, K = k.shape[2], k.shape[3]
     HV, V = u.shape[2], u.shape[3]
@@ -949,7 +964,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3],
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
-        PREC=_fp32_prec(w.dtype), DOT_F32=is_interpreting(), PRECISE=precise, **cfg)
+        PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
+        **cfg)
 
 
 def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale: float, *, l2norm_q: bool,

@@ -49,10 +49,50 @@ from .utils import cdiv, is_interpreting
 # (benchmarks/bench_train.py --sweep): {"dv_local": {...}, "dh": {...}, "dqkwg": {...}, "wy": {...}} with
 # keys BV, num_warps, num_stages. Each distinct config is its own compiled variant.
 CONFIG_OVERRIDES: dict = {}
+# Precision of the backward, per input dtype (each value its own compiled variant):
+#   GRAD_DOT_PRECISION: input_precision of the products that take a gradient operand (dS, dv_new, dw, ds,
+#     dL, ...). A string keeps them fp32 ("tf32": 10 mantissa bits; the 16-bit operand converts exactly)
+#     and stores dh, h and v_new in fp32; None rounds them to the input dtype for 16-bit dots.
+#   RECOMPUTE_PRECISION: the recompute (fast.chunk kernels 1-3) and the products of inputs run on fp32
+#     copies of q, k, v, beta at this input_precision; None: in the input dtype, like the forward.
+# Why: the backward rounds at a dozen places where refgdn (the oracle in the same precision) rounds once,
+# and dg (a reverse cumsum over up to BT tokens of differences of larger terms) and dA_log / ddt_bias (sums
+# over all tokens) amplify it. Worst conformance ratio over the quick gradient families, interpreter with
+# bf16 operands and tf32 modelled as truncation (fast.chunk._trunc_tf32):
+#   bf16: None/None 2.24 (fails), tf32/None 1.44 (fails), tf32/tf32 0.53
+#   fp16: None/None 0.68, tf32/None 1.16 (truncated tf32 is coarser than fp16), tf32x3/tf32x3 0.22
+# fp32 inputs: IEEE products throughout.
+GRAD_DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
+RECOMPUTE_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None}
 
 
 def _cfg(name: str, base: dict) -> dict:
     return dict(base, **CONFIG_OVERRIDES.get(name, {}))
+
+
+@triton.jit
+def _trunc_tf32(x):
+    """fp32 -> the tf32 value tensor cores read (low 13 mantissa bits dropped: truncation, the
+    conservative model). Interpreter only: it computes tl.dot in full fp32 whatever input_precision says."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gdot(a, b, DT: tl.constexpr, GPREC: tl.constexpr, EMU_TF32: tl.constexpr, PREC: tl.constexpr,
+          DOT_F32: tl.constexpr):
+    """A product with a gradient operand (fp32 in registers). GPREC None: both operands rounded to the
+    inputs' dtype DT (16-bit tensor-core dot); else fp32 operands at input_precision GPREC ("tf32": the
+    gradient operand keeps 10 mantissa bits instead of bf16's 7; "ieee" for fp32 inputs). EMU_TF32
+    (interpreter): truncate operands to tf32 first, so CPU runs see the GPU's rounding."""
+    if GPREC is None:
+        return _dot(a.to(DT), b.to(DT), PREC, DOT_F32)
+    else:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if EMU_TF32:
+            a = _trunc_tf32(a)
+            b = _trunc_tf32(b)
+        return tl.dot(a, b, input_precision=GPREC)
 
 
 @triton.jit
@@ -82,6 +122,7 @@ def bwd_dv_local_kernel(
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
 ):
     """Per (chunk, value head): dv[j] = scale sum_{i >= j} (k_j . q_i) exp(G_i - G_j) dO[i].
 
@@ -110,12 +151,11 @@ def bwd_dv_local_kernel(
     d_ji = -_gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE)                          # [j, i] = G_i - G_j
     decay = tl.where(keep, _exp(tl.where(keep, d_ji, 0.0), PRECISE), 0.0)   # mask before exp
     b_A = _dot(b_k, tl.trans(b_q), PREC, DOT_F32) * decay * scale
-    b_A = b_A.to(b_q.dtype)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_rv = m_r[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        b_dv = _dot(b_A, b_do.to(b_A.dtype), PREC, DOT_F32)
+        b_dv = _gdot(b_A, b_do, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         tl.store(dv + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
 
 
@@ -131,6 +171,7 @@ def bwd_dh_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
 ):
     """Per (V-block, sequence, value head), for each chunk c from the last to the first:
 
@@ -189,7 +230,7 @@ def bwd_dh_kernel(
             b_Gl = b_G
             Gl_last = G_last
         b_dv = tl.load(dv_local + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        b_dv += _dot(b_k, b_dS.to(b_k.dtype), PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
+        b_dv += _gdot(b_k, b_dS, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
                                                                            PRECISE)[:, None]
         tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
 
@@ -197,10 +238,10 @@ def bwd_dh_kernel(
         b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         # exp(G) <= 1 on valid rows; padded rows have q = 0
-        b_qg = (b_q.to(tl.float32) * (_exp(b_G, PRECISE) * scale)[:, None]).to(b_q.dtype)
+        b_qg = b_q.to(tl.float32) * (_exp(b_G, PRECISE) * scale)[:, None]
         b_dS = b_dS * _exp(G_last, PRECISE)
-        b_dS += _dot(tl.trans(b_qg), b_do.to(b_qg.dtype), PREC, DOT_F32)
-        b_dS -= _dot(tl.trans(b_w), b_dv.to(b_w.dtype), PREC, DOT_F32)
+        b_dS += _gdot(tl.trans(b_qg), b_do, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dS -= _gdot(tl.trans(b_w), b_dv, b_w.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
     if STORE_DH0:
         tl.store(dh0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_dS, mask=m_kv)
 
@@ -216,6 +257,7 @@ def bwd_dqkwg_kernel(
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
 ):
     """Per (chunk, value head), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
 
@@ -256,12 +298,11 @@ def bwd_dqkwg_kernel(
         b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        b_do = b_do.to(b_h.dtype)
-        b_vn = b_vn.to(b_h.dtype)
-        b_dq += _dot(b_do, tl.trans(b_h), PREC, DOT_F32)
-        b_ds += _dot(b_do, tl.trans(b_vn), PREC, DOT_F32)
-        b_dk += _dot(b_vn, tl.trans(b_dh), PREC, DOT_F32)
-        b_dw += _dot(b_dv.to(b_h.dtype), tl.trans(b_h), PREC, DOT_F32)
+        # h and v_new are fp32 when GPREC is set (the backward's recompute stores them so), else 16-bit
+        b_dq += _gdot(b_do, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_ds += _gdot(b_do, tl.trans(b_vn), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dk += _gdot(b_vn, tl.trans(b_dh), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dw += _gdot(b_dv, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
 
     b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -280,9 +321,9 @@ def bwd_dqkwg_kernel(
     b_ds = b_ds * _causal(b_G, b_Gl, keep, PRECISE) * scale                # (dO v_new^T) M scale
     b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
     b_dqi = b_dq * (b_eG * scale)[:, None]                                  # through the chunk-start state
-    b_dq = b_dqi + _dot(b_ds.to(b_k.dtype), b_k, PREC, DOT_F32)
+    b_dq = b_dqi + _gdot(b_ds, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
     b_dks = b_dk * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None]   # through the state update
-    b_dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, PREC, DOT_F32) + b_dks
+    b_dk = _gdot(tl.trans(b_ds), b_q, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32) + b_dks
     # dG = rowsum(Q dq) - rowsum(K dk), with the intra-chunk part taken from P = ds * (Q K^T) directly:
     # rowsum(P) - colsum(P). precision hazard: via Q dq - K dk the diagonal terms P_ii (large when the
     # decay is strong) would cancel only up to rounding; here they are left out (they cancel exactly).
@@ -320,6 +361,7 @@ def bwd_wy_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISE: tl.constexpr, THRESHOLD: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
 ):
     """Per (chunk, value head), through w = A Kb, u = A Vb (Kb = beta exp(G) K, Vb = beta V), A = (I + L)^-1:
 
@@ -359,17 +401,17 @@ def bwd_wy_kernel(
     b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
     b_kf = b_k.to(tl.float32)
     b_Kb = b_kf * (b_beta * b_eG)[:, None]
-    b_dA = _dot(b_dw.to(b_k.dtype), tl.trans(b_Kb.to(b_k.dtype)), PREC, DOT_F32)
-    b_dKb = _dot(b_At, b_dw.to(b_k.dtype), PREC, DOT_F32)
+    b_dA = _gdot(b_dw, tl.trans(b_Kb), b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+    b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
     b_dbeta = tl.sum(b_dKb * b_kf * b_eG[:, None], 1)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_rv = m_r[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + i_b * s_vb + i_h * s_vh + r64[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
-        b_du = tl.load(du + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0).to(b_k.dtype)
+        b_du = tl.load(du + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_vf = b_v.to(tl.float32)
-        b_dA += _dot(b_du, tl.trans((b_vf * b_beta[:, None]).to(b_k.dtype)), PREC, DOT_F32)
-        b_dVb = _dot(b_At, b_du, PREC, DOT_F32)
+        b_dA += _gdot(b_du, tl.trans(b_vf * b_beta[:, None]), b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dVb = _gdot(b_At, b_du, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         tl.store(dv + tok[:, None] * V + o_v[None, :], (b_dVb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
         b_dbeta += tl.sum(b_dVb * b_vf, 1)
 
@@ -388,8 +430,8 @@ def bwd_wy_kernel(
     b_R = b_R * b_beta[:, None]
     b_P = b_R * b_KK                                                         # dL * L
     b_dG += tl.sum(b_P, 1) - tl.sum(b_P, 0)
-    b_Rk = b_R.to(b_k.dtype)
-    b_dk += _dot(b_Rk, b_k, PREC, DOT_F32) + _dot(tl.trans(b_Rk), b_k, PREC, DOT_F32)
+    b_dk += (_gdot(b_R, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+             + _gdot(tl.trans(b_R), b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32))
 
     # dg: reverse cumsum inside the chunk (padded rows carry dG = 0)
     b_dG = tl.where(m_r, b_dG, 0.0)
@@ -490,45 +532,63 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     ch = _Chunks(B, T, BT, cu_seqlens)
     precise = _precise(v.dtype)
-    prec, dot_f32 = _fp32_prec(dt), is_interpreting()
+    dot_f32 = is_interpreting()
     BK, _ = _blocks(K, V)
+    gprec = GRAD_DOT_PRECISION[dt]
+    rprec = RECOMPUTE_PRECISION[dt]
+    beta_dtype = beta.dtype
+    if rprec is not None:
+        # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
+        # fp32 operands at input_precision rprec
+        q, k, v, beta = (x.float() for x in (q, k, v, beta))
+        cdt, prec = torch.float32, rprec
+        prec_of = (rprec, dt)
+    else:
+        cdt, prec, prec_of = dt, _fp32_prec(dt), None
     k_in = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
 
     # ---- 0. recompute the forward's intermediates (kernels 1-3 of fast.chunk) --------------------
+    # precision hazard: the forward's 16-bit intermediates (A, w, u, h, v_new, l2norm(k)) each round at
+    # 2^-9 (bf16): with them dg failed the conformance rule (module constants above); RECOMPUTE_PRECISION
+    # recomputes them in fp32.
     G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     Gl = torch.empty_like(G) if precise else None
-    A = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
-    kn = torch.empty(B, T, H, K, dtype=dt, device=dev) if l2 else None
+    A = torch.empty(B, T, HV, BT, dtype=cdt, device=dev)
+    kn = torch.empty(B, T, H, K, dtype=cdt, device=dev) if l2 else None
     _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
-                store_g=True, do_a=True, precise=precise)
+                store_g=True, do_a=True, precise=precise, prec_of=prec_of)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q) if l2 else q.contiguous()                        # likewise q ([B, T, H, K])
-    w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise)
-    h = torch.empty(ch.total, HV, K, V, dtype=dt, device=dev)
-    v_new = torch.empty_like(u)
+    w = torch.empty(B, T, HV, K, dtype=cdt, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=cdt, device=dev)
+    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of)
+    # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
+    # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
+    # fp32 registers) even when the rest is 16-bit.
+    hv_dt = cdt if gprec is None else torch.float32
+    h = torch.empty(ch.total, HV, K, V, dtype=hv_dt, device=dev)
+    v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise)
+    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of)
     del u
 
     Glx = G if Gl is None else Gl
     do = do.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     dv_new = torch.empty(B, T, HV, V, **f32)
-    dh = torch.empty(ch.total, HV, K, V, dtype=dt, device=dev)
+    dh = torch.empty(ch.total, HV, K, V, dtype=cdt if gprec is None else torch.float32, device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
     dq = torch.empty(B, T, HV, K, **f32)
     dk = torch.empty(B, T, HV, K, **f32)
     dw = torch.empty(B, T, HV, K, **f32)
     dG = torch.empty(B, T, HV, **f32)
-    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dv = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     dbeta = torch.empty(B, T, HV, **f32)
     dg = torch.empty(B, T, HV, **f32)
     dA_log_t = torch.empty(B, T, HV, **f32) if A_log is not None else None
     common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen, PREC=prec,
-                  DOT_F32=dot_f32, PRECISE=precise)
+                  DOT_F32=dot_f32, PRECISE=precise, GPREC=gprec, EMU_TF32=dot_f32 and gprec == "tf32")
 
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
@@ -571,4 +631,4 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         ddt_bias = dg.sum((0, 1)).to(dt_bias.dtype) if T > 0 else torch.zeros_like(dt_bias)
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, dA_log, ddt_bias)
+    return (dq.to(dt), dk.to(dt), dv, dg.to(g.dtype), dbeta.to(beta_dtype), dh0, dA_log, ddt_bias)

@@ -1,0 +1,251 @@
+"""Training benchmark: forward + backward of the chunked gated delta rule (and of conv1d) on a GPU, fast vs
+fla 0.6.0 in the same process, with both implementations' gradient errors against the float64 truth.
+
+Timing shape (issue 12): B = 4, T = 4096, Qwen3-Next heads (H = 16, HV = 32, K = V = 128), bf16 q/k/v/beta,
+fp32 g (log-decay), qk-l2norm in the kernel, chunk 64, no initial state. Rows:
+
+  - fast forward (inference path: no input requires grad), fast forward + backward (autograd through
+    the custom op: the backward recomputes G, A, w, u, h, v_new), their ratio (target <= 3);
+  - fla forward, fla forward + backward. fla 0.6.0 refuses its backward on Hopper with
+    3.4.0 <= Triton < 3.7.1 (RuntimeError in fla.ops.common.chunk_o.chunk_bwd_dqkwg: "produces incorrect
+    results for gated chunk_bwd_dqkwg (see #640)"). The guard is a module-level flag test
+    (``IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1``); we first call it as
+    shipped (to record whether it fires here), then bypass it by setting
+    ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` for this process and time and check it anyway;
+  - conv1d forward + backward (T = 16384, D = 8192, W = 4, silu, bf16) vs fla's causal_conv1d.
+
+Gradient errors (smaller shape so the float64 oracle's autograd stays quick: B = 1, T = 1024, H = 4,
+HV = 8, K = V = 128, same dtypes and flags): for each gradient, max |impl - truth| with truth = refgdn
+autograd in float64 on the same bf16-rounded inputs and cotangent, and the conformance ratio
+error / (2 x refgdn-bf16 error + floor) of conformance.core (pass: <= 1).
+
+``python -m benchmarks.bench_train [--sweep] [--no-results]``; ``--sweep`` also times fast's backward over
+a small grid of per-stage configs (fast.chunk_bwd.CONFIG_OVERRIDES) to choose the pinned ones.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import common
+
+B, T, H, HV, K, V = 4, 4096, 16, 32, 128, 128
+CHUNK = 64
+DTYPE = torch.bfloat16
+ERR_SHAPE = dict(B=1, T=1024, H=4, HV=8)
+CONV_T, CONV_D, CONV_W = 16384, 8192, 4
+TITLE = "Training: forward + backward, fast vs fla"
+
+
+def inputs(B_, T_, H_, HV_, device, seed=0, grad=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B_, T_, H_, K, device=device, generator=gen).to(DTYPE)
+    k = torch.randn(B_, T_, H_, K, device=device, generator=gen).to(DTYPE)
+    v = torch.randn(B_, T_, HV_, V, device=device, generator=gen).to(DTYPE)
+    g = F.logsigmoid(torch.randn(B_, T_, HV_, device=device, generator=gen) + 3.0)      # fp32, mostly weak
+    beta = torch.sigmoid(torch.randn(B_, T_, HV_, device=device, generator=gen)).to(DTYPE)
+    do = torch.randn(B_, T_, HV_, V, device=device, generator=gen).to(DTYPE)
+    leaves = [x.requires_grad_(grad) for x in (q, k, v, g, beta)]
+    return leaves, do
+
+
+def _fast_call(q, k, v, g, beta):
+    import fast
+    return fast.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK)[0]
+
+
+def _fla_call(fla_fn):
+    def call(q, k, v, g, beta):
+        return fla_fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return call
+
+
+def fla_guard_bypass() -> str:
+    """Disable fla 0.6.0's Hopper/Triton guard on the gated chunk_bwd_dqkwg for this process; returns
+    what the guard would have done here."""
+    import fla.ops.common.chunk_o as fco
+    active = bool(fco.IS_NVIDIA_HOPPER and fco.TRITON_ABOVE_3_4_0 and not fco.TRITON_ABOVE_3_7_1)
+    fco.TRITON_ABOVE_3_7_1 = True
+    return "guard active here (Hopper, Triton in [3.4.0, 3.7.1)): bypassed" if active else \
+        "guard not active here (not Hopper or Triton >= 3.7.1)"
+
+
+def _fwd_bwd(call, leaves, do):
+    def run():
+        o = call(*leaves)
+        o.backward(do)
+    return run
+
+
+def _bench(fn, leaves=None):
+    try:
+        fn()
+        common.synchronize()
+        if leaves is not None and torch.cuda.is_available():
+            import triton.testing
+            return float(triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")), ""
+        return common.bench(fn), ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def timing_rows(device: str) -> tuple:
+    rows, notes = [], {}
+    fla = common.try_import_fla()
+    leaves, do = inputs(B, T, H, HV, device)
+    with torch.no_grad():
+        plain = [x.detach() for x in leaves]
+    fwd_ms, err = _bench(lambda: _fast_call(*plain))
+    rows.append(dict(case=f"fast fwd B={B} T={T}", ms=fwd_ms, **{"x fwd": 1.0 if fwd_ms else None}, note=err))
+    fb_ms, err = _bench(_fwd_bwd(_fast_call, leaves, do), leaves)
+    rows.append(dict(case="fast fwd+bwd", ms=fb_ms, **{"x fwd": fb_ms / fwd_ms if fb_ms and fwd_ms else None},
+                     note=err or "target <= 3x fwd"))
+    if fb_ms and fwd_ms:
+        rows.append(dict(case="fast bwd (difference)", ms=fb_ms - fwd_ms, **{"x fwd": (fb_ms - fwd_ms) / fwd_ms},
+                         note="recompute + 4 backward kernels + GVA sums"))
+    if fla is None or fla.chunk_gated_delta_rule is None:
+        rows.append(dict(case="fla", note="fla not installed"))
+        return rows, notes
+    call = _fla_call(fla.chunk_gated_delta_rule)
+    fla_fwd, err = _bench(lambda: call(*plain))
+    rows.append(dict(case="fla fwd", ms=fla_fwd, **{"x fwd": fla_fwd / fwd_ms if fla_fwd and fwd_ms else None},
+                     note=err))
+    # as shipped first: does the guard fire here?
+    try:
+        _fwd_bwd(call, leaves, do)()
+        common.synchronize()
+        notes["fla guard as shipped"] = "backward ran"
+    except RuntimeError as e:
+        notes["fla guard as shipped"] = f"refused: {str(e).splitlines()[0][:110]}"
+    for x in leaves:
+        x.grad = None
+    notes["fla guard"] = fla_guard_bypass()
+    fla_fb, err = _bench(_fwd_bwd(call, leaves, do), leaves)
+    rows.append(dict(case="fla fwd+bwd (guard bypassed)", ms=fla_fb,
+                     **{"x fwd": fla_fb / fwd_ms if fla_fb and fwd_ms else None},
+                     note=err or (f"fla/fast fwd+bwd {fla_fb / fb_ms:.2f}" if fb_ms else "")))
+    del leaves, do, plain
+    torch.cuda.empty_cache()
+    return rows, notes
+
+
+def conv_rows(device: str) -> list:
+    import fast
+    fla = common.try_import_fla()
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE).requires_grad_()
+    w = (torch.randn(CONV_D, CONV_W, device=device, generator=gen) / 2).to(DTYPE).requires_grad_()
+    dy = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
+    fwd, _ = _bench(lambda: fast.causal_conv1d(x.detach(), w.detach(), None, "silu"))
+    fb, err = _bench(lambda: fast.causal_conv1d(x, w, None, "silu")[0].backward(dy), [x, w])
+    row = dict(case=f"conv1d fwd+bwd T={CONV_T} D={CONV_D} W={CONV_W} silu", ms=fb,
+               **{"x fwd": fb / fwd if fb and fwd else None}, note=err)
+    if fla is not None and fla.causal_conv1d is not None:
+        ffb, ferr = _bench(lambda: fla.causal_conv1d(x=x, weight=w, activation="silu")[0].backward(dy), [x, w])
+        row["note"] = "; ".join(n for n in (err, f"fla fwd+bwd {ffb:.3f} ms" if ffb else "fla: " + ferr) if n)
+    return [row]
+
+
+def error_rows(device: str) -> list:
+    """Gradient errors of fast and fla (guard bypassed) against refgdn float64 autograd (module docstring)."""
+    import refgdn
+    from conformance.core import Check, evaluate
+
+    p = ERR_SHAPE
+    leaves, do = inputs(p["B"], p["T"], p["H"], p["HV"], device, seed=3)
+    names = ("q", "k", "v", "g", "beta")
+
+    def grads(call, xs, cot):
+        xs = [x.detach().requires_grad_() for x in xs]
+        o = call(*xs)
+        return torch.autograd.grad(o, xs, cot)
+
+    def ref_call(q, k, v, g, beta):
+        return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK)[0]
+
+    truth = grads(ref_call, [x.double() for x in leaves], do.double())
+    ref = grads(ref_call, leaves, do)
+    impls = [("fast", _fast_call)]
+    fla = common.try_import_fla()
+    if fla is not None and fla.chunk_gated_delta_rule is not None:
+        fla_guard_bypass()
+        impls.append(("fla (guard bypassed)", _fla_call(fla.chunk_gated_delta_rule)))
+    rows = []
+    for impl, call in impls:
+        try:
+            got = grads(call, leaves, do)
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(impl=impl, grad="-", note=f"{type(e).__name__}: {e}"[:140]))
+            continue
+        for n, gf, gt, gr in zip(names, got, truth, ref):
+            res = evaluate(Check(f"d{n}", gf, gt, gr, dtype=DTYPE))
+            rows.append({"impl": impl, "grad": f"d{n}", "max |err|": res["error"],
+                         "refgdn bf16 err": res["ref_error"], "ratio": res["ratio"],
+                         "pass": "yes" if res["passed"] else "NO", "max |truth|": gt.abs().max().item()})
+    return rows
+
+
+def sweep_rows(device: str) -> list:
+    """fast fwd+bwd over per-stage backward configs (one stage varied at a time)."""
+    from fast import chunk_bwd
+    leaves, do = inputs(B, T, H, HV, device)
+    grid = {"dqkwg": [dict(num_warps=w, BV=bv) for w in (4, 8) for bv in (32, 64)],
+            "wy": [dict(num_warps=w, BV=bv) for w in (4, 8) for bv in (32, 64)],
+            "dh": [dict(num_stages=s_) for s_ in (1, 2, 3)] + [dict(BV=32), dict(BV=64)],
+            "dv_local": [dict(num_warps=w) for w in (4, 8)]}
+    rows = []
+    for stage, cfgs in grid.items():
+        for cfg in cfgs:
+            chunk_bwd.CONFIG_OVERRIDES = {stage: cfg}
+            ms, err = _bench(_fwd_bwd(_fast_call, leaves, do), leaves)
+            rows.append(dict(stage=stage, config=str(cfg), ms=ms, note=err))
+    chunk_bwd.CONFIG_OVERRIDES = {}
+    return rows
+
+
+def run_sections(device: str = "cuda", sweep: bool = False) -> list:
+    rows, notes = timing_rows(device)
+    rows += conv_rows(device)
+    meta = {"shape": f"B={B}, T={T}, H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g, qk-l2norm, chunk {CHUNK}, "
+                     "no initial state",
+            "x fwd": "time / fast's forward time (inference path)", **notes}
+    sections = [(TITLE, rows, meta)]
+    err_meta = {"shape": f"B={ERR_SHAPE['B']}, T={ERR_SHAPE['T']}, H={ERR_SHAPE['H']}, HV={ERR_SHAPE['HV']}, "
+                         f"K=V={K}, bf16, qk-l2norm, chunk {CHUNK}",
+                "truth": "refgdn autograd in float64 on the same bf16 inputs and cotangent",
+                "ratio": "max|err| / (2 x refgdn-bf16 error + 2^-7 max(1, max|truth|)); pass <= 1"}
+    sections.append(("Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta))
+    if sweep:
+        sections.append(("Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}))
+    return sections
+
+
+def run() -> list:
+    return run_sections()[0][1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also sweep fast's backward stage configs")
+    ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    args = ap.parse_args(argv)
+    if not common.gpu_available():
+        print("bench_train: a CUDA GPU is needed (none found, or TRITON_INTERPRET=1); nothing to do.")
+        return 0
+    v = common.versions()
+    print(f"device: {common.device_name()} | torch {v['torch']} | triton {v['triton']} | fla {v['fla']}")
+    for title, rows, meta in run_sections(sweep=args.sweep):
+        print(f"\n## {title}\n")
+        for k_, v_ in meta.items():
+            print(f"- {k_}: {v_}")
+        print(common.format_table(rows))
+        if not args.no_results:
+            common.append_results(title, rows, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
