@@ -24,6 +24,15 @@ from refgdn.model import Qwen3NextConfig, Qwen3NextModel
 I32 = torch.int32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops: intra-op threads only contend (2 cores shared with xdist's other worker: 20x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def model():
     ops = traced_ops(refgdn)
