@@ -255,16 +255,17 @@ def profile_traffic(model, cfg: ServingConfig):
 
 
 def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1, 2, 4, 8), max_draft: int = 5,
-                     rounds: int = 3, seed: int = 0) -> dict:
+                     rounds: int = 3, seed: int = 0, device: str = "cuda", ops="fast") -> dict:
     """GPU: the whole lifecycle in this process (run it in a fresh one), with Triton's compilations counted.
 
     Returns planned keys, keys Triton compiled (by the launch recorder's attribution), compilations per
     phase, and the keys first seen after profile. Serving traffic afterwards: prefills of random lengths,
     decode and speculative rounds (k = 1..max_draft) at padded batch sizes below and above the graphs."""
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
-    m = Qwen3NextModel(Qwen3NextConfig.preset(preset), ops="fast", dtype=dtype, device="cuda", seed=seed)
+    m = Qwen3NextModel(Qwen3NextConfig.preset(preset), ops=ops, dtype=dtype, device=device, seed=seed,
+                       check_values=False)
     cfg = ServingConfig(capture_batch_sizes=batch_sizes, max_draft=max_draft, max_batch=max(batch_sizes) + 2,
-                        max_prefill_tokens=64, max_prefill_seqs=max(batch_sizes) + 2, device="cuda")
+                        max_prefill_tokens=64, max_prefill_seqs=max(batch_sizes) + 2, device=device)
     log = KeyLog()
     with recording(log):
         gm = GraphedModel(m, batch_sizes=batch_sizes, max_draft=max_draft, num_slots=cfg.max_batch, max_len=512)
@@ -273,16 +274,21 @@ def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1,
         for n in (1, 3, cfg.max_batch):
             gm.cache.reset(list(range(cfg.max_batch)))
             lens = torch.randint(1, 64 // n + 1, (n,), generator=gen).tolist()
-            si = torch.arange(n, dtype=I32, device="cuda")
-            qsl = torch.tensor([0] + lens, device="cuda").cumsum(0).to(I32)
-            ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=gen).cuda()
+            si = torch.arange(n, dtype=I32, device=device)
+            qsl = torch.tensor([0] + lens, device=device).cumsum(0).to(I32)
+            ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=gen).to(device)
             gm.lc.eager(lambda: m.prefill(gm.cache, ids, m.metadata(gm.cache, si, qsl, sum(lens))), "prefill")
             for r in range(rounds):
-                tok = gm.decode(torch.zeros(n, dtype=torch.int64, device="cuda"), si).argmax(-1)
+                tok = gm.decode(torch.zeros(n, dtype=torch.int64, device=device), si).argmax(-1)
                 for k in range(1, max_draft + 1):
                     gm.verify(tok.repeat_interleave(1 + k), si, k)
-                    gm.accept(si, torch.ones(n, dtype=I32, device="cuda"))
-        torch.cuda.synchronize()
+                    gm.accept(si, torch.ones(n, dtype=I32, device=device))
+                if m.has_mtp and gm.lc.descriptor_for("draft", n) is not None:
+                    hid = torch.zeros(n, m.config.hidden_size, dtype=m.dtype, device=device)
+                    for j in range(max_draft):
+                        gm.draft(j, si, tok if j == 0 else None, hid if j == 0 else None)
+        if device == "cuda":
+            torch.cuda.synchronize()
     planned = plan(m, cfg).keys
     compiled = set(log.compiled)
     return dict(planned=sorted(map(str, planned)), compiled=sorted(map(str, compiled)),

@@ -144,8 +144,9 @@ def test_unwarmed_capture_real_failure_and_guard():
             with torch.cuda.graph(g):
                 k_never_warmed[(1,)](x, BLOCK=64)
             print("NO-ERROR")
-        except Exception as e:
-            print("ERROR", type(e).__name__, str(e)[:300].replace("\\n", " "))
+        except Exception as e:                     # the error and what it was raised during (capture_end may mask it)
+            chain = [e] + ([e.__context__] if e.__context__ is not None else [])
+            print("ERROR", " | ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in chain).replace("\\n", " "))
     """)
     print(out)
     assert "ERROR" in out and ("capturing" in out or "not permitted" in out), out
