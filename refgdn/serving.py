@@ -288,7 +288,8 @@ class GDNStateCache:
             raise ValueError(f"HV={HV} must be a multiple of H={H} (GVA)")
         if err is not None:
             _need_tensor("err", err, 1)
-            if err.shape[0] != 4 or err.dtype != torch.int64 or err.device != torch.device(device):
+            where = torch.empty(0, device=device).device        # "cuda" -> "cuda:0", as the tensors get
+            if err.shape[0] != 4 or err.dtype != torch.int64 or err.device != where:
                 raise ValueError(f"err must be an int64 [4] tensor on {device}, got {err.dtype} "
                                  f"[{', '.join(map(str, err.shape))}] on {err.device}")
         cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32

@@ -443,3 +443,20 @@ def test_cuda_graph_replay_records_faults_and_writes_nothing():
     assert not all(torch.equal(p, q) for p, q in zip(before, memory()))
     for t, t0 in zip(big.slot_tensors(), before):
         assert torch.equal(t[4:], t0[4:])             # slots 4, 5: outside the cache
+
+
+def test_layers_share_one_err_buffer():
+    """Caches allocated with one err buffer (a model's layers): a fault in any of them is raised by the
+    check() of any of them (on a CPU device by the op itself), once."""
+    H, HV, K, V, W = 1, 1, 8, 8, 4
+    D = 2 * H * K + HV * V
+    err = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    c1, c2 = (rs.GDNStateCache.allocate(3, H, HV, K, V, W, 1, torch.float32, torch.float32, DEVICE, err=err)
+              for _ in range(2))
+    layer = _to(make_layer(H, HV, K, V, W, seed=35), torch.float32)
+    x, a, b = (t.to(DEVICE) for t in make_tokens(1, HV, D, seed=36, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"state_indices\[0\] = 3 is out of range"):
+        fs.gdn_decode(x, a, b, *_args(layer), c2, torch.tensor([3], dtype=torch.int32, device=DEVICE))
+        c1.check()
+    c1.check(), c2.check()
+    assert err.tolist() == [0, 0, 0, 0]
