@@ -241,7 +241,7 @@ def _serving_run(model, lens=(6, 3)):
     model.accept(cache, si, torch.tensor([2, 2], dtype=I32, device=dev))
     outs.append(step(model, cache, slots, [torch.tensor([13]), torch.tensor([14])], "decode")[0])
     outs.append(step(model, cache, slots, [torch.tensor([15, 16]), torch.tensor([17, 18])], "verify")[0])
-    model.accept(cache, si, torch.tensor([1, 2], dtype=I32))
+    model.accept(cache, si, torch.tensor([1, 2], dtype=I32, device=dev))
     outs.append(step(model, cache, slots, [torch.tensor([19, 20, 21]), torch.tensor([22])], "prefill")[0])
     states = [torch.cat([x.reshape(-1) for x in committed_state(g, slots)]) for g in cache.gdn]
     return [o.cpu() for o in outs], [x.cpu() for x in states], cache.kv_lens.cpu()

@@ -63,10 +63,10 @@ def hf_float64(monkeypatch):
         calls["conv"] += 1
         return conv(*a, **k)
 
-    orig_float = torch.Tensor.float
     monkeypatch.setattr(hf_mod, "torch", _Float64Torch())
-    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: self if self.dtype == torch.float64
-                        else orig_float(self, *a, **k))
+    # every .float() means float64 here, integer tensors included (transformers 5.17's rotary multiplies
+    # inv_freq.float() by position_ids.float(): both must land in the same dtype)
+    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
     monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", chunk_counted)
     monkeypatch.setattr(hf_mod, "causal_conv1d_fn", conv_counted)
     yield calls
