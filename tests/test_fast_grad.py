@@ -20,6 +20,8 @@ from refgdn import delta_rule_bwd as rb
 from tests.helpers import gdn_inputs
 
 F64 = torch.float64
+# the device fast's kernels run on: natively on a GPU, else in the Triton interpreter
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def close(a, b, tol=1e-10):
@@ -210,7 +212,7 @@ def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):
         loss = fn(ops, **leaves)
         return dict(zip(want, torch.autograd.grad(loss, [leaves[n] for n in want])))
 
-    low = lambda t: t.detach().to(dtype if t.dtype != torch.float32 else torch.float32)  # noqa: E731
+    low = lambda t: t.detach().to(device=DEV, dtype=dtype if t.dtype != torch.float32 else torch.float32)  # noqa: E731
     g_f = grads(fast, low)
     g_r = grads(refgdn, low)
     g_t = grads(refgdn, lambda t: low(t).double())
@@ -272,8 +274,9 @@ def test_fast_grad_no_grad_needed_skips_the_op(monkeypatch):
     monkeypatch.setattr(library, "chunk_gated_delta_rule_op", boom)
     monkeypatch.setattr(library, "causal_conv1d_op", boom)
     q, k, v, g, beta = gdn_inputs(1, 20, 1, 1, 16, 16, seed=14, dtype=torch.float32)
+    q, k, v, g, beta = (t.to(DEV) for t in (q, k, v, g, beta))
     fast.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
-    fast.causal_conv1d(torch.randn(1, 8, 4), torch.randn(4, 4))
+    fast.causal_conv1d(torch.randn(1, 8, 4, device=DEV), torch.randn(4, 4, device=DEV))
     with pytest.raises(AssertionError):
         fast.chunk_gated_delta_rule(q.requires_grad_(), k, v, g, beta, chunk_size=16)
 
@@ -295,8 +298,9 @@ def test_fast_conv_grad_without_final_state_and_bias():
 
 def test_fast_grad_validation_unchanged():
     """Bad input is still a ValueError before anything runs, with gradients requested."""
-    q, k, v, g, beta = (t.requires_grad_() for t in gdn_inputs(1, 20, 1, 2, 16, 16, seed=16, dtype=torch.float32))
+    q, k, v, g, beta = (t.requires_grad_() for t in gdn_inputs(1, 20, 1, 2, 16, 16, seed=16, dtype=torch.float32,
+                                                                device=DEV))
     with pytest.raises(ValueError, match="beta"):
         fast.chunk_gated_delta_rule(q, k, v, g, beta[..., :1], chunk_size=16)
     with pytest.raises(ValueError, match="weight"):
-        fast.causal_conv1d(torch.randn(1, 8, 4, requires_grad=True), torch.randn(5, 4))
+        fast.causal_conv1d(torch.randn(1, 8, 4, requires_grad=True, device=DEV), torch.randn(5, 4, device=DEV))
