@@ -16,7 +16,7 @@ import traceback
 
 from . import common
 
-MODULES = {"prefill": "benchmarks.bench_prefill", "decode": "benchmarks.bench_decode"}
+MODULES = {"prefill": "benchmarks.bench_prefill", "decode": "benchmarks.bench_decode", "train": "benchmarks.bench_train"}
 
 
 def _sections(mod) -> list:
