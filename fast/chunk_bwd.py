@@ -513,13 +513,17 @@ def _l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64):
+                               use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
+                               stages: Optional[dict] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
     -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): each in its input's dtype (dh0 [N, HV, K, V],
     None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
     the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
+    stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
+    stages): h, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
+    per value head), dv, dbeta, dg. Costs copies; None in normal use.
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -592,7 +596,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
 
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
-        dv_local = dv_new                                                # stage 2 reads it, then overwrites
+        dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             **common, **_cfg("dv_local", dv_local_bwd_config(K, V)))
@@ -607,6 +611,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         bwd_dqkwg_kernel[(ch.total * HV,)](
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V)))
+        if stages is not None:
+            stages.update(h=h.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
+                          dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(), dk3=dk.clone(),
+                          dw=dw.clone(), dG3=dG.clone())
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
@@ -619,6 +627,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if ch.total == 0:
         for t in (dq, dk, dG, dbeta, dg, dv):
             t.zero_()
+    if stages is not None:
+        stages.update(dk=dk.clone(), dv=dv.clone(), dbeta=dbeta.clone(), dg=dg.clone())
 
     # ---- 5. per key head: sum over the GVA group; l2norm backward; gating parameters -------------
     dq = dq.view(B, T, H, HV // H, K).sum(3)                             # [B, T, (h j), K] -> [B, T, h, K]

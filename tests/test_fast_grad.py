@@ -304,3 +304,45 @@ def test_fast_grad_validation_unchanged():
         fast.chunk_gated_delta_rule(q, k, v, g, beta[..., :1], chunk_size=16)
     with pytest.raises(ValueError, match="weight"):
         fast.causal_conv1d(torch.randn(1, 8, 4, requires_grad=True, device=DEV), torch.randn(5, 4, device=DEV))
+
+
+# ----------------------------------------------------------------------------------------------
+# fast's backward kernels stage by stage against refgdn's stage twins (conformance rule per stage)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_fast_backward_stages_match_refgdn_stages(dtype):
+    """Every intermediate of fast.chunk_bwd (recomputed h, dv_local, dh, dv_new, dh0, stage 3's dq/dk/dw/dG,
+    stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
+    float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
+    padding), GVA 2, with initial state and final-state cotangent."""
+    from fast import chunk_bwd as fb
+
+    BT, H, HV, K, V = 16, 1, 2, 16, 16
+    q, k, v, g, beta, S0 = gdn_inputs(1, 48, H, HV, K, V, seed=21, init=True, dtype=torch.float32)
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(1, 48, HV, V, generator=gen).to(dtype)
+    dht = torch.randn(1, HV, K, V, generator=gen)
+    scale = K ** -0.5
+    got: dict = {}
+    fb.chunk_gated_delta_rule_bwd(*(t.to(DEV) for t in (q, k, v, g, beta, do, dht)), scale, S0.to(DEV),
+                                  chunk_size=BT, stages=got)
+
+    def chain(cdt):
+        qc, kc, vc, gc, bc, doc, dhtc, S0c = (t.to(cdt) for t in (q, k, v, g, beta, do, dht, S0))
+        G = rd.chunk_cumsum(gc, BT)
+        A = rd.wy_repr(kc, bc, G, BT)
+        w, u = rd.w_u(kc, vc, bc, A, G, BT)
+        h, v_new, _ = rd.state_passing(kc, w, u, G, BT, S0c)
+        dvl = rb.chunk_dv_local(qc, kc, G, doc, scale, BT)
+        dh, dv_new, dh0 = rb.state_passing_bwd(qc, kc, w, G, doc, dvl, scale, BT, dhtc)
+        dq3, dk3, dw, dG3 = rb.chunk_bwd_dqkwg(qc, kc, v_new, h, dh, doc, dv_new, G, scale, BT)
+        dk4, dv, dbeta, dG4 = rb.wy_bwd(kc, vc, bc, G, A, dw, dv_new, BT)
+        return dict(h=h[0], dv_local=dvl, dh=dh[0], dv_new=dv_new, dh0=dh0, dq3=dq3, dk3=dk3, dw=dw, dG3=dG3,
+                    dk=dk3 + dk4, dv=dv, dbeta=dbeta, dg=rb.chunk_cumsum_bwd(dG3 + dG4, BT))
+
+    truth, ref = chain(F64), chain(torch.float32)
+    for name in truth:
+        res = evaluate(Check(name, got[name].float().cpu(), truth[name], ref[name], dtype=dtype))
+        assert res["passed"], (name, res)
