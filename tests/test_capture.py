@@ -215,6 +215,17 @@ def test_planner_equals_keys_of_the_eager_run(model):
     assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
 
 
+def test_planner_equals_real_triton_launches_of_the_fast_model():
+    """The same with the model on fast ops: the recorder sees fast's real Triton launches (interpreter)."""
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.float32, seed=3)
+    log = KeyLog()
+    with recording(log):
+        serving_traffic(m, CFG.max_draft)
+    p = cap.plan(m, CFG)
+    missing, extra = p.keys - log.keys, log.keys - p.keys
+    assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
+
+
 # ----------------------------------------------------------------------------------------------
 # the right way: the whole lifecycle with the model, graph replay == eager bit for bit
 # ----------------------------------------------------------------------------------------------
