@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Iterable, Optional
 
-CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad")
+CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad", "conformance.cases_model")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 
