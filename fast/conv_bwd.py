@@ -17,7 +17,6 @@ no atomics); the first tile of a sequence also writes dinitial_state. Pinned con
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import triton

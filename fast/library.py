@@ -19,7 +19,6 @@ come back from the backward ops as empty tensors and are mapped to None in the a
 What is saved for backward: the inputs only (see fast.chunk_bwd and fast.conv_bwd for why everything
 else is recomputed). ``scale`` arrives as a float (the public function fills in the K ** -0.5 default).
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

@@ -13,7 +13,6 @@ dz = dy * act'(z) the gradient of the pre-activation z:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
 from .delta_rule import sequences

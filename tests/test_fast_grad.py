@@ -9,7 +9,6 @@
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fast
 import refgdn
