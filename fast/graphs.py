@@ -14,7 +14,9 @@ every graph, captured on a side stream). Per DESIGN.md's invariants:
    a recorder on Triton's launch path raises CompileDuringCapture before a first launch inside capture;
    Triton's ``jit_post_compile_hook`` counts real compilations per phase (``lifecycle.real_compiles``);
 2. nothing compiles or autotunes after the cache is reserved (CompileAfterReserve / AutotuneAfterReserve);
-3. warmup and capture get separate StepMetadata objects;
+3. warmup and capture get separate StepMetadata objects (decode / verify build theirs inside the graph
+   from the static slot and token buffers: build_step_metadata is device ops only, so a replay copies
+   the ids and slots and nothing else);
 4. the MTP draft step is captured once per padded batch and replayed once per draft step; the step
    index is a device scalar (it picks the output column inside the graph) and the attention metadata
    (positions, sequence lengths, slot mapping) is rebuilt from the device lengths and copied into the
@@ -143,11 +145,20 @@ class GraphedModel:
         qsl = torch.arange(N + 1, dtype=I32, device=dev) * T
         return self.m.metadata(self.cache, full, qsl, N * T, mtp=mtp)
 
+    def _pad_inputs(self, desc: CaptureDescriptor, ids, state_indices) -> dict:
+        """ids [n*T], state_indices [n] -> the static inputs' values: padded rows slot -1, token 0."""
+        n = state_indices.shape[0]
+        pid = torch.zeros(desc.batch * desc.tokens, dtype=torch.int64, device=ids.device)
+        pid[:n * desc.tokens] = ids
+        psi = torch.full((desc.batch,), -1, dtype=I32, device=ids.device)
+        psi[:n] = state_indices
+        return {"ids": pid, "state_indices": psi}
+
     def _make_step(self, desc: CaptureDescriptor, warmup: bool) -> StepSpec:
         """vLLM's create_forward_fn(desc, warmup): the same step for warmup and capture, fresh metadata each."""
         m, cache, N, T, dev = self.m, self.cache, desc.batch, desc.tokens, self.m.device
-        meta = self._pad_meta(desc.mode, N, T, mtp=desc.mode == "draft")        # padded rows only: scratch writes
         if desc.mode == "draft":
+            meta = self._pad_meta(desc.mode, N, T, mtp=True)      # padded rows only: warmup / capture write scratch
             buf = _DraftBuffers(torch.zeros(N, dtype=torch.int64, device=dev),
                                 torch.zeros(N, m.config.hidden_size, dtype=m.dtype, device=dev),
                                 torch.zeros((), dtype=torch.int64, device=dev),
@@ -164,9 +175,17 @@ class GraphedModel:
                 return tok
             return StepSpec(draft, meta, {"ids": buf.ids, "hidden": buf.hidden}, step_index=buf.step,
                             position_fields=("positions", "seq_lens", "slot_mapping"))
+        # decode / verify: the metadata is built inside the graph from two static inputs (build_step_metadata
+        # is device ops only), so a replay copies ids and slots, nothing else; every run builds its own
+        # StepMetadata (warmup and capture never share one)
         ids = torch.zeros(N * T, dtype=torch.int64, device=dev)
+        si = torch.full((N,), -1, dtype=I32, device=dev)
+        qsl = torch.arange(N + 1, dtype=I32, device=dev) * T
         step = m.decode if desc.mode == "decode" else m.verify
-        return StepSpec(lambda: m.logits(step(cache, ids, meta)), meta, {"ids": ids})
+
+        def fn():
+            return m.logits(step(cache, ids, m.metadata(cache, si, qsl, N * T)))
+        return StepSpec(fn, None, {"ids": ids, "state_indices": si})
 
     # ------------------------------------------------------------------ serving
     def _padded(self, mode, n, T):
@@ -181,9 +200,7 @@ class GraphedModel:
         if desc is None:
             meta = self.m.metadata(self.cache, state_indices.to(I32), torch.arange(n + 1, dtype=I32, device=ids.device), n)
             return self.lc.eager(lambda: self.m.logits(self.m.decode(self.cache, ids, meta)), "eager decode")
-        pid = torch.zeros(desc.batch, dtype=torch.int64, device=ids.device)
-        pid[:n] = ids
-        out = self.lc.replay(desc, {"ids": pid}, self._pad_meta("decode", desc.batch, 1, state_indices.to(I32)))
+        out = self.lc.replay(desc, self._pad_inputs(desc, ids, state_indices))
         return out[:n]
 
     def verify(self, ids: torch.Tensor, state_indices: torch.Tensor, k: int) -> torch.Tensor:
@@ -194,9 +211,7 @@ class GraphedModel:
             qsl = torch.arange(n + 1, dtype=I32, device=ids.device) * T
             meta = self.m.metadata(self.cache, state_indices.to(I32), qsl, n * T)
             return self.lc.eager(lambda: self.m.logits(self.m.verify(self.cache, ids, meta)), "eager verify")
-        pid = torch.zeros(desc.batch * T, dtype=torch.int64, device=ids.device)
-        pid[:n * T] = ids
-        out = self.lc.replay(desc, {"ids": pid}, self._pad_meta("verify", desc.batch, T, state_indices.to(I32)))
+        out = self.lc.replay(desc, self._pad_inputs(desc, ids, state_indices))
         return out[:n * T]
 
     def accept(self, state_indices, num_accepted):
