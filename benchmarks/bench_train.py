@@ -5,7 +5,8 @@ Timing shape (issue 12): B = 4, T = 4096, Qwen3-Next heads (H = 16, HV = 32, K =
 fp32 g (log-decay), qk-l2norm in the kernel, chunk 64, no initial state. Rows:
 
   - fast forward (inference path: no input requires grad), fast forward + backward (autograd through
-    the custom op: the backward recomputes G, A, w, u, h, v_new), their ratio (target <= 3);
+    the custom op: the backward recomputes G, A, w, u, h, v_new), their ratio (target <= 3); and the
+    same with the 16-bit backward variant (faster, less accurate: its gradient errors are in the table);
   - fla forward, fla forward + backward. fla 0.6.0 refuses its backward on Hopper with
     3.4.0 <= Triton < 3.7.1 (RuntimeError in fla.ops.common.chunk_o.chunk_bwd_dqkwg: "produces incorrect
     results for gated chunk_bwd_dqkwg (see #640)"). The guard is a module-level flag test
@@ -57,6 +58,20 @@ def _fast_call(q, k, v, g, beta):
     return fast.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK)[0]
 
 
+class sixteen_bit_backward:
+    """Context: fast's backward with 16-bit recompute and gradient products (fast.chunk_bwd's
+    RECOMPUTE_PRECISION / GRAD_DOT_PRECISION None for bf16): the faster, less accurate variant."""
+
+    def __enter__(self):
+        from fast import chunk_bwd
+        self.saved = (chunk_bwd.GRAD_DOT_PRECISION[DTYPE], chunk_bwd.RECOMPUTE_PRECISION[DTYPE])
+        chunk_bwd.GRAD_DOT_PRECISION[DTYPE] = chunk_bwd.RECOMPUTE_PRECISION[DTYPE] = None
+
+    def __exit__(self, *exc):
+        from fast import chunk_bwd
+        chunk_bwd.GRAD_DOT_PRECISION[DTYPE], chunk_bwd.RECOMPUTE_PRECISION[DTYPE] = self.saved
+
+
 def _fla_call(fla_fn):
     def call(q, k, v, g, beta):
         return fla_fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
@@ -106,6 +121,11 @@ def timing_rows(device: str) -> tuple:
     if fb_ms and fwd_ms:
         rows.append(dict(case="fast bwd (difference)", ms=fb_ms - fwd_ms, **{"x fwd": (fb_ms - fwd_ms) / fwd_ms},
                          note="recompute + 4 backward kernels + GVA sums"))
+    with sixteen_bit_backward():
+        fb16, err = _bench(_fwd_bwd(_fast_call, leaves, do), leaves)
+    rows.append(dict(case="fast fwd+bwd, 16-bit backward", ms=fb16,
+                     **{"x fwd": fb16 / fwd_ms if fb16 and fwd_ms else None},
+                     note=err or "RECOMPUTE/GRAD_DOT_PRECISION None: see the error table"))
     if fla is None or fla.chunk_gated_delta_rule is None:
         rows.append(dict(case="fla", note="fla not installed"))
         return rows, notes
@@ -168,7 +188,7 @@ def error_rows(device: str) -> list:
 
     truth = grads(ref_call, [x.double() for x in leaves], do.double())
     ref = grads(ref_call, leaves, do)
-    impls = [("fast", _fast_call)]
+    impls = [("fast", _fast_call), ("fast, 16-bit backward", _fast_call)]
     fla = common.try_import_fla()
     if fla is not None and fla.chunk_gated_delta_rule is not None:
         fla_guard_bypass()
@@ -176,7 +196,11 @@ def error_rows(device: str) -> list:
     rows = []
     for impl, call in impls:
         try:
-            got = grads(call, leaves, do)
+            if "16-bit" in impl:
+                with sixteen_bit_backward():
+                    got = grads(call, leaves, do)
+            else:
+                got = grads(call, leaves, do)
         except Exception as e:  # noqa: BLE001
             rows.append(dict(impl=impl, grad="-", note=f"{type(e).__name__}: {e}"[:140]))
             continue
