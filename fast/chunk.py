@@ -46,6 +46,10 @@ Tuning knobs (module globals, read at call time; each value is its own compiled 
 ``recurrent_kernel`` (grid (cdiv(V, BV), N * HV)) is the time loop with the state in registers:
 the twin of refgdn.recurrent_gated_delta_rule, handy for short T.
 
+Backward (training): fast.chunk_bwd's kernels, reached through autograd of the custom op
+torch.ops.fast.chunk_gated_delta_rule (fast.library); it recomputes kernels 1-3's outputs with the
+launchers below (``prec_of`` runs them on fp32 copies at a chosen dot precision).
+
 Each refgdn stage (chunk_cumsum, wy_repr, w_u, state_passing, chunk_output) has a twin here of
 the same name and signature built from the same kernels (kernel 1 runs with constexpr switches),
 so each kernel is tested alone against refgdn.delta_rule's stage.
@@ -911,7 +915,9 @@ class _Chunks:
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
                 l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
-    Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None)."""
+    Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
+    prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
+    the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state)."""
     H, K = k.shape[2], k.shape[3]
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
