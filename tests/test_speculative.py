@@ -266,3 +266,17 @@ def test_stale_draft_metadata_is_caught(m64):
     out, problems = _run_with_checks(m64, stale_draft_metadata())
     assert any("positions not rebuilt" in p for p in problems), problems
     assert any("draft logits off" in p for p in problems), problems
+
+
+def test_generate_command(capsys, tmp_path):
+    """python -m refgdn.generate: plain + speculative, statistics printed, greedy equality reported."""
+    from refgdn.generate import main, parse_prompts
+    assert parse_prompts("1,2,3;4 5\n6") == [[1, 2, 3], [4, 5], [6]]
+    f = tmp_path / "prompts.txt"
+    f.write_text("1,2,3\n4,5\n")
+    rc = main(["--preset", "tiny", "--dtype", "float64", "--max-new-tokens", "5", "--draft-steps", "2",
+               "--draft-friendly", "0.2", "--prompt-file", str(f), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "greedy speculative == plain: True" in out and "acceptance rate" in out and "tok/s" in out
+    assert "mean accepted length per round" in out
