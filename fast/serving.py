@@ -203,7 +203,8 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
 
     Returns (slot, ok, live, bos, L, count, word, code, value, extra):
       slot   a safe slot address (the request's slot when it is a real one, else 0)
-      ok     the request runs and writes (a real slot, no fault of any request's making touches it)
+      ok     the request runs and writes: a real slot, no fault of its own, no other row with its
+             slot, every offset of the call sane (else it writes nothing)
       live   its token rows [bos, bos + L) are inside the call's tensors (reads and zero outputs)
       count, word  the slot's pend_meta (0 unless a real slot); code, value, extra: its fault (0: none)
     Nothing here forms an address from an unchecked value: slot and bos are clamped first.
