@@ -30,6 +30,7 @@ eagerly; the later single-token draft steps use the graph.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, Optional, Sequence
 
@@ -47,6 +48,16 @@ class _CudaGraph:
     def __init__(self, desc, pool, stream):
         self.desc, self.pool, self.stream = desc, pool, stream
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+
+    @contextlib.contextmanager
+    def warmup_context(self):
+        """Warmup runs on the capture's side stream (cuBLAS handles / workspaces of that stream are made
+        here, not inside the capture), joined with the current stream on both sides."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
 
     def capture(self, fn, lifecycle: Lifecycle):
         g = torch.cuda.CUDAGraph()

@@ -924,8 +924,10 @@ class Lifecycle(LaunchRecorder):
         warm = make_step(desc, True)
         fp_before = _state_fingerprint(warm.metadata)
         self._warm = set()
+        graph = (self.graph_backend or _sim_backend)(desc)
+        warm_ctx = getattr(graph, "warmup_context", contextlib.nullcontext)   # CUDA: the capture's side stream
         try:
-            with torch.no_grad(), recording(self):
+            with torch.no_grad(), recording(self), warm_ctx():
                 warm.fn()
         finally:
             warm_keys, self._warm = self._warm, None
@@ -936,7 +938,6 @@ class Lifecycle(LaunchRecorder):
         self._check_not_shared(desc, warm, spec, flipped, fp_before)
         self.phase, self._where = Phase.CAPTURE, f"capture of {desc}"
         self._warm, self._capture_keys = warm_keys, set()
-        graph = (self.graph_backend or _sim_backend)(desc)
         outputs = graph.capture(spec.fn, self)
         return spec, graph, outputs, warm_keys, self._capture_keys
 
