@@ -6,6 +6,8 @@ call reports the compile keys fast would launch for it (fast.keys), so the machi
 the steps run at refgdn's speed. test_keys_match_fast_launches runs the fast ops themselves (Triton
 interpreter) to tie fast.keys to the launchers.
 """
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -22,6 +24,9 @@ from refgdn.capture import (AllocationOutsidePool, AutotuneAfterReserve, Capture
 from refgdn.model import Qwen3NextConfig, Qwen3NextModel
 
 I32 = torch.int32
+# Tests that launch fast's Triton kernels run them where they can: the interpreter on a CPU, the GPU when
+# there is one (the refgdn-model tests stay on the CPU either way).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,29 +50,32 @@ def model():
 
 def _prefill(m, cache, lens, slots, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=gen)
-    qsl = torch.tensor([0] + list(lens)).cumsum(0).to(I32)
-    meta = m.metadata(cache, torch.tensor(slots, dtype=I32), qsl, ids.shape[0])
+    dev = m.device
+    ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=gen).to(dev)
+    qsl = torch.tensor([0] + list(lens), device=dev).cumsum(0).to(I32)
+    meta = m.metadata(cache, torch.tensor(slots, dtype=I32, device=dev), qsl, ids.shape[0])
     return m.prefill(cache, ids, meta)
 
 
 def _decode(m, cache, slots, N=None):
     """One decode step of `slots`, padded to N rows (-1)."""
     N = N or len(slots)
-    si = torch.full((N,), -1, dtype=I32)
-    si[:len(slots)] = torch.tensor(slots, dtype=I32)
-    ids = (torch.arange(N) * 7 + 1) % m.config.vocab_size
-    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32), N)
+    dev = m.device
+    si = torch.full((N,), -1, dtype=I32, device=dev)
+    si[:len(slots)] = torch.tensor(slots, dtype=I32, device=dev)
+    ids = (torch.arange(N, device=dev) * 7 + 1) % m.config.vocab_size
+    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32, device=dev), N)
     return m.logits(m.decode(cache, ids, meta))
 
 
 def _verify_accept(m, cache, slots, k, accepted):
     N = len(slots)
-    si = torch.tensor(slots, dtype=I32)
-    ids = (torch.arange(N * (1 + k)) * 5 + 2) % m.config.vocab_size
-    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32) * (1 + k), N * (1 + k))
+    dev = m.device
+    si = torch.tensor(slots, dtype=I32, device=dev)
+    ids = (torch.arange(N * (1 + k), device=dev) * 5 + 2) % m.config.vocab_size
+    meta = m.metadata(cache, si, torch.arange(N + 1, dtype=I32, device=dev) * (1 + k), N * (1 + k))
     logits = m.logits(m.verify(cache, ids, meta))
-    m.accept(cache, si, torch.tensor(accepted, dtype=I32))
+    m.accept(cache, si, torch.tensor(accepted, dtype=I32, device=dev))
     return logits
 
 
@@ -169,24 +177,25 @@ def test_keys_match_fast_launches():
     H, HV, K, V, W = 1, 2, 16, 16, 4
     D = 2 * H * K + HV * V
     gen = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    t = lambda *a, **kw: torch.tensor(*a, **kw, device=DEV)  # noqa: E731
     cache = fast.GDNStateCache.allocate(4, H, HV, K, V, conv_width=W, max_draft=2, state_dtype=torch.float32,
-                                        act_dtype=torch.float32)
+                                        act_dtype=torch.float32, device=DEV)
     F = traced_ops(fast)
-    si = torch.tensor([0, 2], dtype=I32)
+    si = t([0, 2], dtype=I32)
     w, bias, A, dt = r(D, W), r(D), r(HV), r(HV)
     log = KeyLog()
     with recording(log):
         F.gdn_decode(r(2, D), r(2, HV), r(2, HV), w, bias, A, dt, cache, si)
-        F.gdn_verify(r(6, D), r(6, HV), r(6, HV), w, None, A, dt, cache, si, torch.tensor([0, 3, 6], dtype=I32))
-        F.gdn_accept(cache, si, torch.tensor([1, 3], dtype=I32))
+        F.gdn_verify(r(6, D), r(6, HV), r(6, HV), w, None, A, dt, cache, si, t([0, 3, 6], dtype=I32))
+        F.gdn_accept(cache, si, t([1, 3], dtype=I32))
         F.gdn_materialize(cache, si)
         q, k, v = r(1, 20, H, K), r(1, 20, H, K), r(1, 20, HV, V)
-        g, beta = -torch.rand(1, 20, HV, generator=gen), torch.rand(1, 20, HV, generator=gen)
+        g, beta = -torch.rand(1, 20, HV, generator=gen).to(DEV), torch.rand(1, 20, HV, generator=gen).to(DEV)
         F.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                 chunk_size=fk.bt_rule(20), cu_seqlens=torch.tensor([0, 5, 20]))
+                                 chunk_size=fk.bt_rule(20), cu_seqlens=t([0, 5, 20]))
         F.recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-        F.causal_conv1d(r(1, 20, D), w, bias, "silu", None, True, torch.tensor([0, 5, 20]))
+        F.causal_conv1d(r(1, 20, D), w, bias, "silu", None, True, t([0, 5, 20]))
         F.causal_conv1d_update(r(2, D), r(2, D, W - 1), w, bias, "silu")
         F.gdn_gating(A, r(2, HV), dt, r(2, HV))
         F.l2norm(q)
@@ -217,11 +226,11 @@ def test_planner_equals_keys_of_the_eager_run(model):
 
 def test_planner_equals_real_triton_launches_of_the_fast_model():
     """The same with the model on fast ops: the recorder sees fast's real Triton launches (interpreter)."""
-    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.float32, seed=3)
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.float32, seed=3, device=DEV)
     log = KeyLog()
     with recording(log):
         serving_traffic(m, CFG.max_draft)
-    p = cap.plan(m, CFG)
+    p = cap.plan(m, dataclasses.replace(CFG, device=DEV))
     missing, extra = p.keys - log.keys, log.keys - p.keys
     assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
 
@@ -356,16 +365,16 @@ def _pinned_scale_kernel(x, n, BLOCK: tl.constexpr):
 
 
 def test_seed_003_kernel_that_would_autotune_at_run_time():
-    x = torch.ones(40)
-    lc = Lifecycle("cpu")
-    lc.profile(lambda: _pinned_scale_kernel[(3,)](torch.ones(40), 40, BLOCK=16))
+    x = torch.ones(40, device=DEV)
+    lc = Lifecycle(DEV)
+    lc.profile(lambda: _pinned_scale_kernel[(3,)](torch.ones(40, device=DEV), 40, BLOCK=16))
     lc.reserve(lambda: None)
     # an in-place kernel with several configs and an untuned key: raised before any benchmark re-runs it
     with pytest.raises(AutotuneAfterReserve, match=r"_tuned_scale_kernel would autotune for key \(40, 'torch.float32'\)"):
         lc.eager(lambda: _tuned_scale_kernel[(3,)](x, 40))
-    assert torch.equal(x, torch.ones(40)), "the kernel ran although the guard fired"
+    assert torch.equal(x.cpu(), torch.ones(40)), "the kernel ran although the guard fired"
     lc.eager(lambda: _pinned_scale_kernel[(3,)](x, 40, BLOCK=16))           # pinned and profiled: fine
-    assert torch.equal(x, torch.full((40,), 2.0))
+    assert torch.equal(x.cpu(), torch.full((40,), 2.0))
 
 
 class LazyBackendMeta:
