@@ -225,6 +225,13 @@ class GraphedModel:
         out = self.lc.replay(desc, self._pad_inputs(desc, ids, state_indices))
         return out[:n * T]
 
+    def check(self) -> None:
+        """Raise a fault the kernels recorded on the device (GDNStateCache.check of every layer: a host
+        sync; call it where the host reads tokens anyway, never inside capture)."""
+        for gc in self.cache.gdn:
+            if hasattr(gc, "check"):
+                gc.check()
+
     def accept(self, state_indices, num_accepted):
         return self.lc.eager(lambda: self.m.accept(self.cache, state_indices, num_accepted), "accept")
 
@@ -315,6 +322,7 @@ def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1,
                         gm.draft(j, si, tok if j == 0 else None, hid if j == 0 else None)
         if device == "cuda":
             torch.cuda.synchronize()
+        gm.check()                                 # no request faulted on the device (graphs and eager)
     planned = plan(m, cfg).keys
     compiled = set(log.compiled)
     return dict(planned=sorted(map(str, planned)), compiled=sorted(map(str, compiled)),

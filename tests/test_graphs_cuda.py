@@ -105,6 +105,9 @@ def test_graph_replay_equals_eager_bit_for_bit(dtype):
             _same(gm.cache, twin)
             tok = target.gather(1, (acc - 1).long()[:, None])[:, 0]
     torch.cuda.synchronize()
+    gm.check()                                   # no device-side fault in any replay
+    for gc in twin.gdn:
+        gc.check()
 
 
 def test_draft_graph_replayed_per_step_equals_eager():
