@@ -204,6 +204,20 @@ def test_keys_match_fast_launches():
     assert len(log.launched) == 17        # 2 + 2 + 1 + 2 (serving) + 4 + 1 (prefill) + 2 + 1 (conv) + 1 + 1
 
 
+def test_every_fast_op_declares_its_compile_key():
+    """fast.keys has a key function for every public fast op, with the op's parameters (then keyword-only extras)."""
+    import inspect
+    for name in fast.__all__:
+        op = getattr(fast, name)
+        if inspect.isclass(op):
+            continue
+        params = list(inspect.signature(op).parameters)
+        kparams = list(inspect.signature(getattr(fk, name)).parameters)
+        assert kparams[:len(params)] == params, name
+        assert all(inspect.signature(getattr(fk, name)).parameters[p].kind == inspect.Parameter.KEYWORD_ONLY
+                   for p in kparams[len(params):]), name
+
+
 def test_bt_rule_and_prefill_lengths():
     assert [fk.bt_rule(T) for T in (1, 15, 16, 17, 32, 33, 64, 65, 4096)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
     lens = fk.prefill_lengths(64)
