@@ -309,12 +309,14 @@ def test_fast_grad_validation_unchanged():
 # fast's backward kernels stage by stage against refgdn's stage twins (conformance rule per stage)
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
 def test_fast_backward_stages_match_refgdn_stages(dtype):
     """Every intermediate of fast.chunk_bwd (recomputed h, dv_local, dh, dv_new, dh0, stage 3's dq/dk/dw/dG,
     stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
     float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
-    padding), GVA 2, with initial state and final-state cotangent."""
+    padding), GVA 2, with initial state and final-state cotangent. bfloat16 runs in the interpreter too:
+    its dots take fp32 operands holding bf16 values (exact), and tf32 operands are modelled by truncation."""
     from fast import chunk_bwd as fb
 
     BT, H, HV, K, V = 16, 1, 2, 16, 16
