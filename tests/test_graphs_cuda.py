@@ -133,19 +133,25 @@ def test_draft_graph_replayed_per_step_equals_eager():
 
 
 def test_unwarmed_capture_real_failure_and_guard():
-    """Capturing a kernel variant never launched before: without the guard CUDA refuses to load the module
-    inside the capture; with the lifecycle the guard fires first, naming the key."""
+    """Seeds 000/001 on the real thing: the model warmed up through decode (non-speculative) and then its
+    verify step (speculative) captured in a CUDA graph. Without the guard CUDA refuses to load the verify
+    kernels' modules inside the capture; with the lifecycle the guard fires first, naming the key."""
     out = _run("""
-        import torch, triton, triton.language as tl
-        @triton.jit
-        def k_never_warmed(x, BLOCK: tl.constexpr):
-            o = tl.arange(0, BLOCK)
-            tl.store(x + o, tl.load(x + o) + 1)
-        x = torch.zeros(64, device="cuda")
+        import torch
+        from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+        m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.bfloat16, device="cuda", seed=0)
+        cache = m.allocate_cache(2, 32, max_draft=2)
+        I32 = torch.int32
+        si = torch.full((2,), -1, dtype=I32, device="cuda")
+        ids1, ids3 = torch.zeros(2, dtype=torch.long, device="cuda"), torch.zeros(6, dtype=torch.long, device="cuda")
+        dmeta = m.metadata(cache, si, torch.arange(3, dtype=I32, device="cuda"), 2)
+        m.decode(cache, ids1, dmeta)                                  # warmup: the non-speculative path only
+        torch.cuda.synchronize()
+        vmeta = m.metadata(cache, si, torch.arange(3, dtype=I32, device="cuda") * 3, 6)
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g):
-                k_never_warmed[(1,)](x, BLOCK=64)
+                m.verify(cache, ids3, vmeta)                          # capture: the speculative path
             print("NO-ERROR")
         except Exception as e:                     # the error and what it was raised during (capture_end may mask it)
             chain = [e] + ([e.__context__] if e.__context__ is not None else [])
