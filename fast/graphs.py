@@ -156,14 +156,15 @@ class GraphedModel:
         qsl = torch.arange(N + 1, dtype=I32, device=dev) * T
         return self.m.metadata(self.cache, full, qsl, N * T, mtp=mtp)
 
-    def _pad_inputs(self, desc: CaptureDescriptor, ids, state_indices) -> dict:
-        """ids [n*T], state_indices [n] -> the static inputs' values: padded rows slot -1, token 0."""
+    def _fill_inputs(self, desc: CaptureDescriptor, ids, state_indices) -> None:
+        """ids [n*T], state_indices [n] -> written straight into the graph's static inputs (padded rows:
+        slot -1; their ids are left as they are: a padded row's tokens are never read into a real slot)."""
         n = state_indices.shape[0]
-        pid = torch.zeros(desc.batch * desc.tokens, dtype=torch.int64, device=ids.device)
-        pid[:n * desc.tokens] = ids
-        psi = torch.full((desc.batch,), -1, dtype=I32, device=ids.device)
-        psi[:n] = state_indices
-        return {"ids": pid, "state_indices": psi}
+        inp = self.lc.steps[desc].spec.inputs
+        inp["ids"][:n * desc.tokens].copy_(ids)
+        inp["state_indices"][:n].copy_(state_indices)
+        if n < desc.batch:
+            inp["state_indices"][n:].fill_(-1)
 
     def _make_step(self, desc: CaptureDescriptor, warmup: bool) -> StepSpec:
         """vLLM's create_forward_fn(desc, warmup): the same step for warmup and capture, fresh metadata each."""
@@ -211,8 +212,8 @@ class GraphedModel:
         if desc is None:
             meta = self.m.metadata(self.cache, state_indices.to(I32), torch.arange(n + 1, dtype=I32, device=ids.device), n)
             return self.lc.eager(lambda: self.m.logits(self.m.decode(self.cache, ids, meta)), "eager decode")
-        out = self.lc.replay(desc, self._pad_inputs(desc, ids, state_indices))
-        return out[:n]
+        self._fill_inputs(desc, ids, state_indices)
+        return self.lc.replay(desc)[:n]
 
     def verify(self, ids: torch.Tensor, state_indices: torch.Tensor, k: int) -> torch.Tensor:
         """ids: [n * (1+k)] (request-major), state_indices: [n] -> logits [n * (1+k), vocab]; commits nothing."""
@@ -222,8 +223,8 @@ class GraphedModel:
             qsl = torch.arange(n + 1, dtype=I32, device=ids.device) * T
             meta = self.m.metadata(self.cache, state_indices.to(I32), qsl, n * T)
             return self.lc.eager(lambda: self.m.logits(self.m.verify(self.cache, ids, meta)), "eager verify")
-        out = self.lc.replay(desc, self._pad_inputs(desc, ids, state_indices))
-        return out[:n * T]
+        self._fill_inputs(desc, ids, state_indices)
+        return self.lc.replay(desc)[:n * T]
 
     def check(self) -> None:
         """Raise a fault the kernels recorded on the device (GDNStateCache.check of every layer: a host
