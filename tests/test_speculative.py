@@ -12,6 +12,9 @@ of the time and rounds end in full, partial and no acceptance: every test checks
   counted as a tie; ties must stay under 1% of the compared steps.
 * Rollback is exact: after every round each GDN layer's committed state and conv window, the target and
   MTP KV lengths and KV rows below them equal a fresh prefill (+ MTP catch-up) over the accepted tokens.
+* Rejection sampling through the whole loop (T = 1, k = 2, tiny vocabulary, a draft unlike the target):
+  generated tokens 2 and 3 match the target's exact marginals (enumerated continuations) by a chi-square
+  test; a loop that accepts every draft fails the same test.
 * Draft-step metadata is rebuilt: with k >= 3 every draft step's positions / slot mapping advance by one
   per step, and every draft logit equals an independent one-request recomputation on a fresh cache; a
   stale builder (step 1's metadata replayed, vLLM PR 41162's bug) fails both checks.
@@ -280,3 +283,62 @@ def test_generate_command(capsys, tmp_path):
     assert rc == 0
     assert "greedy speculative == plain: True" in out and "acceptance rate" in out and "tok/s" in out
     assert "mean accepted length per round" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# rejection sampling through the whole loop
+# ----------------------------------------------------------------------------------------------
+
+def _target_marginals(model, prompt, V):
+    """Exact distributions (float64, T = 1) of generated tokens 1, 2, 3 after the prompt, by enumerating
+    every continuation: P(t2) = sum_t1 P(t1) P(t2 | t1), P(t3) = sum_{t1,t2} P(t1) P(t2 | t1) P(t3 | t1, t2)."""
+    p1 = torch.softmax(model(torch.tensor([prompt]))[0, -1].double(), -1)                        # [V]
+    seq2 = torch.tensor([prompt + [a] for a in range(V)])
+    p2 = torch.softmax(model(seq2)[:, -1].double(), -1)                                           # [V(t1), V]
+    seq3 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+    p3 = torch.softmax(model(seq3)[:, -1].double(), -1).view(V, V, V)                             # [t1, t2, V]
+    joint12 = p1[:, None] * p2                                                                    # [t1, t2]
+    return joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
+
+
+def test_rejection_sampling_through_the_loop_keeps_the_target_distribution(monkeypatch):
+    """Many copies of one prompt, k = 2, T = 1: generated tokens 2 and 3 (emitted by the first speculative
+    round: the first position of the round, and the second when d_1 was accepted) follow the target's exact
+    marginals (chi-square p > 0.001), with a draft that differs from the target (rejections happen). The same
+    histograms from a loop that accepts every draft fail the test (the check has power)."""
+    from refgdn import speculative
+    from refgdn.sampling import chi_square_sf
+
+    V = 8
+    m = draft_friendly_model(mix=0.6, **dict(SPEC_TINY, vocab_size=V))
+    prompt = [1, 5, 2, 7]
+    want2, want3 = _target_marginals(m, prompt, V)
+
+    def histograms(seeds, N=400):
+        h2, h3, hist = torch.zeros(V), torch.zeros(V), {}
+        for seed in seeds:
+            # 4 new tokens: x_T from the prefill, then a first round with k = 2 (k_n <= tokens left - 1)
+            out = generate_speculative(m, [prompt] * N, 4, 2, temperature=1.0, seed=seed)
+            toks = torch.tensor(out.tokens)                                      # [N, 4]
+            h2 += torch.bincount(toks[:, 1], minlength=V)
+            h3 += torch.bincount(toks[:, 2], minlength=V)
+            for a, c in out.accept_histogram().items():
+                hist[a] = hist.get(a, 0) + c
+        return h2.double(), h3.double(), hist
+
+    def pval(h, p):
+        e = p * h.sum()
+        return chi_square_sf(float(((h - e) ** 2 / e).sum()), V - 1)
+
+    h2, h3, hist = histograms((0, 1, 2))
+    assert hist.get(1, 0) > 100 and hist.get(3, 0) > 100, hist          # rejections and full acceptance
+    assert pval(h2, want2) > 1e-3, (h2, want2)
+    assert pval(h3, want3) > 1e-3, (h3, want3)
+
+    def accept_everything(D, Q, TL, k, temperature, gen):
+        n, K = D.shape
+        bonus = torch.full((n, 1), 0, dtype=torch.long)
+        return (k + 1).to(torch.int32), torch.cat([D, bonus], 1)
+    monkeypatch.setattr(speculative, "accept_drafts", accept_everything)
+    h2, h3, _ = histograms((0,))
+    assert pval(h2, want2) < 1e-3
