@@ -30,9 +30,10 @@ that a stale builder (step 1's metadata replayed, the bug of vLLM PR 41162) is c
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 
@@ -268,10 +269,14 @@ def generate_speculative(model, prompts, max_new_tokens: IntOrList, draft_steps:
                          cache: Optional[ModelCache] = None,
                          draft_metadata: Callable = fresh_draft_metadata,
                          on_round: Optional[Callable[[RoundInfo], None]] = None,
-                         progress: Optional[Callable[[int], None]] = None) -> GenerationResult:
+                         progress: Optional[Callable[[int], None]] = None,
+                         round_guard: Callable[[], ContextManager] = contextlib.nullcontext) -> GenerationResult:
     """Prefill, then rounds of k MTP draft steps + one verify of 1 + k tokens + acceptance + rollback
     (module docstring).  draft_steps: k per request (>= 0).  temperature 0: greedy acceptance (the tokens of
-    :func:`generate_plain` exactly); > 0: rejection sampling (the target's distribution)."""
+    :func:`generate_plain` exactly); > 0: rejection sampling (the target's distribution).
+
+    round_guard(): a context manager entered around steps 1-5 of every round (the part a CUDA graph could
+    capture); tests pass one that fails on any host read."""
     if not model.has_mtp:
         raise ValueError("speculative generation needs a model with an MTP head (model.has_mtp is False)")
     t0 = time.perf_counter()
@@ -305,46 +310,47 @@ def generate_speculative(model, prompts, max_new_tokens: IntOrList, draft_steps:
         K = max(k_n)
         si_h = [slots[n] for n in active]
         si = torch.tensor(si_h, dtype=I32, device=dev)
-        # ---- 1. MTP catch-up (draft step 0), varlen --------------------------------------------------
-        c_offs = [0]
-        for c in c_counts:
-            c_offs.append(c_offs[-1] + c)
-        meta0 = model.metadata(cache, si, torch.tensor(c_offs, dtype=I32, device=dev), c_offs[-1], mtp=True)
-        mh = model.mtp(cache, c_ids, c_hidden, meta0)
-        h = mh.index_select(0, torch.tensor([o - 1 for o in c_offs[1:]], dtype=torch.long, device=dev))
-        drafts, qs, dlogits, metas = [], [], [], [meta0]
-        # ---- 2. single-token draft steps --------------------------------------------------------------
-        for j in range(K):
-            dl = model.logits(h)
-            d, q = sample_tokens(dl, temperature, gen)
-            drafts.append(d)
-            qs.append(q)
-            dlogits.append(dl)
-            if j + 1 < K:
-                si_j = torch.tensor([s if kn > j + 1 else -1 for s, kn in zip(si_h, k_n)], dtype=I32, device=dev)
-                meta_j = draft_metadata(model, cache, si_j, j + 1)
-                metas.append(meta_j)
-                h = model.mtp(cache, d, h, meta_j)
-        D = torch.stack(drafts, 1) if K else torch.zeros(n_a, 0, dtype=torch.int64, device=dev)        # [n, K]
-        Q = torch.stack(qs, 1) if K else torch.zeros(n_a, 0, V, dtype=torch.float32, device=dev)       # [n, K, V]
-        DL = torch.stack(dlogits, 1) if K else torch.zeros(n_a, 0, V, dtype=model.dtype, device=dev)
-        # ---- 3. verify [x, d_1 .. d_{k_n}] ----------------------------------------------------------------
-        full = torch.cat([last[:, None], D], 1).reshape(-1)                       # [n * (1+K)]
-        v_offs = [0]
-        for kn in k_n:
-            v_offs.append(v_offs[-1] + 1 + kn)
-        pick = torch.tensor([i * (1 + K) + j for i, kn in enumerate(k_n) for j in range(1 + kn)], device=dev)
-        meta_v = model.metadata(cache, si, torch.tensor(v_offs, dtype=I32, device=dev), v_offs[-1])
-        vh = model.verify(cache, full.index_select(0, pick), meta_v)              # [T_v, hidden]
-        vl = model.logits(vh)                                                     # [T_v, V]
-        # padded [n, 1+K, V]: row j of request i is its verify token min(j, k_i) (rows past k_i unused)
-        gidx = torch.tensor([[v_offs[i] + min(j, kn) for j in range(1 + K)] for i, kn in enumerate(k_n)],
-                            device=dev)
-        TL = vl[gidx]
-        # ---- 4. + 5. acceptance and rollback ------------------------------------------------------------
-        k_dev = torch.tensor(k_n, dtype=torch.int64, device=dev)
-        acc, emitted = accept_drafts(D, Q, TL, k_dev, temperature, gen)
-        model.accept(cache, si, acc)
+        with round_guard():      # steps 1-5: no host reads (tests pass a guard that fails on any)
+            # ---- 1. MTP catch-up (draft step 0), varlen --------------------------------------------------
+            c_offs = [0]
+            for c in c_counts:
+                c_offs.append(c_offs[-1] + c)
+            meta0 = model.metadata(cache, si, torch.tensor(c_offs, dtype=I32, device=dev), c_offs[-1], mtp=True)
+            mh = model.mtp(cache, c_ids, c_hidden, meta0)
+            h = mh.index_select(0, torch.tensor([o - 1 for o in c_offs[1:]], dtype=torch.long, device=dev))
+            drafts, qs, dlogits, metas = [], [], [], [meta0]
+            # ---- 2. single-token draft steps --------------------------------------------------------------
+            for j in range(K):
+                dl = model.logits(h)
+                d, q = sample_tokens(dl, temperature, gen)
+                drafts.append(d)
+                qs.append(q)
+                dlogits.append(dl)
+                if j + 1 < K:
+                    si_j = torch.tensor([s if kn > j + 1 else -1 for s, kn in zip(si_h, k_n)], dtype=I32, device=dev)
+                    meta_j = draft_metadata(model, cache, si_j, j + 1)
+                    metas.append(meta_j)
+                    h = model.mtp(cache, d, h, meta_j)
+            D = torch.stack(drafts, 1) if K else torch.zeros(n_a, 0, dtype=torch.int64, device=dev)        # [n, K]
+            Q = torch.stack(qs, 1) if K else torch.zeros(n_a, 0, V, dtype=torch.float32, device=dev)       # [n, K, V]
+            DL = torch.stack(dlogits, 1) if K else torch.zeros(n_a, 0, V, dtype=model.dtype, device=dev)
+            # ---- 3. verify [x, d_1 .. d_{k_n}] ----------------------------------------------------------------
+            full = torch.cat([last[:, None], D], 1).reshape(-1)                       # [n * (1+K)]
+            v_offs = [0]
+            for kn in k_n:
+                v_offs.append(v_offs[-1] + 1 + kn)
+            pick = torch.tensor([i * (1 + K) + j for i, kn in enumerate(k_n) for j in range(1 + kn)], device=dev)
+            meta_v = model.metadata(cache, si, torch.tensor(v_offs, dtype=I32, device=dev), v_offs[-1])
+            vh = model.verify(cache, full.index_select(0, pick), meta_v)              # [T_v, hidden]
+            vl = model.logits(vh)                                                     # [T_v, V]
+            # padded [n, 1+K, V]: row j of request i is its verify token min(j, k_i) (rows past k_i unused)
+            gidx = torch.tensor([[v_offs[i] + min(j, kn) for j in range(1 + K)] for i, kn in enumerate(k_n)],
+                                device=dev)
+            TL = vl[gidx]
+            # ---- 4. + 5. acceptance and rollback ------------------------------------------------------------
+            k_dev = torch.tensor(k_n, dtype=torch.int64, device=dev)
+            acc, emitted = accept_drafts(D, Q, TL, k_dev, temperature, gen)
+            model.accept(cache, si, acc)
         # ---- 6. the round's host read ----------------------------------------------------------------------
         both = torch.cat([acc[:, None].long(), emitted], 1).tolist()
         _check_faults(cache)

@@ -342,3 +342,22 @@ def test_rejection_sampling_through_the_loop_keeps_the_target_distribution(monke
     monkeypatch.setattr(speculative, "accept_drafts", accept_everything)
     h2, h3, _ = histograms((0,))
     assert pval(h2, want2) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_do_no_host_reads_before_acceptance(temperature):
+    """Steps 1-5 of every round (MTP catch-up, draft steps, verify, acceptance, model.accept) run under a
+    guard that fails on any host read of a tensor value (model glue with stub GDN ops, check_values off);
+    the round's one read comes after."""
+    from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+    from tests.test_model import _StubOps, no_host_reads
+    model = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=_StubOps(), dtype=torch.float32, check_values=False)
+    entered = []
+
+    def guard():
+        entered.append(1)
+        return no_host_reads()
+    out = generate_speculative(model, [[1, 2, 3], [4, 5]], [6, 4], [3, 2], temperature=temperature,
+                               round_guard=guard)
+    assert len(entered) == len(out.rounds) >= 2
+    assert [len(t) for t in out.tokens] == [6, 4]
