@@ -180,11 +180,12 @@ class GraphedModel:
 
             def draft():
                 h = m.mtp(cache, buf.ids, buf.hidden, meta)
-                tok = m.logits(h).argmax(-1)
-                buf.drafts.index_copy_(1, buf.step.reshape(1), tok[:, None])
-                buf.ids.copy_(tok)
+                logits = m.logits(h)
+                tok = logits.argmax(-1)
+                buf.drafts.index_copy_(1, buf.step.reshape(1), tok[:, None])   # column `step`, chosen on the device
+                buf.ids.copy_(tok)                                             # fed back to the next step
                 buf.hidden.copy_(h)
-                return tok
+                return h, logits
             return StepSpec(draft, meta, {"ids": buf.ids, "hidden": buf.hidden}, step_index=buf.step,
                             position_fields=("positions", "seq_lens", "slot_mapping"))
         # decode / verify: the metadata is built inside the graph from two static inputs (build_step_metadata
@@ -196,7 +197,8 @@ class GraphedModel:
         step = m.decode if desc.mode == "decode" else m.verify
 
         def fn():
-            return m.logits(step(cache, ids, m.metadata(cache, si, qsl, N * T)))
+            h = step(cache, ids, m.metadata(cache, si, qsl, N * T))
+            return h, m.logits(h)
         return StepSpec(fn, None, {"ids": ids, "state_indices": si})
 
     # ------------------------------------------------------------------ serving
@@ -213,7 +215,7 @@ class GraphedModel:
             meta = self.m.metadata(self.cache, state_indices.to(I32), torch.arange(n + 1, dtype=I32, device=ids.device), n)
             return self.lc.eager(lambda: self.m.logits(self.m.decode(self.cache, ids, meta)), "eager decode")
         self._fill_inputs(desc, ids, state_indices)
-        return self.lc.replay(desc)[:n]
+        return self.lc.replay(desc)[1][:n]
 
     def verify(self, ids: torch.Tensor, state_indices: torch.Tensor, k: int) -> torch.Tensor:
         """ids: [n * (1+k)] (request-major), state_indices: [n] -> logits [n * (1+k), vocab]; commits nothing."""
@@ -224,7 +226,7 @@ class GraphedModel:
             meta = self.m.metadata(self.cache, state_indices.to(I32), qsl, n * T)
             return self.lc.eager(lambda: self.m.logits(self.m.verify(self.cache, ids, meta)), "eager verify")
         self._fill_inputs(desc, ids, state_indices)
-        return self.lc.replay(desc)[:n * T]
+        return self.lc.replay(desc)[1][:n * T]
 
     def check(self) -> None:
         """Raise a fault the kernels recorded on the device (GDNStateCache.check of every layer: a host
@@ -250,8 +252,8 @@ class GraphedModel:
             buf.ids[:n] = ids
             buf.hidden[:n] = hidden.to(buf.hidden.dtype)
         meta = self._pad_meta("draft", desc.batch, 1, state_indices.to(I32), mtp=True)   # rebuilt per step
-        out = self.lc.replay_draft(desc, step, meta)
-        return out[:n].clone()
+        self.lc.replay_draft(desc, step, meta)
+        return buf.ids[:n].clone()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,3 +334,119 @@ def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1,
                 compiles_per_phase=dict(gm.lc.real_compiles), compile_events=len(log.compiled),
                 first_seen_after_profile=[str(k) for k in gm.lc.compiled_after_profile],
                 captured=[str(d) for d in gm.lc.steps])
+
+
+# ----------------------------------------------------------------------------------------------
+# the model's step API over the graphs (a drop-in for refgdn.speculative / refgdn.generate)
+# ----------------------------------------------------------------------------------------------
+
+def pad_step_metadata(meta, N: int, T: int):
+    """StepMetadata of n requests / t tokens -> N >= n requests / T >= t tokens: padded requests get slot -1
+    and no tokens, padded tokens (past query_start_loc[N]) position 0, slot mapping -1, token slot -1."""
+    n, t = meta.num_reqs, meta.num_tokens
+    if (n, t) == (N, T):
+        return meta
+
+    def pad(x, L, val):
+        out = torch.full((L,), val, dtype=x.dtype, device=x.device)
+        out[:x.shape[0]] = x
+        return out
+    qsl = pad(meta.query_start_loc, N + 1, 0)
+    qsl[n + 1:] = meta.query_start_loc[n]
+    return type(meta)(state_indices=pad(meta.state_indices, N, -1), query_start_loc=qsl,
+                      positions=pad(meta.positions, T, 0), seq_lens=pad(meta.seq_lens, N, 0),
+                      slot_mapping=pad(meta.slot_mapping, T, -1), token_slots=pad(meta.token_slots, T, -1))
+
+
+class GraphedSteps:
+    """The model's step API (``prefill``, ``decode``, ``verify``, ``accept``, ``mtp``, ``logits``, ``metadata``,
+    ... everything else forwarded to the model) with steps that fit a captured graph replayed from it:
+
+    - decode: one token per request, ``cache`` the graphs' cache -> decode graph of the smallest batch >= N
+      (the graph rebuilds the metadata from the slots, as ``model.metadata`` does);
+    - verify: 1 + k tokens for every request (uniform k; checked with one small device->host read of
+      query_start_loc) -> verify graph; mixed k runs eagerly;
+    - mtp: one token per request (the single-token draft steps) -> the draft graph, the caller's metadata
+      (rebuilt by the caller for the step: refgdn.speculative.fresh_draft_metadata) padded and copied into
+      the static buffers, the step index counted since the last target step;
+    - logits(h) of an h just returned by a graph: the graph's own logits (no second lm_head).
+
+    Outputs are copies (the loop may keep them across steps, as it does eager ones). Usage:
+    ``gs = GraphedSteps(GraphedModel(model, ...).setup(...)); generate_speculative(gs, ..., cache=gs.cache)``.
+    """
+
+    def __init__(self, gm: GraphedModel):
+        self._gm = gm
+        self._last = None
+        self._step = 0
+        self.replays = 0                      # steps served from a graph (for tests and reports)
+
+    def __getattr__(self, name):
+        return getattr(self._gm.m, name)
+
+    @property
+    def cache(self):
+        return self._gm.cache
+
+    def _ok(self, cache) -> bool:
+        return cache is self._gm.cache and self._gm.cuda_graphs
+
+    def _ret(self, h, logits):
+        h, logits = h.clone(), logits.clone()
+        self._last = (h, logits)
+        self.replays += 1
+        return h
+
+    def logits(self, hidden):
+        if self._last is not None and hidden is self._last[0]:
+            return self._last[1]
+        return self._gm.m.logits(hidden)
+
+    def prefill(self, cache, input_ids, meta):
+        self._step = 0
+        return self._gm.m.prefill(cache, input_ids, meta)
+
+    def accept(self, cache, state_indices, num_accepted):
+        self._step = 0
+        return self._gm.m.accept(cache, state_indices, num_accepted)
+
+    def decode(self, cache, input_ids, meta):
+        self._step = 0
+        n = meta.num_reqs
+        desc = self._gm._padded("decode", n, 1) if self._ok(cache) and meta.num_tokens == n else None
+        if desc is None:
+            return self._gm.m.decode(cache, input_ids, meta)
+        self._gm._fill_inputs(desc, input_ids, meta.state_indices)
+        h, logits = self._gm.lc.replay(desc)
+        return self._ret(h[:n], logits[:n])
+
+    def verify(self, cache, input_ids, meta):
+        self._step = 0
+        n, t = meta.num_reqs, meta.num_tokens
+        desc = None
+        if self._ok(cache) and n and t % n == 0 and 2 <= t // n <= 1 + self._gm.max_draft:
+            T = t // n
+            desc = self._gm._padded("verify", n, T)
+            uniform = torch.arange(n + 1, dtype=meta.query_start_loc.dtype, device=meta.query_start_loc.device) * T
+            if desc is not None and not torch.equal(meta.query_start_loc, uniform):     # host read: mixed k
+                desc = None
+        if desc is None:
+            return self._gm.m.verify(cache, input_ids, meta)
+        self._gm._fill_inputs(desc, input_ids, meta.state_indices)
+        h, logits = self._gm.lc.replay(desc)
+        return self._ret(h[:t], logits[:t])
+
+    def mtp(self, cache, input_ids, hidden, meta):
+        n = meta.num_reqs
+        desc = self._gm._padded("draft", n, 1) if self._ok(cache) and meta.num_tokens == n else None
+        if desc is None or desc not in self._gm.drafts:
+            self._step = 0
+            return self._gm.m.mtp(cache, input_ids, hidden, meta)
+        buf = self._gm.drafts[desc]
+        buf.ids[:n].copy_(input_ids)
+        buf.hidden[:n].copy_(hidden)
+        step = self._step % buf.drafts.shape[1]
+        self._gm.lc.replay_draft(desc, step, pad_step_metadata(meta, desc.batch, desc.batch))
+        self._step += 1
+        h, logits = self._gm.lc.steps[desc].outputs
+        return self._ret(h[:n], logits[:n])

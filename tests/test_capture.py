@@ -549,3 +549,28 @@ def test_graphed_model_on_cpu_equals_eager(model):
         tid = m.logits(h).argmax(-1)
         ref.append(tid)
     assert all(torch.equal(a, b) for a, b in zip(toks, ref))
+
+
+def test_speculative_loop_over_graphs_is_lossless():
+    """refgdn.speculative's loop on fast.graphs.GraphedSteps (simulated graphs, float64 model): greedy
+    speculative tokens == plain greedy tokens, with decode / verify / draft steps served from graphs."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    from refgdn.speculative import generate_plain, generate_speculative
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
+                       check_values=False)
+    k = 3
+    cfg = ServingConfig(capture_batch_sizes=(2, 4), max_draft=k, max_batch=3, max_prefill_tokens=12,
+                        max_prefill_seqs=3)      # the prompts below: 12 tokens in 3 sequences
+    gm = GraphedModel(m, batch_sizes=(2, 4), max_draft=k, num_slots=3, max_len=64).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    gs = GraphedSteps(gm)
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 1, 6]]
+    plain = generate_plain(m, prompts, 8)   # the reference (its own cache: max_draft 0, other variants)
+    with recording(gm.lc):                  # any variant not profiled would raise (CompileAfterReserve)
+        spec = generate_speculative(gs, prompts, 8, k, cache=gs.cache)
+        n_spec = gs.replays
+        again = generate_plain(gs, prompts, 8, cache=gs.cache)
+    assert spec.tokens == plain.tokens and again.tokens == plain.tokens
+    assert n_spec > 0 and gs.replays > n_spec, "no step was served from a graph"
+    for mode in ("decode", "verify", "draft"):
+        assert any(st.graph.graph.replays for st in gm.lc.steps.values() if st.desc.mode == mode), mode
