@@ -182,3 +182,30 @@ def test_unwarmed_capture_real_failure_and_guard():
     """)
     print(out)
     assert "GUARD" in out and "k_never_warmed" in out and "BLOCK=64" in out and "AFTER 8.0" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_loop_over_cuda_graphs(dtype):
+    """refgdn.speculative's loop on GraphedSteps (real CUDA graphs) gives the tokens of the same loop run
+    eagerly (batch = the graph's batch, so the kernels see the same shapes), k = 1..5 and plain decoding."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    from refgdn.capture import ServingConfig, recording
+    from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+    from refgdn.speculative import generate_plain, generate_speculative
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=dtype, device="cuda", seed=4)
+    K = 5
+    prompts = [[1, 5, 9, 2, 7, 7], [7, 3, 11]]
+    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=K, max_batch=2, max_prefill_tokens=16,
+                        max_prefill_seqs=2, device="cuda")
+    gm = GraphedModel(m, batch_sizes=(2,), max_draft=K, num_slots=2, max_len=64).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    gs = GraphedSteps(gm)
+    with recording(gm.lc):                                  # nothing new compiles while serving
+        for k in range(1, K + 1):
+            got = generate_speculative(gs, prompts, 12, k, cache=gs.cache)
+            ref = generate_speculative(m, prompts, 12, k, cache=gm.cache.clone())
+            assert got.tokens == ref.tokens, k
+        got = generate_plain(gs, prompts, 12, cache=gs.cache)
+        assert got.tokens == generate_plain(m, prompts, 12, cache=gm.cache.clone()).tokens
+    assert gs.replays > 0
+    assert gm.lc.real_compiles.get("serve", 0) == 0 and gm.lc.real_compiles.get("capture", 0) == 0
