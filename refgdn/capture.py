@@ -38,6 +38,12 @@ On a CPU the graph is a :class:`SimulatedGraph`: capture records the step's laun
 Triton launches, traced op calls) on the tensors they used; replay re-runs them on those same
 tensors and copies fresh results into the recorded outputs, so the addresses are fixed exactly as a
 CUDA graph's are. ``fast.graphs`` runs the same machine with ``torch.cuda.CUDAGraph``.
+
+The warmup planner: ``plan(model, ServingConfig(...))`` lists every compile key that profiling,
+warmup, capture and serving of a refgdn.model will launch (from fast.keys' pure functions: capture
+batch sizes, max draft steps k, prefill length classes and the chunk-size rule, dtypes, the model
+config); tests/test_capture.py checks it against the keys an eager run of the model launches, and
+tests/test_graphs_cuda.py against the keys Triton actually compiles on a GPU.
 """
 from __future__ import annotations
 
