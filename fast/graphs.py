@@ -212,7 +212,8 @@ class GraphedModel:
         n = state_indices.shape[0]
         desc = self._padded("decode", n, 1)
         if desc is None:
-            meta = self.m.metadata(self.cache, state_indices.to(I32), torch.arange(n + 1, dtype=I32, device=ids.device), n)
+            qsl = torch.arange(n + 1, dtype=I32, device=ids.device)
+            meta = self.m.metadata(self.cache, state_indices.to(I32), qsl, n)
             return self.lc.eager(lambda: self.m.logits(self.m.decode(self.cache, ids, meta)), "eager decode")
         self._fill_inputs(desc, ids, state_indices)
         return self.lc.replay(desc)[1][:n]

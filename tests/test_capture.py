@@ -384,7 +384,8 @@ def test_seed_003_kernel_that_would_autotune_at_run_time():
     lc.profile(lambda: _pinned_scale_kernel[(3,)](torch.ones(40, device=DEV), 40, BLOCK=16))
     lc.reserve(lambda: None)
     # an in-place kernel with several configs and an untuned key: raised before any benchmark re-runs it
-    with pytest.raises(AutotuneAfterReserve, match=r"_tuned_scale_kernel would autotune for key \(40, 'torch.float32'\)"):
+    with pytest.raises(AutotuneAfterReserve,
+                       match=r"_tuned_scale_kernel would autotune for key \(40, 'torch.float32'\)"):
         lc.eager(lambda: _tuned_scale_kernel[(3,)](x, 40))
     assert torch.equal(x.cpu(), torch.ones(40)), "the kernel ran although the guard fired"
     lc.eager(lambda: _pinned_scale_kernel[(3,)](x, 40, BLOCK=16))           # pinned and profiled: fine
@@ -471,7 +472,8 @@ def test_host_syncs_allocations_and_moved_buffers(model):
         (lambda: x.cpu() + 1, HostSyncInCapture, r"Tensor.cpu\(\)"),
         (lambda: x[x > 1].sum(), HostSyncInCapture, r"data-dependent"),
         (lambda: x + torch.tensor([1.0, 2.0, 3.0, 4.0]), AllocationOutsidePool, r"host memory"),
-        (lambda: (torch.zeros(4, device="meta"), x * 2)[1], AllocationOutsidePool, r"device=meta.*outside the graph pool"),
+        (lambda: (torch.zeros(4, device="meta"), x * 2)[1], AllocationOutsidePool,
+         r"device=meta.*outside the graph pool"),
     ]
     for i, (fn, err, msg) in enumerate(cases):
         with pytest.raises(err, match=msg):
