@@ -29,17 +29,22 @@ META = {"layer step": "fast.gdn_decode, H=16 HV=32 K=V=128 W=4, bf16 activations
         "us": "graph rows: do_bench median of the replay; eager / model rows: host wall per call (sync at the end)"}
 
 
-def wall_us(fn, iters: int = 200, repeats: int = 5) -> float:
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_us(fn, iters: int = 200, repeats: int = 5, warmup: int = 10) -> float:
     """Median over `repeats` of (wall time of `iters` back-to-back calls + one sync) / iters, in us."""
-    for _ in range(10):
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         out.append((time.perf_counter() - t) / iters * 1e6)
     return statistics.median(out)
 
@@ -75,28 +80,31 @@ def layer_rows() -> list:
     return rows
 
 
-def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20) -> list:
+def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "bench", ops="fast",
+               dtype=torch.bfloat16, device: str = "cuda", warmup: int = 10) -> list:
+    """(preset, ops, dtype, device: a CPU smoke run uses the tiny preset with simulated graphs.)"""
     from fast.graphs import GraphedModel, profile_traffic
     from refgdn.capture import ServingConfig
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
-    m = Qwen3NextModel(Qwen3NextConfig.preset("bench"), ops="fast", dtype=torch.bfloat16, device="cuda", seed=0)
+    m = Qwen3NextModel(Qwen3NextConfig.preset(preset), ops=ops, dtype=dtype, device=device, seed=0,
+                       check_values=False)
     K = max(ks)
     cfg = ServingConfig(capture_batch_sizes=batches, max_draft=K, max_batch=max(batches), max_prefill_tokens=64,
-                        max_prefill_seqs=4, device="cuda")
+                        max_prefill_seqs=4, device=device)
     rows = []
     prof = lambda: profile_traffic(m, cfg)  # noqa: E731
     for graphs in (True, False):
         gm = GraphedModel(m, batch_sizes=batches, max_draft=K, cuda_graphs=graphs, num_slots=max(batches),
-                          max_len=iters * (K + 2) * 2 + 64).setup(profile=prof)
+                          max_len=(iters * 3 + warmup) * (K + 2) + 64).setup(profile=prof)
         impl = "graphs" if graphs else "eager"
         for B in batches:
-            si = torch.arange(B, dtype=torch.int32, device="cuda")
-            tok = torch.zeros(B, dtype=torch.int64, device="cuda")
+            si = torch.arange(B, dtype=torch.int32, device=device)
+            tok = torch.zeros(B, dtype=torch.int64, device=device)
             gm.cache.reset(list(range(max(batches))))
-            t = wall_us(lambda: gm.decode(tok, si), iters=iters, repeats=3)
+            t = wall_us(lambda: gm.decode(tok, si), iters=iters, repeats=3, warmup=warmup)
             rows.append(dict(what="model decode step", impl=impl, N=B, us=t, tok_s=B / t * 1e6))
             for k in ks:
-                hid = torch.zeros(B, m.config.hidden_size, dtype=m.dtype, device="cuda")
+                hid = torch.zeros(B, m.config.hidden_size, dtype=m.dtype, device=device)
                 accepted = []
 
                 def round_():
@@ -106,7 +114,7 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20) -> list:
                     else:
                         d, h, x = [], hid, tok
                         for _ in range(k):
-                            meta = m.metadata(gm.cache, si, torch.arange(B + 1, dtype=torch.int32, device="cuda"),
+                            meta = m.metadata(gm.cache, si, torch.arange(B + 1, dtype=torch.int32, device=device),
                                               B, mtp=True)
                             h = m.mtp(gm.cache, x, h, meta)
                             x = m.logits(h).argmax(-1)
@@ -117,7 +125,7 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20) -> list:
                     gm.accept(si, acc)
                     accepted.append(acc)
 
-                t = wall_us(round_, iters=iters, repeats=3)
+                t = wall_us(round_, iters=iters, repeats=3, warmup=warmup)
                 mean_acc = float(torch.cat(accepted).float().mean())
                 rows.append(dict(what=f"speculative round k={k}", impl=impl, N=B, us=t,
                                  tok_s=B * mean_acc / t * 1e6, tok_s_full_accept=B * (1 + k) / t * 1e6,
