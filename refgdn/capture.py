@@ -1203,10 +1203,13 @@ class _LiveBytes(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for o, r in zip(outs, rets):
             if isinstance(o, torch.Tensor) and r.alias_info is None:
-                n = o.untyped_storage().nbytes()
+                try:
+                    n = o.untyped_storage().nbytes()
+                    weakref.finalize(o, self._free, n)
+                except (RuntimeError, TypeError, NotImplementedError):   # storage-less tensors: not counted
+                    continue
                 self.live += n
                 self.peak = max(self.peak, self.live)
-                weakref.finalize(o, self._free, n)
         return out
 
 
