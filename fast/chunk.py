@@ -913,11 +913,13 @@ class _Chunks:
 
 
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
-                l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None):
+                l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None,
+                cfg_over: Optional[dict] = None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
     prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
-    the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state)."""
+    the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state);
+    cfg_over: keys merged over the pinned config (the fp32 recompute takes 2 warps)."""
     H, K = k.shape[2], k.shape[3]
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
@@ -933,7 +935,8 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_ROWS=_inv_rows(), DOT_F32=is_interpreting(),
-        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **_cfg("kkt", kkt_config(K)))
+        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
+        **dict(_cfg("kkt", kkt_config(K)), **(cfg_over or {})))
 
 
 def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None):
@@ -954,14 +957,15 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
-                  prec_of=None):
-    """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0)."""
+                  prec_of=None, cfg_over: Optional[dict] = None):
+    """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
+    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages)."""
     H, K = k.shape[2], k.shape[3]
     HV, V = u.shape[2], u.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = _cfg("state", state_config(N, HV, K, V, k.device))
+    cfg = dict(_cfg("state", state_config(N, HV, K, V, k.device)), **(cfg_over or {}))
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)

@@ -465,9 +465,11 @@ def dv_local_bwd_config(K: int, V: int) -> dict:
     return dict(BV=min(128, _blocks(K, V)[1]), num_warps=4, num_stages=1)
 
 
-def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
+def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False) -> dict:
     """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
-    programs (parallelism) against redundant q/k/w reads."""
+    programs (parallelism) against redundant q/k/w reads. num_stages 2 prefetches the next chunk's
+    q, k, w; with fp32 operands (fp32 recompute) 1: at BT = 64, K = 128, BV = 32 two stages took 226 KB
+    of shared memory (Triton 3.9, sm_90), at the 227 KB limit of an H100/H200 block."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
@@ -479,23 +481,28 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict
     else:
         BV = 16
     BV = min(BV, BVmax)
+    if fp32:                          # fp32 q, k, w tiles: 4 warps spilled (255 registers), 8 do not
+        return dict(BV=BV, num_warps=8, num_stages=1)
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
 
 
 def dqkwg_bwd_config(K: int, V: int) -> dict:
-    """Stage 3: four [BT, BK] / [BT, BT] fp32 accumulators, V in blocks of 64."""
+    """Stage 3: three [BT, BK] and one [BT, BT] fp32 accumulators, V in blocks of 32. sm_90, Triton 3.9,
+    bf16 with fp32 recompute, K = V = 128, BT = 64 (compiled, not timed): 8 warps BV 64 spill 320 B per
+    thread, BV 32 264 B; 16 warps (128 registers) 508 B."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BV=min(64, BVmax), num_warps=8, num_stages=1)
+    return dict(BV=min(32, BVmax), num_warps=8, num_stages=1)
 
 
 def wy_bwd_config(K: int, V: int) -> dict:
-    """Stage 4: [BT, BK] fp32 dk/dKb, three [BT, BT] fp32 blocks, V in blocks of 64."""
+    """Stage 4: [BT, BK] fp32 dk/dKb, three [BT, BT] fp32 blocks, V in blocks of 32 (same measure as
+    stage 3: 8 warps BV 64 spill 468 B, BV 32 288 B; 16 warps 876 B)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BV=min(64, BVmax), num_warps=8, num_stages=1)
+    return dict(BV=min(32, BVmax), num_warps=8, num_stages=1)
 
 
 def _l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
@@ -560,8 +567,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     Gl = torch.empty_like(G) if precise else None
     A = torch.empty(B, T, HV, BT, dtype=cdt, device=dev)
     kn = torch.empty(B, T, H, K, dtype=cdt, device=dev) if l2 else None
+    # fp32 k blocks in one warp spill (1.2 KB per thread at K = 128, sm_90, Triton 3.9; 2 warps: 0.5 KB)
+    fp32_gpu = cdt == torch.float32 and not is_interpreting()
     _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
-                store_g=True, do_a=True, precise=precise, prec_of=prec_of)
+                store_g=True, do_a=True, precise=precise, prec_of=prec_of,
+                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q) if l2 else q.contiguous()                        # likewise q ([B, T, H, K])
     w = torch.empty(B, T, HV, K, dtype=cdt, device=dev)
@@ -574,7 +584,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     h = torch.empty(ch.total, HV, K, V, dtype=hv_dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of)
+    # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
+    # BT = 64, K = 128, BV = 32 that is 246 KB (Triton 3.9, sm_90), over the 227 KB an H100/H200 block
+    # may use: 2 stages for fp32 operands
+    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
+                  cfg_over=dict(num_stages=2) if fp32_gpu else None)
     del u
 
     Glx = G if Gl is None else Gl
@@ -601,7 +615,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             **common, **_cfg("dv_local", dv_local_bwd_config(K, V)))
         # ---- 2. reverse state pass ----------------------------------------------------------------
-        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev))
+        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32))
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
