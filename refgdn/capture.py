@@ -892,6 +892,14 @@ class Lifecycle(LaunchRecorder):
         self.peak_bytes = max(self.peak_bytes, mem.peak)
         return out
 
+    def check_profiled(self, keys: Iterable[CompileKey]) -> None:
+        """Raise CompileAfterReserve now, before the cache is reserved, if profile missed any of ``keys``
+        (e.g. ``plan(model, cfg).keys``): each would be compiled later, after the memory is gone."""
+        missing = sorted(map(str, set(keys) - self.seen_keys))
+        if missing:
+            raise CompileAfterReserve(f"profile did not launch {len(missing)} planned kernel variant(s); each would "
+                                      f"first compile after the cache is reserved: {missing}")
+
     def reserve(self, allocate: Callable[[], Any]):
         """Allocate the cache (``allocate()``) from what is left; from here on a new kernel variant or an
         autotune raises (CompileAfterReserve / AutotuneAfterReserve)."""

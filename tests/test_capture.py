@@ -262,6 +262,16 @@ def _same_cache(a, b):
     assert torch.equal(a.kv_lens_buf, b.kv_lens_buf) and torch.equal(a.mtp_kv_lens_buf, b.mtp_kv_lens_buf)
 
 
+def test_profile_must_cover_the_plan(model):
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: serving_traffic(model, 2, prefill=False))       # no prefill in profile
+    assert lc.peak_bytes > 0
+    p = cap.plan(model, CFG)
+    with pytest.raises(CompileAfterReserve, match=r"profile did not launch \d+ planned .*chunk_kkt_inv_kernel"):
+        lc.check_profiled(p.keys)
+    lc.check_profiled(set().union(*(p.steps[str(d)] for d in CFG.descriptors())))   # the graphs' keys: covered
+
+
 def test_lifecycle_right_way_replay_equals_eager(model):
     m, k = model, 2
     lc, cache = ready(m, k)
