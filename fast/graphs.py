@@ -126,9 +126,12 @@ class GraphedModel:
         self.drafts: Dict[CaptureDescriptor, _DraftBuffers] = {}
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, profile=None):
-        """profile (``profile()`` launches every variant) -> reserve the cache -> warmup + capture every graph."""
+    def setup(self, profile=None, planned=None):
+        """profile (``profile()`` launches every variant) -> reserve the cache -> warmup + capture every graph.
+        planned: keys the profile must have launched (``plan(model, cfg).keys``), checked before reserve."""
         self.lc.profile(profile or (lambda: None))
+        if planned is not None:
+            self.lc.check_profiled(planned)
         if self.cache is None:
             self.cache = self.lc.reserve(lambda: self.m.allocate_cache(self.num_slots, self.max_len,
                                                                         max_draft=self.max_draft))
@@ -306,7 +309,7 @@ def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1,
     log = KeyLog()
     with recording(log):
         gm = GraphedModel(m, batch_sizes=batch_sizes, max_draft=max_draft, num_slots=cfg.max_batch, max_len=512)
-        gm.setup(profile=lambda: profile_traffic(m, cfg))
+        gm.setup(profile=lambda: profile_traffic(m, cfg), planned=plan(m, cfg).keys)
         gen = torch.Generator().manual_seed(seed)
         for n in (1, 3, cfg.max_batch):
             gm.cache.reset(list(range(cfg.max_batch)))
