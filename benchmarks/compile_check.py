@@ -1,0 +1,122 @@
+"""Compile fast's backward kernels (and the forward kernels they recompute with) for sm_90 on a machine
+WITHOUT a GPU, and report each variant's shared memory, registers and spills.
+
+    python -m benchmarks.compile_check [bf16|fp16|fp32] [--shape small|bench|bench16]
+
+A development aid, not a test: the Triton interpreter (the CPU path) neither compiles nor allocates, so
+it cannot see a GPU compile error (e.g. a runtime branch that changes a variable's shape), a config whose
+shared memory exceeds the 227 KB an H100/H200 block may use, or register spills. This script installs a
+stand-in Triton driver that reports an sm_90 target, makes every launch a compile-only warmup (nothing
+runs; outputs stay garbage), runs fast.chunk_bwd / fast.conv_bwd's host code on CPU tensors, and runs the
+bundled ptxas on each compiled kernel's PTX for the register and spill counts. It relies on Triton
+internals (``triton.runtime.driver.set_active``, ``JITFunction.run``): written against Triton 3.9; the GPU
+machine's Triton may allocate differently, so keep margins.
+
+Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fused gating at 64), plus the
+16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
+bench16 = the same with the 16-bit backward.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
+    ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16"])
+    args = ap.parse_args(argv)
+    if "triton" in sys.modules or "fast" in sys.modules:
+        print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
+        return 2
+    os.environ["TRITON_INTERPRET"] = "0"                  # before fast / triton load: real compiles
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        """The stand-in driver: an sm_90 target, device 0, stream 0."""
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(Sm90())
+    compiled = []
+    real_run = JITFunction.run
+
+    def compile_only(self, *a, grid, warmup, **kw):
+        kernel = real_run(self, *a, grid=grid, warmup=True, **kw)
+        compiled.append((self.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+
+    import fast.chunk as fc
+    import fast.chunk_bwd as cb
+    import fast.conv_bwd as cvb
+    fc._num_sms = lambda device: 132                      # H100 SXM / H200
+    dt = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
+
+    def gdn(B, T, H, HV, BT, l2=False, gate=False):
+        K = V = 128
+        q, k = torch.randn(B, T, H, K).to(dt), torch.randn(B, T, H, K).to(dt)
+        v, do = torch.randn(B, T, HV, V).to(dt), torch.randn(B, T, HV, V).to(dt)
+        g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV).to(dt)
+        A_log, dt_bias = (torch.rand(HV), torch.randn(HV)) if gate else (None, None)
+        cb.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, torch.randn(B, HV, K, V), None,
+                                      torch.randn(B, HV, K, V), None, l2, A_log, dt_bias, BT)
+
+    if args.shape == "small":
+        for BT in (16, 32, 64):
+            gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
+        if dt != torch.float32:
+            saved = (cb.GRAD_DOT_PRECISION[dt], cb.RECOMPUTE_PRECISION[dt])
+            cb.GRAD_DOT_PRECISION[dt] = cb.RECOMPUTE_PRECISION[dt] = None
+            gdn(1, 128, 2, 4, 64)
+            cb.GRAD_DOT_PRECISION[dt], cb.RECOMPUTE_PRECISION[dt] = saved
+        x, w = torch.randn(1, 100, 256).to(dt), torch.randn(256, 4).to(dt)
+        cvb.causal_conv1d_bwd(x, w, torch.randn_like(x), torch.randn(256).to(dt), "silu",
+                              torch.randn(1, 256, 3).to(dt), None, torch.randn(1, 256, 3).to(dt))
+    else:
+        if args.shape == "bench16":
+            cb.GRAD_DOT_PRECISION[dt] = cb.RECOMPUTE_PRECISION[dt] = None
+        gdn(4, 128, 16, 32, 64, l2=True)
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bindir, n))), "ptxas")
+    seen = set()
+    for name, kernel in compiled:
+        if kernel is None or (name, kernel.hash) in seen:
+            continue
+        seen.add((name, kernel.hash))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
+                if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]
+        os.unlink(f.name)
+        print(f"{name:28s} warps={kernel.metadata.num_warps:2d} smem={kernel.metadata.shared:7d} | "
+              + " | ".join(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
