@@ -2,7 +2,8 @@
 # One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
 # benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
 # are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
-#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|all|serving]...   (default: all)
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving]...   (default: all)
+#   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 set -uo pipefail
 OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
@@ -23,7 +24,7 @@ except Exception as e:
 PY
 rc=0
 if [[ $steps == *all* || $steps == *tests* ]]; then
-  timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -n ${TEST_JOBS:-12} -p no:benchmark tests 2>&1 | tee "$OUT/pytest.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *all* || $steps == *conformance* ]]; then
   python3 -m conformance --device cuda --jobs 8 --timeout ${CONFORMANCE_TIMEOUT:-420} --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
@@ -32,6 +33,13 @@ fi
 if [[ $steps == *all* || $steps == *bench* ]]; then
   python3 -m benchmarks 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
   python3 -m benchmarks.profile_decode 2>/dev/null | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *all* || $steps == *extra* ]]; then
+  for m in bench_model bench_graphs bench_train; do
+    [[ -f benchmarks/$m.py ]] || continue
+    timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.$m 2>&1 | tee "$OUT/$m.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
+  done
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *serving* ]]; then
