@@ -330,8 +330,8 @@ def test_rejection_sampling_through_the_loop_keeps_the_target_distribution(monke
         e = p * h.sum()
         return chi_square_sf(float(((h - e) ** 2 / e).sum()), V - 1)
 
-    h2, h3, hist = histograms((0, 1, 2))
-    assert hist.get(1, 0) > 100 and hist.get(3, 0) > 100, hist          # rejections and full acceptance
+    h2, h3, hist = histograms((0, 1))
+    assert hist.get(1, 0) > 60 and hist.get(3, 0) > 60, hist          # rejections and full acceptance
     assert pval(h2, want2) > 1e-3, (h2, want2)
     assert pval(h3, want3) > 1e-3, (h3, want3)
 
