@@ -950,6 +950,11 @@ class Lifecycle(LaunchRecorder):
         # capture -----------------------------------------------------------------------------
         spec = make_step(desc, False)
         self._check_not_shared(desc, warm, spec, flipped, fp_before)
+        if desc.mode == "draft" and not isinstance(spec.step_index, torch.Tensor):
+            raise StaleDraftMetadata(
+                f"{desc}: a draft step is captured once and replayed for every step index, so the index must live "
+                f"in a device scalar (StepSpec.step_index) that replay_draft writes; a Python int would be baked "
+                f"into the graph and every replay would act as that step (seed 002)")
         self.phase, self._where = Phase.CAPTURE, f"capture of {desc}"
         self._warm, self._capture_keys = warm_keys, set()
         outputs = graph.capture(spec.fn, self)

@@ -473,6 +473,31 @@ def test_seed_002_draft_step_replayed_with_step0_metadata(model):
     assert torch.equal(states[desc].step, torch.tensor(k - 1))
 
 
+def test_draft_step_index_must_be_a_device_scalar():
+    """A draft step with its index as a Python int: the simulated graph bakes it in exactly as a CUDA graph
+    would (every replay writes column 0); the lifecycle refuses such a capture."""
+    lc = Lifecycle("cpu")
+    lc.profile(lambda: None)
+    lc.reserve(lambda: None)
+    out = torch.zeros(3)
+    step = {"i": 0}
+
+    def baked(desc, warmup):
+        i = step["i"]                                   # read when the graph is made: baked in
+        return StepSpec(lambda: out.index_fill_(0, torch.full((1,), i, dtype=torch.long), 1.0))
+
+    with pytest.raises(StaleDraftMetadata, match=r"draft\[N=1, T=1\].*device scalar"):
+        lc.capture(CaptureDescriptor("draft", 1), baked)
+    g = cap.SimulatedGraph("baked")                     # what the capture would have produced
+    with cap._DispatchGuard("baked", g):
+        out.index_fill_(0, torch.zeros(1, dtype=torch.long), 1.0)
+    out.zero_()
+    for s_ in range(3):
+        step["i"] = s_
+        g.replay()
+    assert out.tolist() == [1.0, 0.0, 0.0], "a replay saw a new step index: the simulation is not a graph"
+
+
 def test_host_syncs_allocations_and_moved_buffers(model):
     m = model
     lc, cache = ready(m)
