@@ -406,20 +406,24 @@ class GraphedSteps:
             return self._last[1]
         return self._gm.m.logits(hidden)
 
+    def _eager(self, what, fn):
+        """A step no graph fits: eagerly, still under the lifecycle (a variant not profiled raises)."""
+        return self._gm.lc.eager(fn, f"eager {what}")
+
     def prefill(self, cache, input_ids, meta):
         self._step = 0
-        return self._gm.m.prefill(cache, input_ids, meta)
+        return self._eager("prefill", lambda: self._gm.m.prefill(cache, input_ids, meta))
 
     def accept(self, cache, state_indices, num_accepted):
         self._step = 0
-        return self._gm.m.accept(cache, state_indices, num_accepted)
+        return self._eager("accept", lambda: self._gm.m.accept(cache, state_indices, num_accepted))
 
     def decode(self, cache, input_ids, meta):
         self._step = 0
         n = meta.num_reqs
         desc = self._gm._padded("decode", n, 1) if self._ok(cache) and meta.num_tokens == n else None
         if desc is None:
-            return self._gm.m.decode(cache, input_ids, meta)
+            return self._eager("decode", lambda: self._gm.m.decode(cache, input_ids, meta))
         self._gm._fill_inputs(desc, input_ids, meta.state_indices)
         h, logits = self._gm.lc.replay(desc)
         return self._ret(h[:n], logits[:n])
@@ -435,7 +439,7 @@ class GraphedSteps:
             if desc is not None and not torch.equal(meta.query_start_loc, uniform):     # host read: mixed k
                 desc = None
         if desc is None:
-            return self._gm.m.verify(cache, input_ids, meta)
+            return self._eager("verify", lambda: self._gm.m.verify(cache, input_ids, meta))
         self._gm._fill_inputs(desc, input_ids, meta.state_indices)
         h, logits = self._gm.lc.replay(desc)
         return self._ret(h[:t], logits[:t])
@@ -445,7 +449,7 @@ class GraphedSteps:
         desc = self._gm._padded("draft", n, 1) if self._ok(cache) and meta.num_tokens == n else None
         if desc is None or desc not in self._gm.drafts:
             self._step = 0
-            return self._gm.m.mtp(cache, input_ids, hidden, meta)
+            return self._eager("mtp", lambda: self._gm.m.mtp(cache, input_ids, hidden, meta))
         buf = self._gm.drafts[desc]
         buf.ids[:n].copy_(input_ids)
         buf.hidden[:n].copy_(hidden)
