@@ -8,3 +8,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist every worker is a process of its own: one intra-op thread each keeps the workers from
+# oversubscribing the cores (CI has 2 cores and runs 2 workers).
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)
