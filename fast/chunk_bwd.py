@@ -24,8 +24,8 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   4. ``bwd_wy_kernel``        grid (chunks * HV)       through w = A Kb, u = A Vb, A = (I + L)^-1:  (wy_bwd +
          dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
          backward (da, and per-token terms of dA_log, ddt_bias)                              gating_bwd)
-  5. host (torch): q/k gradients summed over each GVA group, the l2norm backward, per-head sums of the
-     gating parameters' gradients, casts to the inputs' dtypes.
+  5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
+     (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
 Dots take the inputs' dtype as operands with fp32 accumulation (IEEE fp32 for fp32 inputs), like the
 forward; gradients that are summed further (dq, dk, dw, dv_new, dG) are kept in fp32. The products
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
                     _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt, _launch_state,
-                    _launch_w_u, _num_sms, _precise)
+                    _launch_w_u, _num_sms, _precise, _trunc_tf32)
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides merged over the pinned heuristics below, for benchmark sweeps
@@ -68,13 +68,6 @@ RECOMPUTE_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.fl
 
 def _cfg(name: str, base: dict) -> dict:
     return dict(base, **CONFIG_OVERRIDES.get(name, {}))
-
-
-@triton.jit
-def _trunc_tf32(x):
-    """fp32 -> the tf32 value tensor cores read (low 13 mantissa bits dropped: truncation, the
-    conservative model). Interpreter only: it computes tl.dot in full fp32 whatever input_precision says."""
-    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -455,6 +448,38 @@ def bwd_wy_kernel(
 
 
 # ============================================================================================
+# stage 5: q / k gradients per key head (GVA group sum, l2norm backward, cast)
+# ============================================================================================
+
+@triton.jit
+def bwd_qk_finish_kernel(
+    d_hv, x, out, n_rows,
+    H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    L2NORM: tl.constexpr, EPS: tl.constexpr,
+):
+    """Per block of BR rows (token, key head h): d = sum_j d_hv[token, h * GROUP + j] (the GVA group's value
+    heads); with L2NORM, through y = x / sqrt(sum(x^2) + eps):  dx = (d - y (y . d)) / sqrt(sum(x^2) + eps).
+
+    d_hv: [B, T, HV, K] fp32; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its dtype).
+    grid = (cdiv(B T H, BR),). All in fp32.
+    """
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = r < n_rows
+    o_k = tl.arange(0, BK)
+    m = m_r[:, None] & (o_k < K)[None, :]
+    r64 = r.to(tl.int64)
+    acc = tl.zeros([BR, BK], dtype=tl.float32)
+    for j in tl.static_range(GROUP):                 # row (token, h) -> value head rows (token, h G + j)
+        acc += tl.load(d_hv + (r64 * GROUP + j)[:, None] * K + o_k[None, :], mask=m, other=0.0)
+    if L2NORM:
+        xr = tl.load(x + r64[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        rs = tl.rsqrt(tl.sum(xr * xr, 1) + EPS)
+        y = xr * rs[:, None]
+        acc = (acc - y * tl.sum(y * acc, 1)[:, None]) * rs[:, None]
+    tl.store(out + r64[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
+
+
+# ============================================================================================
 # host side
 # ============================================================================================
 
@@ -511,12 +536,19 @@ def _l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
-def _l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """dx for y = x / sqrt(sum(x^2) + eps): (dy - y (y . dy)) / sqrt(sum(x^2) + eps), in fp32."""
-    xf = x.float()
-    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)
-    y = xf * r
-    return (dy - y * (y * dy).sum(-1, keepdim=True)) * r
+def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: torch.dtype) -> torch.Tensor:
+    """d_hv: [B, T, HV, K] fp32 per value head, x: [B, T, H, K] (the raw q or k) -> [B, T, H, K] in dtype:
+    summed over each GVA group, through the l2norm when l2 (stage 5, one kernel pass)."""
+    B, T, HV, K = d_hv.shape
+    out = torch.empty(B, T, H, K, dtype=dtype, device=d_hv.device)
+    n_rows = B * T * H
+    if n_rows == 0:
+        return out
+    BR = 16 if is_interpreting() else 32
+    bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
+        d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
+        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
+    return out
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
@@ -644,15 +676,13 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if stages is not None:
         stages.update(dk=dk.clone(), dv=dv.clone(), dbeta=dbeta.clone(), dg=dg.clone())
 
-    # ---- 5. per key head: sum over the GVA group; l2norm backward; gating parameters -------------
-    dq = dq.view(B, T, H, HV // H, K).sum(3)                             # [B, T, (h j), K] -> [B, T, h, K]
-    dk = dk.view(B, T, H, HV // H, K).sum(3)
-    if l2:
-        dq, dk = _l2norm_bwd(q, dq), _l2norm_bwd(k, dk)
+    # ---- 5. per key head: sum over the GVA group, l2norm backward, cast (one pass each) -----------
+    dq = _qk_finish(dq, q, H, l2, dt)                                    # [B, T, (h j), K] -> [B, T, h, K]
+    dk = _qk_finish(dk, k, H, l2, dt)
     dA_log = ddt_bias = None
     if A_log is not None:
         dA_log = dA_log_t.sum((0, 1)).to(A_log.dtype) if T > 0 else torch.zeros_like(A_log)
         ddt_bias = dg.sum((0, 1)).to(dt_bias.dtype) if T > 0 else torch.zeros_like(dt_bias)
     if dh0 is not None:
         dh0 = dh0.to(initial_state.dtype)
-    return (dq.to(dt), dk.to(dt), dv, dg.to(g.dtype), dbeta.to(beta_dtype), dh0, dA_log, ddt_bias)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta_dtype), dh0, dA_log, ddt_bias)
