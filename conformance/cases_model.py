@@ -7,8 +7,9 @@ prompts and seeds, draft_steps 1..7 (and mixed k per request). Checked:
     generated tokens, num_accepted per round                 exact (torch.equal against the truth)
     per round: verify logits (rows the request verified),     tolerance (the conformance rule)
       draft logits (rows it drafted)
-    per round: committed GDN ssm state of every layer         tolerance; conv window exact against refgdn_p
-      (refgdn.serving.committed_state), target / MTP KV lengths   exact
+    per round: committed GDN ssm state and conv window of     tolerance
+      every layer (refgdn.serving.committed_state)
+    per round: target / MTP KV lengths                        exact
 
 The model is "draft-friendly" (:func:`draft_friendly_state`): its layers add a scaled-down residual to the
 embedding and its MTP head is an identity on the embedding, so the MTP draft agrees with the target part of
@@ -126,8 +127,10 @@ def _spec_case(name: str, k, *, lens=(5, 2, 7), max_new=8, slots=(2, 0, 3), dtyp
                 checks.append(Check(f"r{r}.draft_logits", f["draft"], t["draft"], p["draft"]))
             for i, (fs, ts, ps) in enumerate(zip(f["ssm"], t["ssm"], p["ssm"])):
                 checks.append(Check(f"r{r}.gdn{i}.committed_ssm", fs, ts, ps, dtype=torch.float32))
-            for i, (fw, pw) in enumerate(zip(f["conv"], p["conv"])):
-                checks.append(Check(f"r{r}.gdn{i}.committed_conv", fw, pw, exact=True))
+            # conv windows hold raw in-projection outputs: layer 0's are bit-equal, deeper layers' inputs carry
+            # the layers below them, so all are compared by the rule
+            for i, (fw, tw, pw) in enumerate(zip(f["conv"], t["conv"], p["conv"])):
+                checks.append(Check(f"r{r}.gdn{i}.committed_conv", fw, tw, pw))
         hist = torch.bincount(torch.cat([t["accepted"] for t in truth]))
         checks.append(Check("acceptance_histogram", torch.bincount(torch.cat([f["accepted"] for f in fst]),
                                                                    minlength=hist.numel()), hist, exact=True))
@@ -144,5 +147,6 @@ def cases(quick: bool, device: str) -> list:
     out = [_spec_case("tiny2-k3", 3, quick=True),
            _spec_case("tiny2-mixed-k", [1, 4, 2], seed=1, quick=True)]
     for k in range(1, 8):
-        out.append(_spec_case(f"tiny4-k{k}", k, seed=10 + k, max_new=12, overrides={}, quick=False))
+        out.append(_spec_case(f"tiny4-k{k}", k, seed=10 + k, max_new=12, overrides=dict(vocab_size=16), mix=0.2,
+                              quick=False))
     return [c for c in out if c.quick or not quick]
