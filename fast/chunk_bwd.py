@@ -7,8 +7,8 @@ What is saved and why: the forward (fast.library's autograd registration) saves 
 g, beta, initial_state and the gating parameters), no intermediate. Everything chunk-sized is cheap to
 recompute with the forward's own chunk-parallel kernels 1-2 (G, l2norm(k), A, w, u) and the chunk states
 h with the sequential kernel 3; storing h and v_new from the forward instead would hold
-NC * HV * K * V (as much as the inputs' q/k/v at BT = 64, K = V = 128) across the whole model's forward,
-and the recompute costs about one forward without its output kernel.
+NC * HV * K * V + T * HV * V per layer (h alone is K / BT = 2x the size of v at BT = 64, K = 128) across
+the whole model's forward, and the recompute costs about one forward without its output kernel.
 
 Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
 Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
@@ -27,10 +27,14 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
      (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
-Dots take the inputs' dtype as operands with fp32 accumulation (IEEE fp32 for fp32 inputs), like the
-forward; gradients that are summed further (dq, dk, dw, dv_new, dG) are kept in fp32. The products
-A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are pinned (``*_bwd_config``),
-never autotuned: these are training kernels but they share the forward's no-autotune rule.
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION below): for 16-bit inputs the recompute runs on fp32
+copies of q, k, v, beta (tf32 products for bf16, tf32x3 for fp16), h, v_new and dh are fp32, and products
+with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw, dv_new, dG)
+are fp32. The 16-bit variant (both None) is faster and fails the conformance rule on dg in bf16 (numbers
+below). fp32 inputs: IEEE products. The products A^T dA A^T of the inverse's backward run in fp32
+(INV_PRECISION). Configs are pinned (``*_bwd_config``, chosen from sm_90 compiles by
+benchmarks/compile_check.py: shared memory and spills), never autotuned: these are training kernels but
+they share the forward's no-autotune rule.
 """
 from __future__ import annotations
 
