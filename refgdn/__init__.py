@@ -5,6 +5,8 @@ Ops (shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; state [N, H
     chunk_gated_delta_rule       the chunked WY/UT form (stages in refgdn.delta_rule)
     causal_conv1d, causal_conv1d_update
     gdn_gating, l2norm
+Backward, stage by stage (the twins of fast's backward kernels; refgdn's own gradients are autograd):
+refgdn.delta_rule_bwd, refgdn.conv_bwd.
 Serving (refgdn.serving): GDNStateCache, gdn_decode, gdn_verify, gdn_accept, gdn_materialize —
 decode and speculative verify against a slot cache, with rollback to the accepted prefix.
 """
