@@ -106,6 +106,9 @@ def build_model(args, torch):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ops == "fast" and args.dtype == "float64":
+        print("--dtype float64 is for --ops refgdn (the fast kernels take float32 / bfloat16 / float16)", file=sys.stderr)
+        return 2
     if args.ops == "fast":
         import fast  # noqa: F401  (sets TRITON_INTERPRET on a CPU-only machine before triton loads)
     import torch
@@ -153,8 +156,8 @@ def main(argv=None) -> int:
         for n, toks in enumerate(res.tokens):
             print(f"  [{n}] {toks}")
         if res.rounds:
-            print(f"  rounds: {len(res.rounds)}; acceptance rate {res.acceptance_rate:.3f} (accepted / proposed drafts); "
-                  f"mean accepted length per round {res.mean_accepted:.3f} tokens (bonus included)")
+            print(f"  rounds: {len(res.rounds)}; acceptance rate {res.acceptance_rate:.3f} "
+                  f"(accepted / proposed drafts); mean accepted length per round {res.mean_accepted:.3f} tokens (bonus included)")
             print(f"  num_accepted histogram: {res.accept_histogram()}")
             print("  per round (num_accepted per request): "
                   + " ".join("[" + ",".join(map(str, r.num_accepted)) + "]" for r in res.rounds))
