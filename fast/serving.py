@@ -711,8 +711,9 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
 def _check_if_free(cache: GDNStateCache) -> None:
     """cache.check() when it costs nothing: the cache lives in host memory (CPU, the Triton interpreter).
     On a GPU reading err is a device->host copy and a sync (far over 5 us, and it would stall the
-    launch queue), so there the caller checks at its next sync."""
-    if cache.err.device.type == "cpu":
+    launch queue), so there the caller checks at its next sync. Never while a graph captures (a host read
+    is forbidden there: refgdn.capture's simulated graphs say so too)."""
+    if cache.err.device.type == "cpu" and not torch.cuda.is_current_stream_capturing():
         cache.check()
 
 
