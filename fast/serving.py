@@ -713,8 +713,16 @@ def _check_if_free(cache: GDNStateCache) -> None:
     On a GPU reading err is a device->host copy and a sync (far over 5 us, and it would stall the
     launch queue), so there the caller checks at its next sync. Never while a graph captures (a host read
     is forbidden there: refgdn.capture's simulated graphs say so too)."""
-    if cache.err.device.type == "cpu" and not torch.cuda.is_current_stream_capturing():
+    if cache.err.device.type == "cpu" and not _capturing():
         cache.check()
+
+
+def _capturing() -> bool:
+    """torch.cuda.is_current_stream_capturing(), False on a CPU-only build of torch (where it raises)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except RuntimeError:
+        return False
 
 
 def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,

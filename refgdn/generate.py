@@ -86,6 +86,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-friendly", type=float, default=None, metavar="MIX",
                     help="random presets: derive the MTP head from the target (MIX ~ 0.2: more agreement)")
     ap.add_argument("--warmup", action="store_true", help="run each mode once first (kernel compilation)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode / verify / draft steps as CUDA graphs (fast.graphs; default: on for --ops fast on "
+                         "cuda; --no-cuda-graphs runs the same steps eagerly)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -102,6 +105,23 @@ def build_model(args, torch):
         return model_from_state(cfg, draft_friendly_state(cfg, args.seed, args.draft_friendly), args.ops, dtype,
                                 device)
     return Qwen3NextModel(cfg, ops=args.ops, dtype=dtype, device=device, seed=args.seed)
+
+
+def graphed_steps(model, prompts, args):
+    """The model's steps over fast.graphs (GraphedSteps): profile -> reserve -> warmup + capture, sized for
+    this run (one padded batch size, verify graphs for k = 1..draft_steps, the draft-step graph)."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    from refgdn.capture import ServingConfig
+    B = 1 << max(len(prompts) - 1, 0).bit_length()             # the padded batch size (a power of two)
+    K = max(args.draft_steps, 0)
+    max_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * K + 8
+    cfg = ServingConfig(capture_batch_sizes=(B,), max_draft=K, max_batch=B,
+                        max_prefill_tokens=sum(len(p) for p in prompts), max_prefill_seqs=len(prompts),
+                        device=str(model.device))
+    model.check_values = False      # host value checks read device memory (a sync): graphs check on the device
+    gm = GraphedModel(model, batch_sizes=(B,), max_draft=K, num_slots=B, max_len=max_len)
+    gm.setup(profile=lambda: profile_traffic(model, cfg))
+    return GraphedSteps(gm)
 
 
 def main(argv=None) -> int:
@@ -140,15 +160,25 @@ def main(argv=None) -> int:
             bar.close()
         return res
 
-    plain = run("plain", lambda bar: generate_plain(model, prompts, args.max_new_tokens, progress=bar, **common))
+    steps, cache_kw = model, {}
+    use_graphs = args.cuda_graphs if args.cuda_graphs is not None else (args.ops == "fast"
+                                                                        and model.device.type == "cuda")
+    if use_graphs:
+        steps = graphed_steps(model, prompts, args)
+        cache_kw = dict(cache=steps.cache)
+        print(f"CUDA graphs: batch sizes {steps._gm.batch_sizes}, verify k = 1..{steps._gm.max_draft}, "
+              f"compilations per phase {dict(steps._gm.lc.real_compiles)}")
+
+    plain = run("plain", lambda bar: generate_plain(steps, prompts, args.max_new_tokens, progress=bar, **common,
+                                                    **cache_kw))
     results = [("plain", plain)]
     if args.draft_steps > 0:
         if not model.has_mtp:
             print("the model has no MTP head: speculative decoding skipped", file=sys.stderr)
         else:
             spec = run(f"speculative k={args.draft_steps}",
-                       lambda bar: generate_speculative(model, prompts, args.max_new_tokens, args.draft_steps,
-                                                        progress=bar, **common))
+                       lambda bar: generate_speculative(steps, prompts, args.max_new_tokens, args.draft_steps,
+                                                        progress=bar, **common, **cache_kw))
             results.append((f"speculative (k={args.draft_steps})", spec))
     for name, res in results:
         print(f"\n== {name}: {res.num_tokens} tokens in {res.seconds:.3f}s = {res.num_tokens / res.seconds:.1f} tok/s, "
