@@ -106,6 +106,16 @@ class ModelCache:
         self.kv_lens_buf[idx] = 0
         self.mtp_kv_lens_buf[idx] = 0
 
+    def check(self) -> None:
+        """Raise (ValueError, refgdn's words) a fault the GDN kernels recorded on the device since the last
+        check, and clear it. One small device->host read per distinct fault buffer (allocate_cache shares one
+        across the layers): call it where the host syncs anyway, never inside graph capture."""
+        seen = set()
+        for c in self.gdn:
+            if c.err.data_ptr() not in seen:
+                seen.add(c.err.data_ptr())
+                c.check()
+
     def clone(self) -> "ModelCache":
         return ModelCache([c.clone() for c in self.gdn], [c.clone() for c in self.kv], [c.clone() for c in self.mtp_kv],
                           self.kv_lens_buf.clone(), self.mtp_kv_lens_buf.clone(), self.num_slots, self.max_len,

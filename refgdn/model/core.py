@@ -172,10 +172,11 @@ class Qwen3NextModel(nn.Module):
             raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
         c, dt, dev = self.config, self.dtype, self.device
         sdt = state_dtype or (torch.float64 if dt == torch.float64 else torch.float32)
+        err = torch.zeros(4, dtype=torch.int64, device=dev)     # one fault buffer for every GDN layer
         gdn = [self.ops.GDNStateCache.allocate(num_slots + 1, c.linear_num_key_heads, c.linear_num_value_heads,
                                                c.linear_key_head_dim, c.linear_value_head_dim,
                                                c.linear_conv_kernel_dim, max_draft, state_dtype=sdt, act_dtype=dt,
-                                               device=dev)
+                                               device=dev, err=err)
                for _ in self.gdn_layers]
         kv = [KVCache.allocate(num_slots, max_len, c.num_key_value_heads, c.head_dim, dt, dev)
               for _ in self.attn_layers]
