@@ -21,7 +21,8 @@ autograd in float64 on the same bf16-rounded inputs and cotangent, and the confo
 error / (2 x refgdn-bf16 error + floor) of conformance.core (pass: <= 1).
 
 ``python -m benchmarks.bench_train [--sweep] [--no-results]``; ``--sweep`` also times fast's backward over
-a small grid of per-stage configs (fast.chunk_bwd.CONFIG_OVERRIDES) to choose the pinned ones.
+a small grid of per-stage configs (fast.chunk_bwd.chunk_gated_delta_rule_bwd's ``configs`` argument) to
+choose the pinned ones.
 """
 from __future__ import annotations
 
@@ -58,18 +59,33 @@ def _fast_call(q, k, v, g, beta):
     return fast.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK)[0]
 
 
-class sixteen_bit_backward:
-    """Context: fast's backward with 16-bit recompute and gradient products (fast.chunk_bwd's
-    RECOMPUTE_PRECISION / GRAD_DOT_PRECISION None for bf16): the faster, less accurate variant."""
+def _fast_knob_call(configs=None, precision=None):
+    """fast's chunk forward + backward with benchmark knobs passed as arguments (no library globals):
+    configs, per-stage backward config overrides; precision, a (grad_dot, recompute) pair replacing the
+    dtype's defaults ((None, None): the 16-bit backward, faster and less accurate). A local autograd
+    Function over fast.chunk's and fast.chunk_bwd's internal entry points (the custom op takes no knobs);
+    inputs as in _fast_call (l2norm, chunk CHUNK, no initial state)."""
+    from fast import chunk as fc, chunk_bwd as cb
 
-    def __enter__(self):
-        from fast import chunk_bwd
-        self.saved = (chunk_bwd.GRAD_DOT_PRECISION[DTYPE], chunk_bwd.RECOMPUTE_PRECISION[DTYPE])
-        chunk_bwd.GRAD_DOT_PRECISION[DTYPE] = chunk_bwd.RECOMPUTE_PRECISION[DTYPE] = None
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta):
+            ctx.save_for_backward(q, k, v, g, beta)
+            return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, None, False, None, True,
+                                                 chunk_size=CHUNK)[0]
 
-    def __exit__(self, *exc):
-        from fast import chunk_bwd
-        chunk_bwd.GRAD_DOT_PRECISION[DTYPE], chunk_bwd.RECOMPUTE_PRECISION[DTYPE] = self.saved
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, g, beta = ctx.saved_tensors
+            dq, dk, dv, dg, dbeta = cb.chunk_gated_delta_rule_bwd(
+                q, k, v, g, beta, do, None, None, None, None, True, chunk_size=CHUNK,
+                configs=configs, precision=precision)[:5]
+            return dq, dk, dv, dg, dbeta
+
+    return _Fn.apply
+
+
+_sixteen_bit_call = _fast_knob_call(precision=(None, None))
 
 
 def _fla_call(fla_fn):
@@ -121,11 +137,10 @@ def timing_rows(device: str) -> tuple:
     if fb_ms and fwd_ms:
         rows.append(dict(case="fast bwd (difference)", ms=fb_ms - fwd_ms, **{"x fwd": (fb_ms - fwd_ms) / fwd_ms},
                          note="recompute + 4 backward kernels + GVA sums"))
-    with sixteen_bit_backward():
-        fb16, err = _bench(_fwd_bwd(_fast_call, leaves, do), leaves)
+    fb16, err = _bench(_fwd_bwd(_sixteen_bit_call, leaves, do), leaves)
     rows.append(dict(case="fast fwd+bwd, 16-bit backward", ms=fb16,
                      **{"x fwd": fb16 / fwd_ms if fb16 and fwd_ms else None},
-                     note=err or "RECOMPUTE/GRAD_DOT_PRECISION None: see the error table"))
+                     note=err or "precision=(None, None), without the custom op: see the error table"))
     if fla is None or fla.chunk_gated_delta_rule is None:
         rows.append(dict(case="fla", note="fla not installed"))
         return rows, notes
@@ -188,7 +203,7 @@ def error_rows(device: str) -> list:
 
     truth = grads(ref_call, [x.double() for x in leaves], do.double())
     ref = grads(ref_call, leaves, do)
-    impls = [("fast", _fast_call), ("fast, 16-bit backward", _fast_call)]
+    impls = [("fast", _fast_call), ("fast, 16-bit backward", _sixteen_bit_call)]
     fla = common.try_import_fla()
     if fla is not None and fla.chunk_gated_delta_rule is not None:
         fla_guard_bypass()
@@ -196,11 +211,7 @@ def error_rows(device: str) -> list:
     rows = []
     for impl, call in impls:
         try:
-            if "16-bit" in impl:
-                with sixteen_bit_backward():
-                    got = grads(call, leaves, do)
-            else:
-                got = grads(call, leaves, do)
+            got = grads(call, leaves, do)
         except Exception as e:  # noqa: BLE001
             rows.append(dict(impl=impl, grad="-", note=f"{type(e).__name__}: {e}"[:140]))
             continue
@@ -214,7 +225,6 @@ def error_rows(device: str) -> list:
 
 def sweep_rows(device: str) -> list:
     """fast fwd+bwd over per-stage backward configs (one stage varied at a time)."""
-    from fast import chunk_bwd
     leaves, do = inputs(B, T, H, HV, device)
     grid = {"dqkwg": [dict(num_warps=w, BV=bv) for w in (4, 8) for bv in (32, 64)],
             "wy": [dict(num_warps=w, BV=bv) for w in (4, 8) for bv in (32, 64)],
@@ -223,10 +233,8 @@ def sweep_rows(device: str) -> list:
     rows = []
     for stage, cfgs in grid.items():
         for cfg in cfgs:
-            chunk_bwd.CONFIG_OVERRIDES = {stage: cfg}
-            ms, err = _bench(_fwd_bwd(_fast_call, leaves, do), leaves)
+            ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg}), leaves, do), leaves)
             rows.append(dict(stage=stage, config=str(cfg), ms=ms, note=err))
-    chunk_bwd.CONFIG_OVERRIDES = {}
     return rows
 
 

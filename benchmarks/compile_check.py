@@ -74,30 +74,26 @@ def main(argv=None) -> int:
     fc._num_sms = lambda device: 132                      # H100 SXM / H200
     dt = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
 
-    def gdn(B, T, H, HV, BT, l2=False, gate=False):
+    def gdn(B, T, H, HV, BT, l2=False, gate=False, precision=None):
         K = V = 128
         q, k = torch.randn(B, T, H, K).to(dt), torch.randn(B, T, H, K).to(dt)
         v, do = torch.randn(B, T, HV, V).to(dt), torch.randn(B, T, HV, V).to(dt)
         g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV).to(dt)
         A_log, dt_bias = (torch.rand(HV), torch.randn(HV)) if gate else (None, None)
         cb.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, torch.randn(B, HV, K, V), None,
-                                      torch.randn(B, HV, K, V), None, l2, A_log, dt_bias, BT)
+                                      torch.randn(B, HV, K, V), None, l2, A_log, dt_bias, BT,
+                                      precision=precision)
 
     if args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
         if dt != torch.float32:
-            saved = (cb.GRAD_DOT_PRECISION[dt], cb.RECOMPUTE_PRECISION[dt])
-            cb.GRAD_DOT_PRECISION[dt] = cb.RECOMPUTE_PRECISION[dt] = None
-            gdn(1, 128, 2, 4, 64)
-            cb.GRAD_DOT_PRECISION[dt], cb.RECOMPUTE_PRECISION[dt] = saved
+            gdn(1, 128, 2, 4, 64, precision=(None, None))         # the 16-bit backward
         x, w = torch.randn(1, 100, 256).to(dt), torch.randn(256, 4).to(dt)
         cvb.causal_conv1d_bwd(x, w, torch.randn_like(x), torch.randn(256).to(dt), "silu",
                               torch.randn(1, 256, 3).to(dt), None, torch.randn(1, 256, 3).to(dt))
     else:
-        if args.shape == "bench16":
-            cb.GRAD_DOT_PRECISION[dt] = cb.RECOMPUTE_PRECISION[dt] = None
-        gdn(4, 128, 16, 32, 64, l2=True)
+        gdn(4, 128, 16, 32, 64, l2=True, precision=(None, None) if args.shape == "bench16" else None)
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")

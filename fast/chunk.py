@@ -14,7 +14,7 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
            in fp64, with its rounding error Gl stored too, see below)
        k -> l2norm(k) when asked (stored once per key head: kn [B, T, H, K], read by kernels 2-4)
        L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j                    (16x16 blocks, tl.dot)
-       A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (INV_METHOD), the
+       A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (inv_method), the
            off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
            A stored in k's dtype (fp32 for fp32 inputs)
   2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel
@@ -38,10 +38,11 @@ difference is as accurate as a difference of small numbers.
 HBM traffic per token and value head: read q, k (shared by the GVA group, mostly L2), v, g, beta;
 write/read A, w, u, v_new and G once each; h once per chunk.
 
-Tuning knobs (module globals, read at call time; each value is its own compiled variant):
-``CONFIG_OVERRIDES`` (per-kernel BV / num_warps / num_stages over the pinned heuristics),
-``INV_METHOD`` ("rows" / "doubling" for the 16x16 diagonal inverses), ``INV_PRECISION``,
-``INV_DIAG_PRECISION`` and ``FP32_PRECISION`` (tl.dot input precisions, see below).
+Tuning knobs are keyword arguments of the internal launchers and ``chunk_gated_delta_rule_fwd`` (never
+module state; benchmarks pass them; each value is its own compiled variant): ``configs`` (per-kernel
+BV / num_warps / num_stages over the pinned heuristics) and ``inv_method`` ("rows" / "doubling" for the
+16x16 diagonal inverses). Read-only constants: ``INV_PRECISION``, ``INV_DIAG_PRECISION`` and
+``FP32_PRECISION`` (tl.dot input precisions, see below).
 
 ``recurrent_kernel`` (grid (cdiv(V, BV), N * HV)) is the time loop with the state in registers:
 the twin of refgdn.recurrent_gated_delta_rule, handy for short T.
@@ -64,6 +65,7 @@ are no float64 kernels).
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Optional, Tuple
 
 import torch
@@ -87,24 +89,21 @@ CHUNK_SIZES = (16, 32, 64)
 #     rounding 2^-11) are far below bf16's (2^-9); fp16 rounds like TF32, so it gets tf32x3 (~fp32);
 #     fp32 gets exact IEEE.
 FP32_PRECISION = "ieee"
-INV_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
-#   INV_DIAG_PRECISION: the products of the diagonal blocks' doubling (INV_METHOD "doubling"): their
+INV_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
+#   INV_DIAG_PRECISION: the products of the diagonal blocks' doubling (inv_method "doubling"): their
 #     4 levels compound the products' rounding, so bf16 gets tf32x3 there too (with tf32 the worst bf16
 #     final-state conformance ratio of the quick matrix rose from 0.69 with rows to 0.89; tf32x3 is the
 #     fp16 setting, conformance-checked on H200; its bf16 timing is not measured yet).
-INV_DIAG_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
+INV_DIAG_PRECISION = MappingProxyType({torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"})
 # The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps of masked
-# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION). None: rows
+# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION), chosen by the launchers' inv_method argument. None: rows
 # on a GPU, doubling in the interpreter (4x cheaper there). Rows is the GPU default because it is the
 # variant whose bf16 conformance and tests passed on the H200; doubling measured faster (H200, K = 128,
 # BT = 64, bf16, 1 warp, tf32 products: 0.58 ms against rows' 0.75) but its tf32x3 setting for bf16 has
 # not run on a GPU yet. Both are direct (no series, no approximation); the tests run both.
-INV_METHOD: Optional[str] = None
-# Per-kernel config overrides merged over the pinned heuristics, for benchmark sweeps:
-# {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}, "recurrent": {...}} with keys
-# BV, num_warps, num_stages (BV for "state", "output", "recurrent"). Each distinct config is its own
-# compiled variant.
-CONFIG_OVERRIDES: dict = {}
+# Per-kernel config overrides (the launchers' ``configs`` argument, for benchmark sweeps) are merged over
+# the pinned heuristics: {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}} with keys
+# BV, num_warps, num_stages (BV for "state", "output"). Each distinct config is its own compiled variant.
 
 
 # ============================================================================================
@@ -854,8 +853,9 @@ def recurrent_config(K: int, V: int) -> dict:
     return dict(BV=BV, num_warps=1, num_stages=1)
 
 
-def _cfg(name: str, base: dict) -> dict:
-    return dict(base, **CONFIG_OVERRIDES.get(name, {}))
+def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
+    """The pinned config `base` with the overrides configs[name] (benchmark sweeps) merged over it."""
+    return dict(base, **(configs or {}).get(name, {}))
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -874,10 +874,12 @@ def _precise(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _inv_rows() -> bool:
-    """Diagonal-block inverse method: INV_METHOD, by default rows on a GPU, doubling when interpreting
+def _inv_rows(inv_method: Optional[str] = None) -> bool:
+    """Diagonal-block inverse method: inv_method, by default rows on a GPU, doubling when interpreting
     (module comment)."""
-    return (INV_METHOD or ("doubling" if is_interpreting() else "rows")) == "rows"
+    if inv_method not in (None, "rows", "doubling"):
+        raise ValueError(f"inv_method must be None, 'rows' or 'doubling', got {inv_method!r}")
+    return (inv_method or ("doubling" if is_interpreting() else "rows")) == "rows"
 
 
 def _contig(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -914,12 +916,13 @@ class _Chunks:
 
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
                 l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None,
-                cfg_over: Optional[dict] = None):
+                cfg_over: Optional[dict] = None, configs: Optional[dict] = None, inv_method: Optional[str] = None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
     prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
     the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state);
-    cfg_over: keys merged over the pinned config (the fp32 recompute takes 2 warps)."""
+    cfg_over: keys merged over the pinned config (the fp32 recompute takes 2 warps); configs, inv_method:
+    benchmark knobs (module comment)."""
     H, K = k.shape[2], k.shape[3]
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
@@ -934,12 +937,13 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
-        INV_ROWS=_inv_rows(), DOT_F32=is_interpreting(),
+        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
-        **dict(_cfg("kkt", kkt_config(K)), **(cfg_over or {})))
+        **dict(_cfg("kkt", kkt_config(K), configs), **(cfg_over or {})))
 
 
-def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None):
+def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None,
+                configs: Optional[dict] = None):
     """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]."""
     H, K = k.shape[2], k.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -953,11 +957,11 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
         PRECISE=precise,
-        **_cfg("w_u", w_u_config(K, V)))
+        **_cfg("w_u", w_u_config(K, V), configs))
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
-                  prec_of=None, cfg_over: Optional[dict] = None):
+                  prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages)."""
     H, K = k.shape[2], k.shape[3]
@@ -965,7 +969,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = dict(_cfg("state", state_config(N, HV, K, V, k.device)), **(cfg_over or {}))
+    cfg = dict(_cfg("state", state_config(N, HV, K, V, k.device), configs), **(cfg_over or {}))
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
@@ -979,7 +983,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
 
 
 def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale: float, *, l2norm_q: bool,
-                   precise: bool):
+                   precise: bool, configs: Optional[dict] = None):
     """Kernel 4. k: [B, T, H, K] (normalised already when asked); l2norm_q normalises q in the kernel;
     Gl: G's rounding error or None (0)."""
     H, K = q.shape[2], q.shape[3]
@@ -987,7 +991,7 @@ def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale
     if ch.total == 0 or HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = _cfg("output", output_config(K, V))
+    cfg = _cfg("output", output_config(K, V), configs)
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
@@ -1038,9 +1042,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                               chunk_size=64):
+                               chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
-    autograd: for callers that validated already (the public function, the custom op). Not float64."""
+    autograd: for callers that validated already (the public function, the custom op). Not float64.
+    configs, inv_method: benchmark knobs passed to the launchers (module docstring)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1059,22 +1064,23 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False, store_g=True,
-                do_a=True, precise=precise)
+                do_a=True, precise=precise, configs=configs, inv_method=inv_method)
     if l2:
         k = kn                                                           # kernels 2-4 read the normalised k
 
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
     u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise)
+    _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
 
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)       # chunk-start states
     v_new = torch.empty_like(u)
-    _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise)
+    _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs)
 
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise)
+    _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
+                   configs=configs)
     return o, final
 
 
@@ -1104,7 +1110,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     h0 = initial_state.contiguous() if initial_state is not None else None
     if N * HV == 0:
         return o, final
-    cfg = _cfg("recurrent", recurrent_config(K, V))
+    cfg = recurrent_config(K, V)
     BV = cfg.pop("BV")
     recurrent_kernel[(cdiv(V, BV), N * HV)](
         q, k, v, g, beta, A_log, dt_bias, h0, o, final,
@@ -1150,6 +1156,12 @@ def wy_repr(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, chunk_size: in
             cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Step 2. k: [B, T, H, K], beta, G: [B, T, HV] -> A: [B, T, HV, BT] float32, A = (I + L)^-1 per chunk
     with L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j. Kernel 1 with G given."""
+    return _wy_repr(k, beta, G, chunk_size, cu_seqlens)
+
+
+def _wy_repr(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, chunk_size: int,
+             cu_seqlens: Optional[torch.Tensor] = None, *, inv_method: Optional[str] = None) -> torch.Tensor:
+    """wy_repr with the diagonal-block inverse method chosen (inv_method: None, "rows", "doubling")."""
     check_chunk_size(chunk_size)
     if _is_fp64(k, beta, G):
         return refgdn.delta_rule.wy_repr(k, beta, G, chunk_size)
@@ -1160,7 +1172,8 @@ def wy_repr(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, chunk_size: in
     A = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device)   # every entry written
     Gc = G.float().contiguous()
     _launch_kkt(k, Gc, beta, None, None, Gc, None, A, None, _Chunks(B, T, chunk_size, cu_seqlens), T, HV,
-                chunk_size, l2norm=False, load_g=True, store_g=False, do_a=True, precise=_precise(k.dtype))
+                chunk_size, l2norm=False, load_g=True, store_g=False, do_a=True, precise=_precise(k.dtype),
+                inv_method=inv_method)
     return A
 
 

@@ -38,7 +38,8 @@ they share the forward's no-autotune rule.
 """
 from __future__ import annotations
 
-from typing import Optional
+from types import MappingProxyType
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -49,11 +50,12 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _launch_w_u, _num_sms, _precise, _trunc_tf32)
 from .utils import cdiv, is_interpreting
 
-# Per-stage config overrides merged over the pinned heuristics below, for benchmark sweeps
-# (benchmarks/bench_train.py --sweep): {"dv_local": {...}, "dh": {...}, "dqkwg": {...}, "wy": {...}} with
-# keys BV, num_warps, num_stages. Each distinct config is its own compiled variant.
-CONFIG_OVERRIDES: dict = {}
-# Precision of the backward, per input dtype (each value its own compiled variant):
+# Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
+# benchmarks/bench_train.py --sweep) are merged over the pinned heuristics below: {"dv_local": {...},
+# "dh": {...}, "dqkwg": {...}, "wy": {...}} with keys BV, num_warps, num_stages. Each distinct config is
+# its own compiled variant.
+# Precision of the backward, per input dtype (read-only defaults; chunk_gated_delta_rule_bwd's
+# ``precision`` argument replaces a row for benchmarks; each value its own compiled variant):
 #   GRAD_DOT_PRECISION: input_precision of the products that take a gradient operand (dS, dv_new, dw, ds,
 #     dL, ...). A string keeps them fp32 ("tf32": 10 mantissa bits; the 16-bit operand converts exactly)
 #     and stores dh, h and v_new in fp32; None rounds them to the input dtype for 16-bit dots.
@@ -66,12 +68,13 @@ CONFIG_OVERRIDES: dict = {}
 #   bf16: None/None 2.24 (fails), tf32/None 1.44 (fails), tf32/tf32 0.53
 #   fp16: None/None 0.68, tf32/None 1.16 (truncated tf32 is coarser than fp16), tf32x3/tf32x3 0.22
 # fp32 inputs: IEEE products throughout.
-GRAD_DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
-RECOMPUTE_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None}
+GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
+RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None})
 
 
-def _cfg(name: str, base: dict) -> dict:
-    return dict(base, **CONFIG_OVERRIDES.get(name, {}))
+def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
+    """The pinned config `base` with the overrides configs[name] (benchmark sweeps) merged over it."""
+    return dict(base, **(configs or {}).get(name, {}))
 
 
 @triton.jit
@@ -557,7 +560,8 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
-                               stages: Optional[dict] = None):
+                               stages: Optional[dict] = None, *, configs: Optional[dict] = None,
+                               precision: Optional[Tuple[Optional[str], Optional[str]]] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
@@ -567,6 +571,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
     stages): h, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
     per value head), dv, dbeta, dg. Costs copies; None in normal use.
+    Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
+    precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]).
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -581,8 +587,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     precise = _precise(v.dtype)
     dot_f32 = is_interpreting()
     BK, _ = _blocks(K, V)
-    gprec = GRAD_DOT_PRECISION[dt]
-    rprec = RECOMPUTE_PRECISION[dt]
+    gprec, rprec = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]) if precision is None else precision
     beta_dtype = beta.dtype
     if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
@@ -649,9 +654,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **_cfg("dv_local", dv_local_bwd_config(K, V)))
+            **common, **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
         # ---- 2. reverse state pass ----------------------------------------------------------------
-        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32))
+        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32), configs)
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
@@ -660,7 +665,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV,)](
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V)))
+            **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V), configs))
         if stages is not None:
             stages.update(h=h.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
                           dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(), dk3=dk.clone(),
@@ -671,7 +676,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, *v.stride()[:3], *beta.stride(), *g.stride(),
             **common, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
-            **_cfg("wy", wy_bwd_config(K, V)))
+            **_cfg("wy", wy_bwd_config(K, V), configs))
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:

@@ -116,12 +116,16 @@ def test_chunk_varlen_matches_per_sequence_calls():
 
 
 @pytest.mark.parametrize("bt,dtype", [(64, torch.float32), (32, torch.float16)], ids=["BT64-fp32", "BT32-fp16"])
-def test_chunk_config_variants(bt, dtype, monkeypatch):
+def test_chunk_config_variants(bt, dtype):
     """Non-default configs: several V-blocks in the state and output kernels (BV < V, the last one
     partly masked), with l2norm and GVA."""
-    monkeypatch.setattr(fc, "CONFIG_OVERRIDES", {"state": dict(BV=16), "output": dict(BV=16)})
+    configs = {"state": dict(BV=16), "output": dict(BV=16)}
+
+    def fast_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
+        return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                             chunk_size=bt, configs=configs, **kw)
     low, hi = _inputs(1, 70, 1, 2, 40, 24, dtype, seed=21, init=True)
-    _compare_op("chunk-variants", _chunk(bt), _ref_chunk(bt), low, hi, dtype, use_qk_l2norm_in_kernel=True)
+    _compare_op("chunk-variants", fast_fwd, _ref_chunk(bt), low, hi, dtype, use_qk_l2norm_in_kernel=True)
 
 
 @triton.jit
@@ -273,12 +277,11 @@ def test_stage_chunk_cumsum(bt):
 
 @pytest.mark.parametrize("method", ["rows", "doubling"])
 @pytest.mark.parametrize("bt,gate", [(16, "mid"), (32, "weak"), (64, "mid"), (64, "strong")])
-def test_stage_wy_repr(bt, gate, method, monkeypatch):
-    monkeypatch.setattr(fc, "INV_METHOD", method)
+def test_stage_wy_repr(bt, gate, method):
     low, hi = _stage_inputs(bt, seed=bt, gate=gate)
     k, beta, G = low[1], low[4], dr.chunk_cumsum(low[3], bt)
     k64, beta64, G64 = hi[1], hi[4], dr.chunk_cumsum(hi[3], bt)
-    _conform("A", fc.wy_repr(k, beta, G, bt), dr.wy_repr(k, beta, G, bt), dr.wy_repr(k64, beta64, G64, bt))
+    _conform("A", fc._wy_repr(k, beta, G, bt, inv_method=method), dr.wy_repr(k, beta, G, bt), dr.wy_repr(k64, beta64, G64, bt))
 
 
 def test_stage_wy_repr_repeated_keys():
