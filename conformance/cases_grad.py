@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .cases_prefill import CHUNK_SIZES, _fast, _refgdn, dtypes_for, gdn_case_inputs, seed_of
+from .cases_prefill import CHUNK_SIZES, _fast, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs, seed_of
 from .core import Case, Check, DTYPE_NAMES
 
 GDN_GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -105,24 +105,9 @@ def conv_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Cas
     name = f"{op}/{family}/{DTYPE_NAMES[dtype]}"
 
     def run(device: str) -> list:
-        gen = torch.Generator().manual_seed(seed_of(name))
         B, T, D, W = p["B"], p["T"], p["D"], p["W"]
-        cu = p.get("cu")
-        N = len(cu) - 1 if cu is not None else B
-        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-        if p.get("strided"):  # x as a slice of a wider projection and every other time step
-            x = r(B, 2 * T, D + 24).to(dtype).to(device)[:, ::2, 8:8 + D]
-        else:
-            x = r(B, T, D).to(dtype).to(device)
-        lo = dict(x=x, weight=(r(D, W) / W ** 0.5).to(dtype).to(device), activation=p.get("act"),
-                  output_final_state=True)
-        if p.get("bias"):
-            lo["bias"] = r(D).to(dtype).to(device)
-        if p.get("init"):
-            lo["initial_state"] = r(N, D, W - 1).to(dtype).to(device)
-        if cu is not None:
-            lo["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
-        hi = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in lo.items()}
+        lo, hi, r, N = conv_case_inputs(name, p, dtype, device)
+        lo["output_final_state"] = hi["output_final_state"] = True
         dy = r(B, T, D).to(dtype).to(device)
         dfin = r(N, D, W - 1).to(dtype).to(device)
         names = ("x", "weight", "bias", "initial_state")

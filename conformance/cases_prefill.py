@@ -197,28 +197,37 @@ def _recurrent_families(quick: bool) -> dict:
 # causal conv1d and its update
 # ----------------------------------------------------------------------------------------------
 
+def conv_case_inputs(name: str, p: dict, dtype: torch.dtype, device: str) -> tuple:
+    """p: B, T, D, W, act, bias, init, cu (list or None), strided -> (lo, hi, r, N): causal_conv1d's
+    keyword arguments in `dtype` (x: [B, T, D], weight: [D, W], bias: [D], initial_state: [N, D, W - 1]),
+    the same values in float64, the case's float64 normal sampler (further draws continue its seeded
+    stream, also used by conformance.cases_grad) and the number of sequences N."""
+    gen = torch.Generator().manual_seed(seed_of(name))
+    B, T, D, W = p["B"], p["T"], p["D"], p["W"]
+    cu = p.get("cu")
+    N = len(cu) - 1 if cu is not None else B
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    if p.get("strided"):  # x as a slice of a wider projection and every other time step
+        x = r(B, 2 * T, D + 24).to(dtype).to(device)[:, ::2, 8:8 + D]
+    else:
+        x = r(B, T, D).to(dtype).to(device)
+    lo = dict(x=x, weight=(r(D, W) / W ** 0.5).to(dtype).to(device), activation=p.get("act"))
+    if p.get("bias"):
+        lo["bias"] = r(D).to(dtype).to(device)
+    if p.get("init"):
+        lo["initial_state"] = r(N, D, W - 1).to(dtype).to(device)
+    if cu is not None:
+        lo["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+    hi = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in lo.items()}
+    return lo, hi, r, N
+
+
 def conv_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Case:
     """p: B, T, D, W, act, bias, init, cu (list or None), strided."""
     name = f"causal_conv1d/{family}/{DTYPE_NAMES[dtype]}"
 
     def run(device: str) -> list:
-        gen = torch.Generator().manual_seed(seed_of(name))
-        B, T, D, W = p["B"], p["T"], p["D"], p["W"]
-        cu = p.get("cu")
-        N = len(cu) - 1 if cu is not None else B
-        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-        if p.get("strided"):  # x as a slice of a wider projection and every other time step
-            x = r(B, 2 * T, D + 24).to(dtype).to(device)[:, ::2, 8:8 + D]
-        else:
-            x = r(B, T, D).to(dtype).to(device)
-        lo = dict(x=x, weight=(r(D, W) / W ** 0.5).to(dtype).to(device), activation=p.get("act"))
-        if p.get("bias"):
-            lo["bias"] = r(D).to(dtype).to(device)
-        if p.get("init"):
-            lo["initial_state"] = r(N, D, W - 1).to(dtype).to(device)
-        if cu is not None:
-            lo["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
-        hi = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in lo.items()}
+        lo, hi, _, _ = conv_case_inputs(name, p, dtype, device)
         y_f, s_f = _fast("causal_conv1d")(**lo, output_final_state=True)
         y_r, s_r = _refgdn("causal_conv1d")(**lo, output_final_state=True)
         y_t, _ = _refgdn("causal_conv1d")(**hi, output_final_state=True)
