@@ -46,7 +46,7 @@ Values live on the device, and reading them on the host is a sync (forbidden ins
 the kernels check them where they already load them, at no extra launch:
 
 * ``conv_step_kernel`` (and ``conv_step_any_w_kernel``; materialize runs them too): every program
-  of request n computes the same verdict for its row (``_step_row_check``): slot in [-1, num_slots),
+  of request n computes the same verdict for its row (``_step_row_check``): slot < num_slots (negative: padded),
   no other row with the same slot (a pairwise compare of the row's slot against state_indices in
   blocks of DUP_BLOCK: deterministic, no atomics, no scratch to clear), offsets sane (cu[0] = 0,
   cu[N] = T, cu[n] <= cu[n+1], at most 1 + max_draft tokens), and the slot not awaiting an accept.
@@ -59,12 +59,14 @@ the kernels check them where they already load them, at no extra launch:
 
 No address is ever formed from an unchecked value: slot, bos and L are clamped to safe values
 first, and every access is masked, so no argument value makes a kernel touch memory outside the
-tensors it was given. The first fault is recorded in ``cache.err`` ([4] int64: code, request,
-value, extra) by a compare-and-swap of the code (first fault wins; only programs that found a
-fault take that branch). :meth:`GDNStateCache.check` (refgdn) reads it at the caller's next host
-sync, clears it and raises refgdn's ValueError. When several requests of one call are faulty,
-refgdn reports the first in request order; fast reports one of them (the conv kernel's programs
-race; accept reports the first of each block of 64): each message names its own request. The
+tensors it was given. The fault is recorded in ``cache.err`` ([4] int64: code, request, value,
+extra) exactly as refgdn chooses it: the call's lowest faulty request, with its highest-priority
+rule (refgdn.serving, "Which fault is reported"). Deterministically, without atomics: a program
+whose request has a fault (the error path; a fault-free call never takes it) re-checks the requests
+before its own (``_step_fault_before``; accept: the blocks before its own) and records only if none
+has a fault, and only if err is still empty (launches run in stream order, so an earlier call's or
+another layer's fault stays). :meth:`GDNStateCache.check` (refgdn) reads it at the caller's next
+host sync, clears it and raises refgdn's ValueError. The
 eager ops do not call check() themselves: it costs a device->host copy and a sync (> 5 us), and
 the same code runs inside capture -- except on a CPU device (the Triton interpreter), where the
 cache is host memory and reading err is free: there every op ends with check(), so a fault raises
@@ -110,6 +112,7 @@ _E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_
 _AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
 
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
+_SCAN_ROWS, _SCAN_COLS = tl.constexpr(32), tl.constexpr(64)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
@@ -166,20 +169,91 @@ def _as_block(cond, ref):
 
 
 @triton.jit
-def _record_fault(err, code, n, value, extra):
-    """err <- (code, n, value, extra) if code != 0 and no fault is recorded yet (first fault wins).
+def _record_fault(err, do, code, n, value, extra):
+    """err <- (code, n, value, extra) if ``do`` and no fault is recorded yet (code 0 = empty).
 
-    err: [4] int64, code 0 = empty. The compare-and-swap of the code claims the buffer; only the
-    claimant writes the other three words, so they always belong to the recorded code. Programs
-    without a fault take the branch's fall-through: no atomic on the hot path.
+    Plain loads and stores, no atomics: within a launch only the program that owns the call's lowest
+    faulty request calls it with ``do`` set (see _step_fault_before / accept_kernel), and launches run
+    in stream order, so an earlier launch's fault (another layer's, sharing err) is never replaced.
     """
-    if code != 0:
-        code = code.to(tl.int64)
-        old = tl.atomic_cas(err, code * 0, code)
-        if old == 0:
-            tl.store(err + 1, n.to(tl.int64))
-            tl.store(err + 2, value.to(tl.int64))
-            tl.store(err + 3, extra.to(tl.int64))
+    old = tl.load(err, mask=do, other=1)
+    w = do & (old == 0)
+    tl.store(err, code.to(tl.int64), mask=w)
+    tl.store(err + 1, n.to(tl.int64), mask=w)
+    tl.store(err + 2, value.to(tl.int64), mask=w)
+    tl.store(err + 3, extra.to(tl.int64), mask=w)
+
+
+@triton.jit
+def _step_code(raw, in_range, real, n, N, T, bos, eos, other, word, S, TCAP: tl.constexpr, VARLEN: tl.constexpr):
+    """A step request's fault (code, value, extra), elementwise: scalars for one row, [BN] blocks for many.
+
+    The rules of refgdn.serving.step_faults in its priority order (a request reports its highest-priority
+    violated rule; the codes are numbered in that order): applied here from the lowest priority to the
+    highest, each overriding. other: _earliest_other's key (< N: an earlier row has the same slot).
+    """
+    zero = raw * 0
+    awaiting = real & ((word & _AWAIT) != 0)
+    code = tl.where(awaiting, _E_AWAITING, zero)
+    value = tl.where(awaiting, raw, zero)
+    extra = zero
+    if VARLEN:
+        L = eos - bos
+        f = L > TCAP
+        code, value, extra = tl.where(f, _E_TOO_LONG, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
+        f = (n == N - 1) & (eos != T)
+        code, value, extra = tl.where(f, _E_CU_END, code), tl.where(f, eos, value), tl.where(f, T, extra)
+        f = eos < bos
+        code, value, extra = tl.where(f, _E_CU_ORDER, code), tl.where(f, eos, value), tl.where(f, bos, extra)
+        f = (n == 0) & (bos != 0)
+        code, value, extra = tl.where(f, _E_CU_START, code), tl.where(f, bos, value), tl.where(f, 0, extra)
+    f = real & (other < N)
+    code, value, extra = tl.where(f, _E_SLOT_DUP, code), tl.where(f, raw, value), tl.where(f, other, extra)
+    f = in_range == 0
+    code, value, extra = tl.where(f, _E_SLOT_RANGE, code), tl.where(f, raw, value), tl.where(f, S, extra)
+    return code, value, extra
+
+
+@triton.jit
+def _earliest_others(state_indices, raw, o_n, N, BC: tl.constexpr):
+    """_earliest_other for a block of rows o_n [BN] holding raw [BN]: a [BN, BC] pairwise compare per
+    column block. Rows outside [0, N) get garbage keys (callers mask them)."""
+    other = raw * 0 + 2 * N
+    for start in range(0, N, BC):
+        o_c = start + tl.arange(0, BC)
+        s_c = tl.load(state_indices + o_c, mask=o_c < N, other=-1).to(tl.int64)
+        hit = (s_c[None, :] == raw[:, None]) & (o_c[None, :] != o_n[:, None]) & (o_c < N)[None, :]
+        key = tl.where(o_c[None, :] < o_n[:, None], o_c[None, :], N + o_c[None, :])
+        other = tl.minimum(other, tl.min(tl.where(hit, key, 2 * N), axis=1))
+    return other
+
+
+@triton.jit
+def _step_fault_before(meta, state_indices, cu_seqlens, n_end, N, T, S, TCAP: tl.constexpr, VARLEN: tl.constexpr):
+    """1 if a request m < n_end has a fault of its own (_step_code != 0), else 0.
+
+    The error path only: the program of a faulty request calls it to learn whether it holds the call's
+    lowest faulty request (the one refgdn reports, and the one recorded). Rows in blocks of _SCAN_ROWS,
+    the duplicate compare in [_SCAN_ROWS, _SCAN_COLS] tiles: O(n_end * N) work, never on the hot path.
+    """
+    found = n_end * 0
+    for start in range(0, n_end, _SCAN_ROWS):
+        o = start + tl.arange(0, _SCAN_ROWS)
+        m = o < n_end
+        raw = tl.load(state_indices + o, mask=m, other=-1).to(tl.int64)   # masked rows: padded
+        in_range = raw < S
+        real = in_range & (raw >= 0)
+        word = tl.load(meta + tl.where(real, raw, 0) * 2 + 1, mask=real, other=0)
+        if VARLEN:
+            bos = tl.load(cu_seqlens + o, mask=m, other=0).to(tl.int64)
+            eos = tl.load(cu_seqlens + o + 1, mask=m, other=0).to(tl.int64)
+        else:
+            bos = o.to(tl.int64)
+            eos = bos + 1
+        other = _earliest_others(state_indices, raw, o, N, _SCAN_COLS)
+        code, value, extra = _step_code(raw, in_range, real, o, N, T, bos, eos, other, word, S, TCAP, VARLEN)
+        found = tl.maximum(found, tl.max(tl.where(m & (code != 0), 1, 0), axis=0))
+    return found
 
 
 @triton.jit
@@ -212,7 +286,7 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
     cost measurement only (a runtime int, so both run the one compiled variant; never 0 in serving).
     """
     raw = tl.load(state_indices + i_n).to(tl.int64)
-    in_range = (raw >= -1) & (raw < S)
+    in_range = raw < S                                # any negative index: a padded row
     real = in_range & (raw >= 0)
     slot = tl.where(real, raw, 0)
     count = tl.load(meta + slot * 2, mask=real, other=0)
@@ -233,25 +307,7 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
     if checks != 0:
         other = _earliest_other(state_indices, raw, i_n, N, BN)
     dup = real & (other < 2 * N)
-    awaiting = real & ((word & _AWAIT) != 0)
-    # the request's fault: the rules from the lowest priority to the highest, each overriding
-    zero = raw * 0
-    code = tl.where(awaiting, _E_AWAITING, zero)
-    value = tl.where(awaiting, raw, zero)
-    extra = zero
-    if VARLEN:
-        f = L > TCAP
-        code, value, extra = tl.where(f, _E_TOO_LONG, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
-        f = (i_n == N - 1) & (eos != T)
-        code, value, extra = tl.where(f, _E_CU_END, code), tl.where(f, eos, value), tl.where(f, T, extra)
-        f = eos < bos
-        code, value, extra = tl.where(f, _E_CU_ORDER, code), tl.where(f, eos, value), tl.where(f, bos, extra)
-        f = (i_n == 0) & (bos != 0)
-        code, value, extra = tl.where(f, _E_CU_START, code), tl.where(f, bos, value), tl.where(f, 0, extra)
-    f = real & (other < N)
-    code, value, extra = tl.where(f, _E_SLOT_DUP, code), tl.where(f, raw, value), tl.where(f, other, extra)
-    f = in_range == 0
-    code, value, extra = tl.where(f, _E_SLOT_RANGE, code), tl.where(f, raw, value), tl.where(f, S, extra)
+    code, value, extra = _step_code(raw, in_range, real, i_n, N, T, bos, eos, other, word, S, TCAP, VARLEN)
     # token rows: every offset of the call sane (else no row is trusted), this one's span in [0, T]
     live = (c0 == 0) & (cN == T) & (bos >= 0) & (bos <= eos) & (eos <= T) & (L <= TCAP)
     ok = live & real & (code == 0) & (dup == 0)
@@ -261,9 +317,12 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
 
 
 @triton.jit
-def _publish_row(snap, err, i_n, first, slot, ok, count, word, bos, L, code, value, extra, TCAP: tl.constexpr):
+def _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, first, slot, ok, count, word, bos, L,
+                 code, value, extra, TCAP: tl.constexpr, VARLEN: tl.constexpr):
     """From the program ``first`` of request i_n: snap[i_n] <- (slot or -1 if it must not write, count,
-    bank, bos, L) for gdn_step_kernel, and its fault into err."""
+    bank, bos, L) for gdn_step_kernel; and, if the request has a fault and no request before it has
+    one (_step_fault_before: the error path only), its fault into err. So the recorded fault is the
+    call's lowest faulty request's, as refgdn reports it, whatever order the programs run in."""
     if first:
         p = snap + i_n * 5
         tl.store(p, tl.where(ok, slot, -1).to(tl.int32))
@@ -271,7 +330,9 @@ def _publish_row(snap, err, i_n, first, slot, ok, count, word, bos, L, code, val
         tl.store(p + 2, (word & 1).to(tl.int32))
         tl.store(p + 3, bos.to(tl.int32))
         tl.store(p + 4, L.to(tl.int32))
-        _record_fault(err, code, i_n, value, extra)
+        if code != 0:
+            before = _step_fault_before(meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, VARLEN)
+            _record_fault(err, before == 0, code, i_n, value, extra)
 
 
 @triton.jit(do_not_specialize=["N", "T", "S", "checks"])   # one variant for every batch size, token count, ...
@@ -303,8 +364,8 @@ def conv_step_kernel(
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
         meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
-    first = i_d == 0
-    _publish_row(snap, err, i_n, first, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
+    _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
+                 bos, L, code, value, extra, TCAP, VARLEN)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     m_dv = m_d & _as_block(valid, o_d)              # channels of a request that writes (real, no fault)
@@ -423,7 +484,8 @@ def conv_step_any_w_kernel(
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
         meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
-    _publish_row(snap, err, i_n, i_d == 0, slot, valid, count, bank, bos, L, code, value, extra, TCAP)
+    _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
+                 bos, L, code, value, extra, TCAP, VARLEN)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
     off = tl.maximum(count - 1, 0)
 
@@ -659,32 +721,23 @@ def gdn_step_kernel(
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
-@triton.jit(do_not_specialize=["N", "S"])  # one compiled variant for every batch size (N == 1 included)
-def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr, BC: tl.constexpr):
-    """count[slot] <- num_accepted, AWAIT_ACCEPT cleared, for the rows of a block of BN requests that pass
-    the value rules (refgdn.serving.accept_faults): slot in [-1, S), no other row with the same slot
-    (a [BN, BC] pairwise compare per column block: deterministic, no atomics), a verify awaiting the
-    accept, num_accepted in [min(1, count), count]. The block's first faulty row is recorded in err.
+@triton.jit
+def _accept_rows(meta, state_indices, num_accepted, o_n, N, S, BC: tl.constexpr):
+    """The value rules of gdn_accept (refgdn.serving.accept_faults) for a block of requests o_n [BN].
+
+    Returns (slot, ok, count, word, acc, code, value, extra): slot a safe address, ok the row writes;
+    code its fault (0: none), the rules applied from the lowest priority to the highest, each overriding.
     """
-    o_n = tl.program_id(0) * BN + tl.arange(0, BN)
     m_n = o_n < N
-    raw = tl.load(state_indices + o_n, mask=m_n, other=-1).to(tl.int64)
-    in_range = (raw >= -1) & (raw < S)
-    real = m_n & in_range & (raw >= 0)
+    raw = tl.load(state_indices + o_n, mask=m_n, other=-1).to(tl.int64)   # rows past N: padded
+    in_range = raw < S                                # any negative index: a padded row
+    real = in_range & (raw >= 0)
     slot = tl.where(real, raw, 0)
     count = tl.load(meta + slot * 2, mask=real, other=0)
     word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
     acc = tl.load(num_accepted + o_n, mask=m_n, other=0).to(tl.int64)
-    # duplicates: per row, min over other rows m with the same value of (m if m < n else N + m)
-    other = tl.zeros([BN], dtype=tl.int64) + 2 * N
-    for start in range(0, N, BC):
-        o_c = start + tl.arange(0, BC)
-        s_c = tl.load(state_indices + o_c, mask=o_c < N, other=-1).to(tl.int64)
-        hit = (s_c[None, :] == raw[:, None]) & (o_c[None, :] != o_n[:, None]) & (o_c < N)[None, :]
-        key = tl.where(o_c[None, :] < o_n[:, None], o_c[None, :], N + o_c[None, :])
-        other = tl.minimum(other, tl.min(tl.where(hit, key, 2 * N), axis=1))
+    other = _earliest_others(state_indices, raw, o_n, N, BC)
     dup = real & (other < 2 * N)
-    # the row's fault, lowest priority first
     zero = raw * 0
     f = real & ((acc < tl.minimum(count, 1)) | (acc > count))
     code, value, extra = tl.where(f, _E_ACCEPT_RANGE, zero), tl.where(f, acc, zero), tl.where(f, count, zero)
@@ -692,16 +745,35 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
     code, value, extra = tl.where(f, _E_NO_VERIFY, code), tl.where(f, raw, value), tl.where(f, 0, extra)
     f = real & (other < N)
     code, value, extra = tl.where(f, _E_SLOT_DUP, code), tl.where(f, raw, value), tl.where(f, other, extra)
-    f = m_n & (in_range == 0)
+    f = in_range == 0
     code, value, extra = tl.where(f, _E_SLOT_RANGE, code), tl.where(f, raw, value), tl.where(f, S, extra)
     ok = real & (code == 0) & (dup == 0)
+    return slot, ok, count, word, acc, code, value, extra
+
+
+@triton.jit(do_not_specialize=["N", "S"])  # one compiled variant for every batch size (N == 1 included)
+def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr, BC: tl.constexpr):
+    """count[slot] <- num_accepted, AWAIT_ACCEPT cleared, for the rows of a block of BN requests that pass
+    the value rules (_accept_rows: slot in [0, S) or negative (padded), no other row with the same slot
+    (a [BN, BC] pairwise compare per column block: deterministic, no atomics), a verify awaiting the
+    accept, num_accepted in [min(1, count), count]). The block holding the call's lowest faulty row
+    records that row's fault (a block with a fault first re-checks the blocks before it: error path only).
+    """
+    pid = tl.program_id(0)
+    o_n = pid * BN + tl.arange(0, BN)
+    slot, ok, count, word, acc, code, value, extra = _accept_rows(meta, state_indices, num_accepted, o_n, N, S, BC)
     tl.store(meta + slot * 2, acc.to(tl.int32), mask=ok)
     tl.store(meta + slot * 2 + 1, (word & 1).to(tl.int32), mask=ok)
-    # record the block's first faulty row
     bad = tl.min(tl.where(code != 0, o_n, N), axis=0)
-    pick = o_n == bad
-    _record_fault(err, tl.sum(tl.where(pick, code, 0), axis=0), bad, tl.sum(tl.where(pick, value, 0), axis=0),
-                  tl.sum(tl.where(pick, extra, 0), axis=0))
+    if bad < N:
+        before = pid * 0
+        for start in range(0, pid * BN, BN):
+            _s, _ok, _c, _w, _a, code_b, _v, _e = _accept_rows(meta, state_indices, num_accepted,
+                                                               start + tl.arange(0, BN), N, S, BC)
+            before = tl.maximum(before, tl.max(tl.where(code_b != 0, 1, 0), axis=0))
+        pick = o_n == bad
+        _record_fault(err, before == 0, tl.sum(tl.where(pick, code, 0), axis=0), bad,
+                      tl.sum(tl.where(pick, value, 0), axis=0), tl.sum(tl.where(pick, extra, 0), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,7 +856,7 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
 
     mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
-    state_indices: [N] int (-1 = padded row: reads nothing, writes nothing, output zeros)
+    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
     Returns o: [N, HV, V] in mixed_qkv's dtype.
 
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
@@ -829,7 +901,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = False) -> None:
     """After a verify: keep the first ``num_accepted[n]`` tokens of request n (one tiny launch).
 
-    state_indices: [N] int (-1 = ignored)   num_accepted: [N] int in [1, L_n] (L_n: the tokens of
+    state_indices: [N] int (negative = ignored)   num_accepted: [N] int in [1, L_n] (L_n: the tokens of
     request n's verify; 0 when L_n = 0)
 
         count[slot] <- num_accepted;  the slot no longer awaits an accept
@@ -850,7 +922,7 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
-    state_indices: [N] int (-1 = ignored). The decode kernels with zero new tokens per request; a slot
+    state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request; a slot
     whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
     """
     check_cache(cache)

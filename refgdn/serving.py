@@ -5,7 +5,7 @@ Shapes (one layer; H q/k heads, HV value heads, head dims K and V, conv width W,
     mixed_qkv [T, D]   the in-projection's q | k | v channels before the conv (T = N for decode)
     a, b      [T, HV]  raw gate inputs:  g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
     o         [T, HV, V]
-    state_indices [N] int32/int64: the slot of each request; -1 marks a padded row
+    state_indices [N] int32/int64: the slot of each request; a negative index marks a padded row
     cu_seqlens    [N+1] int (vLLM's query_start_loc): request n owns tokens [cu[n], cu[n+1])
 
 Per token, after the conv:  q, k = l2norm(q), l2norm(k);  S <- exp(g) S;
@@ -64,7 +64,8 @@ nothing of it is written (its slot, the cache's other slots, and memory outside 
 byte-identical afterwards). The fault codes and their wording (:func:`fault_message`) are shared
 by both packages:
 
-    state_indices[n]   in [0, num_slots), or -1 (padded row)           E_SLOT_RANGE
+    state_indices[n]   < num_slots; negative: a padded row (no fault;    E_SLOT_RANGE
+                       it reads and writes nothing)
                        no other request with the same slot (both fail;  E_SLOT_DUP, reported by the
                        the later one reports, naming the earlier one)    later of the two requests
     cu_seqlens         cu[0] == 0 (request 0 reports), non-decreasing   E_CU_START, E_CU_ORDER,
@@ -84,7 +85,12 @@ by both packages:
 
 So every verify is followed by exactly one accept (of the same slots) before the slot is stepped
 again; the rule catches a forgotten accept, which would otherwise commit every draft silently.
-Within a request the codes are checked in the order above and the first one is the request's fault.
+
+Which fault is reported (the same in both packages, whatever order fast's programs run in): within a
+request the rules are checked in the order above, and the codes are numbered in that order (E_SLOT_RANGE
+= 1 ... E_ACCEPT_RANGE = 9), so a request's fault is its lowest-numbered violated rule; the call reports
+the fault of its **lowest-numbered faulty request** (:func:`first_fault`). An earlier recorded fault
+(an earlier call, or another layer sharing ``err``) is never replaced.
 
 refgdn (``check_values=True``, the default) reads the values on the host and raises the first
 fault in request order before touching anything. fast cannot read device values on the host (a
@@ -128,7 +134,7 @@ def fault_message(code: int, n: int, value: int, extra: int) -> str:
     """The ValueError text of a fault: names the argument, the request and the bad value."""
     if code == E_SLOT_RANGE:
         return (f"state_indices[{n}] = {value} is out of range: a slot index must be in [0, num_slots={extra}), "
-                f"or -1 for a padded row")
+                f"or negative for a padded row")
     if code == E_SLOT_DUP:
         return (f"state_indices must be distinct (one request per slot): state_indices[{n}] = {value} "
                 f"is also the slot of request {extra}")
@@ -163,7 +169,7 @@ def _slot_faults(slots: Sequence[int], num_slots: int):
     first = {}
     out = []
     for n, s in enumerate(slots):
-        if not -1 <= s < num_slots:
+        if s >= num_slots:                      # any negative index: a padded row
             out.append(((E_SLOT_RANGE, n, s, num_slots), True))
         elif s >= 0 and seen[s] > 1:
             out.append(((E_SLOT_DUP, n, s, first[s]) if s in first else None, True))
@@ -622,7 +628,7 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """One decode token per request, in place in the slot cache: conv update + gating + l2norm + delta rule.
 
     mixed_qkv: [N, D]   a, b: [N, HV]   conv_weight: [D, W]   conv_bias: [D] or None   A_log, dt_bias: [HV]
-    state_indices: [N] int (-1 = padded row: reads nothing, writes nothing, output zeros)
+    state_indices: [N] int (negative = padded row: reads nothing, writes nothing, output zeros)
     Returns o: [N, HV, V] in mixed_qkv's dtype.
 
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
@@ -664,7 +670,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = True) -> None:
     """After a verify: keep the first ``num_accepted[n]`` tokens of request n, drop the rest.
 
-    state_indices: [N] int (-1 = padded row, ignored)   num_accepted: [N] int in [1, L_n], L_n = the
+    state_indices: [N] int (negative = padded row, ignored)   num_accepted: [N] int in [1, L_n], L_n = the
     tokens request n brought to the verify (0 when L_n = 0)
 
         count[slot] <- num_accepted;  the slot no longer awaits an accept
@@ -687,7 +693,7 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Tr
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
-    state_indices: [N] int (-1 = ignored). A slot whose verify awaits its accept is a fault (E_AWAITING).
+    state_indices: [N] int (negative = ignored). A slot whose verify awaits its accept is a fault (E_AWAITING).
 
         S <- fold(pending);  window <- conv_state[slot, :, max(count-1, 0) : ... + W-1]
     """

@@ -13,7 +13,9 @@ conv inputs. A bad call must
 
 A request whose values fail writes nothing while the others of its call proceed (DESIGN.md,
 "Validation that survives CUDA graphs"), so every class keeps its other rows padded (-1): then
-"nothing written" is the whole call. Edge classes (NaN/Inf inputs, empty batches, T = 0, strided
+"nothing written" is the whole call. A negative slot index is a padded row (DESIGN.md), never a fault.
+When several rows are faulty both packages report the lowest faulty request (its highest-priority
+rule): "decode-several-faulty-rows", "verify-cu-beyond-T". Edge classes (NaN/Inf inputs, empty batches, T = 0, strided
 inputs) are valid calls with their own checks. A hypothesis fuzz of prefill and conv shapes
 against refgdn closes the file.
 """
@@ -205,7 +207,7 @@ BAD = [
     # ---------------------------------------------------------------- decode: values (fast: on the device)
     Bad("decode-slot-just-outside", "state_indices", lambda o, w: w.decode(o, [-1, 4])),
     Bad("decode-slot-far-int64", "state_indices", lambda o, w: w.decode(o, _i([2 ** 40], torch.int64))),
-    Bad("decode-slot-below-minus-one", "state_indices", lambda o, w: w.decode(o, [-2])),
+    Bad("decode-several-faulty-rows", "state_indices[1] = 4", lambda o, w: w.decode(o, [-1, 4, 1, 1, 7])),
     Bad("decode-slot-duplicate", "state_indices", lambda o, w: w.decode(o, [1, -1, 1])),
     Bad("decode-before-accept", "state_indices", lambda o, w: w.decode(o, [-1, 2]), setup=_verify_awaiting),
     # ---------------------------------------------------------------- the cache's fields
@@ -259,6 +261,7 @@ BAD = [
     # ---------------------------------------------------------------- materialize
     Bad("materialize-indices-float", "state_indices", lambda o, w: w.materialize(o, _i([0.0], F32))),
     Bad("materialize-slot-outside", "state_indices", lambda o, w: w.materialize(o, [4])),
+    Bad("materialize-slot-far-int64", "state_indices", lambda o, w: w.materialize(o, _i([-3, 2 ** 40], torch.int64))),
     Bad("materialize-slot-duplicate", "state_indices", lambda o, w: w.materialize(o, [2, 2])),
     Bad("materialize-before-accept", "state_indices", lambda o, w: w.materialize(o, [2]), setup=_verify_awaiting),
     # ---------------------------------------------------------------- cache allocation
@@ -427,7 +430,21 @@ def _edge_strided_prefill(ops, w):
     assert torch.equal(y, y2) and torch.equal(fs_, fs2)
 
 
-EDGE = [_edge_nan_decode, _edge_inf_verify, _edge_empty_batches, _edge_zero_token_verify, _edge_prefill_T0,
+def _edge_negative_is_padding(ops, w):
+    """Any negative slot index is a padded row (DESIGN.md, "Serving semantics"), not a fault: decode,
+    verify, accept (whatever its count) and materialize read nothing, write nothing, output zeros."""
+    before = w.memory()
+    o = w.decode(ops, [-5, -2])
+    assert torch.equal(o, torch.zeros_like(o))
+    o = w.verify(ops, _i([-5, -2 ** 40], torch.int64), [0, 2, 3])
+    assert torch.equal(o, torch.zeros_like(o))
+    w.accept(ops, [-5, -3], [7, 0])
+    w.materialize(ops, [-9, -1])
+    w.cache.check()
+    assert not _same_memory(before, w.memory())
+
+
+EDGE = [_edge_nan_decode, _edge_negative_is_padding, _edge_inf_verify, _edge_empty_batches, _edge_zero_token_verify, _edge_prefill_T0,
         _edge_conv_T0, _edge_strided_serving, _edge_strided_prefill]
 
 

@@ -460,3 +460,71 @@ def test_layers_share_one_err_buffer():
         c1.check()
     c1.check(), c2.check()
     assert err.tolist() == [0, 0, 0, 0]
+
+
+def _several_faults_cases():
+    """(name, kind, state_indices, cu_seqlens, num_accepted, the lowest faulty request's message).
+    Rows beyond 32 / 64 put the faults in different blocks of the error path's scan and of accept_kernel."""
+    pad = [-1] * 70
+    return [
+        ("decode-second-scan-block", "decode", pad[:33] + [2, 9, -6, 2, 8], None, None,
+         "state_indices[34] = 9 is out of range"),
+        ("decode-dup-before-range", "decode", pad[:3] + [2, 2] + pad[:30] + [9], None, None,
+         "state_indices[4] = 2 is also the slot of request 3"),
+        ("verify-range-over-too-long", "verify", [0, 9, 1, 1, -1], [0, 1, 5, 6, 7, 7], None,
+         "state_indices[1] = 9 is out of range"),
+        ("verify-offset-two-rows", "verify", [-1, 0, -3], [0, 1, 9, 4], None,
+         "cu_seqlens: request 1 has 8 tokens"),
+        ("accept-third-block", "accept", pad[:66] + [9] + pad[:61] + [3, 9], None, [1] * 130,
+         "state_indices[66] = 9 is out of range"),
+        ("accept-first-block", "accept", pad[:10] + [3] + pad[:60] + [9], None, [1] * 72,
+         "state_indices[10] = 3: gdn_accept without a verify"),
+    ]
+
+
+@pytest.mark.parametrize("case", _several_faults_cases(), ids=lambda c: c[0])
+def test_several_faulty_rows_report_the_lowest_like_refgdn(case):
+    """Several faulty requests in one call (in different blocks of fast's programs): fast records the
+    call's lowest faulty request with its highest-priority rule, the fault refgdn raises, whatever order
+    the programs run in; nothing of the failed rows is written."""
+    _, kind, slots, cu, acc, expect = case
+    H, HV, K, V, W, md = 1, 1, 4, 4, 4, 2
+    D = 2 * H * K + HV * V
+    base = make_cache(4, H, HV, K, V, W, md, seed=30, state_dtype=torch.float32, act_dtype=torch.float32)
+    layer = _to(make_layer(H, HV, K, V, W, seed=31), torch.float32, "cpu")
+    T = cu[-1] if cu is not None else len(slots)
+    x, a, b = make_tokens(T, HV, D, seed=32, dtype=torch.float32)
+    msgs = []
+    for ops, dev in ((rs, "cpu"), (fs, DEVICE)):
+        c = base.clone().to(device=dev)
+        idx = torch.tensor(slots, dtype=torch.int32, device=dev)
+        before = c.clone()
+        with pytest.raises(ValueError) as e:
+            if kind == "decode":
+                ops.gdn_decode(x.to(dev), a.to(dev), b.to(dev), *_args(_to(layer, device=dev)), c, idx)
+            elif kind == "verify":
+                ops.gdn_verify(x.to(dev), a.to(dev), b.to(dev), *_args(_to(layer, device=dev)), c, idx,
+                               torch.tensor(cu, dtype=torch.int32, device=dev))
+            else:
+                ops.gdn_accept(c, idx, torch.tensor(acc, dtype=torch.int32, device=dev))
+            c.check()
+        msgs.append(str(e.value))
+        if ops is rs or kind == "accept":   # (fast steps: the good rows ran; refgdn raised first)
+            for f, g in zip(c.slot_tensors(), before.slot_tensors()):
+                assert torch.equal(f, g)
+        c.check()                            # raised once, cleared
+    assert msgs[0] == msgs[1], msgs
+    assert expect in msgs[0], msgs[0]
+
+
+def test_fault_codes_are_numbered_in_priority_order():
+    """Both packages use refgdn's codes; a request's fault is its lowest-numbered violated rule (the
+    order of refgdn.serving's rule table), which fast's kernels apply as an override chain."""
+    step = [rs.E_SLOT_RANGE, rs.E_SLOT_DUP, rs.E_CU_START, rs.E_CU_ORDER, rs.E_CU_END, rs.E_TOO_LONG, rs.E_AWAITING]
+    accept = [rs.E_SLOT_RANGE, rs.E_SLOT_DUP, rs.E_NO_VERIFY, rs.E_ACCEPT_RANGE]
+    assert step == sorted(step) and accept == sorted(accept) and rs.E_AWAITING < rs.E_NO_VERIFY
+    assert [fs._E_SLOT_RANGE.value, fs._E_AWAITING.value, fs._E_ACCEPT_RANGE.value] == \
+        [rs.E_SLOT_RANGE, rs.E_AWAITING, rs.E_ACCEPT_RANGE]
+    # one row breaking several rules at once: the same (highest-priority) fault in both packages
+    ok, faults = rs.step_faults([7, 0], 4, lambda s: True, [0, 9, 9], 9, 3)
+    assert faults[0][0] == rs.E_SLOT_RANGE and faults[1][0] == rs.E_AWAITING
