@@ -112,7 +112,7 @@ _E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_
 _AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
 
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
-_SCAN_ROWS, _SCAN_COLS = tl.constexpr(32), tl.constexpr(64)   # tiles of the error path's earlier-fault scan
+_SCAN_ROWS, _SCAN_COLS = tl.constexpr(16), tl.constexpr(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
@@ -218,7 +218,7 @@ def _step_code(raw, in_range, real, n, N, T, bos, eos, other, word, S, TCAP: tl.
 def _earliest_others(state_indices, raw, o_n, N, BC: tl.constexpr):
     """_earliest_other for a block of rows o_n [BN] holding raw [BN]: a [BN, BC] pairwise compare per
     column block. Rows outside [0, N) get garbage keys (callers mask them)."""
-    other = raw * 0 + 2 * N
+    other = o_n * 0 + 2 * N                          # int32 keys (row indices)
     for start in range(0, N, BC):
         o_c = start + tl.arange(0, BC)
         s_c = tl.load(state_indices + o_c, mask=o_c < N, other=-1).to(tl.int64)

@@ -71,10 +71,11 @@ by both packages:
     cu_seqlens         cu[0] == 0 (request 0 reports), non-decreasing   E_CU_START, E_CU_ORDER,
                        (the request whose end is below its start        E_CU_END
                        reports), cu[N] == T (request N-1 reports); if
-                       any offset is bad every request fails (no row is
-                       trustworthy); an offset beyond [0, T] implies one
-                       of these faults, reported there (one report per
-                       fault, so the report does not depend on timing)
+                       cu[0] or cu[N] is bad every request fails (no row
+                       is trustworthy), else a request fails when its
+                       own span is not inside [0, T]; an offset beyond
+                       [0, T] implies one of these faults or E_TOO_LONG,
+                       reported by the request it belongs to
                        cu[n+1] - cu[n] <= 1 + max_draft                 E_TOO_LONG
     sequence           decode / verify / materialize of a slot whose    E_AWAITING
                        verify still awaits its accept

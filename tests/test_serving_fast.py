@@ -193,7 +193,7 @@ def _mixed_fault_schedule():
         ("accept_only", [2, 0, 1], None, [1, 4, 1], "num_accepted[1] must be in [1, 3]"),  # slot 2 accepted
         ("accept_only", [0], None, [2], None),
         ("verify", [0, 2, -1], [0, 4, 5, 6], [1, 1, 1], "cu_seqlens: request 0 has 4 tokens"),  # row 1 runs
-        ("verify", [2, 0, -1], [0, 1, 3, 2], [1, 1, 1],                     # a bad offset: no row runs
+        ("verify", [2, 0, -1], [0, 1, 3, 2], [1, 1, 1],                     # a bad offset: rows 1, 2 fail
          "cu_seqlens must be non-decreasing: request 2 spans cu_seqlens[2] = 3 .. cu_seqlens[3] = 2"),
         ("verify_only", [1], [0, 1], None, None),
         ("materialize", [0, 1, 2], None, None, "state_indices[1] = 1: the slot's last verify awaits gdn_accept"),
