@@ -464,7 +464,7 @@ def test_layers_share_one_err_buffer():
 
 def _several_faults_cases():
     """(name, kind, state_indices, cu_seqlens, num_accepted, the lowest faulty request's message).
-    Rows beyond 32 / 64 put the faults in different blocks of the error path's scan and of accept_kernel."""
+    Rows beyond 16 / 64 put the faults in different blocks of the error path's scan and of accept_kernel."""
     pad = [-1] * 70
     return [
         ("decode-second-scan-block", "decode", pad[:33] + [2, 9, -6, 2, 8], None, None,
