@@ -5,8 +5,10 @@ Each lifecycle runs in a fresh subprocess so Triton's in-process caches start em
 then mean what they say). Skipped without a GPU.
 """
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -18,7 +20,15 @@ I32 = torch.int32
 
 
 def _run(code: str, timeout=900) -> str:
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    # A file, not `python -c`: @triton.jit reads its function's source with inspect, which needs a file.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(textwrap.dedent(code))
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repo, as `-c` had it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, f.name], capture_output=True, text=True, timeout=timeout, env=env)
+    finally:
+        os.unlink(f.name)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     return r.stdout
 
