@@ -62,6 +62,7 @@ class Case:
     draft_steps: k (speculative drafts) where applicable, else None.
     run:         ``run(device: str) -> list[Check]``; builds fresh random inputs itself.
     quick:       whether the case belongs to the CI-size (``--quick``) matrix.
+    cost:        relative cost for the worker planner (conformance.runner.shard); 1 for most cases.
     """
 
     op: str
@@ -71,6 +72,7 @@ class Case:
     chunk_size: Optional[int] = None
     draft_steps: Optional[int] = None
     quick: bool = True
+    cost: float = 1.0
 
 
 def evaluate(check: Check) -> dict:

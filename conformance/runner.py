@@ -284,23 +284,32 @@ def parse_args(argv=None):
 def shard(cases: list, i: int, n: int, max_group: Optional[int] = None) -> list:
     """Worker i's share of the cases. Cases of one (op, dtype, chunk size) launch the same Triton
     variants, so they stay together: each variant is compiled once per piece, not once per case.
-    Groups larger than ``max_group`` (default: a quarter of a worker's fair share, at least 4) are
-    cut into pieces of at most that many cases, so no single group sets the run's length (a 14-case
-    float32 chunk group took ~450 s in one worker on an H200 while the others finished in ~110 s).
-    Pieces go, largest first, to the worker with the fewest cases so far."""
+    Groups costing more than ``max_group`` (default: a quarter of a worker's fair share, at least 4; a
+    case's ``cost`` is 1 unless it says otherwise) are cut into pieces of near-equal cost, so no single
+    group sets the run's length (a 14-case float32 chunk group took ~450 s in one worker on an H200 while
+    the others finished in ~110 s; a float32 gradient case at BT = 64 compiles for ~50 s on an H100).
+    Pieces go, costliest first, to the worker with the least cost so far."""
     groups: dict = {}
     for c in cases:
         groups.setdefault((c.op, str(c.dtype), c.chunk_size), []).append(c)
-    cap = max_group or max(4, -(-len(cases) // (4 * n)))
+    total = sum(c.cost for c in cases)
+    cap = max_group or max(4, -(-total // (4 * n)))
     pieces = []
     for key in sorted(groups, key=str):
         g = groups[key]
-        k = -(-len(g) // cap)                          # pieces of near-equal size
-        pieces += [(key, j, g[j * len(g) // k:(j + 1) * len(g) // k]) for j in range(k)]
-    loads, mine = [0] * n, []
-    for key, j, piece in sorted(pieces, key=lambda p: (-len(p[2]), str(p[0]), p[1])):
+        k = min(len(g), int(-(-sum(c.cost for c in g) // cap)))  # pieces of near-equal cost
+        bounds, acc, j = [0], 0.0, 1
+        for idx, c in enumerate(g):
+            acc += c.cost
+            if j < k and acc >= j * sum(x.cost for x in g) / k and idx + 1 < len(g):
+                bounds.append(idx + 1)
+                j += 1
+        bounds.append(len(g))
+        pieces += [(key, j, g[a:b]) for j, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    loads, mine = [0.0] * n, []
+    for key, j, piece in sorted(pieces, key=lambda p: (-sum(c.cost for c in p[2]), str(p[0]), p[1])):
         w = min(range(n), key=lambda t: (loads[t], t))
-        loads[w] += len(piece)
+        loads[w] += sum(c.cost for c in piece)
         if w == i:
             mine.extend(piece)
     return mine
