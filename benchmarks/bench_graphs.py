@@ -1,8 +1,10 @@
 """CUDA-graph benchmarks (GPU): one GDN layer's decode step under a graph and eager, and the model with graphs.
 
 1. One GDN layer's decode step (conv update + gating + l2norm + delta rule: fast.gdn_decode) at Qwen3-Next's
-   shape (H = 16, HV = 32, K = V = 128, bf16 activations, float32 state): CUDA graph at N = 1 and N = 8
-   (do_bench medians of the replay), eager at N = 1 as host wall time per call (launch overhead included:
+   shape (H = 16, HV = 32, K = V = 128, bf16 activations, float32 state) at N = 1 and N = 8: per layer of
+   one CUDA graph of 32 layers' steps (distinct caches: what a layer costs in a model's decode graph, its
+   state out of L2), and one graph per step (do_bench median of the replay: graph launch latency included,
+   ~5 us at N = 1, which alone is the target); eager at N = 1 as host wall time per call (launch overhead included:
    a loop of calls, one synchronize at the end); fla's fused_recurrent_gated_delta_rule beside it in the
    same run (no conv, no gating). Targets (issue 10): <= 5 us (graph, N = 1), <= 11 us (graph, N = 8),
    <= 40 us (eager wall, N = 1).
@@ -26,7 +28,8 @@ TITLE = "CUDA graphs: GDN decode step and the model (fast.graphs)"
 META = {"layer step": "fast.gdn_decode, H=16 HV=32 K=V=128 W=4, bf16 activations, float32 state",
         "model": "refgdn.model preset 'bench' (hidden 2048, 3 GDN + 1 attention layer, vocab 32K), fast ops, bf16",
         "targets (us)": "graph N=1 <= 5, graph N=8 <= 11, eager N=1 wall <= 40",
-        "us": "graph rows: do_bench median of the replay; eager / model rows: host wall per call (sync at the end)"}
+        "us": "per-layer rows: do_bench median of a 32-layer graph's replay / 32; one-graph rows: do_bench median "
+              "of the replay; eager / model rows: host wall per call (sync at the end)"}
 
 
 def _sync():
@@ -49,29 +52,55 @@ def wall_us(fn, iters: int = 200, repeats: int = 5, warmup: int = 10) -> float:
     return statistics.median(out)
 
 
+LAYERS = 32       # layers per graph in the "per layer" rows: 32 distinct caches, state > L2 (50 MB) at N = 1
+
+
+def per_layer_us(make_call, layers: int = LAYERS) -> float:
+    """GPU time per layer of one CUDA graph that runs `layers` steps, each on its own problem (own cache,
+    own weights): how a layer's step costs inside a model's decode graph, where one graph launch covers
+    all layers and a layer's state has left L2 by its next step. make_call(seed) -> a step callable."""
+    calls = [make_call(i) for i in range(layers)]
+
+    def all_layers():
+        for c in calls:
+            c()
+    g = graphed(all_layers)
+    return common.bench(g) * 1e3 / layers if g is not None else float("nan")
+
+
 def layer_rows() -> list:
     import fast.serving as fs
     rows = []
     fla = common.try_import_fla()
-    for N in (1, 8):
-        p = make_problem(N, 0, torch.float32, "cuda")
+
+    def fast_call(N, seed=0):
+        p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
         args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
                 p["idx"])
-        step = lambda: fs.gdn_decode(*args)  # noqa: E731
+        return lambda: fs.gdn_decode(*args)  # noqa: E731
+
+    for N in (1, 8):
+        rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
+                         us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}[N]))
+        step = fast_call(N)
         g = graphed(step)
         if g is not None:
-            rows.append(dict(what="GDN layer decode step", impl="fast graph", N=N, us=common.bench(g) * 1e3,
-                             target={1: 5, 8: 11}[N]))
+            rows.append(dict(what="GDN layer decode step", impl="fast, one graph per step (launch incl.)", N=N,
+                             us=common.bench(g) * 1e3))
         if N == 1:
             rows.append(dict(what="GDN layer decode step", impl="fast eager (wall, host incl.)", N=N,
                              us=wall_us(step), target=40))
         if fla is not None and getattr(fla, "fused_recurrent_gated_delta_rule", None) is not None:
             try:
-                call, _, note = fla_fn(p, fla)
+                call, _, note = fla_fn(make_problem(N, 0, torch.float32, "cuda"), fla)
+                rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl=f"fla, per layer of a "
+                                 f"{LAYERS}-layer graph", N=N, note=note,
+                                 us=per_layer_us(lambda i: fla_fn(make_problem(N, 0, torch.float32, "cuda",
+                                                                               seed=i), fla)[0])))
                 gf = graphed(call)
                 if gf is not None:
-                    rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla graph", N=N,
-                                     us=common.bench(gf) * 1e3, note=note))
+                    rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla, one graph per step",
+                                     N=N, us=common.bench(gf) * 1e3, note=note))
                 if N == 1:
                     rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla eager (wall)", N=N,
                                      us=wall_us(call), note=note))
