@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -112,14 +113,21 @@ def _fwd_bwd(call, leaves, do):
 
 
 def _bench(fn, leaves=None):
+    """(median ms, error note). Progress (first call: compiles and autotuning included) goes to stderr."""
+    t0 = time.perf_counter()
     try:
         fn()
         common.synchronize()
+        t1 = time.perf_counter()
         if leaves is not None and torch.cuda.is_available():
             import triton.testing
-            return float(triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")), ""
-        return common.bench(fn), ""
+            ms = float(triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median"))
+        else:
+            ms = common.bench(fn)
+        print(f"bench_train: first call {t1 - t0:.1f} s, median {ms:.3f} ms", file=sys.stderr, flush=True)
+        return ms, ""
     except Exception as e:  # noqa: BLE001
+        print(f"bench_train: failed after {time.perf_counter() - t0:.1f} s: {e!r}"[:300], file=sys.stderr, flush=True)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 

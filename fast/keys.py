@@ -100,7 +100,7 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
                   state_indices=idx, cu_seqlens=cu)
     if checked:
         conv_d.update(err=cache.err.dtype)
-    sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode)
+    sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
     step_c = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"],
                   VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]))
     step_d = dict(y=mixed_qkv.dtype, a=a.dtype, b=b.dtype, A_log=A_log.dtype, dt_bias=dt_bias.dtype,

@@ -111,14 +111,16 @@ _E_TOO_LONG, _E_AWAITING = tl.constexpr(rs.E_TOO_LONG), tl.constexpr(rs.E_AWAITI
 _E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_ACCEPT_RANGE)
 _AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
 
+MIN_PROGRAMS = 256   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = tl.constexpr(16), tl.constexpr(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
-def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode") -> dict:
+def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode",
+                N: Optional[int] = None) -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
-    fold (decay folded into a scalar).
+    fold (decay folded into a scalar). N: the number of requests (None: large).
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -136,6 +138,11 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     else:
         elem = torch.empty(0, dtype=state_dtype).element_size()
         BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
+        # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs. At N = 1 (HV = 32,
+        # K = V = 128, fp32 state, H100) BV 64 gave 64 programs and 8.2 us per layer of a 32-layer graph,
+        # BV 16 in one warp 256 programs and 6.9 us; at N = 8 BV 64 stays (18.6 us; BV 16: 19.0)
+        while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
+            BV //= 2
         cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
     if STEP_CONFIG_OVERRIDE is not None:
         cfg.update(STEP_CONFIG_OVERRIDE)
@@ -835,7 +842,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
         cs.stride(0), cs.stride(1), cs.stride(2),
         **conv_kw,
     )
-    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode)
+    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
     BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
     gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
