@@ -39,6 +39,7 @@ Per-kernel times: ``python -m benchmarks.profile_decode``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from typing import Callable, Optional
@@ -141,14 +142,19 @@ def fast_step_fn(p) -> Callable[[], object]:
 
 @contextlib.contextmanager
 def launch_overrides(step: Optional[dict] = None, conv: Optional[dict] = None):
-    """fast.serving's STEP_CONFIG_OVERRIDE / CONV_CONFIG_OVERRIDE for the block, reset after (errors too)."""
+    """For the block, fast.serving's pinned configs with the keys of `step` / `conv` put over them: the
+    library's step_config / conv_config are wrapped (their ``override`` argument) and restored after,
+    errors too. The launchers and fast.keys look the functions up at call time, so both see the sweep's
+    config. Benchmark sweeps only; never while graphs are captured (a new config is a new variant)."""
     import fast.serving as fs
 
-    fs.STEP_CONFIG_OVERRIDE, fs.CONV_CONFIG_OVERRIDE = step, conv
+    orig_step, orig_conv = fs.step_config, fs.conv_config
+    fs.step_config = functools.partial(orig_step, override=step)
+    fs.conv_config = functools.partial(orig_conv, override=conv)
     try:
         yield
     finally:
-        fs.STEP_CONFIG_OVERRIDE = fs.CONV_CONFIG_OVERRIDE = None
+        fs.step_config, fs.conv_config = orig_step, orig_conv
 
 
 def graph_time(fn: Callable[[], object], device: str) -> tuple:

@@ -5,7 +5,7 @@ time for launch-config variants of fast.serving at Qwen3-Next's shape, N = 256.
 
 Per variant: "graph us" = one step replayed from a CUDA graph (benchmarks.common.bench), "% copy"
 = bench_decode.traffic_bytes / time / measured copy bandwidth, then each kernel's mean device time
-over 20 eager steps. Variants are (fast.serving.STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE) pairs, and
+over 20 eager steps. Variants are (step, conv) config-override pairs (bench_decode.launch_overrides), and
 one decode row without the device-side value checks (benchmark-only ``fast.serving._launch(checks=False)``:
 the conv kernel's share of the checks' cost; bench_decode's second table times the whole step).
 """
@@ -21,7 +21,7 @@ from . import common
 
 TITLE = "Decode / verify: where the time goes (N=256)"
 
-VARIANTS = {  # (k, state dtype): [(STEP_CONFIG_OVERRIDE, CONV_CONFIG_OVERRIDE[, value checks]), ...]
+VARIANTS = {  # (k, state dtype): [(step override, conv override[, value checks]), ...]
     (0, torch.float32): [({}, {}), ({}, {}, False), ({}, {"BD": 512}), ({}, {"BD": 128})],
     (0, torch.bfloat16): [({}, {})],
     (3, torch.float32): [({}, {})],

@@ -98,11 +98,6 @@ from .utils import cdiv, is_interpreting, next_pow2
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
            "conv_config"]
 
-# Tuning overrides for benchmarks/bench_decode.py --sweep (None: the heuristic; keys given here
-# replace the heuristic's). Never changed while graphs are captured: a new value is a new compile variant.
-STEP_CONFIG_OVERRIDE: Optional[dict] = None
-CONV_CONFIG_OVERRIDE: Optional[dict] = None
-
 # fault codes and the awaiting-accept bit, shared with refgdn.serving (kernel-visible constants)
 _E_SLOT_RANGE, _E_SLOT_DUP = tl.constexpr(rs.E_SLOT_RANGE), tl.constexpr(rs.E_SLOT_DUP)
 _E_CU_START, _E_CU_ORDER = tl.constexpr(rs.E_CU_START), tl.constexpr(rs.E_CU_ORDER)
@@ -118,9 +113,11 @@ ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant fo
 
 
 def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode",
-                N: Optional[int] = None) -> dict:
+                N: Optional[int] = None, override: Optional[dict] = None) -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
-    fold (decay folded into a scalar). N: the number of requests (None: large).
+    fold (decay folded into a scalar). N: the number of requests (None: large). override: keys put over
+    the heuristic's (benchmark sweeps and tests: benchmarks/bench_decode.launch_overrides; the ops never
+    pass it; each distinct config is its own compiled variant).
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -144,8 +141,8 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
             BV //= 2
         cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
-    if STEP_CONFIG_OVERRIDE is not None:
-        cfg.update(STEP_CONFIG_OVERRIDE)
+    if override:
+        cfg.update(override)
     hpp = max(1, int(cfg["HPP"]))
     while HV % hpp:
         hpp //= 2
@@ -153,11 +150,11 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     return cfg
 
 
-def conv_config(D: int, W: int = 4) -> dict:
-    """Pinned launch config of the conv step kernels: BD channels per program."""
+def conv_config(D: int, W: int = 4, override: Optional[dict] = None) -> dict:
+    """Pinned launch config of the conv step kernels: BD channels per program (override: as step_config's)."""
     cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
-    if CONV_CONFIG_OVERRIDE is not None:
-        cfg.update(CONV_CONFIG_OVERRIDE)
+    if override:
+        cfg.update(override)
     return cfg
 
 

@@ -2,6 +2,8 @@
 conv states, bfloat16 state storage, padded rows, device-side faults (skip the request, record, raise at
 check()) matching refgdn's skip-and-record mode, and identical input errors. The full list of bad-input
 classes, run against both packages, is tests/test_bad_inputs.py."""
+import functools
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_conv_widths(W):
 def test_step_kernel_configs(cfg, monkeypatch):
     """Step-kernel variants: several value heads per program (next head's state prefetched; HPP=3
     falls back to a divisor of HV), in decode and verify alike. Same results as refgdn."""
-    monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", cfg)
+    monkeypatch.setattr(fs, "step_config", functools.partial(fs.step_config, override=cfg))
     H, HV, K, V, W, S = 2, 4, 8, 8, 4, 4
     D = 2 * H * K + HV * V
     base = make_cache(S, H, HV, K, V, W, 2, seed=70, state_dtype=torch.float32, act_dtype=torch.float32)
@@ -125,7 +127,7 @@ def test_step_kernel_configs(cfg, monkeypatch):
 def test_extreme_decay(fold, monkeypatch):
     """Decays from none (g = 0) to total (exp(g) underflows to 0) over the value heads: the folded
     decay's rescaling (c < 2^-64) and the explicit form both match refgdn."""
-    monkeypatch.setattr(fs, "STEP_CONFIG_OVERRIDE", dict(fold=fold))
+    monkeypatch.setattr(fs, "step_config", functools.partial(fs.step_config, override=dict(fold=fold)))
     H, HV, K, V, W, S = 1, 4, 8, 8, 4, 3
     D = 2 * H * K + HV * V
     base = make_cache(S, H, HV, K, V, W, 3, seed=80, state_dtype=torch.float32, act_dtype=torch.float32)
