@@ -246,25 +246,45 @@ def sweep_rows(device: str) -> list:
     return rows
 
 
-def run_sections(device: str = "cuda", sweep: bool = False) -> list:
+def profile_rows(device: str) -> list:
+    """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
+    steps at the timing shape, largest first, with its share of the total."""
+    from .profile_decode import kernel_times
+
+    leaves, do = inputs(B, T, H, HV, device)
+    step = _fwd_bwd(_fast_call, leaves, do)
+
+    def clean():
+        step()
+        for x in leaves:
+            x.grad = None
+    kt = kernel_times(clean, steps=5)
+    total = sum(kt.values()) or 1.0
+    return [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%")
+            for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
+
+
+def run_sections(device: str = "cuda", sweep: bool = False):
+    """Yields (title, rows, meta) per section as each finishes (a time limit keeps what finished)."""
     rows, notes = timing_rows(device)
     rows += conv_rows(device)
     meta = {"shape": f"B={B}, T={T}, H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g, qk-l2norm, chunk {CHUNK}, "
                      "no initial state",
             "x fwd": "time / fast's forward time (inference path)", **notes}
-    sections = [(TITLE, rows, meta)]
+    yield TITLE, rows, meta
+    yield ("Training: where fast's forward + backward time goes (torch.profiler, per kernel)", profile_rows(device),
+           {"shape": meta["shape"], "us": "mean device time per step over 5 steps"})
     err_meta = {"shape": f"B={ERR_SHAPE['B']}, T={ERR_SHAPE['T']}, H={ERR_SHAPE['H']}, HV={ERR_SHAPE['HV']}, "
                          f"K=V={K}, bf16, qk-l2norm, chunk {CHUNK}",
                 "truth": "refgdn autograd in float64 on the same bf16 inputs and cotangent",
                 "ratio": "max|err| / (2 x refgdn-bf16 error + 2^-7 max(1, max|truth|)); pass <= 1"}
-    sections.append(("Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta))
+    yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
     if sweep:
-        sections.append(("Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}))
-    return sections
+        yield "Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}
 
 
 def run() -> list:
-    return run_sections()[0][1]
+    return next(iter(run_sections()))[1]
 
 
 def main(argv=None) -> int:

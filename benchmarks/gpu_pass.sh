@@ -43,7 +43,8 @@ fi
 if [[ $steps == *all* || $steps == *extra* ]]; then
   for m in bench_model bench_graphs bench_train; do
     [[ -f benchmarks/$m.py ]] || continue
-    timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.$m 2>&1 | tee "$OUT/$m.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
+    limit=${BENCH_TIMEOUT:-240}; [[ $m == bench_train ]] && limit=${BENCH_TRAIN_TIMEOUT:-540}  # fla autotunes ~130 s
+    timeout $limit python3 -m benchmarks.$m 2>&1 | tee "$OUT/$m.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
   done
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
