@@ -73,6 +73,13 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str
         raise ValueError(f"{name} requires batch size B == 1 (varlen packs sequences along T), got B={B}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold N+1 >= 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
+    if not torch.compiler.is_compiling():      # traced by torch.compile: the values are checked at run time,
+        check_cu_seqlens_values(cu_seqlens, T, name)     # inside fast's custom ops (fast/library.py)
+    return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> None:
+    """cu_seqlens' values: starts at 0, non-decreasing, ends at T. A host read (a sync on a GPU)."""
     offsets = cu_seqlens.tolist()  # host read: validation only, before any work
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
@@ -80,7 +87,6 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str
         raise ValueError(f"{name} must be non-decreasing, got {offsets}")
     if offsets[-1] != T:
         raise ValueError(f"{name} must end at T={T} (the packed length), got {offsets[-1]}")
-    return len(offsets) - 1
 
 
 def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
