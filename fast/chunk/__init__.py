@@ -75,7 +75,7 @@ import triton.language as tl
 import refgdn
 from refgdn.checks import check_chunk_size, check_gdn_inputs
 
-from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices, prepare_chunk_offsets
+from ..utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices, prepare_chunk_offsets
 
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
@@ -1030,7 +1030,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                              cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
-    from . import library                                                # registers the ops (no cycle at import)
+    from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
         o, final = library.chunk_gated_delta_rule_op(
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
