@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import fast.chunk as fc
     import fast.chunk_bwd as cb
     import fast.conv_bwd as cvb
-    fc._num_sms = lambda device: 132                      # H100 SXM / H200
+    fc.state._num_sms = lambda device: 132                # H100 SXM / H200 (state_config's, in fast.chunk.state)
     dt = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
 
     def gdn(B, T, H, HV, BT, l2=False, gate=False, precision=None):

@@ -1,0 +1,186 @@
+"""Step 4 of the chunked forward (refgdn.delta_rule.state_passing): kernel 3, its one sequential pass.
+
+    k: [B, T, H, K]   w: [B, T, HV, K]   u: [B, T, HV, V]   G: [B, T, HV]   h0, ht: [N, HV, K, V] fp32
+    -> h: [chunks, HV, K, V] (chunk-start states), v_new: [B, T, HV, V]
+    h[c] = S ;  v_new = u - w S ;  S <- exp(G_last) S + K^T (exp(G_last - G) v_new)
+
+``chunk_state_kernel``: grid (cdiv(V, BV), N * HV), sequential over the chunks of a sequence with S fp32
+[K, BV] in registers. Here too: its pinned config (``state_config``), launcher and the stage twin.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import refgdn
+from refgdn.checks import check_chunk_size
+
+from ..utils import cdiv, is_interpreting
+from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64, _num_sms,
+                     _precise, _unit_last)
+
+
+# ============================================================================================
+# kernel 3: state passing (sequential over chunks, state in registers)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_state_kernel(
+    k, w, u, G, Gl, h0, h, v_new, ht,
+    cu_seqlens, chunk_offsets, T, NT,
+    s_kb, s_kt, s_kh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
+
+        h[c] = S ;   v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)
+
+    k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
+    u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
+    h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
+    V-blocks of one head share w and k via L2). S: fp32 [BK, BV] kept in registers across all chunks;
+    K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
+    to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
+    compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
+    computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+        i_b = (i_n * 0).to(tl.int64)
+    else:
+        bos = 0
+        eos = T
+        boc = i_n.to(tl.int64) * NT
+        i_b = i_n.to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, BT)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]                       # [BK, BV] offsets in a [K, V] state
+
+    k_base = k + i_b * s_kb + (i_h // GROUP) * s_kh
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_t in range(0, n_chunks):
+        rows = bos + i_t * BT + o_t
+        m_r = rows < eos
+        m_rv = m_r[:, None] & m_v[None, :]
+        tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
+        b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+        b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
+        # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
+        tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+
+        b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                    # v_new = u - w S
+        tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
+
+        last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
+        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        b_G = tl.load(G + tok, mask=m_r, other=0.0)
+        G_last = tl.load(G + i_last)
+        d_G = G_last - b_G                                          # [BT] G_last - G
+        if PRECISE:
+            d_G = d_G + (tl.load(Gl + i_last) - tl.load(Gl + tok, mask=m_r, other=0.0))
+        b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                      mask=m_r[:, None] & m_k[None, :], other=0.0)
+
+        # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
+        # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
+        b_v = b_v * tl.where(m_r, _exp(tl.where(m_r, d_G, 0.0), PRECISE), 0.0)[:, None]
+        b_h = b_h * _exp(G_last, PRECISE)
+        b_h += _dot(tl.trans(b_k), b_v.to(b_k.dtype), PREC, DOT_F32)                 # + K^T (decayed v_new)
+
+    if STORE_HT:
+        tl.store(ht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_h, mask=m_kv)
+
+
+# ============================================================================================
+# host side: pinned config, launcher, the stage twin state_passing
+# ============================================================================================
+
+def state_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
+    """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist,
+    each walking all chunks of its sequence, so BV trades parallelism (small BV: more programs fill the
+    SMs) against redundant w/k reads (every V-block program reloads the chunk's w and k; they mostly hit
+    L2). Qwen3-Next at B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs. num_stages=3 prefetches
+    the next chunks' w, u, k, G behind the current chunk's dots. Pinned, never autotuned
+    (DESIGN.md invariant 2). Interpreter: one V-block (fewest programs)."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
+    sms = _num_sms(device)
+    if N * HV * cdiv(V, 64) >= 2 * sms:
+        BV = 64
+    elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
+        BV = 32
+    else:
+        BV = 16
+    BV = min(BV, BVmax)
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
+
+
+def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
+                  prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None):
+    """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
+    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages)."""
+    H, K = k.shape[2], k.shape[3]
+    HV, V = u.shape[2], u.shape[3]
+    if N * HV == 0:
+        return
+    BK, _ = _blocks(K, V)
+    cfg = dict(_cfg("state", state_config(N, HV, K, V, k.device), configs), **(cfg_over or {}))
+    BV = cfg.pop("BV")
+    if precise and Gl is None:
+        Gl = torch.zeros_like(G)
+    return chunk_state_kernel[(cdiv(V, BV), N * HV)](
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht,
+        ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3],
+        HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
+        **cfg)
+
+
+def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,
+                  initial_state: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
+    """Step 4. k: [B, T, H, K], w: [B, T, HV, K], u: [B, T, HV, V], G: [B, T, HV], initial_state: [N, HV, K, V]
+    -> h: [B, NC, HV, K, V] (w.dtype; varlen: [1, total chunks, ...]), v_new: [B, T, HV, V] (u.dtype),
+    final_state: [N, HV, K, V] float32.
+
+        v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)      (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(k, w, u, G, initial_state):
+        return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+    _check_fast_limits(k.shape[3], u.shape[3], chunk_size)
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    ch = _Chunks(B, T, chunk_size, cu_seqlens)
+    h = torch.empty(ch.total, HV, K, V, dtype=w.dtype, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=u.dtype, device=k.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(_unit_last(k), w.contiguous(), u.contiguous(), G.float().contiguous(), None, h0, h, v_new, final,
+                  ch, N, T, chunk_size, precise=_precise(w.dtype))
+    NC = ch.NT if cu_seqlens is None else ch.total
+    return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
