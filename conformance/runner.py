@@ -292,24 +292,23 @@ def shard(cases: list, i: int, n: int, max_group: Optional[int] = None) -> list:
     groups: dict = {}
     for c in cases:
         groups.setdefault((c.op, str(c.dtype), c.chunk_size), []).append(c)
-    total = sum(c.cost for c in cases)
-    cap = max_group or max(4, -(-total // (4 * n)))
-    pieces = []
+    cap = max_group or max(4, -(-sum(c.cost for c in cases) // (4 * n)))
+    pieces = []                                        # (cost, key, index, cases)
     for key in sorted(groups, key=str):
         g = groups[key]
-        k = min(len(g), int(-(-sum(c.cost for c in g) // cap)))  # pieces of near-equal cost
-        bounds, acc, j = [0], 0.0, 1
-        for idx, c in enumerate(g):
-            acc += c.cost
-            if j < k and acc >= j * sum(x.cost for x in g) / k and idx + 1 < len(g):
-                bounds.append(idx + 1)
-                j += 1
-        bounds.append(len(g))
-        pieces += [(key, j, g[a:b]) for j, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+        cost = sum(c.cost for c in g)
+        k = min(len(g), int(-(-cost // cap)))          # pieces of near-equal cost: cut where the running
+        cuts, run = [], 0.0                            # cost first reaches j/k of the group's
+        for idx, c in enumerate(g[:-1]):
+            run += c.cost
+            if len(cuts) < k - 1 and run >= (len(cuts) + 1) * cost / k:
+                cuts.append(idx + 1)
+        for j, (a, b) in enumerate(zip([0] + cuts, cuts + [len(g)])):
+            pieces.append((sum(c.cost for c in g[a:b]), key, j, g[a:b]))
     loads, mine = [0.0] * n, []
-    for key, j, piece in sorted(pieces, key=lambda p: (-sum(c.cost for c in p[2]), str(p[0]), p[1])):
+    for cost, key, j, piece in sorted(pieces, key=lambda p: (-p[0], str(p[1]), p[2])):
         w = min(range(n), key=lambda t: (loads[t], t))
-        loads[w] += sum(c.cost for c in piece)
+        loads[w] += cost
         if w == i:
             mine.extend(piece)
     return mine
