@@ -20,7 +20,7 @@ HV = 8, K = V = 128, same dtypes and flags): for each gradient, max |impl - trut
 autograd in float64 on the same bf16-rounded inputs and cotangent, and the conformance ratio
 error / (2 x refgdn-bf16 error + floor) of conformance.core (pass: <= 1).
 
-``python -m benchmarks.bench_train [--sweep] [--no-results]``; ``--sweep`` also times fast's backward over
+``python -m benchmarks.bench_train [--sweep] [--no-results] [--only timing,profile,errors]``; ``--sweep`` also times fast's backward over
 a small grid of per-stage configs (fast.chunk_bwd.chunk_gated_delta_rule_bwd's ``configs`` argument) to
 choose the pinned ones.
 """
@@ -264,21 +264,28 @@ def profile_rows(device: str) -> list:
             for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
 
 
-def run_sections(device: str = "cuda", sweep: bool = False):
-    """Yields (title, rows, meta) per section as each finishes (a time limit keeps what finished)."""
-    rows, notes = timing_rows(device)
-    rows += conv_rows(device)
-    meta = {"shape": f"B={B}, T={T}, H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g, qk-l2norm, chunk {CHUNK}, "
-                     "no initial state",
-            "x fwd": "time / fast's forward time (inference path)", **notes}
-    yield TITLE, rows, meta
-    yield ("Training: where fast's forward + backward time goes (torch.profiler, per kernel)", profile_rows(device),
-           {"shape": meta["shape"], "us": "mean device time per step over 5 steps"})
-    err_meta = {"shape": f"B={ERR_SHAPE['B']}, T={ERR_SHAPE['T']}, H={ERR_SHAPE['H']}, HV={ERR_SHAPE['HV']}, "
-                         f"K=V={K}, bf16, qk-l2norm, chunk {CHUNK}",
-                "truth": "refgdn autograd in float64 on the same bf16 inputs and cotangent",
-                "ratio": "max|err| / (2 x refgdn-bf16 error + 2^-7 max(1, max|truth|)); pass <= 1"}
-    yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
+SECTIONS = ("timing", "profile", "errors")
+
+
+def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
+    """Yields (title, rows, meta) per section as each finishes (a time limit keeps what finished);
+    ``only``: which of SECTIONS to run (the sweep runs when ``sweep`` is set)."""
+    shape = (f"B={B}, T={T}, H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g, qk-l2norm, chunk {CHUNK}, "
+             "no initial state")
+    if "timing" in only:
+        rows, notes = timing_rows(device)
+        rows += conv_rows(device)
+        meta = {"shape": shape, "x fwd": "time / fast's forward time (inference path)", **notes}
+        yield TITLE, rows, meta
+    if "profile" in only:
+        yield ("Training: where fast's forward + backward time goes (torch.profiler, per kernel)",
+               profile_rows(device), {"shape": shape, "us": "mean device time per step over 5 steps"})
+    if "errors" in only:
+        err_meta = {"shape": f"B={ERR_SHAPE['B']}, T={ERR_SHAPE['T']}, H={ERR_SHAPE['H']}, HV={ERR_SHAPE['HV']}, "
+                             f"K=V={K}, bf16, qk-l2norm, chunk {CHUNK}",
+                    "truth": "refgdn autograd in float64 on the same bf16 inputs and cotangent",
+                    "ratio": "max|err| / (2 x refgdn-bf16 error + 2^-7 max(1, max|truth|)); pass <= 1"}
+        yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
     if sweep:
         yield "Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}
 
@@ -291,13 +298,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also sweep fast's backward stage configs")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)
+    only = tuple(x for x in args.only.split(",") if x)
+    bad = [x for x in only if x not in SECTIONS]
+    if bad:
+        ap.error(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS)}")
     if not common.gpu_available():
         print("bench_train: a CUDA GPU is needed (none found, or TRITON_INTERPRET=1); nothing to do.")
         return 0
     v = common.versions()
     print(f"device: {common.device_name()} | torch {v['torch']} | triton {v['triton']} | fla {v['fla']}")
-    for title, rows, meta in run_sections(sweep=args.sweep):
+    for title, rows, meta in run_sections(sweep=args.sweep, only=only):
         print(f"\n## {title}\n")
         for k_, v_ in meta.items():
             print(f"- {k_}: {v_}")
