@@ -248,20 +248,26 @@ def sweep_rows(device: str) -> list:
 
 def profile_rows(device: str) -> list:
     """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
-    steps at the timing shape, largest first, with its share of the total."""
+    steps at the timing shape, largest first, with its share of the total; beside it the same kernel in
+    the 16-bit backward variant (precision=(None, None)), to show what the backward's precision costs."""
     from .profile_decode import kernel_times
 
     leaves, do = inputs(B, T, H, HV, device)
-    step = _fwd_bwd(_fast_call, leaves, do)
 
-    def clean():
-        step()
-        for x in leaves:
-            x.grad = None
-    kt = kernel_times(clean, steps=5)
+    def per_kernel(call):
+        step = _fwd_bwd(call, leaves, do)
+
+        def clean():
+            step()
+            for x in leaves:
+                x.grad = None
+        return kernel_times(clean, steps=5)
+    kt, k16 = per_kernel(_fast_call), per_kernel(_sixteen_bit_call)
     total = sum(kt.values()) or 1.0
-    return [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%")
+    rows = [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%", **{"16-bit bwd us": k16.get(name)})
             for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
+    rows.append(dict(kernel="total (all kernels)", us=total, share="100%", **{"16-bit bwd us": sum(k16.values())}))
+    return rows
 
 
 SECTIONS = ("timing", "profile", "errors")
