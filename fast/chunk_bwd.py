@@ -52,8 +52,9 @@ from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
 # benchmarks/bench_train.py --sweep) are merged over the pinned heuristics below: {"dv_local": {...},
-# "dh": {...}, "dqkwg": {...}, "wy": {...}} with keys BV, num_warps, num_stages. Each distinct config is
-# its own compiled variant.
+# "dh": {...}, "dqkwg": {...}, "wy": {...}} with keys BV, num_warps, num_stages, and for the recompute
+# {"kkt": {...}, "w_u": {...}, "state": {...}} as in fast.chunk. Each distinct config is its own
+# compiled variant.
 # Precision of the backward, per input dtype (read-only defaults; chunk_gated_delta_rule_bwd's
 # ``precision`` argument replaces a row for benchmarks; each value its own compiled variant):
 #   GRAD_DOT_PRECISION: input_precision of the products that take a gradient operand (dS, dv_new, dw, ds,
@@ -614,12 +615,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     fp32_gpu = cdt == torch.float32 and not is_interpreting()
     _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
                 store_g=True, do_a=True, precise=precise, prec_of=prec_of,
-                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None)
+                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q) if l2 else q.contiguous()                        # likewise q ([B, T, H, K])
     w = torch.empty(B, T, HV, K, dtype=cdt, device=dev)
     u = torch.empty(B, T, HV, V, dtype=cdt, device=dev)
-    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of)
+    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
     # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
     # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
     # fp32 registers) even when the rest is 16-bit.
@@ -631,7 +632,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # BT = 64, K = 128, BV = 32 that is 246 KB (Triton 3.9, sm_90), over the 227 KB an H100/H200 block
     # may use: 2 stages for fp32 operands
     _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
-                  cfg_over=dict(num_stages=2) if fp32_gpu else None)
+                  cfg_over=dict(num_stages=2) if fp32_gpu else None, configs=configs)
     del u
 
     Glx = G if Gl is None else Gl

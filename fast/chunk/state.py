@@ -141,13 +141,15 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
-    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages)."""
+    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages);
+    configs: benchmark overrides, merged last."""
     H, K = k.shape[2], k.shape[3]
     HV, V = u.shape[2], u.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = dict(_cfg("state", state_config(N, HV, K, V, k.device), configs), **(cfg_over or {}))
+    # pinned config, then the caller's adjustments, then benchmark overrides (a sweep sees what it set)
+    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device), **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)

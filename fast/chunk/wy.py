@@ -424,7 +424,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
-        **dict(_cfg("kkt", kkt_config(K), configs), **(cfg_over or {})))
+        **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
 
 
 def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None,
