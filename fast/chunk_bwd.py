@@ -498,7 +498,8 @@ def dv_local_bwd_config(K: int, V: int) -> dict:
     return dict(BV=min(128, _blocks(K, V)[1]), num_warps=4, num_stages=1)
 
 
-def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False) -> dict:
+def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False,
+                  tf32_operands: bool = False) -> dict:
     """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
     programs (parallelism) against redundant q/k/w reads. num_stages 2 prefetches the next chunk's
     q, k, w; with fp32 operands (fp32 recompute) 1: at BT = 64, K = 128, BV = 32 two stages took 226 KB
@@ -516,19 +517,26 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
     BV = min(BV, BVmax)
     if fp32:                          # fp32 q, k, w tiles: 4 warps spilled (255 registers), 8 do not
         # BV >= 32: BV = 16 at 8 warps with tf32x3 products (fp16 inputs) faults with an illegal memory
-        # access on an H100 (Triton 3.6, BT = 64, K = V = 128; BV 32 or 4 warps run and agree)
-        return dict(BV=min(max(BV, 32), BVmax), num_warps=8, num_stages=1)
+        # access on an H100 (Triton 3.6, BT = 64, K = V = 128; BV 32 or 4 warps run and agree).
+        # tf32 operands (fp32 copies of 16-bit inputs): BV 64 once there is a program per SM: every
+        # V-block program reloads the chunk's fp32 q, k, w (H100, Triton 3.6, bench_train's shape
+        # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
+        # stages at BV 64 need 254 KB of shared memory, over the limit)
+        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms else max(BV, 32)
+        return dict(BV=min(BV, BVmax), num_warps=8, num_stages=1)
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
 
 
-def dqkwg_bwd_config(K: int, V: int) -> dict:
+def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False) -> dict:
     """Stage 3: three [BT, BK] and one [BT, BT] fp32 accumulators, V in blocks of 32. sm_90, Triton 3.9,
     bf16 with fp32 recompute, K = V = 128, BT = 64 (compiled, not timed): 8 warps BV 64 spill 320 B per
-    thread, BV 32 264 B; 16 warps (128 registers) 508 B."""
+    thread, BV 32 264 B; 16 warps (128 registers) 508 B. tf32_operands (fp32 copies of 16-bit inputs,
+    tf32 / tf32x3 products): two stages prefetch the next V-block's h, dh, v_new, do, dv_new (H100,
+    Triton 3.6, bench_train's shape: fwd+bwd 11.0 ms vs 11.9 with one stage; 4 warps 12.8-13.2)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BV=min(32, BVmax), num_warps=8, num_stages=1)
+    return dict(BV=min(32, BVmax), num_warps=8, num_stages=2 if tf32_operands else 1)
 
 
 def wy_bwd_config(K: int, V: int) -> dict:
@@ -630,9 +638,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     h0 = initial_state.contiguous() if initial_state is not None else None
     # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
     # BT = 64, K = 128, BV = 32 that is 246 KB (Triton 3.9, sm_90), over the 227 KB an H100/H200 block
-    # may use: 2 stages for fp32 operands
+    # may use: 2 stages for fp32 operands, and BV 64 once there is a program per SM (fewer reloads of the
+    # fp32 k and w tiles; H100, Triton 3.6, bench_train's shape: fwd+bwd 11.5 ms vs 11.9 at BV 32)
+    st_over = None
+    if fp32_gpu:
+        st_over = dict(num_stages=2)
+        if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64:
+            st_over.update(BV=64, num_warps=4)
     _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
-                  cfg_over=dict(num_stages=2) if fp32_gpu else None, configs=configs)
+                  cfg_over=st_over, configs=configs)
     del u
 
     Glx = G if Gl is None else Gl
@@ -659,7 +673,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             **common, **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
         # ---- 2. reverse state pass ----------------------------------------------------------------
-        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32), configs)
+        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None),
+                   configs)
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
@@ -668,7 +683,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV,)](
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V), configs))
+            **common, **_cfg("dqkwg", dqkwg_bwd_config(K, V, tf32_operands=rprec is not None), configs))
         if stages is not None:
             stages.update(h=h.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
                           dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(), dk3=dk.clone(),

@@ -394,7 +394,11 @@ class GDNStateCache:
 
 
 def check_cache(cache) -> None:
-    """Validate a GDNStateCache's field shapes, dtypes and layouts (ValueError naming the field)."""
+    """Validate a GDNStateCache's field shapes, dtypes and layouts (ValueError naming the field).
+
+    Reads only the cache's type and its fields' metadata: :func:`step_signature` summarises exactly that
+    (fast skips this check when a call's signature has passed before); keep the two in step.
+    """
     if not isinstance(cache, GDNStateCache):
         raise ValueError(f"cache must be a GDNStateCache, got {type(cache).__name__}")
     _need_tensor("cache.ssm_state", cache.ssm_state, 4)
@@ -499,7 +503,8 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
 
     mixed_qkv: [T, D]; a, b: [T, HV]; conv_weight: [D, W]; conv_bias: [D]; A_log, dt_bias: [HV];
     state_indices: [N]; cu_seqlens: [N+1] (verify) -- T == N for decode. Shapes, dtypes and
-    devices always; with check_values the value rules too (step_faults; host reads).
+    devices always; with check_values the value rules too (step_faults; host reads). What the shape
+    checks read is summarised by :func:`step_signature` (keep the two in step).
     """
     check_cache(cache)
     dev = cache.ssm_state.device
@@ -545,6 +550,58 @@ def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -
     if check_values:
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     return N
+
+
+# ----------------------------------------------------------------------------------------------
+# signatures: what the host checks above read, for callers that skip re-checking unchanged metadata
+# ----------------------------------------------------------------------------------------------
+
+def _tensor_sig(t):
+    """A tensor's metadata as the checks see it: (type, shape, stride, dtype, device); None for None.
+
+    shape and stride decide rank, numel and every contiguity the checks test (is_contiguous() and
+    stride(3) are functions of them); type decides isinstance(t, torch.Tensor). Read on every call:
+    a tensor changed in place (``resize_``, ``as_strided_``, ``t.data = ...``) gives another signature.
+    """
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _cache_sig(cache) -> tuple:
+    """type(cache) and every field's _tensor_sig: all that check_cache reads (fields may be reassigned)."""
+    c = cache
+    return (type(c), _tensor_sig(c.ssm_state), _tensor_sig(c.conv_state), _tensor_sig(c.pend_k),
+            _tensor_sig(c.pend_v), _tensor_sig(c.pend_g), _tensor_sig(c.pend_beta), _tensor_sig(c.pend_meta),
+            _tensor_sig(c.err))
+
+
+def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                   cu_seqlens=None, scale=None, activation="silu") -> Optional[tuple]:
+    """A hashable summary of everything :func:`check_step_inputs` (with :func:`check_cache`) reads except
+    values, or None when an argument cannot be summarised (the caller then checks in full).
+
+    Two calls with equal signatures pass or fail those checks alike: each tensor's (type, shape, stride,
+    dtype, device) (None-ness included), the cache's type and each of its fields' metadata, type(scale)
+    (check_scale reads only the type), and activation itself (a str or None; anything else: None). The
+    value rules (check_values) are not covered: they read tensor values and must run on every call.
+    Extending check_step_inputs or check_cache with a check on anything else means extending this too.
+    Cost: a few attribute reads per tensor (~17 tensors), no tensor is created or read.
+    """
+    if activation is not None and type(activation) is not str:
+        return None
+    try:
+        return (_cache_sig(cache), type(scale), activation, _tensor_sig(mixed_qkv), _tensor_sig(a), _tensor_sig(b),
+                _tensor_sig(conv_weight), _tensor_sig(conv_bias), _tensor_sig(A_log), _tensor_sig(dt_bias),
+                _tensor_sig(state_indices), _tensor_sig(cu_seqlens))
+    except Exception:  # noqa: BLE001 - not a tensor / not a cache: the full checks raise their own error
+        return None
+
+
+def accept_signature(cache, state_indices, num_accepted) -> Optional[tuple]:
+    """As step_signature, for :func:`check_accept_inputs` (the cache, state_indices, num_accepted)."""
+    try:
+        return _cache_sig(cache), _tensor_sig(state_indices), _tensor_sig(num_accepted)
+    except Exception:  # noqa: BLE001 - see step_signature
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
