@@ -3,7 +3,8 @@
 Shape: H = 16 query/key heads, HV = 32 value heads, K = V = 128, bfloat16 q/k/v/beta, float32 g and
 state; chunk size 64 (fast's default). Cases:
 
-  - chunk forward, B = 1, T = 4096 / 16384 / 65536 (no initial state, final state written);
+  - chunk forward, B = 1, T = 4096 / 16384 / 65536, and B = 4, T = 4096 (no initial state, final state
+    written);
   - varlen: 16 sequences totalling 32760 tokens, with initial states, final states written;
   - causal conv1d forward: T = 16384, D = 8192, W = 4, silu, bf16;
   - refgdn (the oracle, float32 compute on the GPU) at T = 4096 only, timed twice;
@@ -43,6 +44,7 @@ H, HV, K, V = 16, 32, 128, 128
 CHUNK = 64
 DTYPE = torch.bfloat16
 CHUNK_TS = (4096, 16384, 65536)
+BATCHED = (4, 4096)                      # (B, T): the batched row
 VARLEN_LENS = (4096, 512, 3000, 1, 2047, 2049, 6000, 64, 1500, 2500, 1800, 2200, 1900, 1100, 3000, None)
 VARLEN_TOTAL = 32760
 CONV_T, CONV_D, CONV_W = 16384, 8192, 4
@@ -66,14 +68,14 @@ def varlen_lengths() -> list:
     return lens
 
 
-def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0):
-    """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B=1, T, ...]; S0 [N, HV, K, V] if N."""
+def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0, B: int = 1):
+    """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B, T, ...]; S0 [N, HV, K, V] if N."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(1, T, H, K, device=device, generator=gen).to(DTYPE)
-    k = F.normalize(torch.randn(1, T, H, K, device=device, generator=gen), dim=-1).to(DTYPE)
-    v = torch.randn(1, T, HV, V, device=device, generator=gen).to(DTYPE)
-    g = F.logsigmoid(torch.randn(1, T, HV, device=device, generator=gen) + 3.0)  # mostly weak decay
-    beta = torch.sigmoid(torch.randn(1, T, HV, device=device, generator=gen)).to(DTYPE)
+    q = torch.randn(B, T, H, K, device=device, generator=gen).to(DTYPE)
+    k = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(DTYPE)
+    v = torch.randn(B, T, HV, V, device=device, generator=gen).to(DTYPE)
+    g = F.logsigmoid(torch.randn(B, T, HV, device=device, generator=gen) + 3.0)  # mostly weak decay
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=device, generator=gen)).to(DTYPE)
     S0 = (0.1 * torch.randn(N, HV, K, V, device=device, generator=gen)) if N else None
     return q, k, v, g, beta, S0
 
@@ -124,12 +126,13 @@ def bench_chunk(device: str, tflops_ceiling: float) -> list:
     fla = common.try_import_fla()
     fla_chunk = fla.chunk_gated_delta_rule if fla is not None else None
 
-    cases = [(f"chunk fwd T={T}", T, None) for T in CHUNK_TS]
+    cases = [(f"chunk fwd T={T}", T, None, 1) for T in CHUNK_TS]
+    cases.append((f"chunk fwd B={BATCHED[0]} T={BATCHED[1]}", BATCHED[1], None, BATCHED[0]))
     lens = varlen_lengths()
-    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init", VARLEN_TOTAL, lens))
-    for name, T, seq_lens in cases:
+    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init", VARLEN_TOTAL, lens, 1))
+    for name, T, seq_lens, B in cases:
         N = len(seq_lens) if seq_lens else None
-        q, k, v, g, beta, S0 = gdn_inputs(T, device, N)
+        q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
         kw = dict(initial_state=S0, output_final_state=True)
         if seq_lens:
             cu = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
@@ -150,10 +153,10 @@ def bench_chunk(device: str, tflops_ceiling: float) -> list:
                 notes += [n for n in (note, "fla: " + err if err else "") if n]
             except Exception as e:  # noqa: BLE001
                 notes.append(f"fla: {type(e).__name__}: {e}"[:120])
-        rows.append(_row(name, T, ms, flops=chunk_flops(T), ceiling=tflops_ceiling, fla_ms=fla_ms,
+        rows.append(_row(name, B * T, ms, flops=chunk_flops(B * T), ceiling=tflops_ceiling, fla_ms=fla_ms,
                          note="; ".join(notes)))
         print(_progress(rows[-1]), file=sys.stderr)
-        if T == CHUNK_TS[0] and not seq_lens:
+        if T == CHUNK_TS[0] and B == 1 and not seq_lens:
             rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
             print(_progress(rows[-1]), file=sys.stderr)
         del q, k, v, g, beta, S0

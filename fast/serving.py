@@ -83,6 +83,7 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -90,8 +91,8 @@ import triton
 import triton.language as tl
 
 import refgdn.serving as rs
-from refgdn.serving import (GDNStateCache, check_accept_inputs, check_cache, check_state_indices,
-                            check_step_inputs, raise_first, step_value_faults)
+from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
+                            check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
 from .utils import cdiv, is_interpreting, next_pow2
 
@@ -801,58 +802,167 @@ def _capturing() -> bool:
         return False
 
 
+class _StepPlan:
+    """Everything a step's two launches derive from the call's metadata alone, computed once per signature.
+
+    Built by :func:`_build_plan` from shapes, strides, dtypes, devices, None-ness, mode and activation
+    (never from values): grid sizes, the kernels' scalar and constexpr arguments (configs from
+    :func:`step_config` / :func:`conv_config`), output shapes, whether any unit-stride input needs a
+    ``.contiguous()`` copy, whether the cache's fault word lives in host memory. :func:`_run` adds the
+    per-call parts: the tensors, fresh outputs, the scale's value.
+    """
+    __slots__ = ("N", "T", "y_shape", "o_shape", "act_dtype", "device", "unit_stride", "host_err", "scale",
+                 "conv_kernel", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw")
+
+
+def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                activation, mode: str, checks: bool = True) -> _StepPlan:
+    """The _StepPlan of a call (reads metadata only; the arguments are assumed to have passed the checks)."""
+    H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
+    p = _StepPlan()
+    N = p.N = state_indices.shape[0]
+    T = p.T = mixed_qkv.shape[0]
+    p.y_shape, p.o_shape = (T, D), (T, HV, V)          # conv outputs y [T, D]; outputs o [T, HV, V]
+    p.act_dtype, p.device = mixed_qkv.dtype, cache.ssm_state.device
+    # the kernels index these with unit stride: copy the (rare) strided ones, per call
+    p.unit_stride = all(t is None or t.is_contiguous() for t in (state_indices, A_log, dt_bias, cu_seqlens,
+                                                                 conv_bias))
+    p.host_err = cache.err.device.type == "cpu"
+    p.scale = float(K ** -0.5)
+    varlen = cu_seqlens is not None
+    TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
+    cc = conv_config(D, W)
+    cs = cache.conv_state
+    p.conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
+                     SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
+                     num_warps=cc["num_warps"])
+    if W <= 4:
+        p.conv_kernel = conv_step_kernel
+        p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
+    else:
+        p.conv_kernel = conv_step_any_w_kernel
+        p.conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
+    p.conv_grid = (cdiv(D, cc["BD"]), N)
+    p.conv_args = (D, N, T, cache.num_slots, int(checks),
+                   mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
+                   cs.stride(0), cs.stride(1), cs.stride(2))
+    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
+    BV, HPP = sc["BV"], sc["HPP"]
+    s = cache.ssm_state
+    p.step_grid = (cdiv(V, BV), HV // HPP, N)
+    p.step_args = (D,                                   # y.stride(0): y is a fresh contiguous [T, D]
+                   a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                   s.stride(0), s.stride(1), s.stride(2))
+    p.step_kw = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
+                     KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), num_warps=sc["num_warps"])
+    return p
+
+
+def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+         scale):
+    """The step's two launches with plan ``p`` (built for these arguments' metadata). Returns o."""
+    if not p.unit_stride:
+        state_indices, A_log, dt_bias = state_indices.contiguous(), A_log.contiguous(), dt_bias.contiguous()
+        cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+        conv_bias = conv_bias.contiguous() if conv_bias is not None else None
+    dev = p.device
+    o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)
+    if p.N == 0:
+        return o
+    y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
+    snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
+    p.conv_kernel[p.conv_grid](
+        mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cache.conv_state,
+        cache.pend_meta, snap, cache.err, state_indices, cu_seqlens if cu_seqlens is not None else state_indices,
+        *p.conv_args, **p.conv_kw,
+    )
+    gdn_step_kernel[p.step_grid](
+        y, a, b, A_log, dt_bias, o,
+        cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
+        p.scale if scale is None else float(scale), *p.step_args, **p.step_kw,
+    )
+    return o
+
+
 def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
             scale, activation, mode: str, checks: bool = True):
     """mode: "decode" (one token per request), "verify" (cu_seqlens) or "materialize" (no tokens).
     checks=False (benchmarks/bench_decode.py's cost measurement only, valid inputs only): the conv
-    kernel skips the duplicate scan and the global offset checks; the ops never pass it."""
-    H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
-    # the kernels index these with unit stride (a no-op for contiguous tensors, also inside capture)
-    state_indices, A_log, dt_bias = state_indices.contiguous(), A_log.contiguous(), dt_bias.contiguous()
-    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    conv_bias = conv_bias.contiguous() if conv_bias is not None else None
-    N = state_indices.shape[0]
-    T = mixed_qkv.shape[0]
-    dev = cache.ssm_state.device
-    varlen = cu_seqlens is not None
-    TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
-    y = torch.empty(T, D, dtype=mixed_qkv.dtype, device=dev)        # conv outputs, [T, D]
-    o = torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
-    snap = torch.empty(N, 5, dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
-    if N == 0:
-        return o
-    cc = conv_config(D, W)
-    cs = cache.conv_state
-    conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
-                   SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None, num_warps=cc["num_warps"])
-    if W <= 4:
-        conv_kernel = conv_step_kernel
-        conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
-    else:
-        conv_kernel = conv_step_any_w_kernel
-        conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
-    conv_kernel[(cdiv(D, cc["BD"]), N)](
-        mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cs, cache.pend_meta, snap,
-        cache.err, state_indices, cu_seqlens if varlen else state_indices,
-        D, N, T, cache.num_slots, int(checks),
-        mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
-        cs.stride(0), cs.stride(1), cs.stride(2),
-        **conv_kw,
-    )
-    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
-    BV, HPP = sc["BV"], sc["HPP"]
-    s = cache.ssm_state
-    gdn_step_kernel[(cdiv(V, BV), HV // HPP, N)](
-        y, a, b, A_log, dt_bias, o,
-        s, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
-        float(K ** -0.5 if scale is None else scale),
-        y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        s.stride(0), s.stride(1), s.stride(2),
-        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-        KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
-        num_warps=sc["num_warps"],
-    )
-    return o
+    kernel skips the duplicate scan and the global offset checks; the ops never pass it.
+    Uncached: the plan is built for this call (gdn_decode / gdn_verify reuse theirs: _checked_plan)."""
+    plan = _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                       activation, mode, checks)
+    return _run(plan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# host checks and plans, cached by signature
+# ----------------------------------------------------------------------------------------------
+
+PLAN_CACHE_SIZE = 64     # signatures kept (least recently used dropped): batch sizes x modes x cache geometries
+_PLANS: "OrderedDict[tuple, _StepPlan]" = OrderedDict()
+
+
+def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                  cu_seqlens, scale, activation, check_values: bool) -> _StepPlan:
+    """refgdn's check_step_inputs for the call, then its _StepPlan; both skipped for a known signature.
+
+    What is cached: for each signature (refgdn.serving.step_signature: every tensor's type, shape, stride,
+    dtype and device, the cache's type and its fields' metadata, type(scale), activation) whose call
+    passed the shape/dtype/device checks, the plan built for it, keyed together with the mode and the
+    config functions in use (step_config / conv_config are looked up per call: benchmark sweeps and tests
+    wrap them). Why it is safe: those checks read nothing but what the signature holds, so a call with an
+    equal signature passes them too; the signature is recomputed from the tensors on every call, so a
+    tensor changed in place or a cache field replaced gives another signature. What invalidates it: any
+    difference misses and runs the full checks again; a call that fails them is never stored; an argument
+    the signature cannot describe (None returned) is always checked in full. The value rules are not
+    cached: check_values=True reads the values on the host on every call, as before, and the kernels'
+    device-side checks are unchanged. Bounded: the PLAN_CACHE_SIZE most recently used signatures.
+    """
+    sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                            cu_seqlens, scale, activation)
+    key = None if sig is None else (mode, step_config, conv_config, sig)
+    plan = _cached(key)
+    if plan is None:
+        check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                          cu_seqlens, scale, activation, False)
+        plan = _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                           cu_seqlens, activation, mode)
+        _store(key, plan)
+    if check_values:                      # check_step_inputs' value rules: host reads, every call
+        raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
+    return plan
+
+
+def _cached(key):
+    """The plan stored under key (marked most recently used), or None."""
+    if key is None:
+        return None
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:              # an unhashable attribute of a non-tensor argument: check in full
+        return None
+    if plan is not None:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def _store(key, value) -> None:
+    """Store a checked call's value under key; drop the least recently used beyond PLAN_CACHE_SIZE."""
+    if key is None:
+        return
+    try:
+        _PLANS[key] = value
+    except TypeError:
+        return
+    while len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached signature (the next call of each kind checks in full). Tests and benchmarks."""
+    _PLANS.clear()
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
@@ -869,11 +979,11 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     is raised by ``cache.check()`` (on a CPU device by the op itself); check_values=True checks on the host first (a sync). Two launches
     (conv, then gating + l2norm + delta rule in one kernel); one read and one write of each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
     """
-    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
-                      scale, activation, check_values)
-    o = _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
-                scale, activation, "decode")
-    _check_if_free(cache)
+    p = _checked_plan("decode", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                      None, scale, activation, check_values)
+    o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None, scale)
+    if p.host_err and not _capturing():           # _check_if_free, with the device looked up once per plan
+        cache.check()
     return o
 
 
@@ -894,11 +1004,11 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """
     if cu_seqlens is None:
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
-    check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+    p = _checked_plan("verify", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       cu_seqlens, scale, activation, check_values)
-    o = _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                scale, activation, "verify")
-    _check_if_free(cache)
+    o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens, scale)
+    if p.host_err and not _capturing():           # _check_if_free
+        cache.check()
     return o
 
 
@@ -913,7 +1023,14 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     Checked on the device (slot range, duplicates, a verify awaiting this accept, the count's range):
     a bad row writes nothing and its fault is raised by ``cache.check()`` (on a CPU device by the op itself).
     """
-    N = check_accept_inputs(cache, state_indices, num_accepted, check_values)
+    key = rs.accept_signature(cache, state_indices, num_accepted)
+    key = None if key is None else ("accept", key)
+    N = _cached(key)                      # the request count of a signature that passed the checks before
+    if N is None:                         # (as _checked_plan: same safety argument, same bound)
+        N = check_accept_inputs(cache, state_indices, num_accepted, False)
+        _store(key, N)
+    if check_values:                      # check_accept_inputs' value rules: host reads, every call
+        raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     if N == 0:
         return
     accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices.contiguous(),
