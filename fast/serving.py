@@ -83,7 +83,6 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -900,8 +899,8 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 # host checks and plans, cached by signature
 # ----------------------------------------------------------------------------------------------
 
-PLAN_CACHE_SIZE = 64     # signatures kept (least recently used dropped): batch sizes x modes x cache geometries
-_PLANS: "OrderedDict[tuple, _StepPlan]" = OrderedDict()
+PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
+_PLANS: dict = {}        # key -> _StepPlan (steps) or N (accept), insertion-ordered
 
 
 def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -918,7 +917,7 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     difference misses and runs the full checks again; a call that fails them is never stored; an argument
     the signature cannot describe (None returned) is always checked in full. The value rules are not
     cached: check_values=True reads the values on the host on every call, as before, and the kernels'
-    device-side checks are unchanged. Bounded: the PLAN_CACHE_SIZE most recently used signatures.
+    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (_store).
     """
     sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                             cu_seqlens, scale, activation)
@@ -936,20 +935,22 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
 
 
 def _cached(key):
-    """The plan stored under key (marked most recently used), or None."""
+    """The value stored under key, or None."""
     if key is None:
         return None
     try:
-        plan = _PLANS.get(key)
+        return _PLANS.get(key)
     except TypeError:              # an unhashable attribute of a non-tensor argument: check in full
         return None
-    if plan is not None:
-        _PLANS.move_to_end(key)
-    return plan
 
 
 def _store(key, value) -> None:
-    """Store a checked call's value under key; drop the least recently used beyond PLAN_CACHE_SIZE."""
+    """Store a checked call's value under key; beyond PLAN_CACHE_SIZE entries the oldest one goes.
+
+    First in, first out rather than least recently used: a hit then costs one hash and one compare of
+    the key (an LRU's reordering would hash it again); a working set larger than the bound only costs
+    full checks on the calls that miss.
+    """
     if key is None:
         return
     try:
@@ -957,7 +958,7 @@ def _store(key, value) -> None:
     except TypeError:
         return
     while len(_PLANS) > PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+        del _PLANS[next(iter(_PLANS))]
 
 
 def clear_plan_cache() -> None:

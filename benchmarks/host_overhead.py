@@ -1,0 +1,145 @@
+"""Host overhead of one eager decode step (issue 10): the checks and launch preparation that
+fast.serving caches by signature, old path against cached path, per call.
+
+Shape: Qwen3-Next's decode step, N = 1, H = 16, HV = 32, K = V = 128 (D = 8192), W = 4, bf16
+activations, float32 state. Each row is the median over `repeats` batches of `iters` back-to-back
+calls of the per-call mean, in us (host wall time).
+
+Rows (both paths do the same work on valid inputs; the old one is what gdn_decode ran before):
+  checks         refgdn.serving.check_step_inputs (check_cache inside) + check_cache alone (old)
+                 vs fast.serving._checked_plan's hit: step_signature + one dict lookup (cached)
+  signature      refgdn.serving.step_signature alone (the part of the cached path that grows with
+                 the number of tensors)
+  launch prep    fast.serving._build_plan (configs, grids, kernel arguments; recomputed per call
+                 before) vs nothing (cached in the plan)
+  decode host    gdn_decode's whole host side with the two Triton launches replaced by no-ops:
+                 old = check_step_inputs + _launch (uncached) + _check_if_free, cached = gdn_decode
+  decode wall    (--device cuda only) the same two with the real launches, one sync per batch: what
+                 benchmarks.bench_graphs' "fast eager (wall, host incl.)" row measures
+
+Run: python -m benchmarks.host_overhead [--device cuda] [--iters 200] [--repeats 31]
+(CPU by default: the real kernels would run in the Triton interpreter, so the decode rows stub them.)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+H, HV, K, V, W, N, SLOTS = 16, 32, 128, 128, 4, 1, 4
+D = 2 * H * K + HV * V
+
+
+def per_call_us(fn: Callable[[], object], iters: int, repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median over `repeats` of (wall time of `iters` calls + one sync) / iters, in us."""
+    for _ in range(max(10, iters // 10)):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t) / iters * 1e6)
+    return statistics.median(out)
+
+
+def make_step(device: str) -> tuple:
+    """(args of gdn_decode without scale/activation) for one request in slot 1 of a 4-slot cache."""
+    from refgdn.serving import GDNStateCache
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    bf = dict(dtype=torch.bfloat16, device=device)
+    cache = GDNStateCache.allocate(SLOTS, H, HV, K, V, conv_width=W, max_draft=0, state_dtype=torch.float32,
+                                   act_dtype=torch.bfloat16, device=device)
+    x = rnd(N, D).to(**bf)
+    a, b = rnd(N, HV).to(**bf), rnd(N, HV).to(**bf)
+    conv_weight, conv_bias = rnd(D, W).to(**bf), rnd(D).to(**bf)
+    A_log, dt_bias = rnd(HV).to(device), rnd(HV).to(device)
+    idx = torch.tensor([1], dtype=torch.int32, device=device)
+    return x, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, idx
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """fast.serving's two step kernels replaced by no-ops for the block (host cost only)."""
+    import fast.serving as fs
+    saved = fs.conv_step_kernel, fs.conv_step_any_w_kernel, fs.gdn_step_kernel
+    fs.conv_step_kernel = fs.conv_step_any_w_kernel = fs.gdn_step_kernel = _NoLaunch()
+    fs.clear_plan_cache()            # plans hold the kernel objects
+    try:
+        yield
+    finally:
+        fs.conv_step_kernel, fs.conv_step_any_w_kernel, fs.gdn_step_kernel = saved
+        fs.clear_plan_cache()
+
+
+def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
+    import fast.serving as fs
+    import refgdn.serving as rs
+    args = make_step(device)
+    cache = args[7]
+    step = args[:7] + (cache, args[8], None)            # + cu_seqlens
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    t = lambda fn: per_call_us(fn, iters, repeats)  # noqa: E731
+    out = []
+
+    def old_checks():
+        rs.check_step_inputs(*step, None, "silu", False)   # check_cache runs inside
+
+    fs.clear_plan_cache()
+    fs._checked_plan("decode", *step, None, "silu", False)            # store the signature
+    out.append(("checks: check_step_inputs (old)", t(old_checks)))
+    out.append(("checks: check_cache alone (part of the above)", t(lambda: rs.check_cache(cache))))
+    out.append(("checks: cached (_checked_plan hit)", t(lambda: fs._checked_plan("decode", *step, None, "silu",
+                                                                                   False))))
+    out.append(("signature: step_signature alone", t(lambda: rs.step_signature(*step, None, "silu"))))
+    out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))
+
+    def old_decode_host():            # gdn_decode as it was: full checks, launch prep every call
+        rs.check_step_inputs(*step, None, "silu", False)
+        o = fs._launch(*step, None, "silu", "decode")
+        fs._check_if_free(cache)
+        return o
+
+    def new_decode():
+        return fs.gdn_decode(*args)
+
+    with stubbed_kernels():
+        out.append(("decode host, launches stubbed: old", t(old_decode_host)))
+        out.append(("decode host, launches stubbed: cached", t(new_decode)))
+    if device.startswith("cuda"):
+        fs.clear_plan_cache()
+        out.append(("decode wall, real launches: old", per_call_us(old_decode_host, iters, repeats, sync)))
+        out.append(("decode wall, real launches: cached", per_call_us(new_decode, iters, repeats, sync)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=31)
+    ns = ap.parse_args(argv)
+    if ns.device == "cpu":
+        import fast  # noqa: F401 - sets TRITON_INTERPRET before the kernels are defined
+    print(f"host overhead per call, {ns.device}, N={N} H={H} HV={HV} K=V={K} D={D} W={W}, torch {torch.__version__}")
+    for name, us in rows(ns.device, ns.iters, ns.repeats):
+        print(f"  {name:<48s} {us:8.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

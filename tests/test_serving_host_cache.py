@@ -1,0 +1,352 @@
+"""fast.serving's host checks cached by signature (issue 10, eager speed): fail-closed stays fail-closed.
+
+A decode / verify / accept whose signature (refgdn.serving.step_signature / accept_signature) passed the
+shape, dtype and device checks before skips them. These tests show that
+
+  (a) after a valid call has stored its signature, every kind of bad input -- a wrong dtype, shape or
+      device, a non-contiguous cache field, a cache field replaced on the same cache object, a tensor
+      resized or restrided in place -- still raises the ValueError an uncached call raises, word for
+      word, and no cache tensor changes; value faults are still found (host with check_values=True,
+      device otherwise);
+  (b) the cached path gives the bits of the uncached one (outputs and every cache tensor), and it is
+      really taken (the checks run once per signature);
+  (c) the store is bounded, and a plan follows the config functions in use (tests wrap step_config).
+
+Tiny shapes, float32 (the Triton interpreter on CPU): a few seconds.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fast
+import fast.serving as fs
+import refgdn
+import refgdn.serving as rs
+from conformance.cases_serving import make_cache, make_layer, make_tokens
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ELSEWHERE = "cpu" if DEVICE == "cuda" else "meta"      # a device the inputs are not on
+H, HV, K, V, W, MD, S = 1, 2, 8, 8, 4, 2, 4
+D = 2 * H * K + HV * V
+F32, I32 = torch.float32, torch.int32
+
+
+def _i(values, dtype=I32):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+class World:
+    """A 4-slot cache (max_draft 2), a layer and step tokens on DEVICE, float32."""
+
+    def __init__(self, seed: int = 0):
+        self.cache = make_cache(S, H, HV, K, V, W, MD, seed=seed, state_dtype=F32, act_dtype=F32).to(device=DEVICE)
+        lay = make_layer(H, HV, K, V, W, seed=seed + 1, dtype=F32, device=DEVICE)
+        self.layer = [lay["conv_weight"], lay["conv_bias"], lay["A_log"], lay["dt_bias"]]
+        self.x, self.a, self.b = make_tokens(6, HV, D, seed=seed + 2, dtype=F32, device=DEVICE)
+
+    def decode_args(self, n: int = 2):
+        """gdn_decode's positional arguments for slots 0..n-1."""
+        return [self.x[:n], self.a[:n], self.b[:n], *self.layer, self.cache, _i(list(range(n)))]
+
+    def verify_args(self):
+        """gdn_verify's: slots 0 and 2 with 3 and 2 tokens."""
+        return [self.x[:5], self.a[:5], self.b[:5], *self.layer, self.cache, _i([0, 2]), _i([0, 3, 5])]
+
+    def snapshot(self, also=()) -> list:
+        """(tensor, copy) of every cache field and of `also` (fields a case replaced), meta tensors aside."""
+        ts = [t for t in list(self.cache.tensors()) + list(also)
+              if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        return [(t, t.clone()) for t in ts]
+
+    @staticmethod
+    def unchanged(snap) -> bool:
+        return all(torch.equal(t, u) for t, u in snap)
+
+
+def _message(fn) -> str:
+    with pytest.raises(ValueError) as e:
+        fn()
+    return str(e.value)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_store():
+    fs.clear_plan_cache()
+    yield
+    fs.clear_plan_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) bad inputs after a cached valid call
+# ------------------------------------------------------------------------------------------------
+# each case: (name, op, mutate(world, args) -> the bad args). Mutations on the world's objects (a cache
+# field reassigned, a tensor resized in place) happen inside mutate, after the valid call was cached.
+
+def _set(i, value):
+    def mutate(w, args):
+        args[i] = value(w, args) if callable(value) else value
+        return args
+    return mutate
+
+
+def _field(name, value):
+    def mutate(w, args):
+        setattr(w.cache, name, value(getattr(w.cache, name)))
+        return args
+    return mutate
+
+
+def _resize_indices(w, args):
+    args[8].resize_(3)                        # state_indices [2] -> [3] in place (same object)
+    return args
+
+
+def _resize_x(w, args):
+    args[0] = args[0].clone()
+    return args
+
+
+def _restride_ssm(w, args):
+    s = w.cache.ssm_state                     # same tensor object, last dim no longer unit stride
+    s.as_strided_(s.shape, (s.stride(0), s.stride(1), 1, s.shape[2]))
+    return args
+
+
+def _resize_pend_meta(w, args):
+    w.cache.pend_meta.resize_(S, 3)           # a cache field resized in place
+    return args
+
+
+def _data_dtype(w, args):
+    w.layer[2].data = w.layer[2].data.double().to(torch.int64)     # A_log's dtype swapped through .data
+    return args
+
+
+BAD = [
+    ("mixed_qkv-dtype", "decode", _set(0, lambda w, a: a[0].to(I32))),
+    ("mixed_qkv-width", "decode", _set(0, lambda w, a: w.x[:2, :-1])),
+    ("a-shape", "decode", _set(1, lambda w, a: w.a[:2, :1])),
+    ("b-dtype", "decode", _set(2, lambda w, a: a[2].to(I32))),
+    ("conv_weight-width", "decode", _set(3, lambda w, a: a[3][:, :3])),
+    ("conv_bias-shape", "decode", _set(4, lambda w, a: a[4][:-1])),
+    ("A_log-device", "decode", _set(5, lambda w, a: torch.zeros(HV, device=ELSEWHERE))),
+    ("A_log-dtype-through-data", "decode", _data_dtype),
+    ("indices-float", "decode", _set(8, lambda w, a: a[8].to(F32))),
+    ("indices-resized-in-place", "decode", _resize_indices),
+    ("scale-str", "decode_scale", None),
+    ("activation", "decode_activation", None),
+    ("cache-not-a-cache", "decode", _set(7, lambda w, a: w.cache.tensors())),
+    ("cache-ssm-transposed", "decode", _field("ssm_state", lambda t: t.transpose(2, 3))),
+    ("cache-ssm-restrided-in-place", "decode", _restride_ssm),
+    ("cache-pend_k-noncontiguous", "decode", _field("pend_k", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1))),
+    ("cache-pend_g-shape", "decode", _field("pend_g", lambda t: t[:, :, :1])),
+    ("cache-pend_meta-dtype", "decode", _field("pend_meta", lambda t: t.long())),
+    ("cache-pend_meta-resized-in-place", "decode", _resize_pend_meta),
+    ("cache-err-dtype", "decode", _field("err", lambda t: t.to(I32))),
+    ("cache-conv-channels", "decode", _field("conv_state", lambda t: t[:, 1:])),
+    ("cache-conv-device", "decode", _field("conv_state", lambda t: torch.zeros(t.shape, device=ELSEWHERE))),
+    ("verify-cu-float", "verify", _set(9, lambda w, a: a[9].to(F32))),
+    ("verify-cu-length", "verify", _set(9, lambda w, a: _i([0, 3, 4, 5]))),
+    ("verify-cu-rank", "verify", _set(9, lambda w, a: a[9][None])),
+    ("verify-cu-missing", "verify", _set(9, None)),
+    ("accept-count-float", "accept", _set(2, lambda w, a: a[2].to(F32))),
+    ("accept-count-length", "accept", _set(2, lambda w, a: a[2][:1])),
+    ("accept-indices-resized-in-place", "accept", lambda w, a: (a[1].resize_(3), a)[1]),
+]
+
+
+def _call(ops, kind, args):
+    if kind in ("decode", "decode_scale", "decode_activation"):
+        kw = dict(scale="0.5") if kind == "decode_scale" else dict(activation="relu") if kind == "decode_activation" \
+            else {}
+        return ops.gdn_decode(*args, **kw)
+    if kind == "verify":
+        return ops.gdn_verify(*args)
+    return ops.gdn_accept(*args)
+
+
+def _valid_args(w, kind):
+    """Run the valid calls that store the case's signature; return the args to mutate."""
+    if kind == "accept":
+        fast.gdn_verify(*w.verify_args())
+        args = [w.cache, _i([0, 2]), _i([2, 1])]
+        fast.gdn_accept(*args)            # stores accept's signature ...
+        fast.gdn_verify(*w.verify_args())  # ... and a verify awaits the bad accept
+        return args
+    args = w.verify_args() if kind == "verify" else w.decode_args()
+    _call(fast, "verify" if kind == "verify" else "decode", args)
+    return args
+
+
+def _bad_message(kind, mutate, cached: bool) -> tuple:
+    """(message, nothing changed) of the bad call, after valid calls stored their signatures (cached) or
+    with the store emptied just before the bad call (uncached)."""
+    w = World()
+    args = _valid_args(w, kind)
+    if cached:
+        assert len(fs._PLANS) > 0
+    fields = list(w.cache.tensors())      # the original field tensors, in case mutate replaces some
+    args = mutate(w, list(args)) if mutate is not None else list(args)
+    if not cached:
+        fs.clear_plan_cache()
+    snap = w.snapshot(also=fields)
+    msg = _message(lambda: _call(fast, kind, args))
+    ok = w.unchanged(snap)
+    w.cache = rs.GDNStateCache(*fields)
+    w.cache.check()                       # nothing was recorded either
+    return msg, ok
+
+
+@pytest.mark.parametrize("name,kind,mutate", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_after_a_cached_call_raises_the_uncached_error(name, kind, mutate):
+    cached, untouched = _bad_message(kind, mutate, cached=True)
+    uncached, untouched_u = _bad_message(kind, mutate, cached=False)
+    assert cached == uncached
+    assert untouched and untouched_u, f"{name}: a cache tensor changed"
+    if kind != "accept":                  # and refgdn, the oracle, says the same
+        w = World()
+        args = mutate(w, (w.verify_args() if kind == "verify" else w.decode_args())) if mutate else \
+            w.decode_args()
+        assert _message(lambda: _call(refgdn, kind, args)) == cached
+
+
+def test_value_faults_are_still_found_on_the_cached_path():
+    """check_values=True reads the values on every call (host), before any launch; without it the
+    kernels' device checks record the fault (raised by cache.check(); on CPU by the op)."""
+    w = World()
+    fast.gdn_decode(*w.decode_args())
+    args = w.decode_args()
+    args[8] = _i([0, S])                  # slot S: out of range, same metadata as the cached call
+    snap = w.snapshot()
+    m = _message(lambda: fast.gdn_decode(*args, check_values=True))
+    assert m == rs.fault_message(rs.E_SLOT_RANGE, 1, S, S) and World.unchanged(snap)
+
+    def device_checked():
+        fast.gdn_decode(*args)
+        w.cache.check()
+    assert _message(device_checked) == m
+    # accept: a count beyond the verify's tokens, host-checked on a cached signature
+    fast.gdn_verify(*w.verify_args())
+    fast.gdn_accept(w.cache, _i([0, 2]), _i([1, 1]))
+    fast.gdn_verify(*w.verify_args())
+    snap = w.snapshot()
+    m = _message(lambda: fast.gdn_accept(w.cache, _i([0, 2]), _i([4, 1]), check_values=True))
+    assert "num_accepted[0]" in m and World.unchanged(snap)
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) cached == uncached, bit for bit; the cached path is taken
+# ------------------------------------------------------------------------------------------------
+
+def _schedule(w, before_each):
+    """verify -> accept -> decode -> verify -> accept -> decode -> verify (strided inputs) -> accept -> decode."""
+    outs = []
+    wide = torch.zeros(5, 2 * D, device=DEVICE)
+    wide[:, ::2] = w.x[:5]
+    for r in range(3):
+        before_each()
+        args = w.verify_args()
+        if r == 2:
+            args[0] = wide[:, ::2]                               # a strided view: its own signature
+        outs.append(fast.gdn_verify(*args))
+        before_each()
+        fast.gdn_accept(w.cache, _i([0, 2]), _i([[2, 1], [3, 2], [1, 1]][r]))
+        before_each()
+        outs.append(fast.gdn_decode(*w.decode_args(3), scale=0.25 if r == 1 else None))
+    return outs
+
+
+def test_cached_and_uncached_paths_are_bit_identical(monkeypatch):
+    counts = {"step": 0, "accept": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(fs, "check_step_inputs", counting("step", fs.check_step_inputs))
+    monkeypatch.setattr(fs, "check_accept_inputs", counting("accept", fs.check_accept_inputs))
+    w_cached, w_plain = World(seed=5), World(seed=5)
+    o_cached = _schedule(w_cached, lambda: None)
+    # 3 step signatures (verify, strided verify, decode; scale's type is float or None: 2 decode signatures)
+    assert counts == {"step": 4, "accept": 1}, counts
+    counts.update(step=0, accept=0)
+    o_plain = _schedule(w_plain, fs.clear_plan_cache)
+    assert counts == {"step": 6, "accept": 3}, counts          # every call checked in full
+    for a, b in zip(o_cached, o_plain):
+        assert torch.equal(a, b)
+    for a, b in zip(w_cached.cache.tensors(), w_plain.cache.tensors()):
+        assert torch.equal(a, b)
+    w_cached.cache.check()
+
+
+def test_signature_sees_in_place_changes():
+    """Identity is never enough: a tensor changed in place or a cache field replaced changes the signature;
+    fresh tensors with the same metadata give the same one."""
+    w = World()
+    args = w.decode_args()
+    sig = rs.step_signature(*args)
+    assert sig is not None and sig == rs.step_signature(*World(seed=9).decode_args())
+    assert rs.step_signature(*args, scale=0.5) != sig                  # type(scale): float vs None
+    assert rs.step_signature(*args, activation=None) != sig
+    assert rs.step_signature(*args, activation=["silu"]) is None       # not describable: full checks
+    args[8].resize_(3)
+    assert rs.step_signature(*args) != sig
+    args[8].resize_(2)
+    assert rs.step_signature(*args) == sig
+    w.cache.pend_k = w.cache.pend_k.clone()                            # same metadata: same signature
+    assert rs.step_signature(*args) == sig
+    w.cache.pend_k = w.cache.pend_k.double()
+    assert rs.step_signature(*args) != sig
+    w = World()
+    args = w.decode_args()
+    args[0].t_()                                                       # in place: [2, D] -> [D, 2]
+    assert rs.step_signature(*args) != sig
+    args[0].t_()
+    args[0].as_strided_(args[0].shape, (1, 2))
+    assert rs.step_signature(*args) != sig
+    assert rs.step_signature(*w.decode_args()[:7], object(), _i([0, 1])) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) bounded; plans follow the config functions in use
+# ------------------------------------------------------------------------------------------------
+
+def test_store_is_bounded(monkeypatch):
+    for i in range(3 * fs.PLAN_CACHE_SIZE):
+        fs._store(("test", i), i)
+    assert len(fs._PLANS) == fs.PLAN_CACHE_SIZE
+    assert fs._cached(("test", 0)) is None and fs._cached(("test", 3 * fs.PLAN_CACHE_SIZE - 1)) is not None
+    assert fs._cached(("test", [1])) is None                          # unhashable: not cached, no error
+    fs.clear_plan_cache()
+    # through the ops: 5 batch sizes, a bound of 3 -> the first ones are checked again
+    monkeypatch.setattr(fs, "PLAN_CACHE_SIZE", 3)
+    calls = []
+    monkeypatch.setattr(fs, "check_step_inputs", lambda *a, **k: calls.append(a[8].shape[0]) or
+                        rs.check_step_inputs(*a, **k))
+    w = World()
+    for n in (1, 2, 3, 4, 1, 4):
+        fast.gdn_decode(*w.decode_args(n))
+    assert len(fs._PLANS) == 3
+    assert calls == [1, 2, 3, 4, 1]                                     # 1 was dropped, 4 was kept
+
+
+def test_plan_follows_the_config_functions_in_use(monkeypatch):
+    """step_config / conv_config are looked up per call (benchmark sweeps and tests wrap them): a wrapped
+    function after a cached call is used, not the stored plan of the original."""
+    w = World()
+    fast.gdn_decode(*w.decode_args())
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(a)
+        return rs_step_config(*a, **k)
+    rs_step_config = fs.step_config
+    monkeypatch.setattr(fs, "step_config", functools.partial(spy))
+    fast.gdn_decode(*w.decode_args())
+    assert len(seen) == 1
+    fast.gdn_decode(*w.decode_args())
+    assert len(seen) == 1                 # cached again under the wrapper
