@@ -808,10 +808,11 @@ class _StepPlan:
     (never from values): grid sizes, the kernels' scalar and constexpr arguments (configs from
     :func:`step_config` / :func:`conv_config`), output shapes, whether any unit-stride input needs a
     ``.contiguous()`` copy, whether the cache's fault word lives in host memory. :func:`_run` adds the
-    per-call parts: the tensors, fresh outputs, the scale's value.
+    per-call parts: the tensors, fresh outputs, the scale's value, and the kernel objects (module globals
+    looked up per call, as before). No tensor is kept: one plan serves every cache of the same geometry.
     """
     __slots__ = ("N", "T", "y_shape", "o_shape", "act_dtype", "device", "unit_stride", "host_err", "scale",
-                 "conv_kernel", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw")
+                 "window_conv", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
@@ -835,11 +836,10 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     p.conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
                      SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
                      num_warps=cc["num_warps"])
-    if W <= 4:
-        p.conv_kernel = conv_step_kernel
+    p.window_conv = W <= 4                              # conv_step_kernel, else conv_step_any_w_kernel
+    if p.window_conv:
         p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
     else:
-        p.conv_kernel = conv_step_any_w_kernel
         p.conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
     p.conv_grid = (cdiv(D, cc["BD"]), N)
     p.conv_args = (D, N, T, cache.num_slots, int(checks),
@@ -870,7 +870,8 @@ def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, 
         return o
     y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
     snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
-    p.conv_kernel[p.conv_grid](
+    conv_kernel = conv_step_kernel if p.window_conv else conv_step_any_w_kernel    # looked up per call, as
+    conv_kernel[p.conv_grid](                                                      # gdn_step_kernel
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cache.conv_state,
         cache.pend_meta, snap, cache.err, state_indices, cu_seqlens if cu_seqlens is not None else state_indices,
         *p.conv_args, **p.conv_kw,
@@ -917,7 +918,9 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     difference misses and runs the full checks again; a call that fails them is never stored; an argument
     the signature cannot describe (None returned) is always checked in full. The value rules are not
     cached: check_values=True reads the values on the host on every call, as before, and the kernels'
-    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (_store).
+    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (_store). The configs'
+    other input, is_interpreting(), is fixed once fast is imported (fast/__init__ sets TRITON_INTERPRET
+    before any kernel is defined), so it is not part of the key.
     """
     sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                             cu_seqlens, scale, activation)
