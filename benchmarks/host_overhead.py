@@ -10,6 +10,7 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  vs fast.serving._checked_plan's hit: step_signature + one dict lookup (cached)
   signature      refgdn.serving.step_signature alone (the part of the cached path that grows with
                  the number of tensors)
+  accept checks  refgdn.serving.check_accept_inputs vs accept_signature + lookup (gdn_accept's hit)
   launch prep    fast.serving._build_plan (configs, grids, kernel arguments; recomputed per call
                  before) vs nothing (cached in the plan)
   decode host    gdn_decode's whole host side with the two Triton launches replaced by no-ops:
@@ -106,6 +107,15 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     out.append(("checks: cached (_checked_plan hit)", t(lambda: fs._checked_plan("decode", *step, None, "silu",
                                                                                    False))))
     out.append(("signature: step_signature alone", t(lambda: rs.step_signature(*step, None, "silu"))))
+    acc = (cache, args[8], torch.ones_like(args[8]))
+
+    def cached_accept_checks():       # what gdn_accept now does before its launch (valid call: a hit)
+        key = ("accept", rs.accept_signature(*acc))
+        return fs._cached(key)
+
+    fs._store(("accept", rs.accept_signature(*acc)), N)
+    out.append(("accept checks: check_accept_inputs (old)", t(lambda: rs.check_accept_inputs(*acc, False))))
+    out.append(("accept checks: cached (signature + lookup)", t(cached_accept_checks)))
     out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))
 
     def old_decode_host():            # gdn_decode as it was: full checks, launch prep every call
