@@ -251,6 +251,27 @@ def sweep_rows(device: str) -> list:
     return rows
 
 
+def conv_sweep_rows(device: str) -> list:
+    """fast conv1d backward (both passes, fast.conv_bwd) over per-pass tile configs at the conv row's shape,
+    one pass varied at a time; GB/s from the bytes the two passes must move (read x, dy; write dz fp32;
+    read dz; write dx: 12 bytes per element at bf16)."""
+    from fast import conv_bwd as cvb
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
+    w = (torch.randn(CONV_D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
+    dy = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
+    nbytes = 12 * CONV_T * CONV_D
+    grid = [(p, dict(BT=bt, BD=bd, num_warps=nw)) for p in ("dz", "dx") for bt in (32, 64, 128)
+            for bd in (64, 128, 256) for nw in (4, 8)]
+    rows = []
+    for pas, cfg in [(None, {})] + grid:
+        ms, err = _bench(lambda: cvb.causal_conv1d_bwd(x, w, dy, None, "silu",
+                                                       configs={pas: cfg} if pas else None))
+        rows.append({"pass": pas or "pinned", "config": str(cfg), "ms": ms,
+                     "GB/s": nbytes / ms / 1e6 if ms else None, "note": err})
+    return rows
+
+
 def profile_rows(device: str) -> list:
     """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
     steps at the timing shape, largest first, with its share of the total; beside it the same kernel in
@@ -276,6 +297,7 @@ def profile_rows(device: str) -> list:
 
 
 SECTIONS = ("timing", "profile", "errors")
+EXTRA_SECTIONS = ("conv_sweep",)          # run only when named in --only
 
 
 def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
@@ -299,6 +321,9 @@ def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
         yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
     if sweep:
         yield "Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}
+    if "conv_sweep" in only:
+        yield (f"Training: conv1d backward config sweep T={CONV_T} D={CONV_D} W={CONV_W} silu bf16",
+               conv_sweep_rows(device), {"GB/s": "12 bytes per element (x, dy, dz fp32 twice, dx) / time"})
 
 
 def run() -> list:
@@ -310,12 +335,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep fast's backward stage configs")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--only", default=",".join(SECTIONS),
-                    help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)")
+                    help=f"comma-separated sections to run, of {','.join(SECTIONS + EXTRA_SECTIONS)} "
+                         f"(default: {','.join(SECTIONS)})")
     args = ap.parse_args(argv)
     only = tuple(x for x in args.only.split(",") if x)
-    bad = [x for x in only if x not in SECTIONS]
+    bad = [x for x in only if x not in SECTIONS + EXTRA_SECTIONS]
     if bad:
-        ap.error(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS)}")
+        ap.error(f"--only: unknown section(s) {bad}; expected some of {list(SECTIONS + EXTRA_SECTIONS)}")
     if not common.gpu_available():
         print("bench_train: a CUDA GPU is needed (none found, or TRITON_INTERPRET=1); nothing to do.")
         return 0

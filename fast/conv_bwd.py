@@ -10,13 +10,21 @@ What is saved and why: the forward saves only its inputs (x, weight, bias, initi
 recomputed here (W multiply-adds per element, from rows the tile reads anyway) instead of storing a
 [B, T, D] pre-activation.
 
-One kernel, ``causal_conv1d_bwd_kernel``: a program owns BT rows x BD channels of one sequence; it
-recomputes dz on its rows shifted by 0..W-1 (the shifted reads hit L1/L2), writes dx, and per-program
-partial sums of dweight and dbias ([tiles, W, D] fp32, summed on the host: a deterministic reduction,
-no atomics); the first tile of a sequence also writes dinitial_state. Pinned config, no autotune.
+Two passes over tiles of BT rows x BD channels of one sequence:
+  1. ``conv_bwd_dz_kernel``: dz on the tile's rows (z recomputed once per element), stored to a
+     [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias
+     ([tiles, W, D] fp32, summed on the host: a deterministic reduction, no atomics);
+  2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2); the first tile of a
+     sequence also writes dinitial_state.
+Why two: dx_t needs dz at t .. t+W-1, and a Triton tile cannot shift its rows in registers; the earlier
+one-pass form recomputed dz W times per element (W^2 shifted x reads and W sigmoids per element: 3.2 ms
+against fla's ~1.0 ms at T = 16384, D = 8192 on an H100). The extra traffic is one fp32 write and read
+of dz. dx, dweight and dbias are bit-identical to the one-pass form's (same values, same order of sums).
+Pinned configs, no autotune.
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import triton
@@ -68,153 +76,206 @@ def _dz(x_base, dy_base, weight, bias, initial_state, s_off, rows, L, o_d, m_d,
     return b_dy
 
 
-@triton.jit(do_not_specialize=["T"])
-def causal_conv1d_bwd_kernel(
-    x, dy, weight, bias, initial_state, dfinal, cu_seqlens, tile_table,
-    dx, dw_part, db_part, dinit,
-    T, D,
-    stride_x_b, stride_x_t, stride_x_d, stride_dy_b, stride_dy_t,
-    stride_w_d, stride_w_w, stride_s_n, stride_s_d, stride_s_w,
-    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
-):
-    """grid = (cdiv(D, BD), tiles, B). x: [B, T, D] (any strides); dy: [B, T, D] (unit channel stride);
-    dfinal, dinit: [N, D, W-1] contiguous; dx: [B, T, D] contiguous; dw_part: [B * tiles, W, D] and
-    db_part: [B * tiles, D] (compute dtype). Tiles: dense cdiv(T, BT) per batch row, varlen the rows of
-    tile_table [NT, 2] = (sequence, tile within the sequence). BW = next_pow2(W - 1) rows for dinit."""
-    if FP64:
-        DT: tl.constexpr = tl.float64
-    else:
-        DT: tl.constexpr = tl.float32
-    i_d = tl.program_id(0)
-    i_t = tl.program_id(1)
-    i_b = tl.program_id(2)
+@triton.jit
+def _tile_coords(cu_seqlens, tile_table, i_t, i_b, T, stride_x_b, stride_x_t, stride_dy_b, stride_dy_t, D,
+                 IS_VARLEN: tl.constexpr):
+    """Tile i_t of batch row i_b (dense) or row i_t of tile_table (varlen) -> (sequence n, tile within it,
+    length L, x / dy offsets of its first token, offset of its first token in the contiguous [., T, D]
+    buffers dz and dx, partial-sum row)."""
     if IS_VARLEN:
         i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
         i_tt = tl.load(tile_table + i_t * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        x_base = x + bos * stride_x_t
-        dy_base = dy + bos * stride_dy_t
-        dx_base = dx + bos * D
-        i_part = i_t.to(tl.int64)
+        return i_n, i_tt, L, bos * stride_x_t, bos * stride_dy_t, bos * D, i_t.to(tl.int64)
     else:
         i_n = i_b.to(tl.int64)
-        i_tt = i_t.to(tl.int64)
-        L = T
-        x_base = x + i_n * stride_x_b
-        dy_base = dy + i_n * stride_dy_b
-        dx_base = dx + i_n * T * D
-        i_part = i_n * tl.num_programs(1) + i_t
+        return (i_n, i_t.to(tl.int64), (T + i_n * 0).to(tl.int64), i_n * stride_x_b, i_n * stride_dy_b,
+                i_n * T * D, i_n * tl.num_programs(1) + i_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def conv_bwd_dz_kernel(
+    x, dy, weight, bias, initial_state, cu_seqlens, tile_table,
+    dz, dw_part, db_part,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d, stride_dy_b, stride_dy_t,
+    stride_w_d, stride_w_w, stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    """Pass 1: dz = dy * act'(z) on this tile's rows (z recomputed from W shifted x rows), stored to dz,
+    and the tile's partial sums dweight[:, j] = sum_t dz_t x_{t-W+1+j}, dbias = sum_t dz_t.
+
+    grid = (cdiv(D, BD), tiles, B). x: [B, T, D] (any strides); dy: [B, T, D] (unit channel stride);
+    dz: [B, T, D] contiguous, compute dtype; dw_part: [B * tiles, W, D], db_part: [B * tiles, D]."""
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
+        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, stride_x_b, stride_x_t,
+        stride_dy_b, stride_dy_t, D, IS_VARLEN)
+    x_base = x + x_off
     s_off = i_n * stride_s_n
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     rows = i_tt * BT + tl.arange(0, BT).to(tl.int64)
     m_r = rows < L
-
-    # dx_t = sum_k weight[:, W-1-k] dz_{t+k}; dweight / dbias partials from dz on this tile's rows
-    b_dx = tl.zeros([BT, BD], dtype=DT)
-    b_db = tl.zeros([BD], dtype=DT)
-    for kk in tl.static_range(W):
-        b_dz = _dz(x_base, dy_base, weight, bias, initial_state, s_off, rows + kk, L, o_d, m_d,
-                   stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
-                   W, SILU, HAS_BIAS, HAS_INIT, DT)
-        wk = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
-        b_dx += wk[None, :] * b_dz
-        if kk == 0:                                       # dz on the tile's own rows
-            b_db = tl.sum(b_dz, 0)
-            for j in tl.static_range(W):
-                xin = _load_in(x_base, initial_state, s_off, rows - (W - 1) + j, L, o_d, m_d,
-                               stride_x_t, stride_x_d, stride_s_d, stride_s_w, W, HAS_INIT, DT)
-                tl.store(dw_part + (i_part * W + j) * D + o_d, tl.sum(b_dz * xin, 0), mask=m_d)
+    b_dz = _dz(x_base, dy + dy_off, weight, bias, initial_state, s_off, rows, L, o_d, m_d,
+               stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
+               W, SILU, HAS_BIAS, HAS_INIT, DT)                     # 0 on rows >= L
+    tl.store(dz + o_off + rows[:, None] * D + o_d[None, :], b_dz, mask=m_r[:, None] & m_d[None, :])
     if HAS_BIAS:
-        tl.store(db_part + i_part * D + o_d, b_db, mask=m_d)
-    if HAS_DFINAL:
-        # final_state[:, i] = x_{L-(W-1)+i}: rows t >= L-(W-1) get dfinal[:, t-L+W-1]
-        col = rows - L + (W - 1)
-        m_f = m_r & (col >= 0)
-        b_dx += tl.load(dfinal + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + col[:, None],
-                        mask=m_f[:, None] & m_d[None, :], other=0).to(DT)
-    tl.store(dx_base + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
-             mask=m_r[:, None] & m_d[None, :])
+        tl.store(db_part + i_part * D + o_d, tl.sum(b_dz, 0), mask=m_d)
+    for j in tl.static_range(W):
+        xin = _load_in(x_base, initial_state, s_off, rows - (W - 1) + j, L, o_d, m_d,
+                       stride_x_t, stride_x_d, stride_s_d, stride_s_w, W, HAS_INIT, DT)
+        tl.store(dw_part + (i_part * W + j) * D + o_d, tl.sum(b_dz * xin, 0), mask=m_d)
 
+
+@triton.jit
+def _dx_rows(dz_base, weight, pos, L, D, o_d, m_d, stride_w_d, stride_w_w, W: tl.constexpr, DT: tl.constexpr):
+    """[R, BD]: sum_k weight[:, W-1-k] dz_{pos+k} at positions pos ([R] int64, any value; dz counts as 0
+    outside [0, L)), accumulated over k = 0 .. W-1 in order."""
+    acc = tl.zeros([pos.shape[0], o_d.shape[0]], dtype=DT)
+    for kk in tl.static_range(W):
+        r = pos + kk
+        m = (r >= 0) & (r < L)
+        b_dz = tl.load(dz_base + r[:, None] * D + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0).to(DT)
+        wk = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
+        acc += wk[None, :] * b_dz
+    return acc
+
+
+@triton.jit
+def _dfinal_rows(acc, dfinal, i_n, pos, L, D, o_d, m_d, m_p, W: tl.constexpr, DT: tl.constexpr):
+    """acc + dfinal where x at pos is one of the last W-1 inputs: final_state[:, i] = x_{L-(W-1)+i}."""
+    col = pos - L + (W - 1)
+    m_f = m_p & (col >= 0)
+    return acc + tl.load(dfinal + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + col[:, None],
+                         mask=m_f[:, None] & m_d[None, :], other=0).to(DT)
+
+
+@triton.jit(do_not_specialize=["T"])
+def conv_bwd_dx_kernel(
+    dz, weight, dfinal, cu_seqlens, tile_table, dx, dinit,
+    T, D, stride_w_d, stride_w_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
+):
+    """Pass 2: dx_t = sum_k weight[:, W-1-k] dz_{t+k} (+ dfinal on the last W-1 inputs) on this tile's
+    rows; the first tile of a sequence also writes dinitial_state (positions -(W-1) .. -1).
+
+    grid = (cdiv(D, BD), tiles, B). dz: [B, T, D] contiguous (pass 1's); dx: [B, T, D] contiguous;
+    dfinal, dinit: [N, D, W-1] contiguous. BW = next_pow2(W - 1) rows for dinit."""
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
+        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, 0, 0, 0, 0, D, IS_VARLEN)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = i_tt * BT + tl.arange(0, BT).to(tl.int64)
+    m_r = rows < L
+    b_dx = _dx_rows(dz + o_off, weight, rows, L, D, o_d, m_d, stride_w_d, stride_w_w, W, DT)
+    if HAS_DFINAL:
+        b_dx = _dfinal_rows(b_dx, dfinal, i_n, rows, L, D, o_d, m_d, m_r, W, DT)
+    tl.store(dx + o_off + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=m_r[:, None] & m_d[None, :])
     if HAS_INIT:
         if i_tt == 0:
-            # positions p = -(W-1) .. -1 (initial_state column W-1+p), BW rows with the extra masked
             o_w = tl.arange(0, BW)
             pos = o_w.to(tl.int64) - (W - 1)
             m_p = o_w < W - 1
-            b_di = tl.zeros([BW, BD], dtype=DT)
             # (names distinct from the block above: a runtime branch may not change a variable's shape)
-            for kk in tl.static_range(W):
-                b_dzi = _dz(x_base, dy_base, weight, bias, initial_state, s_off, pos + kk, L, o_d, m_d,
-                            stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
-                            W, SILU, HAS_BIAS, HAS_INIT, DT)
-                wki = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
-                b_di += wki[None, :] * b_dzi
+            b_di = _dx_rows(dz + o_off, weight, pos, L, D, o_d, m_d, stride_w_d, stride_w_w, W, DT)
             if HAS_DFINAL:                                # a sequence shorter than W-1 keeps initial inputs
-                col_i = pos - L + (W - 1)
-                m_fi = m_p & (col_i >= 0)
-                b_di += tl.load(dfinal + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + col_i[:, None],
-                                mask=m_fi[:, None] & m_d[None, :], other=0).to(DT)
+                b_di = _dfinal_rows(b_di, dfinal, i_n, pos, L, D, o_d, m_d, m_p, W, DT)
             tl.store(dinit + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (pos + (W - 1))[:, None],
                      b_di.to(dinit.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
 
 
 def conv_bwd_config(T: int, D: int) -> dict:
-    """Pinned: BT = 32 rows x BD = 128 channels, 8 warps (GPU); small tiles in the interpreter. Compiled for
-    sm_90 (Triton 3.9, bf16, W = 4, silu; not timed): 4 warps spill 1.6 KB per thread (the W shifted dz
-    recomputes keep many [BT, BD] tiles live), 8 warps 20 B."""
+    """Pinned tiles of the two passes: {"dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the
+    interpreter. The passes exchange dz through memory, so their tilings are independent (pass 1's BT
+    sets the number of dweight / dbias partial rows). 8 warps for BT = 32 x BD = 128: 16 elements per
+    thread; each is a 64-bit pointer in Triton, and at 4 warps with BT = 64 both passes spilled 2-4 KB
+    per thread (sm_90, Triton 3.9, bf16, W = 4), at 8 warps with BT = 32 none."""
     if is_interpreting():
-        return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
-    return dict(BT=32, BD=max(16, min(128, next_pow2(D))), num_warps=8)
+        t = dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
+        return {"dz": t, "dx": dict(t)}
+    BD = max(16, min(128, next_pow2(D)))
+    return {"dz": dict(BT=32, BD=BD, num_warps=8), "dx": dict(BT=32, BD=BD, num_warps=8)}
 
 
 def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=None, cu_seqlens=None,
-                      dfinal=None):
+                      dfinal=None, *, configs: Optional[dict] = None):
     """x: [B, T, D], weight: [D, W], dy: [B, T, D], bias: [D], initial_state, dfinal: [N, D, W-1]
     -> (dx [B, T, D] x.dtype, dweight [D, W] weight.dtype, dbias [D] or None, dinitial_state [N, D, W-1] or None).
 
-        dx_t = sum_k weight[:, W-1-k] dz_{t+k} ;  dweight[:, j] = sum_t dz_t x_{t-W+1+j} ;  dbias = sum_t dz_t
+        dz = dy * act'(z) ;  dx_t = sum_k weight[:, W-1-k] dz_{t+k} ;  dweight[:, j] = sum_t dz_t x_{t-W+1+j} ;
+        dbias = sum_t dz_t
 
     refgdn.conv_bwd.causal_conv1d_bwd's twin. Inputs are assumed validated (the forward did).
+    configs: benchmark overrides merged over conv_bwd_config's {"dz": {...}, "dx": {...}} (None in use).
     """
     B, T, D = x.shape
     W = weight.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
     cdt = torch.float64 if fp64 else torch.float32
-    cfg = conv_bwd_config(T, D)
-    BT, BD = cfg["BT"], cfg["BD"]
-    if cu_seqlens is not None:
-        tile_table = prepare_chunk_indices(cu_seqlens, BT)               # host read (eager only)
-        n_tiles = tile_table.shape[0]
-    else:
-        tile_table, n_tiles = None, cdiv(T, BT)
+    base = conv_bwd_config(T, D)
+    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("dz", "dx")}
+    tables = {}
+
+    def tiles(BT):
+        """(tile_table or None, tile count) for tiles of BT rows (varlen: one host read of cu_seqlens)."""
+        if BT not in tables:
+            if cu_seqlens is not None:
+                t = prepare_chunk_indices(cu_seqlens, BT)                # host read (eager only)
+                tables[BT] = (t, t.shape[0])
+            else:
+                tables[BT] = (None, cdiv(T, BT))
+        return tables[BT]
+
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    n_part = (B if cu_seqlens is None else 1) * n_tiles
+    # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
+    dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
+    table_z, n_z = tiles(cfg["dz"]["BT"])
+    n_part = (B if cu_seqlens is None else 1) * n_z
     dw_part = torch.zeros(n_part, W, D, dtype=cdt, device=x.device)
     db_part = torch.zeros(n_part, D, dtype=cdt, device=x.device)
     dinit = torch.zeros(N, D, W - 1, dtype=initial_state.dtype, device=x.device) if initial_state is not None else None
     dfinal = dfinal.contiguous() if (dfinal is not None and W > 1) else None
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
-    if n_tiles > 0 and D > 0:
-        causal_conv1d_bwd_kernel[(cdiv(D, BD), n_tiles, B if cu_seqlens is None else 1)](
-            x, dy, weight, bias, initial_state, dfinal, cu_seqlens, tile_table,
-            dx, dw_part, db_part, dinit if dinit is not None else dx,
+    flags = dict(W=W, IS_VARLEN=cu_seqlens is not None, FP64=fp64, HAS_INIT=initial_state is not None)
+    Bg = B if cu_seqlens is None else 1
+    if n_z > 0 and D > 0:
+        c = cfg["dz"]
+        conv_bwd_dz_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
+            x, dy, weight, bias, initial_state, cu_seqlens, table_z, dz, dw_part, db_part,
             T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s,
-            W=W, BT=BT, BD=BD, BW=max(1, next_pow2(W - 1)),
-            SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-            HAS_DFINAL=dfinal is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64,
-            num_warps=cfg["num_warps"])
-    if dinit is not None and n_tiles > 0 and cu_seqlens is not None:
+            BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+            num_warps=c["num_warps"], **flags)
+        c = cfg["dx"]
+        table_x, n_x = tiles(c["BT"])
+        conv_bwd_dx_kernel[(cdiv(D, c["BD"]), n_x, Bg)](
+            dz, weight, dfinal, cu_seqlens, table_x, dx, dinit if dinit is not None else dx,
+            T, D, *weight.stride(),
+            BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
+            num_warps=c["num_warps"], **flags)
+    if dinit is not None and n_z > 0 and cu_seqlens is not None:
         # zero-length sequences own no tile: their initial state only reaches the final state
         empty = (cu_seqlens[1:] == cu_seqlens[:-1])
         if dfinal is not None:
             dinit[empty] = dfinal[empty].to(dinit.dtype)
-    elif dinit is not None and n_tiles == 0 and dfinal is not None:
+    elif dinit is not None and n_z == 0 and dfinal is not None:
         dinit.copy_(dfinal)
     dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)           # [W, D] -> [D, W]
     dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
