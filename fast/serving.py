@@ -98,17 +98,32 @@ from .utils import cdiv, is_interpreting, next_pow2
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
            "conv_config"]
 
+
+class _Const(tl.constexpr):
+    """A kernel-visible module constant: a tl.constexpr whose ``!=`` returns a plain bool.
+
+    Why: on every launch Triton's JITFunction.run re-checks that each global a kernel reads is unchanged
+    since compilation (``globals_dict.get(name) != val``, val a deep copy); tl.constexpr's ``!=`` builds a
+    new constexpr and then takes its bool (~1 us each on a slow host), and conv_step_kernel reads ten of
+    these constants, accept_kernel five. Same value, same repr (so the same compile hash and kernels);
+    inside kernels the constants are only passed, or-ed and and-ed with tensors, never compared.
+    """
+
+    def __ne__(self, other):
+        return self.value != (other.value if isinstance(other, tl.constexpr) else other)
+
+
 # fault codes and the awaiting-accept bit, shared with refgdn.serving (kernel-visible constants)
-_E_SLOT_RANGE, _E_SLOT_DUP = tl.constexpr(rs.E_SLOT_RANGE), tl.constexpr(rs.E_SLOT_DUP)
-_E_CU_START, _E_CU_ORDER = tl.constexpr(rs.E_CU_START), tl.constexpr(rs.E_CU_ORDER)
-_E_CU_END = tl.constexpr(rs.E_CU_END)
-_E_TOO_LONG, _E_AWAITING = tl.constexpr(rs.E_TOO_LONG), tl.constexpr(rs.E_AWAITING)
-_E_NO_VERIFY, _E_ACCEPT_RANGE = tl.constexpr(rs.E_NO_VERIFY), tl.constexpr(rs.E_ACCEPT_RANGE)
-_AWAIT = tl.constexpr(rs.AWAIT_ACCEPT)
+_E_SLOT_RANGE, _E_SLOT_DUP = _Const(rs.E_SLOT_RANGE), _Const(rs.E_SLOT_DUP)
+_E_CU_START, _E_CU_ORDER = _Const(rs.E_CU_START), _Const(rs.E_CU_ORDER)
+_E_CU_END = _Const(rs.E_CU_END)
+_E_TOO_LONG, _E_AWAITING = _Const(rs.E_TOO_LONG), _Const(rs.E_AWAITING)
+_E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE)
+_AWAIT = _Const(rs.AWAIT_ACCEPT)
 
 MIN_PROGRAMS = 256   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
-_SCAN_ROWS, _SCAN_COLS = tl.constexpr(16), tl.constexpr(32)   # tiles of the error path's earlier-fault scan
+_SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
