@@ -17,8 +17,15 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  old = check_step_inputs + _launch (uncached) + _check_if_free, cached = gdn_decode
   decode wall    (--device cuda only) the same two with the real launches, one sync per batch: what
                  benchmarks.bench_graphs' "fast eager (wall, host incl.)" row measures
+  --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
+                 reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
+                 trick), so JITFunction.run does all its host work (argument binding and specialisation, the
+                 cache-key lookup, the used-globals check) except the driver's launch call. Rows: one
+                 launch of each kernel, and the decode host old (full checks, launch prep) vs cached.
+                 --plain-constants: the kernel-visible constants as before (plain tl.constexpr; a separate
+                 process). Relies on Triton internals (driver.set_active); run it in a fresh process.
 
-Run: python -m benchmarks.host_overhead [--device cuda] [--iters 200] [--repeats 31]
+Run: python -m benchmarks.host_overhead [--device cuda | --sm90 [--plain-constants]] [--iters 200] [--repeats 31]
 (CPU by default: the real kernels would run in the Triton interpreter, so the decode rows stub them.)
 """
 from __future__ import annotations
@@ -87,6 +94,86 @@ def stubbed_kernels():
         fs.clear_plan_cache()
 
 
+def install_sm90_compile_only() -> None:
+    """A stand-in Triton driver (sm_90, device 0, stream 0) and compile-only launches (see --sm90).
+    Must run before triton or fast is imported."""
+    import os
+    os.environ["TRITON_INTERPRET"] = "0"
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(Sm90())
+    real_run = JITFunction.run
+
+    def compile_only(self, *a, grid, warmup, **kw):
+        return real_run(self, *a, grid=grid, warmup=True, **kw)
+    JITFunction.run = compile_only
+
+
+def use_plain_constants() -> None:
+    """fast.serving's kernel-visible constants as plain tl.constexpr (as before issue 10), before the first
+    launch: Triton's per-launch check of used globals then pays tl.constexpr's != (same values, same
+    kernels). It must precede compilation: the check compares against a copy taken when compiling, and a
+    _Const on either side of != takes the fast path."""
+    import triton.language as tl
+
+    import fast.serving as fs
+    for n, v in list(vars(fs).items()):
+        if isinstance(v, tl.constexpr):
+            setattr(fs, n, tl.constexpr(v.value))
+
+
+def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
+    """The --sm90 rows (install_sm90_compile_only() first): real JITFunction.run, no device."""
+    import fast.serving as fs
+    import refgdn.serving as rs
+    if plain:
+        use_plain_constants()
+    args = make_step("cpu")
+    x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
+    step = args[:7] + (cache, idx, None)
+    t = lambda fn: per_call_us(fn, iters, repeats)  # noqa: E731
+    fs.gdn_decode(*args)                                     # compiles both kernels (sm_90), stores the plan
+    p = fs._checked_plan("decode", *step, None, "silu", False)
+    y, o = torch.empty(p.y_shape, dtype=p.act_dtype), torch.empty(p.o_shape, dtype=p.act_dtype)
+    snap = torch.empty((p.N, 5), dtype=torch.int32)
+
+    def conv():
+        fs.conv_step_kernel[p.conv_grid](x, cw, cb, y, cache.conv_state, cache.pend_meta, snap, cache.err, idx, idx,
+                                         *p.conv_args, **p.conv_kw)
+
+    def gdn():
+        fs.gdn_step_kernel[p.step_grid](y, a, b, A_log, dt_bias, o, cache.ssm_state, cache.pend_k, cache.pend_v,
+                                        cache.pend_g, cache.pend_beta, cache.pend_meta, snap, 0.1, *p.step_args,
+                                        **p.step_kw)
+
+    def old_decode_host():
+        rs.check_step_inputs(*step, None, "silu", False)
+        fs._launch(*step, None, "silu", "decode")
+        fs._check_if_free(cache)
+
+    return [("sm90 launch: conv_step_kernel", t(conv)), ("sm90 launch: gdn_step_kernel", t(gdn)),
+            ("sm90 decode host: old (full checks, launch prep)", t(old_decode_host)),
+            ("sm90 decode host: cached (gdn_decode)", t(lambda: fs.gdn_decode(*args)))]
+
+
 def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     import fast.serving as fs
     import refgdn.serving as rs
@@ -142,11 +229,21 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--sm90", action="store_true", help="Triton's real launch path, compile-only (CPU)")
+    ap.add_argument("--plain-constants", action="store_true", help="--sm90 with the constants as before (old)")
     ns = ap.parse_args(argv)
-    if ns.device == "cpu":
+    if ns.sm90:
+        import sys
+        if "fast" in sys.modules or "triton" in sys.modules:
+            print("host_overhead --sm90: run it in a fresh process")
+            return 2
+        install_sm90_compile_only()
+    elif ns.device == "cpu":
         import fast  # noqa: F401 - sets TRITON_INTERPRET before the kernels are defined
-    print(f"host overhead per call, {ns.device}, N={N} H={H} HV={HV} K=V={K} D={D} W={W}, torch {torch.__version__}")
-    for name, us in rows(ns.device, ns.iters, ns.repeats):
+    where = "cpu, sm_90 compile-only launches" + (", plain tl.constexpr constants" if ns.plain_constants else "") \
+        if ns.sm90 else ns.device
+    print(f"host overhead per call, {where}, N={N} H={H} HV={HV} K=V={K} D={D} W={W}, torch {torch.__version__}")
+    for name, us in sm90_rows(ns.iters, ns.repeats, ns.plain_constants) if ns.sm90 else rows(ns.device, ns.iters, ns.repeats):
         print(f"  {name:<48s} {us:8.2f} us")
     return 0
 
