@@ -16,10 +16,12 @@ Tiny shapes, float32 (the Triton interpreter on CPU): a few seconds.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
+import triton.language as tl
 
 import fast
 import fast.serving as fs
@@ -350,3 +352,18 @@ def test_plan_follows_the_config_functions_in_use(monkeypatch):
     assert len(seen) == 1
     fast.gdn_decode(*w.decode_args())
     assert len(seen) == 1                 # cached again under the wrapper
+
+
+def test_kernel_constants_compare_like_tl_constexpr():
+    """fast.serving's kernel-visible constants (_Const) give Triton's per-launch used-globals check
+    (``current != compiled_copy``) the answers tl.constexpr gives, as plain bools, with the same repr
+    (the compile hash). A changed constant is still seen as changed."""
+    names = [n for n, v in vars(fs).items() if isinstance(v, tl.constexpr)]
+    assert len(names) >= 12 and all(type(getattr(fs, n)) is fs._Const for n in names)
+    for n in names:
+        c = getattr(fs, n)
+        plain = tl.constexpr(c.value)
+        assert repr(c) == repr(plain)
+        assert (c != copy.deepcopy(c)) is False and (c != plain) is False and (plain != c) is False
+        assert (c != tl.constexpr(c.value + 1)) is True and (c != fs._Const(c.value + 1)) is True
+        assert bool(tl.constexpr(c.value + 1) != c) is True
