@@ -197,10 +197,9 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     acc = (cache, args[8], torch.ones_like(args[8]))
 
     def cached_accept_checks():       # what gdn_accept now does before its launch (valid call: a hit)
-        key = ("accept", rs.accept_signature(*acc))
-        return fs._cached(key)
+        return fs._known("accept", ("accept", rs.accept_signature(*acc)))
 
-    fs._store(("accept", rs.accept_signature(*acc)), N)
+    fs._remember("accept", ("accept", rs.accept_signature(*acc)), N)
     out.append(("accept checks: check_accept_inputs (old)", t(lambda: rs.check_accept_inputs(*acc, False))))
     out.append(("accept checks: cached (signature + lookup)", t(cached_accept_checks)))
     out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))

@@ -937,31 +937,42 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     the signature cannot describe (None returned) is always checked in full. The value rules are not
     cached: check_values=True reads the values on the host on every call, as before, and the kernels'
     device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (_store), plus the last
-    one per mode (_LAST: compared first, which costs one tuple compare instead of a hash). The configs'
+    one per mode (_LAST, compared first: _known). The configs'
     other input, is_interpreting(), is fixed once fast is imported (fast/__init__ sets TRITON_INTERPRET
     before any kernel is defined), so it is not part of the key.
     """
     sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                             cu_seqlens, scale, activation)
     key = None if sig is None else (mode, step_config, conv_config, sig)
-    last = _LAST.get(mode)
-    if last is not None and key == last[0]:   # the previous call's signature again (one compare, no hash:
-        plan = last[1]                        # a model's layers of one geometry all take this path)
-    else:
-        plan = _cached(key)
-        if plan is not None:
-            _LAST[mode] = (key, plan)
+    plan = _known(mode, key)
     if plan is None:
         check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                           cu_seqlens, scale, activation, False)
         plan = _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                            cu_seqlens, activation, mode)
-        _store(key, plan)
-        if key is not None:
-            _LAST[mode] = (key, plan)
+        _remember(mode, key, plan)
     if check_values:                      # check_step_inputs' value rules: host reads, every call
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
     return plan
+
+
+def _known(mode: str, key):
+    """The value remembered for key (its call passed the checks), or None. The mode's last key is compared
+    first: one tuple compare, no hash (a model's layers of one geometry repeat the same key)."""
+    last = _LAST.get(mode)
+    if last is not None and key == last[0]:
+        return last[1]
+    value = _cached(key)
+    if value is not None:
+        _LAST[mode] = (key, value)
+    return value
+
+
+def _remember(mode: str, key, value) -> None:
+    """Remember a checked call's value under key (None: an argument the signature cannot describe)."""
+    if key is not None:
+        _store(key, value)
+        _LAST[mode] = (key, value)
 
 
 def _cached(key):
@@ -1055,12 +1066,12 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     Checked on the device (slot range, duplicates, a verify awaiting this accept, the count's range):
     a bad row writes nothing and its fault is raised by ``cache.check()`` (on a CPU device by the op itself).
     """
-    key = rs.accept_signature(cache, state_indices, num_accepted)
-    key = None if key is None else ("accept", key)
-    N = _cached(key)                      # the request count of a signature that passed the checks before
+    sig = rs.accept_signature(cache, state_indices, num_accepted)
+    key = None if sig is None else ("accept", sig)
+    N = _known("accept", key)             # the request count of a signature that passed the checks before
     if N is None:                         # (as _checked_plan: same safety argument, same bound)
         N = check_accept_inputs(cache, state_indices, num_accepted, False)
-        _store(key, N)
+        _remember("accept", key, N)
     if check_values:                      # check_accept_inputs' value rules: host reads, every call
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     if N == 0:
