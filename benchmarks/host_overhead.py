@@ -229,7 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--sm90", action="store_true", help="Triton's real launch path, compile-only (CPU)")
-    ap.add_argument("--plain-constants", action="store_true", help="--sm90 with the constants as before (old)")
+    ap.add_argument("--plain-constants", action="store_true",
+                    help="--sm90 with the constants as before (old)")
     ns = ap.parse_args(argv)
     if ns.sm90:
         import sys

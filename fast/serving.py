@@ -44,8 +44,9 @@ Validation that survives CUDA graphs (issue 8; the rules and their wording: refg
 Shapes, dtypes and devices are checked on the host before any launch, with refgdn's functions --
 once per call signature (every tensor's type, shape, stride, dtype and device, the cache's fields'
 too; refgdn.serving.step_signature): a call whose signature passed before reuses that verdict and
-its launch plan (_checked_plan says why that is safe and what invalidates it). Values live on the device, and reading them on the host is a sync (forbidden inside capture), so
-the kernels check them where they already load them, at no extra launch:
+its launch plan (_checked_plan says why that is safe and what invalidates it). Values live on the
+device, and reading them on the host is a sync (forbidden inside capture), so the kernels check them
+where they already load them, at no extra launch:
 
 * ``conv_step_kernel`` (and ``conv_step_any_w_kernel``; materialize runs them too): every program
   of request n computes the same verdict for its row (``_step_row_check``): slot < num_slots (negative: padded),
