@@ -548,10 +548,10 @@ def wy_bwd_config(K: int, V: int) -> dict:
     return dict(BV=min(32, BVmax), num_warps=8, num_stages=1)
 
 
-def _l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
-    """l2norm over the last dim in fp32, returned in x's dtype (refgdn.l2norm's arithmetic)."""
+def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """l2norm over the last dim in fp32 (refgdn.l2norm's arithmetic), returned in dtype."""
     xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(dtype)
 
 
 def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -602,8 +602,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     beta_dtype = beta.dtype
     if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
-        # fp32 operands at input_precision rprec
-        q, k, v, beta = (x.float() for x in (q, k, v, beta))
+        # fp32 operands at input_precision rprec. fp32 copies only where a kernel reads the raw 16-bit
+        # tensor as a dot operand: q and k without l2norm. With it, kernel 1 converts its k tiles and
+        # writes the normalised k in fp32, and q is normalised into fp32 below; v is read by kernel 2
+        # (converts its tiles) and the WY backward (converts), beta by kernels that convert on load.
+        if not l2:
+            q, k = q.float(), k.float()
         cdt, prec = torch.float32, rprec
         prec_of = (rprec, dt)
     else:
@@ -625,7 +629,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                 store_g=True, do_a=True, precise=precise, prec_of=prec_of,
                 cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
-    qu = _l2norm_fwd(q) if l2 else q.contiguous()                        # likewise q ([B, T, H, K])
+    qu = _l2norm_fwd(q, cdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
     w = torch.empty(B, T, HV, K, dtype=cdt, device=dev)
     u = torch.empty(B, T, HV, V, dtype=cdt, device=dev)
     _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)

@@ -289,6 +289,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  GATE=A_log is not None, L2NORM=l2, LOAD_G=False, STORE_G=True, DO_A=True,
                  PREC=_chunk._fp32_prec(kdt), INV_PREC=_chunk.INV_PRECISION[kdt],
                  INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(), DOT_F32=interp,
+                 UPCAST=False,
                  PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS),
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
                  kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
@@ -296,7 +297,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         out.append(CompileKey.make(
             "chunk_w_u_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV_all, IS_VARLEN=varlen,
-                 PREC=_chunk._fp32_prec(kdt), DOT_F32=interp, PRECISE=precise),
+                 PREC=_chunk._fp32_prec(kdt), DOT_F32=interp, PRECISE=precise, UPCAST=False),
             dict(k=kdt, v=v.dtype, beta=beta.dtype, G=_F32, A=kdt, w=kdt, u=v.dtype, cu_seqlens=cu,
                  chunk_indices=tab),
             opts(_chunk._cfg("w_u", _chunk.w_u_config(K, V)))))

@@ -134,12 +134,14 @@ def _g_block(g_base, s_gt, rows, m_r, G, Gl, G_off, acc, A_log_h, dt_bias_h,
 
 @triton.jit
 def _k_block(k_base, rows, m_r, s_kt, o_k, m_k, kn, kn_off, m_kn,
-             L2NORM: tl.constexpr, EPS: tl.constexpr):
+             L2NORM: tl.constexpr, EPS: tl.constexpr, UPCAST: tl.constexpr):
     """k rows [16, BK] of one 16-token block (padded rows and columns are 0). With L2NORM they are
     normalised and stored to kn where m_kn ([BK]: the columns, for the first value head of the GVA
-    group only; all False for the others)."""
+    group only; all False for the others). UPCAST: converted to fp32 first (exact for 16-bit k)."""
     b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
                   other=0.0)
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
     if L2NORM:
         b_k = _l2norm_rows(b_k, EPS)
         tl.store(kn + kn_off[:, None] + o_k[None, :], b_k, mask=m_r[:, None] & m_kn[None, :])
@@ -179,7 +181,7 @@ def chunk_kkt_inv_kernel(
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr,
     LOAD_G: tl.constexpr, STORE_G: tl.constexpr, DO_A: tl.constexpr,
     PREC: tl.constexpr, INV_PREC: tl.constexpr, INV_DIAG_PREC: tl.constexpr, INV_ROWS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, UPCAST: tl.constexpr,
     PRECISE: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr,
 ):
     """Per (chunk, value head): G = cumsum(g); kn = l2norm(k); A = (I + L)^-1.
@@ -193,7 +195,8 @@ def chunk_kkt_inv_kernel(
     lower blocks of L computed by 16x16 tl.dots, then
         A_ii = (I + L_ii)^-1                 (doubling; INV_ROWS: one row-substitution loop for all blocks)
         A_ij = -A_ii sum_{j <= m < i} L_im A_mj                  (block forward substitution)
-    Switches: LOAD_G (G given, no cumsum, Gl = 0), STORE_G, DO_A (else only G).
+    Switches: LOAD_G (G given, no cumsum, Gl = 0), STORE_G, DO_A (else only G); UPCAST: k tiles are
+    converted to fp32 after the load (the backward's fp32 recompute of 16-bit k, without an fp32 copy).
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -229,7 +232,7 @@ def chunk_kkt_inv_kernel(
                             THRESHOLD, PRECISE)
     if DO_A:
         b0 = tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0).to(tl.float32)
-        k0 = _k_block(k_base, r0, m0, s_kt, o_k, m_k, kn, kn0, m_kn, L2NORM, EPS)
+        k0 = _k_block(k_base, r0, m0, s_kt, o_k, m_k, kn, kn0, m_kn, L2NORM, EPS, UPCAST)
     if BT >= 32:
         r1 = r0 + 16
         m1 = r1 < eos
@@ -238,7 +241,7 @@ def chunk_kkt_inv_kernel(
                                 STORE_G, THRESHOLD, PRECISE)
         if DO_A:
             b1 = tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0).to(tl.float32)
-            k1 = _k_block(k_base, r1, m1, s_kt, o_k, m_k, kn, kn0 + 16 * H * K, m_kn, L2NORM, EPS)
+            k1 = _k_block(k_base, r1, m1, s_kt, o_k, m_k, kn, kn0 + 16 * H * K, m_kn, L2NORM, EPS, UPCAST)
     if BT >= 64:
         r2 = r0 + 32
         m2 = r2 < eos
@@ -252,9 +255,9 @@ def chunk_kkt_inv_kernel(
                                 STORE_G, THRESHOLD, PRECISE)
         if DO_A:
             b2 = tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0).to(tl.float32)
-            k2 = _k_block(k_base, r2, m2, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM, EPS)
+            k2 = _k_block(k_base, r2, m2, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM, EPS, UPCAST)
             b3 = tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0).to(tl.float32)
-            k3 = _k_block(k_base, r3, m3, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM, EPS)
+            k3 = _k_block(k_base, r3, m3, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM, EPS, UPCAST)
 
     if DO_A:
         # ---- the lower blocks of L (k is dead after this) --------------------------------------
@@ -329,13 +332,15 @@ def chunk_w_u_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Per (chunk, value head): w = A (beta exp(G) K) [BT, K], u = A (beta V) [BT, V].
 
     k: [B, T, H, K], v: [B, T, HV, V], beta: [B, T, HV] (strided, unit last-dim stride for k, v);
     G: [B, T, HV] fp32, A: [B, T, HV, BT] (zeros above the diagonal), w: [B, T, HV, K],
     u: [B, T, HV, V] (contiguous). A is rounded to k's dtype for the dots (it is stored so on the
-    main path). exp(G) <= 1 (G: cumsum of g <= 0). grid = (chunks * HV,), head fastest.
+    main path). exp(G) <= 1 (G: cumsum of g <= 0). grid = (chunks * HV,), head fastest. UPCAST: k and v
+    tiles converted to fp32 after the load (the backward's fp32 recompute of 16-bit inputs).
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -356,6 +361,9 @@ def chunk_w_u_kernel(
                   mask=m_rk, other=0.0)
     b_v = tl.load(v + i_b * s_vb + i_h * s_vh + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :],
                   mask=m_rv, other=0.0)
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
+        b_v = b_v.to(tl.float32)
     b_A = b_A.to(b_k.dtype)
     b_kb = (b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]).to(b_k.dtype)
     b_w = _dot(b_A, b_kb, PREC, DOT_F32)
@@ -405,7 +413,8 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
     prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
-    the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state);
+    the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state; kernels 1
+    and 2 then convert their k / v tiles to fp32 themselves, so k and v may stay 16-bit);
     cfg_over: keys merged over the pinned config (the fp32 recompute takes 2 warps); configs, inv_method:
     benchmark knobs (module comment)."""
     H, K = k.shape[2], k.shape[3]
@@ -422,7 +431,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
-        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(),
+        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=prec_of is not None,
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
         **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
 
@@ -441,7 +450,7 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         *k.stride()[:3], *v.stride()[:3], *beta.stride(),
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
-        PRECISE=precise,
+        PRECISE=precise, UPCAST=prec_of is not None,
         **_cfg("w_u", w_u_config(K, V), configs))
 
 
