@@ -33,40 +33,11 @@ def main(argv=None) -> int:
     if "triton" in sys.modules or "fast" in sys.modules:
         print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
         return 2
-    os.environ["TRITON_INTERPRET"] = "0"                  # before fast / triton load: real compiles
+    compiled = []
+    from .sm90 import install_compile_only             # before fast / triton load: real compiles
+    install_compile_only(lambda name, kernel: compiled.append((name, kernel)))
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
-
-    class Sm90:
-        """The stand-in driver: an sm_90 target, device 0, stream 0."""
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def is_active(self):
-            return True
-
-    driver.set_active(Sm90())
-    compiled = []
-    real_run = JITFunction.run
-
-    def compile_only(self, *a, grid, warmup, **kw):
-        kernel = real_run(self, *a, grid=grid, warmup=True, **kw)
-        compiled.append((self.__name__, kernel))
-        return kernel
-
-    JITFunction.run = compile_only
 
     import fast.chunk as fc
     import fast.chunk_bwd as cb

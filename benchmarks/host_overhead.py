@@ -97,34 +97,8 @@ def stubbed_kernels():
 def install_sm90_compile_only() -> None:
     """A stand-in Triton driver (sm_90, device 0, stream 0) and compile-only launches (see --sm90).
     Must run before triton or fast is imported."""
-    import os
-    os.environ["TRITON_INTERPRET"] = "0"
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
-
-    class Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def is_active(self):
-            return True
-
-    driver.set_active(Sm90())
-    real_run = JITFunction.run
-
-    def compile_only(self, *a, grid, warmup, **kw):
-        return real_run(self, *a, grid=grid, warmup=True, **kw)
-    JITFunction.run = compile_only
+    from .sm90 import install_compile_only
+    install_compile_only()
 
 
 def use_plain_constants() -> None:
