@@ -272,6 +272,31 @@ def conv_sweep_rows(device: str) -> list:
     return rows
 
 
+def profile_fla_rows(device: str) -> list:
+    """fla's forward + backward (guard bypassed) per kernel at the timing shape (torch.profiler), to set
+    beside fast's profile; the first calls autotune (~2 min)."""
+    from .profile_decode import kernel_times
+
+    fla = common.try_import_fla()
+    if fla is None or fla.chunk_gated_delta_rule is None:
+        return [dict(kernel="fla not installed")]
+    fla_guard_bypass()
+    leaves, do = inputs(B, T, H, HV, device)
+    step = _fwd_bwd(_fla_call(fla.chunk_gated_delta_rule), leaves, do)
+
+    def clean():
+        step()
+        for x in leaves:
+            x.grad = None
+    clean()
+    kt = kernel_times(clean, steps=5)
+    total = sum(kt.values()) or 1.0
+    rows = [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%")
+            for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
+    rows.append(dict(kernel="total (all kernels)", us=total, share="100%"))
+    return rows
+
+
 def profile_rows(device: str) -> list:
     """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
     steps at the timing shape, largest first, with its share of the total; beside it the same kernel in
@@ -297,7 +322,7 @@ def profile_rows(device: str) -> list:
 
 
 SECTIONS = ("timing", "profile", "errors")
-EXTRA_SECTIONS = ("conv_sweep",)          # run only when named in --only
+EXTRA_SECTIONS = ("conv_sweep", "profile_fla")          # run only when named in --only
 
 
 def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
@@ -321,6 +346,9 @@ def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
         yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
     if sweep:
         yield "Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}
+    if "profile_fla" in only:
+        yield ("Training: where fla's forward + backward time goes (guard bypassed, torch.profiler, per kernel)",
+               profile_fla_rows(device), {"us": "mean device time per step over 5 steps"})
     if "conv_sweep" in only:
         yield (f"Training: conv1d backward config sweep T={CONV_T} D={CONV_D} W={CONV_W} silu bf16",
                conv_sweep_rows(device), {"GB/s": "12 bytes per element (x, dy, dz fp32 twice, dx) / time"})
