@@ -27,14 +27,22 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
      (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
-Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION below): for 16-bit inputs the recompute runs on fp32
-copies of q, k, v, beta (tf32 products for bf16, tf32x3 for fp16), h, v_new and dh are fp32, and products
-with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw, dv_new, dG)
-are fp32. The 16-bit variant (both None) is faster and fails the conformance rule on dg in bf16 (numbers
-below). fp32 inputs: IEEE products. The products A^T dA A^T of the inverse's backward run in fp32
-(INV_PRECISION). Configs are pinned (``*_bwd_config``, chosen from sm_90 compiles by
-benchmarks/compile_check.py: shared memory and spills), never autotuned: these are training kernels but
-they share the forward's no-autotune rule.
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION below): for 16-bit inputs the recompute runs in fp32
+(tf32 products for bf16, tf32x3 for fp16) on the inputs' exact fp32 values: kernels 1-2 convert their
+16-bit k / v tiles after the load (UPCAST), q and k are normalised straight into fp32, and only without
+l2norm are fp32 copies of q and k made (every later kernel reads them as dot operands). h, v_new and dh
+are fp32, and products with a gradient operand take fp32 operands; gradients that are summed further
+(dq, dk, dw, dv_new, dG) are fp32. The 16-bit variant (both None) is faster and fails the conformance
+rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
+products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
+pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
+times from bench_train --sweep on an H100), never autotuned: these are training kernels but they share
+the forward's no-autotune rule.
+
+Where the time goes (H100, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
+--only profile): forward + backward 9.3 ms, of which the WY backward 2.2, stage 3 1.7, the reverse state
+pass 1.5, the state pass (forward and recompute) 1.2 ms; the 16-bit variant runs the same kernels in
+1.5 / 1.1 / 0.5 / 0.7 ms (5.8 ms in all; fla 0.6.0's forward + backward 4.4 ms in the same run).
 """
 from __future__ import annotations
 
@@ -65,9 +73,14 @@ from .utils import cdiv, is_interpreting
 # Why: the backward rounds at a dozen places where refgdn (the oracle in the same precision) rounds once,
 # and dg (a reverse cumsum over up to BT tokens of differences of larger terms) and dA_log / ddt_bias (sums
 # over all tokens) amplify it. Worst conformance ratio over the quick gradient families, interpreter with
-# bf16 operands and tf32 modelled as truncation (fast.chunk._trunc_tf32):
-#   bf16: None/None 2.24 (fails), tf32/None 1.44 (fails), tf32/tf32 0.53
+# bf16 operands and tf32 modelled as truncation (fast.chunk._trunc_tf32; python -m
+# benchmarks.grad_precision --quick):
+#   bf16: None/None 2.24 (fails: ddt_bias with fused gating; dk 1.1-1.6 elsewhere), tf32/None 1.44
+#     (fails), None/tf32 1.12 (fails: a 2-ulp dk at the largest entry of a length-1 sequence), tf32/tf32 0.54
 #   fp16: None/None 0.68, tf32/None 1.16 (truncated tf32 is coarser than fp16), tf32x3/tf32x3 0.22
+# On an H100 at bench_train's error shape (B=1 T=1024 H=4 HV=8) the 16-bit variant passes (worst 0.57, dg;
+# fla 0.56, the default 0.32): the quick families' length-1 sequences, fused gating and strong decay are
+# what it fails.
 # fp32 inputs: IEEE products throughout.
 GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
 RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None})
