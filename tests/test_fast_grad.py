@@ -198,6 +198,29 @@ def test_refgdn_conv_bwd_matches_autograd(W, act, cu):
         close(got, ref)
 
 
+@pytest.mark.parametrize("tiles", [
+    pytest.param(({"BT": 8, "BD": 16, "num_warps": 4}, {"BT": 4, "BD": 32, "num_warps": 4}), id="dz8-dx4"),
+    pytest.param(({"BT": 4, "BD": 32, "num_warps": 4}, {"BT": 16, "BD": 16, "num_warps": 4}), id="dz4-dx16"),
+])
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 2, 9, 30]], ids=["dense", "varlen-empty-short"])
+def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
+    """fast.conv_bwd's passes exchange dz through memory, so each may tile differently (on a GPU they do:
+    64 vs 32 rows); float64 runs exact arithmetic, so fast must match refgdn's backward to rounding."""
+    from fast import conv_bwd as fcb
+    gen = torch.Generator().manual_seed(8)
+    W, B = 4, 2 if cu is None else 1
+    T, D = 30, 40
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, dtype=F64, generator=gen)  # noqa: E731
+    x, w, b, s0, dfin = r(B, T, D), r(D, W), r(D), r(N, D, W - 1), r(N, D, W - 1)
+    dy = r(B, T, D)
+    cut = None if cu is None else torch.tensor(cu)
+    want = rcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin)
+    got = fcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin, configs={"dz": tiles[0], "dx": tiles[1]})
+    for g, ref in zip(got, want):
+        close(g, ref)
+
+
 # ----------------------------------------------------------------------------------------------
 # fast against refgdn autograd, by the conformance rule
 # ----------------------------------------------------------------------------------------------
