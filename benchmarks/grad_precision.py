@@ -7,8 +7,9 @@ around the cases, then restored).
 
     python -m benchmarks.grad_precision [--quick] [--dtype bfloat16] [--variants None/None,tf32/tf32]
 
-A variant is ``grad_dot/recompute`` with ``None`` for 16-bit (e.g. ``None/tf32``: 16-bit products with
-a gradient operand, fp32 recompute at tf32). Output: one table, rows per family and variant, the worst
+A variant is ``grad_dot/recompute[/16-bit]`` with ``None`` for 16-bit (e.g. ``None/tf32``: 16-bit products
+with a gradient operand, fp32 recompute at tf32; ``tf32/tf32/16-bit``: the fp32 recompute's intermediates
+stored in 16 bits, fast.chunk_bwd's RECOMPUTE_STORAGE). Output: one table, rows per family and variant, the worst
 ratio over that family's checks and chunk sizes (pass <= 1), which gradient it was, and the ms column.
 """
 from __future__ import annotations
@@ -23,20 +24,47 @@ import torch
 
 from . import common
 
-DEFAULT_VARIANTS = {"bfloat16": "None/None,tf32/None,None/tf32,tf32/tf32",
-                    "float16": "None/None,None/tf32x3,tf32x3/tf32x3"}
+DEFAULT_VARIANTS = {"bfloat16": "None/None,tf32/None,None/tf32,tf32/tf32,tf32/tf32/16-bit",
+                    "float16": "None/None,None/tf32x3,tf32x3/tf32x3,tf32x3/tf32x3/16-bit"}
 
 
 def _parse(v: str):
-    a, b = v.split("/")
-    return (None if a == "None" else a, None if b == "None" else b)
+    """"grad_dot/recompute[/16-bit]" -> the precision tuple of fast.chunk_bwd.chunk_gated_delta_rule_bwd."""
+    parts = [None if x == "None" else x for x in v.split("/")]
+    return tuple(parts) if len(parts) == 3 else (parts[0], parts[1], None)
 
 
 def _patched(dt: torch.dtype, pair):
     from fast import chunk_bwd as cb
     g = MappingProxyType({**cb.GRAD_DOT_PRECISION, dt: pair[0]})
     r = MappingProxyType({**cb.RECOMPUTE_PRECISION, dt: pair[1]})
-    return mock.patch.multiple(cb, GRAD_DOT_PRECISION=g, RECOMPUTE_PRECISION=r)
+    st = MappingProxyType({**cb.RECOMPUTE_STORAGE, dt: pair[2]})
+    return mock.patch.multiple(cb, GRAD_DOT_PRECISION=g, RECOMPUTE_PRECISION=r, RECOMPUTE_STORAGE=st)
+
+
+def interpreter_bf16_round_to_nearest() -> None:
+    """Make the Triton interpreter's fp32 -> bf16 casts round to nearest even, as a GPU's cvt.rn does, in
+    this process. Triton 3.9's interpreter truncates them (runtime/interpreter.py: cast_impl calls
+    _convert_float with no rounding mode: the low 16 bits are dropped), so every bf16 value a kernel
+    stores or rounds in the interpreter carries up to twice a GPU's error, always toward zero, and CPU
+    runs of the bf16 variants read worse than a GPU would. NaN payloads are not preserved (none arise)."""
+    import numpy as np
+
+    import fast  # noqa: F401  (first: it sets TRITON_INTERPRET=1 on a machine without a GPU)
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+    if getattr(ti._convert_float, "_rne", False):
+        return
+    real = ti._convert_float
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if rounding_mode is None and input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint32).astype(np.uint64)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16               # round half to even
+            return bits.astype(np.uint16).reshape(np.shape(input))
+        return real(input, input_dtype, output_dtype, rounding_mode)
+    convert._rne = True
+    ti._convert_float = convert
 
 
 def conformance_rows(dt: torch.dtype, pair, quick: bool, device: str) -> list:
@@ -73,7 +101,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI-size gradient families (the interpreter's)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DEFAULT_VARIANTS))
     ap.add_argument("--variants", default=None, help="comma-separated grad_dot/recompute pairs")
+    ap.add_argument("--interpreter-rne", action="store_true",
+                    help="interpreter only: fp32 -> bf16 casts round to nearest even as on a GPU (see "
+                         "interpreter_bf16_round_to_nearest); the default keeps the interpreter's truncation, "
+                         "which CI's runs see")
     args = ap.parse_args(argv)
+    if args.interpreter_rne:
+        interpreter_bf16_round_to_nearest()
     dt = getattr(torch, args.dtype)
     device = "cuda" if common.gpu_available() else "cpu"
     rows = []
@@ -88,7 +122,8 @@ def main(argv=None) -> int:
         rows.append(dict(variant=v, family="(worst)", ratio=worst, where=f"{time.perf_counter() - t0:.0f} s",
                          passed="yes" if worst <= 1 else "NO", **{"fwd+bwd ms": ms}))
         print(common.format_table(rows[-len(fam) - 1:]), flush=True)
-    print(f"\ndevice: {common.device_name() if device == 'cuda' else 'cpu (interpreter)'} | {args.dtype} | "
+    interp = "cpu (interpreter" + (", bf16 casts round to nearest)" if args.interpreter_rne else ", bf16 casts truncate)")
+    print(f"\ndevice: {common.device_name() if device == 'cuda' else interp} | {args.dtype} | "
           f"{'quick' if args.quick else 'full'} families")
     print(common.format_table([r for r in rows if r["family"] == "(worst)"]))
     return 0

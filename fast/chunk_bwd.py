@@ -84,6 +84,20 @@ from .utils import cdiv, is_interpreting
 # fp32 inputs: IEEE products throughout.
 GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
 RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None})
+# STORAGE of the recompute's chunk-local intermediates (normalised q / k, A, w, u, h, dh), per input dtype:
+# None keeps the recompute's dtype (fp32 with RECOMPUTE_PRECISION set); "16-bit" stores them in the
+# inputs' dtype while every kernel still computes on their (exactly converted) fp32 values: half the
+# bytes of the fp32 recompute. v_new stays fp32 (rounding it too failed: quick bf16 families, worst ratio
+# 1.24 on da with fused gating). Simulated in the interpreter by rounding each fp32 buffer in place after
+# the kernel that writes it: kn + qu + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54),
+# each alone <= 0.69; the implementation, with the interpreter's bf16 casts rounding to nearest as a GPU's
+# do (benchmarks.grad_precision --interpreter-rne): 0.84 (fp16 inputs: 0.52). Compiles for sm_90 (Triton
+# 3.9) at BT 16 / 32 / 64. Not run on a GPU yet: experimental, off by default.
+# Interpreter caveat for every bf16 figure above: Triton's interpreter casts fp32 -> bf16 by truncation
+# (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
+# zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
+# 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
+RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: None, torch.float16: None, torch.float32: None})
 
 
 def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
@@ -585,7 +599,7 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
                                stages: Optional[dict] = None, *, configs: Optional[dict] = None,
-                               precision: Optional[Tuple[Optional[str], Optional[str]]] = None):
+                               precision: Optional[tuple] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
@@ -596,7 +610,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     stages): h, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
     per value head), dv, dbeta, dg. Costs copies; None in normal use.
     Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
-    precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]).
+    precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
+    or a triple whose third item "16-bit" stores the recompute's chunk-local intermediates (normalised
+    q / k, A, w, u, h, dh) in the inputs' 16-bit dtype (v_new stays fp32) while every kernel still computes
+    on their fp32 values at the recompute / grad_dot precision (module comment STORAGE). Experimental.
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -611,9 +628,21 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     precise = _precise(v.dtype)
     dot_f32 = is_interpreting()
     BK, _ = _blocks(K, V)
-    gprec, rprec = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]) if precision is None else precision
+    if precision is None:
+        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt])
+    gprec, rprec = precision[:2]
+    store16 = len(precision) > 2 and precision[2] == "16-bit"
+    if len(precision) > 2 and precision[2] not in (None, "16-bit"):
+        raise ValueError(f"precision: storage must be None or '16-bit', got {precision[2]!r}")
+    if store16 and (gprec is None or rprec is None or dt == torch.float32):
+        raise ValueError(f"precision: 16-bit storage needs a grad_dot and a recompute precision and 16-bit "
+                         f"inputs, got {precision} for {dt}")
     beta_dtype = beta.dtype
-    if rprec is not None:
+    if store16:
+        # the inputs are exact in their own dtype: no copies; kernels 1-3 convert their tiles (UPCAST)
+        cdt, prec = torch.float32, rprec
+        prec_of = (rprec, dt)
+    elif rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
         # fp32 operands at input_precision rprec. fp32 copies only where a kernel reads the raw 16-bit
         # tensor as a dot operand: q and k without l2norm. With it, kernel 1 converts its k tiles and
@@ -634,23 +663,24 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # recomputes them in fp32.
     G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     Gl = torch.empty_like(G) if precise else None
-    A = torch.empty(B, T, HV, BT, dtype=cdt, device=dev)
-    kn = torch.empty(B, T, H, K, dtype=cdt, device=dev) if l2 else None
+    sdt = dt if store16 else cdt                                         # storage of A, kn, qu, w, u, h, dh
+    A = torch.empty(B, T, HV, BT, dtype=sdt, device=dev)
+    kn = torch.empty(B, T, H, K, dtype=sdt, device=dev) if l2 else None
     # fp32 k blocks in one warp spill (1.2 KB per thread at K = 128, sm_90, Triton 3.9; 2 warps: 0.5 KB)
     fp32_gpu = cdt == torch.float32 and not is_interpreting()
     _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
                 store_g=True, do_a=True, precise=precise, prec_of=prec_of,
                 cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
-    qu = _l2norm_fwd(q, cdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
-    w = torch.empty(B, T, HV, K, dtype=cdt, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=cdt, device=dev)
+    qu = _l2norm_fwd(q, sdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
+    w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=sdt, device=dev)
     _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
     # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
     # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
     # fp32 registers) even when the rest is 16-bit.
     hv_dt = cdt if gprec is None else torch.float32
-    h = torch.empty(ch.total, HV, K, V, dtype=hv_dt, device=dev)
+    h = torch.empty(ch.total, HV, K, V, dtype=sdt if store16 else hv_dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
     # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
@@ -670,7 +700,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     do = do.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     dv_new = torch.empty(B, T, HV, V, **f32)
-    dh = torch.empty(ch.total, HV, K, V, dtype=cdt if gprec is None else torch.float32, device=dev)
+    dh = torch.empty(ch.total, HV, K, V, dtype=sdt if store16 else (cdt if gprec is None else torch.float32),
+                     device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
     dq = torch.empty(B, T, HV, K, **f32)
     dk = torch.empty(B, T, HV, K, **f32)
@@ -680,7 +711,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dbeta = torch.empty(B, T, HV, **f32)
     dg = torch.empty(B, T, HV, **f32)
     dA_log_t = torch.empty(B, T, HV, **f32) if A_log is not None else None
-    common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen, PREC=prec,
+    # 16-bit storage: the stages' own products of stored values (Q K^T, K K^T) take 16-bit operands, exact
+    # products of the stored values (PREC None); products with a gradient operand convert both to fp32
+    common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen,
+                  PREC=None if store16 else prec,
                   DOT_F32=dot_f32, PRECISE=precise, GPREC=gprec, EMU_TF32=dot_f32 and gprec == "tf32")
 
     if ch.total > 0 and HV > 0:

@@ -307,7 +307,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             "chunk_state_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
-                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise),
+                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False),
             dict(k=k.dtype, w=k.dtype, u=v.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), h=k.dtype, v_new=v.dtype,
                  ht=_F32 if output_final_state else None, cu_seqlens=cu, chunk_offsets=tab),
             opts(cfg)))

@@ -225,6 +225,34 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
 # fast against refgdn autograd, by the conformance rule
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("varlen-empty-len1", 32)])
+def test_fast_bwd_16bit_storage_passes_the_rule_fp16(family, BT):
+    """The experimental 16-bit storage of the recompute's intermediates (fast.chunk_bwd.RECOMPUTE_STORAGE)
+    on the conformance matrix's own quick gradient cases, fp16 inputs (the interpreter rounds fp16 like a
+    GPU; its bf16 casts truncate): every gradient passes the rule."""
+    from types import MappingProxyType
+    from unittest import mock
+
+    from conformance import cases_grad
+    from fast import chunk_bwd as cb
+    p, _ = cases_grad._gdn_grad_families(True)[family]
+    case = cases_grad.gdn_grad_case(family, p, torch.float16, BT, True)
+    st = MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: "16-bit"})
+    with mock.patch.object(cb, "RECOMPUTE_STORAGE", st):
+        results = [(c.name, evaluate(c)) for c in case.run(DEV)]
+    assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
+
+
+def test_fast_bwd_bad_storage_raises():
+    from fast import chunk_bwd as cb
+    x = torch.randn(1, 4, 1, 16, device=DEV).half()
+    g, b = -torch.rand(1, 4, 1, device=DEV), torch.rand(1, 4, 1, device=DEV).half()
+    with pytest.raises(ValueError, match="storage"):
+        cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("tf32x3", "tf32x3", "fp8"), chunk_size=16)
+    with pytest.raises(ValueError, match="16-bit storage"):
+        cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=(None, "tf32x3", "16-bit"), chunk_size=16)
+
+
 def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):
     """fn(ops, **inputs) -> scalar loss. Gradients of fast (inputs in dtype), refgdn in dtype and refgdn
     in float64 on the same rounded values; every gradient must pass the conformance rule."""

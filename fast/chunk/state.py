@@ -35,7 +35,7 @@ def chunk_state_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -48,7 +48,8 @@ def chunk_state_kernel(
     K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
     to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
     compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
-    computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). UPCAST (the backward's fp32
+    recompute): w and k tiles converted to fp32 after the load, so both dots keep S and v_new in fp32.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -85,6 +86,8 @@ def chunk_state_kernel(
         m_rv = m_r[:, None] & m_v[None, :]
         tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
         b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+        if UPCAST:
+            b_w = b_w.to(tl.float32)
         b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
         # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
         tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -102,6 +105,8 @@ def chunk_state_kernel(
             d_G = d_G + (tl.load(Gl + i_last) - tl.load(Gl + tok, mask=m_r, other=0.0))
         b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
                       mask=m_r[:, None] & m_k[None, :], other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
 
         # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
         # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
@@ -159,7 +164,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
-        **cfg)
+        UPCAST=prec_of is not None, **cfg)
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,

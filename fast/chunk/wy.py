@@ -144,7 +144,7 @@ def _k_block(k_base, rows, m_r, s_kt, o_k, m_k, kn, kn_off, m_kn,
         b_k = b_k.to(tl.float32)
     if L2NORM:
         b_k = _l2norm_rows(b_k, EPS)
-        tl.store(kn + kn_off[:, None] + o_k[None, :], b_k, mask=m_r[:, None] & m_kn[None, :])
+        tl.store(kn + kn_off[:, None] + o_k[None, :], b_k.to(kn.dtype.element_ty), mask=m_r[:, None] & m_kn[None, :])
     return b_k
 
 
