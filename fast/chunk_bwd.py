@@ -631,27 +631,24 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if precision is None:
         precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt])
     gprec, rprec = precision[:2]
-    store16 = len(precision) > 2 and precision[2] == "16-bit"
-    if len(precision) > 2 and precision[2] not in (None, "16-bit"):
-        raise ValueError(f"precision: storage must be None or '16-bit', got {precision[2]!r}")
+    storage = precision[2] if len(precision) > 2 else None
+    if storage not in (None, "16-bit"):
+        raise ValueError(f"precision: storage must be None or '16-bit', got {storage!r}")
+    store16 = storage == "16-bit"
     if store16 and (gprec is None or rprec is None or dt == torch.float32):
         raise ValueError(f"precision: 16-bit storage needs a grad_dot and a recompute precision and 16-bit "
                          f"inputs, got {precision} for {dt}")
     beta_dtype = beta.dtype
-    if store16:
-        # the inputs are exact in their own dtype: no copies; kernels 1-3 convert their tiles (UPCAST)
-        cdt, prec = torch.float32, rprec
-        prec_of = (rprec, dt)
-    elif rprec is not None:
+    if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
         # fp32 operands at input_precision rprec. fp32 copies only where a kernel reads the raw 16-bit
-        # tensor as a dot operand: q and k without l2norm. With it, kernel 1 converts its k tiles and
-        # writes the normalised k in fp32, and q is normalised into fp32 below; v is read by kernel 2
-        # (converts its tiles) and the WY backward (converts), beta by kernels that convert on load.
-        if not l2:
+        # tensor as a dot operand: q and k without l2norm and without 16-bit storage. With l2norm, kernel 1
+        # converts its k tiles and writes the normalised k, and q is normalised below; with 16-bit storage
+        # the raw inputs are the stored values. v is read by kernel 2 (converts its tiles) and the WY
+        # backward (converts), beta by kernels that convert on load.
+        if not l2 and not store16:
             q, k = q.float(), k.float()
-        cdt, prec = torch.float32, rprec
-        prec_of = (rprec, dt)
+        cdt, prec, prec_of = torch.float32, rprec, (rprec, dt)
     else:
         cdt, prec, prec_of = dt, _fp32_prec(dt), None
     k_in = k if k.stride(-1) == 1 else k.contiguous()
@@ -680,7 +677,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
     # fp32 registers) even when the rest is 16-bit.
     hv_dt = cdt if gprec is None else torch.float32
-    h = torch.empty(ch.total, HV, K, V, dtype=sdt if store16 else hv_dt, device=dev)
+    state_dt = sdt if store16 else hv_dt                                 # h here, dh in stage 2
+    h = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
     # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
@@ -700,8 +698,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     do = do.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     dv_new = torch.empty(B, T, HV, V, **f32)
-    dh = torch.empty(ch.total, HV, K, V, dtype=sdt if store16 else (cdt if gprec is None else torch.float32),
-                     device=dev)
+    dh = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
     dq = torch.empty(B, T, HV, K, **f32)
     dk = torch.empty(B, T, HV, K, **f32)
