@@ -272,53 +272,51 @@ def conv_sweep_rows(device: str) -> list:
     return rows
 
 
-def profile_fla_rows(device: str) -> list:
-    """fla's forward + backward (guard bypassed) per kernel at the timing shape (torch.profiler), to set
-    beside fast's profile; the first calls autotune (~2 min)."""
+def _step_kernel_times(call, leaves, do) -> dict:
+    """Mean device time per kernel (us) of forward + backward through `call` (5 profiled steps after a
+    warm-up, benchmarks.profile_decode.kernel_times), gradients cleared between steps."""
     from .profile_decode import kernel_times
 
-    fla = common.try_import_fla()
-    if fla is None or fla.chunk_gated_delta_rule is None:
-        return [dict(kernel="fla not installed")]
-    fla_guard_bypass()
-    leaves, do = inputs(B, T, H, HV, device)
-    step = _fwd_bwd(_fla_call(fla.chunk_gated_delta_rule), leaves, do)
+    step = _fwd_bwd(call, leaves, do)
 
     def clean():
         step()
         for x in leaves:
             x.grad = None
-    clean()
-    kt = kernel_times(clean, steps=5)
+    return kernel_times(clean, steps=5)
+
+
+def _kernel_rows(kt: dict, beside: dict = None, beside_name: str = "") -> list:
+    """The 16 largest kernels of kt with their share, then the total; `beside`: the same kernels' times in
+    another run, as a column."""
     total = sum(kt.values()) or 1.0
-    rows = [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%")
-            for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
+    top = sorted(kt.items(), key=lambda kv: -kv[1])[:16]
+    rows = [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%") for name, us in top]
     rows.append(dict(kernel="total (all kernels)", us=total, share="100%"))
+    if beside is not None:
+        for row, us in zip(rows, [beside.get(name) for name, _ in top] + [sum(beside.values())]):
+            row[beside_name] = us
     return rows
+
+
+def profile_fla_rows(device: str) -> list:
+    """fla's forward + backward (guard bypassed) per kernel at the timing shape (torch.profiler), to set
+    beside fast's profile; the first calls autotune (~2 min)."""
+    fla = common.try_import_fla()
+    if fla is None or fla.chunk_gated_delta_rule is None:
+        return [dict(kernel="fla not installed")]
+    fla_guard_bypass()
+    leaves, do = inputs(B, T, H, HV, device)
+    return _kernel_rows(_step_kernel_times(_fla_call(fla.chunk_gated_delta_rule), leaves, do))
 
 
 def profile_rows(device: str) -> list:
     """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
     steps at the timing shape, largest first, with its share of the total; beside it the same kernel in
     the 16-bit backward variant (precision=(None, None)), to show what the backward's precision costs."""
-    from .profile_decode import kernel_times
-
     leaves, do = inputs(B, T, H, HV, device)
-
-    def per_kernel(call):
-        step = _fwd_bwd(call, leaves, do)
-
-        def clean():
-            step()
-            for x in leaves:
-                x.grad = None
-        return kernel_times(clean, steps=5)
-    kt, k16 = per_kernel(_fast_call), per_kernel(_sixteen_bit_call)
-    total = sum(kt.values()) or 1.0
-    rows = [dict(kernel=name[:60], us=us, share=f"{100 * us / total:.1f}%", **{"16-bit bwd us": k16.get(name)})
-            for name, us in sorted(kt.items(), key=lambda kv: -kv[1])[:16]]
-    rows.append(dict(kernel="total (all kernels)", us=total, share="100%", **{"16-bit bwd us": sum(k16.values())}))
-    return rows
+    kt = _step_kernel_times(_fast_call, leaves, do)
+    return _kernel_rows(kt, _step_kernel_times(_sixteen_bit_call, leaves, do), "16-bit bwd us")
 
 
 SECTIONS = ("timing", "profile", "errors")
