@@ -16,9 +16,6 @@ Run: python -m benchmarks.bench_graphs  (appends a section to benchmarks/RESULTS
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from benchmarks import common
@@ -30,26 +27,6 @@ META = {"layer step": "fast.gdn_decode, H=16 HV=32 K=V=128 W=4, bf16 activations
         "targets (us)": "graph N=1 <= 5, graph N=8 <= 11, eager N=1 wall <= 40",
         "us": "per-layer rows: do_bench median of a 32-layer graph's replay / 32; one-graph rows: do_bench median "
               "of the replay; eager / model rows: host wall per call (sync at the end)"}
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall_us(fn, iters: int = 200, repeats: int = 5, warmup: int = 10) -> float:
-    """Median over `repeats` of (wall time of `iters` back-to-back calls + one sync) / iters, in us."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync()
-        out.append((time.perf_counter() - t) / iters * 1e6)
-    return statistics.median(out)
 
 
 LAYERS = 32       # layers per graph in the "per layer" rows: 32 distinct caches, state > L2 (50 MB) at N = 1
@@ -89,7 +66,7 @@ def layer_rows() -> list:
                              us=common.bench(g) * 1e3))
         if N == 1:
             rows.append(dict(what="GDN layer decode step", impl="fast eager (wall, host incl.)", N=N,
-                             us=wall_us(step), target=40))
+                             us=common.wall_us(step), target=40))
         if fla is not None and getattr(fla, "fused_recurrent_gated_delta_rule", None) is not None:
             try:
                 call, _, note = fla_fn(make_problem(N, 0, torch.float32, "cuda"), fla)
@@ -103,7 +80,7 @@ def layer_rows() -> list:
                                      N=N, us=common.bench(gf) * 1e3, note=note))
                 if N == 1:
                     rows.append(dict(what="fla fused_recurrent (no conv/gating)", impl="fla eager (wall)", N=N,
-                                     us=wall_us(call), note=note))
+                                     us=common.wall_us(call), note=note))
             except Exception as e:  # noqa: BLE001 - the peer's failure is reported, not fatal
                 rows.append(dict(what="fla fused_recurrent", impl="fla", N=N, note=f"failed: {e!r}"[:120]))
     return rows
@@ -130,7 +107,7 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "be
             si = torch.arange(B, dtype=torch.int32, device=device)
             tok = torch.zeros(B, dtype=torch.int64, device=device)
             gm.cache.reset(list(range(max(batches))))
-            t = wall_us(lambda: gm.decode(tok, si), iters=iters, repeats=3, warmup=warmup)
+            t = common.wall_us(lambda: gm.decode(tok, si), iters=iters, repeats=3, warmup=warmup)
             rows.append(dict(what="model decode step", impl=impl, N=B, us=t, tok_s=B / t * 1e6))
             for k in ks:
                 hid = torch.zeros(B, m.config.hidden_size, dtype=m.dtype, device=device)
@@ -154,7 +131,7 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "be
                     gm.accept(si, acc)
                     accepted.append(acc)
 
-                t = wall_us(round_, iters=iters, repeats=3, warmup=warmup)
+                t = common.wall_us(round_, iters=iters, repeats=3, warmup=warmup)
                 mean_acc = float(torch.cat(accepted).float().mean())
                 rows.append(dict(what=f"speculative round k={k}", impl=impl, N=B, us=t,
                                  tok_s=B * mean_acc / t * 1e6, tok_s_full_accept=B * (1 + k) / t * 1e6,

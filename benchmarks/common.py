@@ -64,6 +64,26 @@ def bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5]))
 
 
+def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5, warmup: int = 10,
+            sync: Optional[Callable[[], None]] = None) -> float:
+    """Host wall time per call in us: median over ``repeats`` of (``iters`` back-to-back calls + one
+    ``sync``) / iters, after ``warmup`` calls. sync: by default a CUDA synchronize when CUDA is there
+    (launch overhead and device time both count); pass ``lambda: None`` to time host work alone."""
+    if sync is None:
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t) / iters * 1e6)
+    return statistics.median(out)
+
+
 def bench_once(fn: Callable[[], object], repeats: int = 1, device: str = "cuda") -> float:
     """Wall-clock median in ms of ``repeats`` calls (after one untimed call). For slow references
     (refgdn at T=4096) where do_bench's hundred calls would take minutes."""

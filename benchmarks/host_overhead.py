@@ -32,29 +32,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 from typing import Callable
 
 import torch
+
+from . import common
 
 H, HV, K, V, W, N, SLOTS = 16, 32, 128, 128, 4, 1, 4
 D = 2 * H * K + HV * V
 
 
 def per_call_us(fn: Callable[[], object], iters: int, repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median over `repeats` of (wall time of `iters` calls + one sync) / iters, in us."""
-    for _ in range(max(10, iters // 10)):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t) / iters * 1e6)
-    return statistics.median(out)
+    """Host wall time per call in us (common.wall_us), warmed up with max(10, iters / 10) calls; no
+    device sync unless given."""
+    return common.wall_us(fn, iters=iters, repeats=repeats, warmup=max(10, iters // 10), sync=sync)
 
 
 def make_step(device: str) -> tuple:
