@@ -231,20 +231,23 @@ def error_rows(device: str) -> list:
     return rows
 
 
-def sweep_rows(device: str) -> list:
-    """fast fwd+bwd over per-stage backward configs (one stage varied at a time)."""
+def sweep_rows(device: str, stages=None) -> list:
+    """fast fwd+bwd over per-stage backward configs (one stage varied at a time); ``stages``: only these
+    (names as in fast.chunk_bwd's configs argument), None for all."""
     leaves, do = inputs(B, T, H, HV, device)
     # BV = 16 last: an fp32-operand config at BV 16 once faulted (illegal memory access, module comment in
     # fast.chunk_bwd), which would poison the context for every row after it
     grid = [("dh", dict(num_stages=s_, num_warps=w, BV=bv)) for s_ in (1, 2) for w in (4, 8) for bv in (32, 64)]
-    grid += [(st, dict(num_warps=w, BV=bv, num_stages=s_)) for st in ("dqkwg", "wy") for w in (4, 8)
-             for bv in (32, 64) for s_ in (1, 2)]
+    grid += [(st, dict(num_warps=w, BV=bv, num_stages=s_, BKC=bkc)) for st in ("dqkwg", "wy") for w in (4, 8)
+             for bv in (32, 64) for s_ in (1, 2) for bkc in (32, 64)]
     grid += [("dv_local", dict(num_warps=w, BV=bv)) for w in (4, 8) for bv in (64, 128)]
     grid += [("state", dict(num_stages=s_, num_warps=w, BV=bv)) for s_ in (1, 2, 3) for w in (4, 8) for bv in (32, 64)]
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
     rows = []
     for stage, cfg in grid:
+        if stages is not None and stage not in stages:
+            continue
         ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg}), leaves, do), leaves)
         rows.append(dict(stage=stage, config=str(cfg), ms=ms, note=err))
         print(f"sweep: {stage} {cfg}: {ms} {err}", file=sys.stderr, flush=True)
@@ -323,9 +326,10 @@ SECTIONS = ("timing", "profile", "errors")
 EXTRA_SECTIONS = ("conv_sweep", "profile_fla")          # run only when named in --only
 
 
-def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
+def run_sections(device: str = "cuda", sweep=None, only=SECTIONS):
     """Yields (title, rows, meta) per section as each finishes (a time limit keeps what finished);
-    ``only``: which of SECTIONS to run (the sweep runs when ``sweep`` is set)."""
+    ``only``: which of SECTIONS to run (the sweep runs when ``sweep`` is set: "all" or comma-separated
+    stage names)."""
     shape = (f"B={B}, T={T}, H={H}, HV={HV}, K=V={K}, bf16 q/k/v/beta, fp32 g, qk-l2norm, chunk {CHUNK}, "
              "no initial state")
     if "timing" in only:
@@ -343,7 +347,8 @@ def run_sections(device: str = "cuda", sweep: bool = False, only=SECTIONS):
                     "ratio": "max|err| / (2 x refgdn-bf16 error + 2^-7 max(1, max|truth|)); pass <= 1"}
         yield "Training: gradient error vs float64 truth, fast and fla", error_rows(device), err_meta
     if sweep:
-        yield "Training: fast backward config sweep (fwd+bwd ms)", sweep_rows(device), {}
+        yield ("Training: fast backward config sweep (fwd+bwd ms)",
+               sweep_rows(device, None if sweep == "all" else sweep.split(",")), {})
     if "profile_fla" in only:
         yield ("Training: where fla's forward + backward time goes (guard bypassed, torch.profiler, per kernel)",
                profile_fla_rows(device), {"us": "mean device time per step over 5 steps"})
@@ -358,7 +363,9 @@ def run() -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", action="store_true", help="also sweep fast's backward stage configs")
+    ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="STAGES",
+                    help="also sweep fast's backward stage configs (optionally only these comma-separated "
+                         "stages: dh, dqkwg, wy, dv_local, state, w_u, kkt)")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {','.join(SECTIONS + EXTRA_SECTIONS)} "

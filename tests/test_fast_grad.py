@@ -367,10 +367,12 @@ def test_fast_backward_stages_match_refgdn_stages(dtype):
     stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
     float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
     padding), GVA 2, with initial state and final-state cotangent. bfloat16 runs in the interpreter too:
-    its dots take fp32 operands holding bf16 values (exact), and tf32 operands are modelled by truncation."""
+    its dots take fp32 operands holding bf16 values (exact), and tf32 operands are modelled by truncation.
+    K = 32: two K-blocks of 16 in the interpreter, so stage 3's per-block partial dG and stage 4's two
+    passes over K are both exercised."""
     from fast import chunk_bwd as fb
 
-    BT, H, HV, K, V = 16, 1, 2, 16, 16
+    BT, H, HV, K, V = 16, 1, 2, 32, 16
     q, k, v, g, beta, S0 = gdn_inputs(1, 48, H, HV, K, V, seed=21, init=True, dtype=torch.float32)
     q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
     gen = torch.Generator().manual_seed(22)
