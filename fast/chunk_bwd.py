@@ -97,7 +97,7 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
 # zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
 # 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
-RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: None, torch.float16: None, torch.float32: None})
+RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
 
 
 def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
@@ -584,7 +584,7 @@ def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False) -> dict:
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BKC=min(64, BK), BV=min(64, BVmax), num_warps=8, num_stages=2 if tf32_operands else 1)
+    return dict(BKC=min(64, BK), BV=min(32, BVmax), num_warps=4, num_stages=2 if tf32_operands else 1)
 
 
 def wy_bwd_config(K: int, V: int) -> dict:
@@ -594,7 +594,7 @@ def wy_bwd_config(K: int, V: int) -> dict:
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BKC=min(64, BK), BV=min(32, BVmax), num_warps=8, num_stages=1)
+    return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
 
 
 def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
