@@ -216,9 +216,11 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
     dy = r(B, T, D)
     cut = None if cu is None else torch.tensor(cu)
     want = rcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin)
-    got = fcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin, configs={"dz": tiles[0], "dx": tiles[1]})
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = fcb.causal_conv1d_bwd(*map(dev, (x, w, dy, b)), "silu", dev(s0), dev(cut), dev(dfin),
+                                configs={"dz": tiles[0], "dx": tiles[1]})
     for g, ref in zip(got, want):
-        close(g, ref)
+        close(g.cpu(), ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,10 +228,11 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("varlen-empty-len1", 32)])
-def test_fast_bwd_16bit_storage_passes_the_rule_fp16(family, BT):
-    """The experimental 16-bit storage of the recompute's intermediates (fast.chunk_bwd.RECOMPUTE_STORAGE)
-    on the conformance matrix's own quick gradient cases, fp16 inputs (the interpreter rounds fp16 like a
-    GPU; its bf16 casts truncate): every gradient passes the rule."""
+def test_fast_bwd_fp32_storage_passes_the_rule_fp16(family, BT):
+    """The fp32 storage of the recompute's intermediates (the default before 16-bit storage; still
+    selectable through fast.chunk_bwd.RECOMPUTE_STORAGE or the precision argument) on the conformance
+    matrix's own quick gradient cases, fp16 inputs (the interpreter rounds fp16 like a GPU; its bf16 casts
+    truncate): every gradient passes the rule. The 16-bit default runs in the conformance matrix itself."""
     from types import MappingProxyType
     from unittest import mock
 
@@ -237,7 +240,7 @@ def test_fast_bwd_16bit_storage_passes_the_rule_fp16(family, BT):
     from fast import chunk_bwd as cb
     p, _ = cases_grad._gdn_grad_families(True)[family]
     case = cases_grad.gdn_grad_case(family, p, torch.float16, BT, True)
-    st = MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: "16-bit"})
+    st = MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: None})
     with mock.patch.object(cb, "RECOMPUTE_STORAGE", st):
         results = [(c.name, evaluate(c)) for c in case.run(DEV)]
     assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
