@@ -18,21 +18,23 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
          dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
          dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
-  3. ``bwd_dqkwg_kernel``     grid (chunks * HV)       dq, dk, dw, dG through the output and (chunk_bwd_dqkwg)
-         the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row), its
-         intra-chunk part as rowsum(P) - colsum(P) with P = ((dO v_new^T) M) * (Q K^T) off the diagonal
-  4. ``bwd_wy_kernel``        grid (chunks * HV)       through w = A Kb, u = A Vb, A = (I + L)^-1:  (wy_bwd +
+  3. ``bwd_dqkwg_kernel``     grid (chunks * HV, K-blocks)  dq, dk, dw, dG through the     (chunk_bwd_dqkwg)
+         output and the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
+         as one partial sum per K-block, its intra-chunk part as rowsum(P) - colsum(P) with
+         P = ((dO v_new^T) M) * (Q K^T) off the diagonal
+  4. ``bwd_wy_kernel``        grid (chunks * HV)  through w = A Kb, u = A Vb, A = (I + L)^-1  (wy_bwd +
+         in two passes over K-blocks (before and after dL):
          dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
          backward (da, and per-token terms of dA_log, ddt_bias)                              gating_bwd)
   5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
      (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
-Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION below): for 16-bit inputs the recompute runs in fp32
-(tf32 products for bf16, tf32x3 for fp16) on the inputs' exact fp32 values: kernels 1-2 convert their
-16-bit k / v tiles after the load (UPCAST), q and k are normalised straight into fp32, and only without
-l2norm are fp32 copies of q and k made (every later kernel reads them as dot operands). h, v_new and dh
-are fp32, and products with a gradient operand take fp32 operands; gradients that are summed further
-(dq, dk, dw, dv_new, dG) are fp32. The 16-bit variant (both None) is faster and fails the conformance
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE below): for 16-bit inputs the
+recompute runs in fp32 (tf32 products for bf16, tf32x3 for fp16) on the exact fp32 values of 16-bit tiles:
+the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
+kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
+products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
+dv_new, dG) are fp32. The 16-bit variant (both precisions None) is faster and fails the conformance
 rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
 products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
 pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
@@ -40,9 +42,10 @@ times from bench_train --sweep on an H100), never autotuned: these are training 
 the forward's no-autotune rule.
 
 Where the time goes (H100, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
---only profile): forward + backward 9.3 ms, of which the WY backward 2.2, stage 3 1.7, the reverse state
-pass 1.5, the state pass (forward and recompute) 1.2 ms; the 16-bit variant runs the same kernels in
-1.5 / 1.1 / 0.5 / 0.7 ms (5.8 ms in all; fla 0.6.0's forward + backward 4.4 ms in the same run).
+--only profile; benchmarks/RESULTS.md, third session of 2026-11-23): forward + backward 6.6 ms (fla 0.6.0
+4.4 ms in the same run), of which stage 3 1.7, the WY backward 1.05, the reverse state pass 1.03, the
+state pass (forward and recompute) 0.87 ms; fla's kernels for the same steps take 1.1 / 0.51 / 0.46 /
+0.52 ms with 16-bit operands.
 """
 from __future__ import annotations
 
