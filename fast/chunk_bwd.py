@@ -616,18 +616,22 @@ def wy_bwd_config(K: int, V: int) -> dict:
     return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
 
 
+def _row_blocks(B: int, T: int, H: int, K: int, dtype: torch.dtype, device) -> tuple:
+    """The output [B, T, H, K] in dtype of a per-row kernel (rows = (token, key head)), the row count,
+    the rows per program BR and the grid (cdiv(rows, BR),)."""
+    out = torch.empty(B, T, H, K, dtype=dtype, device=device)
+    BR = 16 if is_interpreting() else 32
+    return out, B * T * H, BR, (cdiv(B * T * H, BR),)
+
+
 def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x: [B, T, H, K] -> x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (refgdn.l2norm's
     arithmetic), returned in dtype: one pass (l2norm_rows_kernel; in torch it took six elementwise
     kernels, ~0.35 ms at bench_train's shape on an H100)."""
-    B, T, H, K = x.shape
-    out = torch.empty(B, T, H, K, dtype=dtype, device=x.device)
-    n_rows = B * T * H
-    if n_rows == 0:
-        return out
-    BR = 16 if is_interpreting() else 32
-    l2norm_rows_kernel[(cdiv(n_rows, BR),)](x.contiguous(), out, n_rows, K=K, BK=_blocks(K, 16)[0], BR=BR,
-                                            EPS=L2NORM_EPS, num_warps=4)
+    out, n_rows, BR, grid = _row_blocks(*x.shape, dtype, x.device)
+    if n_rows > 0:
+        l2norm_rows_kernel[grid](x.contiguous(), out, n_rows, K=x.shape[3], BK=_blocks(x.shape[3], 16)[0], BR=BR,
+                                 EPS=L2NORM_EPS, num_warps=4)
     return out
 
 
@@ -635,14 +639,11 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
     """d_hv: [B, T, HV, K] fp32 per value head, x: [B, T, H, K] (the raw q or k) -> [B, T, H, K] in dtype:
     summed over each GVA group, through the l2norm when l2 (stage 5, one kernel pass)."""
     B, T, HV, K = d_hv.shape
-    out = torch.empty(B, T, H, K, dtype=dtype, device=d_hv.device)
-    n_rows = B * T * H
-    if n_rows == 0:
-        return out
-    BR = 16 if is_interpreting() else 32
-    bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
-        d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
-        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
+    out, n_rows, BR, grid = _row_blocks(B, T, H, K, dtype, d_hv.device)
+    if n_rows > 0:
+        bwd_qk_finish_kernel[grid](
+            d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0],
+            BR=BR, L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
     return out
 
 
