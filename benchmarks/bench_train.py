@@ -313,20 +313,23 @@ def profile_fla_rows(device: str) -> list:
     return _kernel_rows(_step_kernel_times(_fla_call(fla.chunk_gated_delta_rule), leaves, do))
 
 
-def profile_rows(device: str) -> list:
+def profile_rows(device: str, beside: str = "None/None") -> list:
     """Where fast's forward + backward time goes: mean device time per kernel (torch.profiler) over a few
-    steps at the timing shape, largest first, with its share of the total; beside it the same kernel in
-    the 16-bit backward variant (precision=(None, None)), to show what the backward's precision costs."""
+    steps at the timing shape, largest first, with its share of the total; beside it the same kernel with
+    the backward's precision tuple ``beside`` ("grad_dot/recompute[/16-bit]" as benchmarks.grad_precision's
+    --variants; default None/None, the 16-bit backward), to show what a precision choice costs."""
+    from .grad_precision import _parse
     leaves, do = inputs(B, T, H, HV, device)
     kt = _step_kernel_times(_fast_call, leaves, do)
-    return _kernel_rows(kt, _step_kernel_times(_sixteen_bit_call, leaves, do), "16-bit bwd us")
+    other = _step_kernel_times(_fast_knob_call(precision=_parse(beside)), leaves, do)
+    return _kernel_rows(kt, other, "16-bit bwd us" if beside == "None/None" else f"{beside} us")
 
 
 SECTIONS = ("timing", "profile", "errors")
 EXTRA_SECTIONS = ("conv_sweep", "profile_fla")          # run only when named in --only
 
 
-def run_sections(device: str = "cuda", sweep=None, only=SECTIONS):
+def run_sections(device: str = "cuda", sweep=None, only=SECTIONS, beside: str = "None/None"):
     """Yields (title, rows, meta) per section as each finishes (a time limit keeps what finished);
     ``only``: which of SECTIONS to run (the sweep runs when ``sweep`` is set: "all" or comma-separated
     stage names)."""
@@ -339,7 +342,7 @@ def run_sections(device: str = "cuda", sweep=None, only=SECTIONS):
         yield TITLE, rows, meta
     if "profile" in only:
         yield ("Training: where fast's forward + backward time goes (torch.profiler, per kernel)",
-               profile_rows(device), {"shape": shape, "us": "mean device time per step over 5 steps"})
+               profile_rows(device, beside), {"shape": shape, "us": "mean device time per step over 5 steps"})
     if "errors" in only:
         err_meta = {"shape": f"B={ERR_SHAPE['B']}, T={ERR_SHAPE['T']}, H={ERR_SHAPE['H']}, HV={ERR_SHAPE['HV']}, "
                              f"K=V={K}, bf16, qk-l2norm, chunk {CHUNK}",
@@ -367,6 +370,9 @@ def main(argv=None) -> int:
                     help="also sweep fast's backward stage configs (optionally only these comma-separated "
                          "stages: dh, dqkwg, wy, dv_local, state, w_u, kkt)")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--beside", default="None/None", metavar="G/R[/16-bit]",
+                    help="profile: the backward precision tuple timed beside the default (default None/None, "
+                         "the 16-bit backward; e.g. bf16x2/tf32/16-bit)")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {','.join(SECTIONS + EXTRA_SECTIONS)} "
                          f"(default: {','.join(SECTIONS)})")
@@ -380,7 +386,7 @@ def main(argv=None) -> int:
         return 0
     v = common.versions()
     print(f"device: {common.device_name()} | torch {v['torch']} | triton {v['triton']} | fla {v['fla']}")
-    for title, rows, meta in run_sections(sweep=args.sweep, only=only):
+    for title, rows, meta in run_sections(sweep=args.sweep, only=only, beside=args.beside):
         print(f"\n## {title}\n")
         for k_, v_ in meta.items():
             print(f"- {k_}: {v_}")

@@ -1,7 +1,7 @@
 """Compile fast's backward kernels (and the forward kernels they recompute with) for sm_90 on a machine
 WITHOUT a GPU, and report each variant's shared memory, registers and spills.
 
-    python -m benchmarks.compile_check [bf16|fp16|fp32] [--shape small|bench|bench16]
+    python -m benchmarks.compile_check [bf16|fp16|fp32] [--shape small|bench|bench16] [--precision G/R[/16-bit]]
 
 A development aid, not a test: the Triton interpreter (the CPU path) neither compiles nor allocates, so
 it cannot see a GPU compile error (e.g. a runtime branch that changes a variable's shape), a config whose
@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16"])
+    ap.add_argument("--precision", default=None, metavar="G/R[/16-bit]",
+                    help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
+                         "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
     args = ap.parse_args(argv)
     if "triton" in sys.modules or "fast" in sys.modules:
         print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
@@ -64,7 +67,11 @@ def main(argv=None) -> int:
         cvb.causal_conv1d_bwd(x, w, torch.randn_like(x), torch.randn(256).to(dt), "silu",
                               torch.randn(1, 256, 3).to(dt), None, torch.randn(1, 256, 3).to(dt))
     else:
-        gdn(4, 128, 16, 32, 64, l2=True, precision=(None, None) if args.shape == "bench16" else None)
+        precision = (None, None) if args.shape == "bench16" else None
+        if args.precision:
+            from .grad_precision import _parse                 # after the stand-in driver is installed
+            precision = _parse(args.precision)
+        gdn(4, 128, 16, 32, 64, l2=True, precision=precision)
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")

@@ -101,6 +101,14 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
 # zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
 # 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
+# Experimental grad_dot value "bf16x2" (bf16 inputs with 16-bit storage only; precision=("bf16x2", "tf32",
+# "16-bit")): every fp32 operand of a gradient product split into bf16 hi + lo and multiplied by 16-bit
+# dots (about 16 mantissa bits instead of tf32's 10; 16-bit tiles in shared memory, two or three bf16
+# MMAs where tf32 takes one at half the bf16 rate). Quick bf16 families with round-to-nearest: worst 0.841
+# (da; the same as tf32, the storage dominates). Compiles for sm_90 (Triton 3.9, bench shape: the reverse
+# state pass without spills, 148 KB of shared memory; stage 3 spills 776 B at the tf32 pins). Not run on a
+# GPU: next, `python -m benchmarks.bench_train --only profile --beside bf16x2/tf32/16-bit` and
+# `python -m benchmarks.grad_precision --variants bf16x2/tf32/16-bit`.
 RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
 
 
@@ -110,14 +118,39 @@ def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
 
 
 @triton.jit
+def _hi_lo(x, DT: tl.constexpr):
+    """fp32 x -> (hi, lo) in the 16-bit DT with hi + lo = x to about 16 mantissa bits (x - hi is exact in
+    fp32; lo rounds it once)."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _gdot(a, b, DT: tl.constexpr, GPREC: tl.constexpr, EMU_TF32: tl.constexpr, PREC: tl.constexpr,
           DOT_F32: tl.constexpr):
     """A product with a gradient operand (fp32 in registers). GPREC None: both operands rounded to the
-    inputs' dtype DT (16-bit tensor-core dot); else fp32 operands at input_precision GPREC ("tf32": the
-    gradient operand keeps 10 mantissa bits instead of bf16's 7; "ieee" for fp32 inputs). EMU_TF32
-    (interpreter): truncate operands to tf32 first, so CPU runs see the GPU's rounding."""
+    inputs' dtype DT (16-bit tensor-core dot); "bf16x2": each fp32 operand split into hi + lo in DT (bf16
+    only), 16-bit dots of the parts (two when one operand is already 16-bit and exact, three when both are
+    fp32: hi hi + hi lo + lo hi), about 16 mantissa bits per fp32 operand with 16-bit tiles in shared memory;
+    else fp32 operands at input_precision GPREC ("tf32": the gradient operand keeps 10 mantissa bits
+    instead of bf16's 7; "ieee" for fp32 inputs). EMU_TF32 (interpreter): truncate operands to tf32 first,
+    so CPU runs see the GPU's rounding."""
     if GPREC is None:
         return _dot(a.to(DT), b.to(DT), PREC, DOT_F32)
+    elif GPREC == "bf16x2":
+        if a.dtype == tl.float32:
+            a_hi, a_lo = _hi_lo(a, DT)
+            if b.dtype == tl.float32:
+                b_hi, b_lo = _hi_lo(b, DT)
+                return (_dot(a_hi, b_hi, None, DOT_F32) + _dot(a_hi, b_lo, None, DOT_F32)
+                        + _dot(a_lo, b_hi, None, DOT_F32))
+            else:
+                return _dot(a_hi, b.to(DT), None, DOT_F32) + _dot(a_lo, b.to(DT), None, DOT_F32)
+        elif b.dtype == tl.float32:
+            b_hi, b_lo = _hi_lo(b, DT)
+            return _dot(a.to(DT), b_hi, None, DOT_F32) + _dot(a.to(DT), b_lo, None, DOT_F32)
+        else:
+            return _dot(a.to(DT), b.to(DT), None, DOT_F32)
     else:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -689,6 +722,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if store16 and (gprec is None or rprec is None or dt == torch.float32):
         raise ValueError(f"precision: 16-bit storage needs a grad_dot and a recompute precision and 16-bit "
                          f"inputs, got {precision} for {dt}")
+    if gprec == "bf16x2" and not (store16 and dt == torch.bfloat16):
+        raise ValueError(f"precision: grad_dot 'bf16x2' needs bf16 inputs and 16-bit storage (its split operands "
+                         f"are bf16), got {precision} for {dt}")
     beta_dtype = beta.dtype
     if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes

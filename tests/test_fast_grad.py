@@ -9,10 +9,13 @@
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fast
 import refgdn
 from conformance.core import Check, evaluate
+from fast.chunk_bwd import _gdot
 from refgdn import conv_bwd as rcb
 from refgdn import delta_rule as rd
 from refgdn import delta_rule_bwd as rb
@@ -254,6 +257,44 @@ def test_fast_bwd_bad_storage_raises():
         cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("tf32x3", "tf32x3", "fp8"), chunk_size=16)
     with pytest.raises(ValueError, match="16-bit storage"):
         cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=(None, "tf32x3", "16-bit"), chunk_size=16)
+    with pytest.raises(ValueError, match="bf16x2"):
+        cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("bf16x2", "tf32x3", "16-bit"), chunk_size=16)
+
+
+@triton.jit
+def _gdot_kernel(a, b, c, A32: tl.constexpr, B32: tl.constexpr, GPREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """c = _gdot(a, b) on one [32, 32] tile; a / b rounded to bf16 first unless A32 / B32."""
+    o = tl.arange(0, 32)
+    x = tl.load(a + o[:, None] * 32 + o[None, :])
+    y = tl.load(b + o[:, None] * 32 + o[None, :])
+    if not A32:
+        x = x.to(tl.bfloat16)
+    if not B32:
+        y = y.to(tl.bfloat16)
+    tl.store(c + o[:, None] * 32 + o[None, :], _gdot(x, y, tl.bfloat16, GPREC, False, None, DOT_F32))
+
+
+@pytest.mark.parametrize("sides", ["fp32-bf16", "bf16-fp32", "fp32-fp32"])
+@pytest.mark.parametrize("gprec", ["bf16x2", None])
+def test_gdot_bf16x2_split_keeps_16_bits(sides, gprec):
+    """fast.chunk_bwd._gdot with GPREC "bf16x2" (the experimental split of each fp32 operand into bf16 hi + lo)
+    against the float64 product of the same values: error within 2^-13 of sum |a| |b| per entry (a single
+    bf16 rounding of the fp32 side, GPREC None, errs about 2^-9 and must fail the same bound: the test's
+    own control). The interpreter truncates bf16 casts, so a GPU's round-to-nearest only does better."""
+    from fast.utils import is_interpreting
+
+    gen = torch.Generator().manual_seed(5)
+    a32, b32 = sides.split("-")[0] == "fp32", sides.split("-")[1] == "fp32"
+    a = torch.randn(32, 32, generator=gen) * torch.logspace(-3, 3, 32)[:, None]   # rows of mixed scale
+    b = torch.randn(32, 32, generator=gen)
+    a = a if a32 else a.bfloat16().float()                # the 16-bit side holds exact bf16 values
+    b = b if b32 else b.bfloat16().float()
+    c = torch.empty(32, 32, device=DEV)
+    _gdot_kernel[(1,)](a.to(DEV), b.to(DEV), c, A32=a32, B32=b32, GPREC=gprec, DOT_F32=is_interpreting())
+    exact = a.double() @ b.double()
+    bound = 2.0 ** -13 * (a.double().abs() @ b.double().abs())
+    ok = bool(((c.cpu().double() - exact).abs() <= bound).all())
+    assert ok == (gprec == "bf16x2"), (sides, gprec, ((c.cpu().double() - exact).abs() / bound).max().item())
 
 
 def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):
