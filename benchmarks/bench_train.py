@@ -370,7 +370,7 @@ def main(argv=None) -> int:
                     help="also sweep fast's backward stage configs (optionally only these comma-separated "
                          "stages: dh, dqkwg, wy, dv_local, state, w_u, kkt)")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
-    ap.add_argument("--beside", default="None/None", metavar="G/R[/16-bit]",
+    ap.add_argument("--beside", default="None/None", metavar="G/R[/16-bit[/forward]]",
                     help="profile: the backward precision tuple timed beside the default (default None/None, "
                          "the 16-bit backward; e.g. bf16x2/tf32/16-bit)")
     ap.add_argument("--only", default=",".join(SECTIONS),

@@ -5,7 +5,7 @@ shape. Used to choose GRAD_DOT_PRECISION / RECOMPUTE_PRECISION; the library's de
 by this script except inside its own process (each variant is applied with unittest.mock.patch.object
 around the cases, then restored).
 
-    python -m benchmarks.grad_precision [--quick] [--dtype bfloat16] [--variants None/None,tf32/tf32]
+    python -m benchmarks.grad_precision [--quick] [--dtype bfloat16] [--variants None/None,tf32/tf32/16-bit/forward]
 
 A variant is ``grad_dot/recompute[/16-bit]`` with ``None`` for 16-bit (e.g. ``None/tf32``: 16-bit products
 with a gradient operand, fp32 recompute at tf32; ``tf32/tf32/16-bit``: the fp32 recompute's intermediates
@@ -29,9 +29,10 @@ DEFAULT_VARIANTS = {"bfloat16": "None/None,tf32/None,None/tf32,tf32/tf32,tf32/tf
 
 
 def _parse(v: str):
-    """"grad_dot/recompute[/16-bit]" -> the precision tuple of fast.chunk_bwd.chunk_gated_delta_rule_bwd."""
+    """"grad_dot/recompute[/16-bit[/forward]]" -> the precision tuple of
+    fast.chunk_bwd.chunk_gated_delta_rule_bwd (storage None when not given)."""
     parts = [None if x == "None" else x for x in v.split("/")]
-    return tuple(parts) if len(parts) == 3 else (parts[0], parts[1], None)
+    return tuple(parts) if len(parts) >= 3 else (parts[0], parts[1], None)
 
 
 def _patched(dt: torch.dtype, pair):
@@ -39,7 +40,9 @@ def _patched(dt: torch.dtype, pair):
     g = MappingProxyType({**cb.GRAD_DOT_PRECISION, dt: pair[0]})
     r = MappingProxyType({**cb.RECOMPUTE_PRECISION, dt: pair[1]})
     st = MappingProxyType({**cb.RECOMPUTE_STORAGE, dt: pair[2]})
-    return mock.patch.multiple(cb, GRAD_DOT_PRECISION=g, RECOMPUTE_PRECISION=r, RECOMPUTE_STORAGE=st)
+    kk = MappingProxyType({**cb.RECOMPUTE_KKT, dt: pair[3] if len(pair) > 3 else "recompute"})
+    return mock.patch.multiple(cb, GRAD_DOT_PRECISION=g, RECOMPUTE_PRECISION=r, RECOMPUTE_STORAGE=st,
+                               RECOMPUTE_KKT=kk)
 
 
 def interpreter_bf16_round_to_nearest() -> None:

@@ -110,6 +110,13 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # GPU: next, `python -m benchmarks.bench_train --only profile --beside bf16x2/tf32/16-bit` and
 # `python -m benchmarks.grad_precision --variants bf16x2/tf32/16-bit`.
 RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
+# KKT: how the recompute's kernel 1 (G, l2norm(k), A) runs with 16-bit storage: "recompute" (fp32 products
+# of the fp32 normalised k at the recompute precision) or "forward" (experimental: exactly the forward's
+# kernel 1, 16-bit products of the rounded normalised k that the later kernels read anyway; the forward's
+# A, at the forward's cost: ~0.15 instead of ~0.55 ms at bench_train's shape, estimated from the profile).
+# Quick families, interpreter with round-to-nearest: bf16 worst 0.841 (the same da case as "recompute"),
+# fp16 0.476 (0.52 with "recompute"). Not run on a GPU.
+RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "recompute", torch.float16: "recompute", torch.float32: "recompute"})
 
 
 def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
@@ -697,7 +704,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
     or a triple whose third item "16-bit" stores the recompute's chunk-local intermediates (normalised
     q / k, A, w, u, h, dh) in the inputs' 16-bit dtype (v_new stays fp32) while every kernel still computes
-    on their fp32 values at the recompute / grad_dot precision (module comment STORAGE; the 16-bit default).
+    on their fp32 values at the recompute / grad_dot precision (module comment STORAGE; the 16-bit default);
+    an optional fourth item, kernel 1's recompute: "recompute" (the default: fp32 products at the recompute
+    precision) or "forward" (experimental, 16-bit storage only: exactly the forward's kernel 1, 16-bit
+    products of the 16-bit normalised k, the same A the forward used, at the forward's cost).
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -713,7 +723,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dot_f32 = is_interpreting()
     BK, _ = _blocks(K, V)
     if precision is None:
-        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt])
+        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt], RECOMPUTE_KKT[dt])
     gprec, rprec = precision[:2]
     storage = precision[2] if len(precision) > 2 else None
     if storage not in (None, "16-bit"):
@@ -722,6 +732,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if store16 and (gprec is None or rprec is None or dt == torch.float32):
         raise ValueError(f"precision: 16-bit storage needs a grad_dot and a recompute precision and 16-bit "
                          f"inputs, got {precision} for {dt}")
+    kkt_mode = precision[3] if len(precision) > 3 else "recompute"
+    if kkt_mode not in ("recompute", "forward") or (kkt_mode == "forward" and not store16):
+        raise ValueError(f"precision: kernel 1's mode must be 'recompute', or 'forward' with 16-bit storage, "
+                         f"got {precision}")
     if gprec == "bf16x2" and not (store16 and dt == torch.bfloat16):
         raise ValueError(f"precision: grad_dot 'bf16x2' needs bf16 inputs and 16-bit storage (its split operands "
                          f"are bf16), got {precision} for {dt}")
@@ -752,9 +766,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     kn = torch.empty(B, T, H, K, dtype=sdt, device=dev) if l2 else None
     # fp32 k blocks in one warp spill (1.2 KB per thread at K = 128, sm_90, Triton 3.9; 2 warps: 0.5 KB)
     fp32_gpu = cdt == torch.float32 and not is_interpreting()
+    # kkt_mode "forward": kernel 1 exactly as the forward ran it (16-bit k tiles normalised and rounded,
+    # 16-bit products, its pinned config), so A is the forward's and consistent with the stored kn
+    as_fwd = kkt_mode == "forward"
     _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
-                store_g=True, do_a=True, precise=precise, prec_of=prec_of,
-                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 else None, configs=configs)
+                store_g=True, do_a=True, precise=precise, prec_of=None if as_fwd else prec_of,
+                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 and not as_fwd else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q, sdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
     w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)

@@ -230,12 +230,14 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
 # fast against refgdn autograd, by the conformance rule
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("mode", ["fp32-storage", "kkt-forward"])
 @pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("varlen-empty-len1", 32)])
-def test_fast_bwd_fp32_storage_passes_the_rule_fp16(family, BT):
-    """The fp32 storage of the recompute's intermediates (the default before 16-bit storage; still
-    selectable through fast.chunk_bwd.RECOMPUTE_STORAGE or the precision argument) on the conformance
-    matrix's own quick gradient cases, fp16 inputs (the interpreter rounds fp16 like a GPU; its bf16 casts
-    truncate): every gradient passes the rule. The 16-bit default runs in the conformance matrix itself."""
+def test_fast_bwd_other_recompute_modes_pass_the_rule_fp16(family, BT, mode):
+    """The backward's non-default recompute modes on the conformance matrix's own quick gradient cases, fp16
+    inputs (the interpreter rounds fp16 like a GPU; its bf16 casts truncate): every gradient passes the rule.
+    fp32-storage: the recompute's intermediates kept in fp32 (the default before 16-bit storage;
+    RECOMPUTE_STORAGE None). kkt-forward: kernel 1 recomputed exactly as the forward ran it (RECOMPUTE_KKT
+    "forward", experimental). The default (16-bit storage, kernel 1 in fp32) runs in the matrix itself."""
     from types import MappingProxyType
     from unittest import mock
 
@@ -243,8 +245,12 @@ def test_fast_bwd_fp32_storage_passes_the_rule_fp16(family, BT):
     from fast import chunk_bwd as cb
     p, _ = cases_grad._gdn_grad_families(True)[family]
     case = cases_grad.gdn_grad_case(family, p, torch.float16, BT, True)
-    st = MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: None})
-    with mock.patch.object(cb, "RECOMPUTE_STORAGE", st):
+    if mode == "fp32-storage":
+        patch = dict(RECOMPUTE_STORAGE=MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: None}))
+    else:
+        patch = dict(RECOMPUTE_STORAGE=MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: "16-bit"}),
+                     RECOMPUTE_KKT=MappingProxyType({**cb.RECOMPUTE_KKT, torch.float16: "forward"}))
+    with mock.patch.multiple(cb, **patch):
         results = [(c.name, evaluate(c)) for c in case.run(DEV)]
     assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
 
@@ -257,6 +263,12 @@ def test_fast_bwd_bad_storage_raises():
         cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("tf32x3", "tf32x3", "fp8"), chunk_size=16)
     with pytest.raises(ValueError, match="16-bit storage"):
         cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=(None, "tf32x3", "16-bit"), chunk_size=16)
+    with pytest.raises(ValueError, match="kernel 1"):
+        cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("tf32x3", "tf32x3", None, "forward"),
+                                      chunk_size=16)
+    with pytest.raises(ValueError, match="kernel 1"):
+        cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("tf32x3", "tf32x3", "16-bit", "fwd"),
+                                      chunk_size=16)
     with pytest.raises(ValueError, match="bf16x2"):
         cb.chunk_gated_delta_rule_bwd(x, x, x, g, b, x, precision=("bf16x2", "tf32x3", "16-bit"), chunk_size=16)
 
