@@ -115,7 +115,8 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # kernel 1, 16-bit products of the rounded normalised k that the later kernels read anyway; the forward's
 # A, at the forward's cost: ~0.15 instead of ~0.55 ms at bench_train's shape, estimated from the profile).
 # Quick families, interpreter with round-to-nearest: bf16 worst 0.841 (the same da case as "recompute"),
-# fp16 0.476 (0.52 with "recompute"). Not run on a GPU.
+# fp16 0.476 (0.52 with "recompute"). Not run on a GPU. Kernel 2 (w, u) run the forward's way as well
+# fails: bf16 1.144 (dg, strided-slices family; its 16-bit products round beta exp(G) k before A's product).
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "recompute", torch.float16: "recompute", torch.float32: "recompute"})
 
 
