@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 
 from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
-                    _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt, _launch_state,
-                    _launch_w_u, _num_sms, _precise, _trunc_tf32)
+                    _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
+                    _launch_state, _launch_w_u, _num_sms, _precise, _trunc_tf32)
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
@@ -101,14 +101,18 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
 # zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
 # 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
-# Experimental grad_dot value "bf16x2" (bf16 inputs with 16-bit storage only; precision=("bf16x2", "tf32",
-# "16-bit")): every fp32 operand of a gradient product split into bf16 hi + lo and multiplied by 16-bit
-# dots (about 16 mantissa bits instead of tf32's 10; 16-bit tiles in shared memory, two or three bf16
-# MMAs where tf32 takes one at half the bf16 rate). Quick bf16 families with round-to-nearest: worst 0.841
-# (da; the same as tf32, the storage dominates). Compiles for sm_90 (Triton 3.9, bench shape: the reverse
-# state pass without spills, 148 KB of shared memory; stage 3 spills 776 B at the tf32 pins). Not run on a
-# GPU: next, `python -m benchmarks.bench_train --only profile --beside bf16x2/tf32/16-bit` and
-# `python -m benchmarks.grad_precision --variants bf16x2/tf32/16-bit`.
+# Experimental value "bf16x2" for the grad_dot and / or the recompute precision (bf16 inputs with 16-bit
+# storage only; e.g. precision=("bf16x2", "bf16x2", "16-bit")): every fp32 operand of a product split into
+# bf16 hi + lo and multiplied by 16-bit dots (fast.chunk's _dot_split: about 16 mantissa bits instead of
+# tf32's 10; 16-bit tiles in shared memory; two or three bf16 MMAs where tf32 takes one at half the bf16
+# rate). As the recompute precision, kernels 1-3 keep their 16-bit tiles (no UPCAST; kernel 1 then runs
+# the forward's way) and their fp32 operands (the state S, the decayed v_new, beta exp(G) k, beta v) unrounded.
+# Quick bf16 families with round-to-nearest, worst ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage
+# dominates), tf32/bf16x2 0.942, bf16x2/bf16x2 0.906 (ddt_bias with fused gating). Compiles for sm_90
+# (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared memory,
+# kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). Not run on a GPU: next,
+# `python -m benchmarks.bench_train --only profile --beside bf16x2/bf16x2/16-bit` and
+# `python -m benchmarks.grad_precision --variants bf16x2/tf32/16-bit,bf16x2/bf16x2/16-bit`.
 RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
 # KKT: how the recompute's kernel 1 (G, l2norm(k), A) runs with 16-bit storage: "recompute" (fp32 products
 # of the fp32 normalised k at the recompute precision) or "forward" (experimental: exactly the forward's
@@ -126,14 +130,6 @@ def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
 
 
 @triton.jit
-def _hi_lo(x, DT: tl.constexpr):
-    """fp32 x -> (hi, lo) in the 16-bit DT with hi + lo = x to about 16 mantissa bits (x - hi is exact in
-    fp32; lo rounds it once)."""
-    hi = x.to(DT)
-    return hi, (x - hi.to(tl.float32)).to(DT)
-
-
-@triton.jit
 def _gdot(a, b, DT: tl.constexpr, GPREC: tl.constexpr, EMU_TF32: tl.constexpr, PREC: tl.constexpr,
           DOT_F32: tl.constexpr):
     """A product with a gradient operand (fp32 in registers). GPREC None: both operands rounded to the
@@ -146,19 +142,7 @@ def _gdot(a, b, DT: tl.constexpr, GPREC: tl.constexpr, EMU_TF32: tl.constexpr, P
     if GPREC is None:
         return _dot(a.to(DT), b.to(DT), PREC, DOT_F32)
     elif GPREC == "bf16x2":
-        if a.dtype == tl.float32:
-            a_hi, a_lo = _hi_lo(a, DT)
-            if b.dtype == tl.float32:
-                b_hi, b_lo = _hi_lo(b, DT)
-                return (_dot(a_hi, b_hi, None, DOT_F32) + _dot(a_hi, b_lo, None, DOT_F32)
-                        + _dot(a_lo, b_hi, None, DOT_F32))
-            else:
-                return _dot(a_hi, b.to(DT), None, DOT_F32) + _dot(a_lo, b.to(DT), None, DOT_F32)
-        elif b.dtype == tl.float32:
-            b_hi, b_lo = _hi_lo(b, DT)
-            return _dot(a.to(DT), b_hi, None, DOT_F32) + _dot(a.to(DT), b_lo, None, DOT_F32)
-        else:
-            return _dot(a.to(DT), b.to(DT), None, DOT_F32)
+        return _dot_split(a, b, DT, DOT_F32)
     else:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -699,7 +683,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
     the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
     stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
-    stages): h, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
+    stages): h, v_new, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
     per value head), dv, dbeta, dg. Costs copies; None in normal use.
     Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
     precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
@@ -737,9 +721,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if kkt_mode not in ("recompute", "forward") or (kkt_mode == "forward" and not store16):
         raise ValueError(f"precision: kernel 1's mode must be 'recompute', or 'forward' with 16-bit storage, "
                          f"got {precision}")
-    if gprec == "bf16x2" and not (store16 and dt == torch.bfloat16):
-        raise ValueError(f"precision: grad_dot 'bf16x2' needs bf16 inputs and 16-bit storage (its split operands "
-                         f"are bf16), got {precision} for {dt}")
+    if "bf16x2" in (gprec, rprec) and not (store16 and dt == torch.bfloat16):
+        raise ValueError(f"precision: 'bf16x2' needs bf16 inputs and 16-bit storage (its split operands are bf16), "
+                         f"got {precision} for {dt}")
     beta_dtype = beta.dtype
     if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
@@ -841,7 +825,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             B * T * HV, **common, **dq_cfg)
         if stages is not None:
-            stages.update(h=h.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
+            stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
                           dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(), dk3=dk.clone(),
                           dw=dw.clone(), dG3=dG.sum(0))
         # ---- 4. WY backward, dg ---------------------------------------------------------------------

@@ -309,6 +309,31 @@ def test_gdot_bf16x2_split_keeps_16_bits(sides, gprec):
     assert ok == (gprec == "bf16x2"), (sides, gprec, ((c.cpu().double() - exact).abs() / bound).max().item())
 
 
+def test_bf16x2_recompute_is_at_least_as_precise_as_tf32():
+    """The experimental split recompute (precision ("tf32", "bf16x2", "16-bit"): kernels 1-3 with 16-bit
+    tiles and each fp32 operand split into bf16 hi + lo) against the default tf32 recompute, bf16 inputs:
+    the recomputed v_new (stored in fp32, the intermediate the rule is most sensitive to) must be at least
+    as close to the float64 stage chain. A split that dropped its lo part would err at bf16's 2^-9, worse
+    than tf32's 2^-11 (interpreter: tf32 modelled by truncation, and so are the bf16 casts)."""
+    from fast import chunk_bwd as fb
+
+    BT, H, HV, K, V = 16, 1, 2, 32, 16
+    q, k, v, g, beta, S0 = gdn_inputs(1, 48, H, HV, K, V, seed=31, init=True, dtype=torch.float32)
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    do = torch.randn(1, 48, HV, V, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    kd, vd, gd, bd, S0d = (t.to(F64) for t in (k, v, g, beta, S0))
+    G = rd.chunk_cumsum(gd, BT)
+    w, u = rd.w_u(kd, vd, bd, rd.wy_repr(kd, bd, G, BT), G, BT)
+    v_new = rd.state_passing(kd, w, u, G, BT, S0d)[1]
+    err = {}
+    for rprec in ("tf32", "bf16x2"):
+        got: dict = {}
+        fb.chunk_gated_delta_rule_bwd(*(t.to(DEV) for t in (q, k, v, g, beta, do)), None, None, S0.to(DEV),
+                                      chunk_size=BT, stages=got, precision=("tf32", rprec, "16-bit"))
+        err[rprec] = (got["v_new"].cpu().double() - v_new).abs().max().item()
+    assert err["bf16x2"] <= err["tf32"], err
+
+
 def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):
     """fn(ops, **inputs) -> scalar loss. Gradients of fast (inputs in dtype), refgdn in dtype and refgdn
     in float64 on the same rounded values; every gradient must pass the conformance rule."""

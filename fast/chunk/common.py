@@ -126,20 +126,52 @@ def _trunc_tf32(x):
 
 
 @triton.jit
+def _hi_lo(x, DT: tl.constexpr):
+    """fp32 x -> (hi, lo) in the 16-bit DT with hi + lo = x to about 16 mantissa bits (x - hi is exact in
+    fp32; lo rounds it once)."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dot_split(a, b, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ b in 16-bit dots (DT, bf16) with fp32 accumulation, each fp32 operand split into hi + lo in DT
+    (about 16 mantissa bits instead of tf32's 10): two dots when one operand is already 16-bit (and exact),
+    three when both are fp32 (hi hi + hi lo + lo hi), one when neither is."""
+    if a.dtype == tl.float32:
+        a_hi, a_lo = _hi_lo(a, DT)
+        if b.dtype == tl.float32:
+            b_hi, b_lo = _hi_lo(b, DT)
+            return (_dot(a_hi, b_hi, None, DOT_F32) + _dot(a_hi, b_lo, None, DOT_F32)
+                    + _dot(a_lo, b_hi, None, DOT_F32))
+        else:
+            return _dot(a_hi, b.to(DT), None, DOT_F32) + _dot(a_lo, b.to(DT), None, DOT_F32)
+    elif b.dtype == tl.float32:
+        b_hi, b_lo = _hi_lo(b, DT)
+        return _dot(a.to(DT), b_hi, None, DOT_F32) + _dot(a.to(DT), b_lo, None, DOT_F32)
+    else:
+        return _dot(a.to(DT), b.to(DT), None, DOT_F32)
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """tl.dot with fp32 accumulation. PREC: input_precision for fp32 operands ("ieee", "tf32x3"), or
-    None for 16-bit operands (the default). DOT_F32 (interpreter only): cast operands to fp32 first, as
-    bf16 dots are wrong there (the interpreter ignores input_precision)."""
-    if DOT_F32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        if PREC == "tf32":          # the interpreter computes fp32: model the tensor cores' tf32 operands
-            a = _trunc_tf32(a)
-            b = _trunc_tf32(b)
-    if PREC is None:
-        return tl.dot(a, b)
+    None for 16-bit operands (the default), or "bf16x2" (the backward's experimental recompute of bf16
+    inputs: _dot_split). DOT_F32 (interpreter only): cast operands to fp32 first, as bf16 dots are wrong
+    there (the interpreter ignores input_precision)."""
+    if PREC == "bf16x2":
+        return _dot_split(a, b, tl.bfloat16, DOT_F32)
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            if PREC == "tf32":          # the interpreter computes fp32: model the tensor cores' tf32 operands
+                a = _trunc_tf32(a)
+                b = _trunc_tf32(b)
+        if PREC is None:
+            return tl.dot(a, b)
+        else:
+            return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit

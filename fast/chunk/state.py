@@ -89,6 +89,8 @@ def chunk_state_kernel(
         if UPCAST:
             b_w = b_w.to(tl.float32)
         b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
+        if PREC == "bf16x2":                  # the backward's split recompute: S stays fp32, split in _dot
+            b_hc = b_h
         # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
         tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
 
@@ -112,7 +114,9 @@ def chunk_state_kernel(
         # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
         b_v = b_v * tl.where(m_r, _exp(tl.where(m_r, d_G, 0.0), PRECISE), 0.0)[:, None]
         b_h = b_h * _exp(G_last, PRECISE)
-        b_h += _dot(tl.trans(b_k), b_v.to(b_k.dtype), PREC, DOT_F32)                 # + K^T (decayed v_new)
+        if PREC != "bf16x2":                  # (the split recompute keeps the decayed v_new in fp32)
+            b_v = b_v.to(b_k.dtype)
+        b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                               # + K^T (decayed v_new)
 
     if STORE_HT:
         tl.store(ht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_h, mask=m_kv)
@@ -164,7 +168,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
-        UPCAST=prec_of is not None, **cfg)
+        UPCAST=prec_of is not None and prec_of[0] != "bf16x2", **cfg)
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,

@@ -365,10 +365,14 @@ def chunk_w_u_kernel(
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
     b_A = b_A.to(b_k.dtype)
-    b_kb = (b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]).to(b_k.dtype)
+    b_kb = b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]
+    if PREC != "bf16x2":                      # (the backward's split recompute keeps it fp32: _dot splits it)
+        b_kb = b_kb.to(b_k.dtype)
     b_w = _dot(b_A, b_kb, PREC, DOT_F32)
     tl.store(w + tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_rk)
-    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_v.dtype)
+    b_vb = b_v.to(tl.float32) * b_beta[:, None]
+    if PREC != "bf16x2":
+        b_vb = b_vb.to(b_v.dtype)
     b_u = _dot(b_A.to(b_v.dtype), b_vb, PREC, DOT_F32)
     tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
 
@@ -431,7 +435,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
-        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=prec_of is not None,
+        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=prec_of is not None and prec_of[0] != "bf16x2",
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
         **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
 
@@ -450,7 +454,7 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         *k.stride()[:3], *v.stride()[:3], *beta.stride(),
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
-        PRECISE=precise, UPCAST=prec_of is not None,
+        PRECISE=precise, UPCAST=prec_of is not None and prec_of[0] != "bf16x2",
         **_cfg("w_u", w_u_config(K, V), configs))
 
 
