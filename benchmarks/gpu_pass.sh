@@ -5,6 +5,9 @@
 #   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving]...   (default: all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
+#   train (not in all): the backward's precision variants, measured (VARIANTS, default the experimental
+#     bf16x2 / kkt-forward modes of fast.chunk_bwd): the gradient matrix under each (full bf16 families),
+#     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op alone
 set -uo pipefail
 OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -60,3 +63,15 @@ if [[ $steps == *serving* ]]; then
 fi
 echo "gpu_pass rc=$rc"
 exit $rc
+if [[ $steps == *train* ]]; then
+  variants=${VARIANTS:-bf16x2/tf32/16-bit,tf32/tf32/16-bit/forward,bf16x2/bf16x2/16-bit}
+  # cold compiles of the full bf16 families take > 200 s per variant on an H100 (2026-11-23)
+  timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" 2>&1 \
+    | tee "$OUT/grad-precision.log" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
+  for v in ${variants//,/ }; do
+    timeout ${PROFILE_TIMEOUT:-150} python3 -m benchmarks.bench_train --only profile --beside "$v" --no-results 2>&1 \
+      | grep "^|" | tee -a "$OUT/train-profile.log" | head -14; rc=$((rc | ${PIPESTATUS[0]}))
+  done
+  timeout 300 python3 -m conformance --device cuda --jobs 12 --ops chunk_gated_delta_rule_grad --timeout 290 \
+    --json "$OUT/conformance-grad.json" 2>"$OUT/conformance-grad.err" | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
+fi
