@@ -58,7 +58,8 @@ import triton.language as tl
 
 from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
-                    _launch_state, _launch_w_u, _num_sms, _precise, _trunc_tf32)
+                    _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
+                    _trunc_tf32)
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
@@ -243,16 +244,8 @@ def bwd_dh_kernel(
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        i_b = (i_n * 0).to(tl.int64)
-    else:
-        bos = 0
-        eos = T
-        boc = i_n.to(tl.int64) * NT
-        i_b = i_n.to(tl.int64)
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
     n_chunks = tl.cdiv(eos - bos, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)

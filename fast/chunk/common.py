@@ -77,6 +77,32 @@ def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN: tl.constexpr
 
 
 @triton.jit
+def _seq_coords(i_n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
+    """Sequence index -> (batch row i_b [int64], bos, eos): its tokens are rows bos .. eos - 1 of batch
+    row i_b. Dense: i_b = i_n, bos = 0, eos = T. Varlen (B == 1): from cu_seqlens."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        i_b = (i_n * 0).to(tl.int64)
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    return i_b, bos, eos
+
+
+@triton.jit
+def _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN: tl.constexpr):
+    """Sequence index -> the global index of its first chunk (int64; chunks of all sequences in order):
+    chunk_offsets[i_n] varlen, i_n NT dense."""
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * NT
+    return boc
+
+
+@triton.jit
 def _exp(x, PRECISE: tl.constexpr):
     """exp(x) in fp32. PRECISE (fp32 inputs): range-reduced, a few ulp at any |x|; else tl.exp.
 

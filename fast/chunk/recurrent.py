@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..utils import is_interpreting, next_pow2
-from .common import _exp, _gate
+from .common import _exp, _gate, _seq_coords
 
 
 # ============================================================================================
@@ -42,14 +42,7 @@ def recurrent_kernel(
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        i_b = (i_n * 0).to(tl.int64)
-    else:
-        bos = 0
-        eos = T
-        i_b = i_n.to(tl.int64)
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K

@@ -20,7 +20,7 @@ from refgdn.checks import check_chunk_size
 
 from ..utils import cdiv, is_interpreting
 from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64, _num_sms,
-                     _precise, _unit_last)
+                     _precise, _seq_coords, _seq_first_chunk, _unit_last)
 
 
 # ============================================================================================
@@ -55,16 +55,8 @@ def chunk_state_kernel(
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_h = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-        i_b = (i_n * 0).to(tl.int64)
-    else:
-        bos = 0
-        eos = T
-        boc = i_n.to(tl.int64) * NT
-        i_b = i_n.to(tl.int64)
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
     n_chunks = tl.cdiv(eos - bos, BT)
 
     o_t = tl.arange(0, BT)
