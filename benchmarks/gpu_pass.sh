@@ -63,8 +63,8 @@ if [[ $steps == *serving* ]]; then
 fi
 if [[ $steps == *train* ]]; then
   variants=${VARIANTS:-bf16x2/tf32/16-bit,tf32/tf32/16-bit/forward,bf16x2/bf16x2/16-bit}
-  # cold compiles of the full bf16 families take > 200 s per variant on an H100 (2026-11-23)
-  timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" 2>&1 \
+  # cold compiles of the full bf16 families took > 200 s per variant in one process on an H100 (2026-11-23)
+  timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" --jobs 12 2>&1 \
     | tee "$OUT/grad-precision.log" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
   for v in ${variants//,/ }; do
     timeout ${PROFILE_TIMEOUT:-150} python3 -m benchmarks.bench_train --only profile --beside "$v" --no-results 2>&1 \

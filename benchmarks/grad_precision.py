@@ -6,6 +6,7 @@ by this script except inside its own process (each variant is applied with unitt
 around the cases, then restored).
 
     python -m benchmarks.grad_precision [--quick] [--dtype bfloat16] [--variants None/None,tf32/tf32/16-bit/forward]
+        [--jobs N]
 
 A variant is ``grad_dot/recompute[/16-bit]`` with ``None`` for 16-bit (e.g. ``None/tf32``: 16-bit products
 with a gradient operand, fp32 recompute at tf32; ``tf32/tf32/16-bit``: the fp32 recompute's intermediates
@@ -70,23 +71,43 @@ def interpreter_bf16_round_to_nearest() -> None:
     ti._convert_float = convert
 
 
-def conformance_rows(dt: torch.dtype, pair, quick: bool, device: str) -> list:
+def _case_worst(dt: torch.dtype, pair, quick: bool, device: str, family: str, BT: int, rne: bool = False):
+    """(family, worst ratio, where) of one gradient case of the matrix, run under the variant `pair`."""
     from conformance import cases_grad
     from conformance.core import evaluate
+    if rne:
+        interpreter_bf16_round_to_nearest()
+    p, _ = cases_grad._gdn_grad_families(quick)[family]
+    case = cases_grad.gdn_grad_case(family, p, dt, BT, quick)
+    try:
+        with _patched(dt, pair):
+            checks = case.run(device)
+    except Exception as e:  # noqa: BLE001
+        return family, float("inf"), f"{type(e).__name__}: {e}"[:80]
+    worst = (-1.0, "")
+    for c in checks:
+        r = evaluate(c)["ratio"]
+        if r > worst[0]:
+            worst = (r, f"{c.name} BT{BT}")
+    return (family, *worst)
+
+
+def conformance_rows(dt: torch.dtype, pair, quick: bool, device: str, jobs: int = 1, rne: bool = False) -> list:
+    """Worst ratio per family over the matrix's gdn gradient cases under `pair`; jobs > 1 runs the cases in
+    that many fresh processes (spawned; each applies the variant itself: cold compiles are CPU-bound)."""
+    from conformance import cases_grad
+    todo = [(f, BT) for f, (_, sizes) in cases_grad._gdn_grad_families(quick).items() for BT in sizes]
+    if jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+            results = list(ex.map(_case_worst, *zip(*[(dt, pair, quick, device, f, BT, rne) for f, BT in todo])))
+    else:
+        results = [_case_worst(dt, pair, quick, device, f, BT, rne) for f, BT in todo]
     worst = {}
-    cases = [cases_grad.gdn_grad_case(f, p, dt, BT, quick)
-             for f, (p, sizes) in cases_grad._gdn_grad_families(quick).items() for BT in sizes]
-    with _patched(dt, pair):
-        for case in cases:
-            try:
-                checks = case.run(device)
-            except Exception as e:  # noqa: BLE001
-                worst[case.case] = (float("inf"), f"{type(e).__name__}: {e}"[:80])
-                continue
-            for c in checks:
-                r = evaluate(c)["ratio"]
-                if case.case not in worst or r > worst[case.case][0]:
-                    worst[case.case] = (r, f"{c.name} BT{case.chunk_size}")
+    for f, r, w in results:
+        if f not in worst or r > worst[f][0]:
+            worst[f] = (r, w)
     return [dict(family=f, ratio=r, where=w, passed="yes" if r <= 1 else "NO") for f, (r, w) in worst.items()]
 
 
@@ -104,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI-size gradient families (the interpreter's)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DEFAULT_VARIANTS))
     ap.add_argument("--variants", default=None, help="comma-separated grad_dot/recompute pairs")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes for the cases (spawned; default 1)")
     ap.add_argument("--interpreter-rne", action="store_true",
                     help="interpreter only: fp32 -> bf16 casts round to nearest even as on a GPU (see "
                          "interpreter_bf16_round_to_nearest); the default keeps the interpreter's truncation, "
@@ -117,7 +139,7 @@ def main(argv=None) -> int:
     for v in (args.variants or DEFAULT_VARIANTS[args.dtype]).split(","):
         pair = _parse(v)
         t0 = time.perf_counter()
-        fam = conformance_rows(dt, pair, args.quick, device)
+        fam = conformance_rows(dt, pair, args.quick, device, args.jobs, args.interpreter_rne)
         ms = time_ms(dt, pair) if device == "cuda" else None
         worst = max((r["ratio"] for r in fam), default=float("nan"))
         for r in fam:
