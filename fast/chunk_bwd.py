@@ -102,14 +102,15 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
 # zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
 # 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
-# Experimental value "bf16x2" for the grad_dot and / or the recompute precision (bf16 inputs with 16-bit
-# storage only; e.g. precision=("bf16x2", "bf16x2", "16-bit")): every fp32 operand of a product split into
+# Experimental value "bf16x2" for the grad_dot and / or the recompute precision (bf16 inputs only; meant
+# for 16-bit storage, e.g. precision=("bf16x2", "bf16x2", "16-bit"), where the stored operands are exact): every fp32 operand of a product split into
 # bf16 hi + lo and multiplied by 16-bit dots (fast.chunk's _dot_split: about 16 mantissa bits instead of
 # tf32's 10; 16-bit tiles in shared memory; two or three bf16 MMAs where tf32 takes one at half the bf16
 # rate). As the recompute precision, kernels 1-3 keep their 16-bit tiles (no UPCAST; kernel 1 then runs
 # the forward's way) and their fp32 operands (the state S, the decayed v_new, beta exp(G) k, beta v) unrounded.
 # Quick bf16 families with round-to-nearest, worst ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage
-# dominates), tf32/bf16x2 0.942, bf16x2/bf16x2 0.906 (ddt_bias with fused gating). Compiles for sm_90
+# dominates), tf32/bf16x2 0.942, bf16x2/bf16x2 0.906 (ddt_bias with fused gating; with fp32 storage
+# instead of 16-bit: 0.437). Compiles for sm_90
 # (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared memory,
 # kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). Not run on a GPU: next,
 # `python -m benchmarks.bench_train --only profile --beside bf16x2/bf16x2/16-bit` and
@@ -714,9 +715,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if kkt_mode not in ("recompute", "forward") or (kkt_mode == "forward" and not store16):
         raise ValueError(f"precision: kernel 1's mode must be 'recompute', or 'forward' with 16-bit storage, "
                          f"got {precision}")
-    if "bf16x2" in (gprec, rprec) and not (store16 and dt == torch.bfloat16):
-        raise ValueError(f"precision: 'bf16x2' needs bf16 inputs and 16-bit storage (its split operands are bf16), "
-                         f"got {precision} for {dt}")
+    if "bf16x2" in (gprec, rprec) and dt != torch.bfloat16:
+        raise ValueError(f"precision: 'bf16x2' needs bf16 inputs (its split operands are bf16), got {precision} "
+                         f"for {dt}")
     beta_dtype = beta.dtype
     if rprec is not None:
         # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes

@@ -309,29 +309,41 @@ def test_gdot_bf16x2_split_keeps_16_bits(sides, gprec):
     assert ok == (gprec == "bf16x2"), (sides, gprec, ((c.cpu().double() - exact).abs() / bound).max().item())
 
 
-def test_bf16x2_recompute_is_at_least_as_precise_as_tf32():
-    """The experimental split recompute (precision ("tf32", "bf16x2", "16-bit"): kernels 1-3 with 16-bit
-    tiles and each fp32 operand split into bf16 hi + lo) against the default tf32 recompute, bf16 inputs:
-    the recomputed v_new (stored in fp32, the intermediate the rule is most sensitive to) must be at least
-    as close to the float64 stage chain. A split that dropped its lo part would err at bf16's 2^-9, worse
-    than tf32's 2^-11 (interpreter: tf32 modelled by truncation, and so are the bf16 casts)."""
-    from fast import chunk_bwd as fb
+@pytest.mark.parametrize("stage", ["w_u", "state_passing"])
+def test_bf16x2_recompute_kernels_beat_tf32(stage):
+    """fast.chunk's kernels 2 (w, u) and 3 (state passing) under the experimental recompute precision
+    "bf16x2" (16-bit k / v tiles, every fp32 operand split into bf16 hi + lo) against the tf32 recompute,
+    on the same inputs (bf16 k / v / beta, fp32 A / w / u from the float64 chain), each against the float64
+    stage twin of refgdn: the split must be closer. A split that dropped its lo part would err at bf16's
+    2^-9 and lose to tf32's 2^-11 (interpreter: tf32 and the bf16 casts both modelled by truncation)."""
+    from fast.chunk import _Chunks, _launch_state, _launch_w_u
 
-    BT, H, HV, K, V = 16, 1, 2, 32, 16
-    q, k, v, g, beta, S0 = gdn_inputs(1, 48, H, HV, K, V, seed=31, init=True, dtype=torch.float32)
-    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
-    do = torch.randn(1, 48, HV, V, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    BT, H, HV, K, V, T = 16, 1, 2, 32, 16, 48
+    q, k, v, g, beta, S0 = gdn_inputs(1, T, H, HV, K, V, seed=31, init=True, dtype=torch.float32)
+    k, v, beta = (t.to(torch.bfloat16) for t in (k, v, beta))
     kd, vd, gd, bd, S0d = (t.to(F64) for t in (k, v, g, beta, S0))
     G = rd.chunk_cumsum(gd, BT)
-    w, u = rd.w_u(kd, vd, bd, rd.wy_repr(kd, bd, G, BT), G, BT)
-    v_new = rd.state_passing(kd, w, u, G, BT, S0d)[1]
+    A = rd.wy_repr(kd, bd, G, BT)
+    w, u = rd.w_u(kd, vd, bd, A, G, BT)
+    h, v_new, _ = rd.state_passing(kd, w.float().double(), u.float().double(), G, BT, S0d)
+    ch = _Chunks(1, T, BT, None)
+    dev = lambda t: t.to(DEV)  # noqa: E731
     err = {}
-    for rprec in ("tf32", "bf16x2"):
-        got: dict = {}
-        fb.chunk_gated_delta_rule_bwd(*(t.to(DEV) for t in (q, k, v, g, beta, do)), None, None, S0.to(DEV),
-                                      chunk_size=BT, stages=got, precision=("tf32", rprec, "16-bit"))
-        err[rprec] = (got["v_new"].cpu().double() - v_new).abs().max().item()
-    assert err["bf16x2"] <= err["tf32"], err
+    for prec in ("tf32", "bf16x2"):
+        if stage == "w_u":
+            w_got = torch.empty(1, T, HV, K, device=DEV)
+            u_got = torch.empty(1, T, HV, V, device=DEV)
+            _launch_w_u(dev(k), dev(v), dev(beta), dev(G.float()), dev(A.float()), w_got, u_got, ch, T, BT,
+                        precise=False, prec_of=(prec, torch.bfloat16))
+            err[prec] = max((w_got.cpu().double() - w).abs().max().item(), (u_got.cpu().double() - u).abs().max().item())
+        else:
+            h_got = torch.empty(ch.total, HV, K, V, device=DEV)
+            vn_got = torch.empty(1, T, HV, V, device=DEV)
+            _launch_state(dev(k), dev(w.float()), dev(u.float()), dev(G.float()), None, dev(S0), h_got, vn_got,
+                          None, ch, 1, T, BT, precise=False, prec_of=(prec, torch.bfloat16))
+            err[prec] = max((vn_got.cpu().double() - v_new).abs().max().item(),
+                            (h_got.cpu().double() - h[0]).abs().max().item())
+    assert err["bf16x2"] < err["tf32"], err
 
 
 def _fast_vs_ref(fn, inputs: dict, dtype=torch.float32):

@@ -364,7 +364,8 @@ def chunk_w_u_kernel(
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
-    b_A = b_A.to(b_k.dtype)
+    if PREC != "bf16x2":                      # (the split recompute keeps A as stored: _dot splits fp32)
+        b_A = b_A.to(b_k.dtype)
     b_kb = b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]
     if PREC != "bf16x2":                      # (the backward's split recompute keeps it fp32: _dot splits it)
         b_kb = b_kb.to(b_k.dtype)
@@ -373,7 +374,9 @@ def chunk_w_u_kernel(
     b_vb = b_v.to(tl.float32) * b_beta[:, None]
     if PREC != "bf16x2":
         b_vb = b_vb.to(b_v.dtype)
-    b_u = _dot(b_A.to(b_v.dtype), b_vb, PREC, DOT_F32)
+    if PREC != "bf16x2":
+        b_A = b_A.to(b_v.dtype)
+    b_u = _dot(b_A, b_vb, PREC, DOT_F32)
     tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
 
 
