@@ -86,6 +86,7 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -921,6 +922,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
 _PLANS: dict = {}        # key -> _StepPlan (steps) or N (accept), insertion-ordered
 _LAST: dict = {}         # mode -> (key, plan) of its last call that passed the checks
+_STORE_LOCK = threading.Lock()   # _store's insert + evict (misses only; hits read without it)
 
 
 def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -995,18 +997,20 @@ def _store(key, value) -> None:
     """
     if key is None:
         return
-    try:
-        _PLANS[key] = value
-    except TypeError:
-        return
-    while len(_PLANS) > PLAN_CACHE_SIZE:
-        del _PLANS[next(iter(_PLANS))]
+    with _STORE_LOCK:                  # two threads missing at once would both evict the same oldest key
+        try:
+            _PLANS[key] = value
+        except TypeError:
+            return
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            del _PLANS[next(iter(_PLANS))]
 
 
 def clear_plan_cache() -> None:
     """Forget every cached signature (the next call of each kind checks in full). Tests and benchmarks."""
-    _PLANS.clear()
-    _LAST.clear()
+    with _STORE_LOCK:
+        _PLANS.clear()
+        _LAST.clear()
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,

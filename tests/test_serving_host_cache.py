@@ -337,6 +337,41 @@ def test_store_is_bounded(monkeypatch):
     assert calls == [1, 2, 3, 4, 1]                                     # 1 was dropped, 4 was kept
 
 
+def test_concurrent_misses_evict_safely(monkeypatch):
+    """Two threads storing past the bound at once: each must evict one oldest entry, and neither may fail.
+    Forced interleaving: the store's dict snapshots its keys when iterated, then waits until both threads
+    have iterated (or 0.5 s). Without fast.serving's store lock both pick the same oldest key and the second
+    `del` raises KeyError; with it the second thread waits for the first and evicts the next oldest."""
+    import threading
+    barrier = threading.Barrier(2, timeout=0.5)
+
+    class Interleaved(dict):
+        def __iter__(self):
+            keys = list(dict.keys(self))
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+            return iter(keys)
+
+    monkeypatch.setattr(fs, "_PLANS", Interleaved())
+    monkeypatch.setattr(fs, "PLAN_CACHE_SIZE", 1)
+    fs._store(("old",), 0)
+    errors = []
+
+    def store(i):
+        try:
+            fs._store(("new", i), i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+    threads = [threading.Thread(target=store, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(fs._PLANS) == 1 and ("old",) not in fs._PLANS, (errors, dict(fs._PLANS))
+
+
 def test_plan_follows_the_config_functions_in_use(monkeypatch):
     """step_config / conv_config are looked up per call (benchmark sweeps and tests wrap them): a wrapped
     function after a cached call is used, not the stored plan of the original."""
