@@ -60,6 +60,7 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
                     _trunc_tf32)
+from .gating import l2norm_into
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
@@ -103,18 +104,17 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
 # 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
 # Experimental value "bf16x2" for the grad_dot and / or the recompute precision (bf16 inputs only; meant
-# for 16-bit storage, e.g. precision=("bf16x2", "bf16x2", "16-bit"), where the stored operands are exact): every fp32 operand of a product split into
-# bf16 hi + lo and multiplied by 16-bit dots (fast.chunk's _dot_split: about 16 mantissa bits instead of
-# tf32's 10; 16-bit tiles in shared memory; two or three bf16 MMAs where tf32 takes one at half the bf16
-# rate). As the recompute precision, kernels 1-3 keep their 16-bit tiles (no UPCAST; kernel 1 then runs
-# the forward's way) and their fp32 operands (the state S, the decayed v_new, beta exp(G) k, beta v) unrounded.
-# Quick bf16 families with round-to-nearest, worst ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage
-# dominates), tf32/bf16x2 0.942, bf16x2/bf16x2 0.906 (ddt_bias with fused gating; with fp32 storage
-# instead of 16-bit: 0.437). Compiles for sm_90
-# (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared memory,
-# kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). Not run on a GPU: next,
-# `python -m benchmarks.bench_train --only profile --beside bf16x2/bf16x2/16-bit` and
-# `python -m benchmarks.grad_precision --variants bf16x2/tf32/16-bit,bf16x2/bf16x2/16-bit`.
+# for 16-bit storage, e.g. precision=("bf16x2", "bf16x2", "16-bit"), where the stored operands are exact):
+# every fp32 operand of a product split into bf16 hi + lo and multiplied by 16-bit dots (fast.chunk's
+# _dot_split: about 16 mantissa bits instead of tf32's 10; 16-bit tiles in shared memory; two or three
+# bf16 MMAs where tf32 takes one at half the bf16 rate). As the recompute precision, kernels 1-3 keep
+# their 16-bit tiles (no UPCAST; kernel 1 then runs the forward's way) and their fp32 operands (the state
+# S, the decayed v_new, beta exp(G) k, beta v) unrounded. Quick bf16 families with round-to-nearest, worst
+# ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage dominates), tf32/bf16x2 0.942, bf16x2/bf16x2
+# 0.906 (ddt_bias with fused gating; with fp32 storage instead of 16-bit: 0.437). Compiles for sm_90
+# (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared
+# memory, kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). Not run on a GPU: next,
+# `bash benchmarks/gpu_pass.sh train` (grad_precision and bench_train --beside for each variant).
 RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
 # KKT: how the recompute's kernel 1 (G, l2norm(k), A) runs with 16-bit storage: "recompute" (fp32 products
 # of the fp32 normalised k at the recompute precision) or "forward" (experimental: exactly the forward's
@@ -429,7 +429,8 @@ def bwd_wy_kernel(
 
     k: [B, T, H, K] contiguous (normalised when asked); v, beta, g: strided; A: [B, T, HV, BT];
     dw, dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; du = dv_new: fp32;
-    dG: [NKG, B, T, HV] fp32 (stage 3's partial sums, s_dG apart); dv: [B, T, HV, V] v's dtype; dbeta, dg, dA_log_t: [B, T, HV] fp32.
+    dG: [NKG, B, T, HV] fp32 (stage 3's partial sums, s_dG apart); dv: [B, T, HV, V] v's dtype;
+    dbeta, dg, dA_log_t: [B, T, HV] fp32.
     Registers: K in blocks of BKC, V in blocks of BV, so only [BT, BT] blocks (dA, A^T, K K^T) and one
     [BT, BKC] / [BT, BV] tile of each operand are live: two passes over K (before dL: dA, dKb's terms,
     K K^T; after: R K + R^T K), dk updated in place by both.
@@ -558,19 +559,6 @@ def bwd_qk_finish_kernel(
     tl.store(out + r64[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def l2norm_rows_kernel(x, out, n_rows, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
-    """Per block of BR rows: out = x / sqrt(sum(x^2) + eps) in fp32, cast to out's dtype. x, out: [rows, K]
-    contiguous. grid = (cdiv(rows, BR),)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    o_k = tl.arange(0, BK)
-    m = (r < n_rows)[:, None] & (o_k < K)[None, :]
-    off = r.to(tl.int64)[:, None] * K + o_k[None, :]
-    xr = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
-    y = xr * tl.rsqrt(tl.sum(xr * xr, 1) + EPS)[:, None]
-    tl.store(out + off, y.to(out.dtype.element_ty), mask=m)
-
-
 # ============================================================================================
 # host side
 # ============================================================================================
@@ -635,34 +623,24 @@ def wy_bwd_config(K: int, V: int) -> dict:
     return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
 
 
-def _row_blocks(B: int, T: int, H: int, K: int, dtype: torch.dtype, device) -> tuple:
-    """The output [B, T, H, K] in dtype of a per-row kernel (rows = (token, key head)), the row count,
-    the rows per program BR and the grid (cdiv(rows, BR),)."""
-    out = torch.empty(B, T, H, K, dtype=dtype, device=device)
-    BR = 16 if is_interpreting() else 32
-    return out, B * T * H, BR, (cdiv(B * T * H, BR),)
-
-
 def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x: [B, T, H, K] -> x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32 (refgdn.l2norm's
-    arithmetic), returned in dtype: one pass (l2norm_rows_kernel; in torch it took six elementwise
-    kernels, ~0.35 ms at bench_train's shape on an H100)."""
-    out, n_rows, BR, grid = _row_blocks(*x.shape, dtype, x.device)
-    if n_rows > 0:
-        l2norm_rows_kernel[grid](x.contiguous(), out, n_rows, K=x.shape[3], BK=_blocks(x.shape[3], 16)[0], BR=BR,
-                                 EPS=L2NORM_EPS, num_warps=4)
-    return out
+    """x: [B, T, H, K] -> l2norm over the last dim in dtype (fast.gating.l2norm's kernel: fp32 arithmetic,
+    refgdn.l2norm's; one pass where torch took six elementwise kernels, ~0.35 ms at bench_train's shape)."""
+    return l2norm_into(x, torch.empty(x.shape, dtype=dtype, device=x.device), L2NORM_EPS)
 
 
 def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: torch.dtype) -> torch.Tensor:
     """d_hv: [B, T, HV, K] fp32 per value head, x: [B, T, H, K] (the raw q or k) -> [B, T, H, K] in dtype:
     summed over each GVA group, through the l2norm when l2 (stage 5, one kernel pass)."""
     B, T, HV, K = d_hv.shape
-    out, n_rows, BR, grid = _row_blocks(B, T, H, K, dtype, d_hv.device)
-    if n_rows > 0:
-        bwd_qk_finish_kernel[grid](
-            d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0],
-            BR=BR, L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
+    out = torch.empty(B, T, H, K, dtype=dtype, device=d_hv.device)
+    n_rows = B * T * H
+    if n_rows == 0:
+        return out
+    BR = 16 if is_interpreting() else 32
+    bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
+        d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
+        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
     return out
 
 
@@ -819,9 +797,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             B * T * HV, **common, **dq_cfg)
         if stages is not None:
-            stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(), dv_new=dv_new.clone(),
-                          dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(), dk3=dk.clone(),
-                          dw=dw.clone(), dG3=dG.sum(0))
+            stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
+                          dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
+                          dk3=dk.clone(), dw=dw.clone(), dG3=dG.sum(0))
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,

@@ -120,7 +120,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     _need_float("x", x)
     if x.dim() == 0:  # a scalar is its own last dim: [] -> [1]
         return l2norm(x.reshape(1), eps).reshape(())
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return l2norm_into(x, torch.empty(x.shape, dtype=x.dtype, device=x.device), eps)
+
+
+def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """l2norm's launch: x: [..., K] -> y (given: x's shape, contiguous, any float dtype; the backward's
+    recompute asks for fp32 or 16-bit). Inputs assumed checked; returns y."""
     if x.numel() == 0:
         return y
     K = x.shape[-1]

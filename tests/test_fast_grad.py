@@ -335,7 +335,8 @@ def test_bf16x2_recompute_kernels_beat_tf32(stage):
             u_got = torch.empty(1, T, HV, V, device=DEV)
             _launch_w_u(dev(k), dev(v), dev(beta), dev(G.float()), dev(A.float()), w_got, u_got, ch, T, BT,
                         precise=False, prec_of=(prec, torch.bfloat16))
-            err[prec] = max((w_got.cpu().double() - w).abs().max().item(), (u_got.cpu().double() - u).abs().max().item())
+            err[prec] = max((w_got.cpu().double() - w).abs().max().item(),
+                            (u_got.cpu().double() - u).abs().max().item())
         else:
             h_got = torch.empty(ch.total, HV, K, V, device=DEV)
             vn_got = torch.empty(1, T, HV, V, device=DEV)

@@ -240,6 +240,13 @@ def _fp32_prec(dtype: torch.dtype):
     return FP32_PRECISION if dtype == torch.float32 else None
 
 
+def _upcast(prec_of) -> bool:
+    """Kernels 1-3's UPCAST for the backward's recompute (prec_of = (precision, dtype), None on the
+    forward): convert the 16-bit tiles to fp32 after the load, except under "bf16x2", whose dots split
+    fp32 operands themselves and want the 16-bit tiles as they are."""
+    return prec_of is not None and prec_of[0] != "bf16x2"
+
+
 def _precise(dtype: torch.dtype) -> bool:
     """Range-reduced exp (``_exp``) for fp32 inputs; 16-bit inputs round far above tl.exp's error."""
     return dtype == torch.float32

@@ -20,7 +20,7 @@ from refgdn.checks import check_chunk_size
 
 from ..utils import cdiv, is_interpreting
 from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64, _num_sms,
-                     _precise, _seq_coords, _seq_first_chunk, _unit_last)
+                     _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -160,7 +160,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
-        UPCAST=prec_of is not None and prec_of[0] != "bf16x2", **cfg)
+        UPCAST=_upcast(prec_of), **cfg)
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,

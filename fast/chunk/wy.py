@@ -25,7 +25,7 @@ from refgdn.checks import check_chunk_size
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
                      _check_fast_limits, _chunk_coords, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff,
-                     _is_fp64, _l2norm_rows, _precise, _unit_last)
+                     _is_fp64, _l2norm_rows, _precise, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -364,19 +364,20 @@ def chunk_w_u_kernel(
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
-    if PREC != "bf16x2":                      # (the split recompute keeps A as stored: _dot splits fp32)
-        b_A = b_A.to(b_k.dtype)
+    # dot operands in the tiles' dtype; the backward's split recompute ("bf16x2") keeps A as stored and the
+    # scaled tiles in fp32 (_dot splits fp32 operands)
     b_kb = b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]
-    if PREC != "bf16x2":                      # (the backward's split recompute keeps it fp32: _dot splits it)
+    if PREC != "bf16x2":
+        b_A = b_A.to(b_k.dtype)
         b_kb = b_kb.to(b_k.dtype)
     b_w = _dot(b_A, b_kb, PREC, DOT_F32)
     tl.store(w + tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_rk)
     b_vb = b_v.to(tl.float32) * b_beta[:, None]
+    b_Av = b_A
     if PREC != "bf16x2":
         b_vb = b_vb.to(b_v.dtype)
-    if PREC != "bf16x2":
-        b_A = b_A.to(b_v.dtype)
-    b_u = _dot(b_A, b_vb, PREC, DOT_F32)
+        b_Av = b_A.to(b_v.dtype)
+    b_u = _dot(b_Av, b_vb, PREC, DOT_F32)
     tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
 
 
@@ -438,7 +439,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
-        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=prec_of is not None and prec_of[0] != "bf16x2",
+        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
         **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
 
@@ -457,7 +458,7 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         *k.stride()[:3], *v.stride()[:3], *beta.stride(),
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
-        PRECISE=precise, UPCAST=prec_of is not None and prec_of[0] != "bf16x2",
+        PRECISE=precise, UPCAST=_upcast(prec_of),
         **_cfg("w_u", w_u_config(K, V), configs))
 
 
