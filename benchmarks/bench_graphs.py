@@ -45,8 +45,11 @@ def per_layer_us(make_call, layers: int = LAYERS) -> float:
     return common.bench(g) * 1e3 / layers if g is not None else float("nan")
 
 
-def layer_rows() -> list:
+def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
+    """beside_pdl: also the per-layer rows with the step kernel launched plainly (step_config's pdl off),
+    to see what the programmatic dependent launch buys at each N."""
     import fast.serving as fs
+    from benchmarks.bench_decode import launch_overrides
     rows = []
     fla = common.try_import_fla()
 
@@ -56,9 +59,15 @@ def layer_rows() -> list:
                 p["idx"])
         return lambda: fs.gdn_decode(*args)  # noqa: E731
 
-    for N in (1, 8):
+    for N in batches:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
-                         us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}[N]))
+                         us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
+                         note=f"pdl={fs.step_config(128, 128, torch.float32, 32, 'decode', N, pdl_ok=True)['pdl']}"))
+        if beside_pdl:
+            for pdl in (False, True):
+                with launch_overrides(step=dict(pdl=pdl)):
+                    rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer "
+                                     f"graph, pdl={pdl}", N=N, us=per_layer_us(lambda i: fast_call(N, i))))
         step = fast_call(N)
         g = graphed(step)
         if g is not None:
@@ -142,17 +151,30 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "be
     return rows
 
 
-def run() -> list:
-    return layer_rows() + model_rows()
+def run(only: str = "all", batches=(1, 8), beside_pdl: bool = False) -> list:
+    rows = []
+    if only in ("all", "layer"):
+        rows += layer_rows(batches, beside_pdl)
+    if only in ("all", "model"):
+        rows += model_rows()
+    return rows
 
 
-def main():
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("all", "layer", "model"), default="all")
+    ap.add_argument("--batches", default="1,8", help="N of the layer rows (comma-separated)")
+    ap.add_argument("--beside-pdl", action="store_true", help="layer rows with the step kernel's PDL off and on")
+    ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_graphs: needs a GPU")
         return
-    rows = run()
+    rows = run(ns.only, tuple(int(b) for b in ns.batches.split(",")), ns.beside_pdl)
     print(common.format_table(rows))
-    common.append_results(TITLE, rows, meta=META)
+    if not ns.no_results:
+        common.append_results(TITLE, rows, meta=META)
 
 
 if __name__ == "__main__":

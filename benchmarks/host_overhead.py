@@ -89,7 +89,11 @@ def install_sm90_compile_only() -> None:
     """A stand-in Triton driver (sm_90, device 0, stream 0) and compile-only launches (see --sm90).
     Must run before triton or fast is imported."""
     from .sm90 import install_compile_only
-    install_compile_only()
+
+    def no_launch(name, kernel):     # fast.launch.Relaunch calls the compiled launcher: make it a no-op
+        kernel._run = lambda *a: None
+        kernel.module, kernel._module_pid = "stand-in", -1      # nothing to load or unload
+    install_compile_only(no_launch)
 
 
 def use_plain_constants() -> None:
@@ -126,7 +130,7 @@ def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
 
     def gdn():
         fs.gdn_step_kernel[p.step_grid](y, a, b, A_log, dt_bias, o, cache.ssm_state, cache.pend_k, cache.pend_v,
-                                        cache.pend_g, cache.pend_beta, cache.pend_meta, snap, 0.1, *p.step_args,
+                                        cache.pend_g, cache.pend_beta, cache.pend_meta, snap, idx, 0.1, *p.step_args,
                                         **p.step_kw)
 
     def old_decode_host():
@@ -134,7 +138,15 @@ def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
         fs._launch(*step, None, "silu", "decode")
         fs._check_if_free(cache)
 
+    from fast.launch import Relaunch
+    import fast.launch as fl
+    from triton.runtime.jit import JITFunction
+    fl._JIT_RUN = JITFunction.run                  # the compile-only wrapper stands for the launch path
+    rc = Relaunch(fs.conv_step_kernel, p.conv_grid, p.conv_kw)
+    conv_args = (x, cw, cb, y, cache.conv_state, cache.pend_meta, snap, cache.err, idx, idx, *p.conv_args)
+    rc(*conv_args)
     return [("sm90 launch: conv_step_kernel", t(conv)), ("sm90 launch: gdn_step_kernel", t(gdn)),
+            ("sm90 relaunch: conv_step_kernel (fast.launch)", t(lambda: rc(*conv_args))),
             ("sm90 decode host: old (full checks, launch prep)", t(old_decode_host)),
             ("sm90 decode host: cached (gdn_decode)", t(lambda: fs.gdn_decode(*args)))]
 
@@ -164,7 +176,7 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     def cached_accept_checks():       # what gdn_accept now does before its launch (valid call: a hit)
         return fs._known("accept", ("accept", rs.accept_signature(*acc)))
 
-    fs._remember("accept", ("accept", rs.accept_signature(*acc)), N)
+    fs._remember("accept", ("accept", rs.accept_signature(*acc)), [N, None])
     out.append(("accept checks: check_accept_inputs (old)", t(lambda: rs.check_accept_inputs(*acc, False))))
     out.append(("accept checks: cached (signature + lookup)", t(cached_accept_checks)))
     out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))

@@ -100,17 +100,25 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
                   state_indices=idx, cu_seqlens=cu)
     if checked:
         conv_d.update(err=cache.err.dtype)
-    sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
+    pdl_ok = checked and _serving.pdl_supported(cache.ssm_state.device)
+    sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N, pdl_ok=pdl_ok)
     step_c = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"],
-                  VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]))
+                  VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=False)
     step_d = dict(y=mixed_qkv.dtype, a=a.dtype, b=b.dtype, A_log=A_log.dtype, dt_bias=dt_bias.dtype,
                   o=mixed_qkv.dtype, ssm=cache.ssm_state.dtype, pk=cache.pend_k.dtype, pv=cache.pend_v.dtype,
                   pg=cache.pend_g.dtype, pbeta=cache.pend_beta.dtype, meta=cache.pend_meta.dtype, snap=_I32,
                   state_indices=idx, cu_seqlens=cu)
-    if checked:        # the step kernel reads the request rows the conv kernel checked (snap), not the indices
-        del step_c["VARLEN"], step_d["state_indices"], step_d["cu_seqlens"]
+    step_o = dict(num_warps=sc["num_warps"])
+    if checked:        # the step kernel reads the request rows the conv kernel checked (snap), and the
+        del step_c["VARLEN"], step_d["cu_seqlens"]      # indices only for its early state read (PDL)
+        conv_c.update(PDL=bool(sc["pdl"]))
+        step_c.update(PDL=bool(sc["pdl"]))
+        if sc["pdl"]:
+            step_o.update(launch_pdl=True)
+    else:
+        del step_c["PDL"]
     return [CompileKey.make(conv_name, conv_c, conv_d, dict(num_warps=cc["num_warps"])),
-            CompileKey.make("gdn_step_kernel", step_c, step_d, dict(num_warps=sc["num_warps"]))]
+            CompileKey.make("gdn_step_kernel", step_c, step_d, step_o)]
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale=None,

@@ -97,6 +97,7 @@ import refgdn.serving as rs
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
+from .launch import Relaunch
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
@@ -126,17 +127,24 @@ _E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE
 _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
 MIN_PROGRAMS = 256   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
+PDL_MAX_N = 16       # the step kernel is the conv kernel's programmatic dependent up to this many requests
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
 
 
 def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str = "decode",
-                N: Optional[int] = None, override: Optional[dict] = None) -> dict:
+                N: Optional[int] = None, override: Optional[dict] = None, pdl_ok: bool = False) -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
-    fold (decay folded into a scalar). N: the number of requests (None: large). override: keys put over
-    the heuristic's (benchmark sweeps and tests: benchmarks/bench_decode.launch_overrides; the ops never
-    pass it; each distinct config is its own compiled variant).
+    fold (decay folded into a scalar), pdl (launched as the conv kernel's programmatic dependent: only
+    where ``pdl_ok``, the device has it (pdl_supported), and for N <= PDL_MAX_N requests). N: the number
+    of requests (None: large). override: keys put over the heuristic's (benchmark sweeps and tests:
+    benchmarks/bench_decode.launch_overrides; the ops never pass it; each distinct config is its own
+    compiled variant; an override cannot turn pdl on where pdl_ok is False).
+
+    PDL: at small N the step is latency-bound (the state of one request is 2 MB at Qwen3-Next's shape);
+    starting the step kernel's state reads while the conv kernel runs hides the conv. At N = 256 (an
+    H200, 2026-11-22) it gained nothing for float32 states and cost 10 % for bfloat16 ones.
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -160,13 +168,29 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
             BV //= 2
         cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
+    cfg["pdl"] = N is not None and N <= PDL_MAX_N
     if override:
         cfg.update(override)
+    cfg["pdl"] = bool(cfg["pdl"]) and pdl_ok and not is_interpreting()
     hpp = max(1, int(cfg["HPP"]))
     while HV % hpp:
         hpp //= 2
     cfg["HPP"] = hpp
     return cfg
+
+
+_PDL_DEVICES: dict = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA device of compute capability 9.0+ (Hopper, Blackwell),
+    not the interpreter. Cached per device."""
+    ok = _PDL_DEVICES.get(device)
+    if ok is None:
+        ok = (device.type == "cuda" and not is_interpreting()
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+        _PDL_DEVICES[device] = ok
+    return ok
 
 
 def conv_config(D: int, W: int = 4, override: Optional[dict] = None) -> dict:
@@ -366,6 +390,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -383,6 +408,10 @@ def conv_step_kernel(
     window's reads need not wait for the count, measured slower on an H200: the column extraction
     and layout changes cost more than the dependent load.)
     """
+    if PDL:
+        # the step kernel (launched as this one's programmatic dependent) may start now: before its
+        # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
+        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
@@ -493,6 +522,7 @@ def conv_step_any_w_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, CW: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, SP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """conv_step_kernel for any conv width W (W > 4): the window and tokens as one [BD, SP] block.
 
@@ -503,6 +533,10 @@ def conv_step_any_w_kernel(
     request's fault into err (the i_d == 0 program; the rules: _step_row_check). A failed request
     writes nothing; its tokens' rows of y are scratch.
     """
+    if PDL:
+        # the step kernel (launched as this one's programmatic dependent) may start now: before its
+        # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
+        tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
@@ -595,16 +629,16 @@ def _fold_decay(b_s, c, b_g):
     return b_s, ca
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])     # one variant for every slot count
 def gdn_step_kernel(
     y, a, b, A_log, dt_bias, o,
-    ssm, pk, pv, pg, pbeta, meta, snap,
-    scale,
+    ssm, pk, pv, pg, pbeta, meta, snap, state_indices,
+    scale, S,
     stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
     stride_s_n, stride_s_h, stride_s_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
-    KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr,
+    KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
@@ -627,23 +661,36 @@ def gdn_step_kernel(
     o = c S'_prev^T q + (k . q) u  (both reductions read the block once, before its update).
     (Loading all tokens' inputs as tiles up front and picking rows measured faster only for float32
     states at k = 3 on an H200, and much slower elsewhere: the tiles spill registers at one warp.)
+
+    PDL (small batches on sm_90+, step_config): launched as the conv kernel's programmatic dependent,
+    so its programs start while the conv runs; each reads its state block at the request's own slot
+    (state_indices, clamped to [0, S): a safe address whatever the value) before ``gdc_wait``, the
+    conv's verdict after it. A request the conv let through has exactly that slot; any other writes
+    nothing, so what the early read got never leaves the program. Before the wait nothing is read
+    that the conv writes (y, snap, meta) and nothing is written.
     """
     i_v = tl.program_id(0)
     i_n = tl.program_id(2)
-    slot = tl.load(snap + i_n * 5).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
-
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
+    i_hv = tl.program_id(1) * HPP
+    if PDL:
+        raw = tl.load(state_indices + i_n).to(tl.int64)
+        early = tl.where((raw >= 0) & (raw < S), raw, 0)
+        p_s = ssm + early * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+        b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
+        tl.extra.cuda.gdc_wait()                    # the conv kernel's writes (y, snap) are visible now
+    slot = tl.load(snap + i_n * 5).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
     m_vv = m_v & _as_block(valid, o_v)
     m_s = m_k[:, None] & m_vv[None, :]
-    # the state block of the first head: the one read of it, issued before anything else
-    i_hv = tl.program_id(1) * HPP
-    p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    b_next = tl.load(p_s, mask=m_s, other=0)
+    if not PDL:
+        # the state block of the first head: the one read of it, issued right after the verdict
+        p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+        b_next = tl.load(p_s, mask=m_s, other=0)
 
     count = tl.load(snap + i_n * 5 + 1)              # clamped to [0, TCAP] by conv_step_kernel
     bank = tl.load(snap + i_n * 5 + 2).to(tl.int64)
@@ -831,12 +878,14 @@ class _StepPlan:
     looked up per call, as before). No tensor is kept: one plan serves every cache of the same geometry.
     """
     __slots__ = ("N", "T", "y_shape", "o_shape", "act_dtype", "device", "unit_stride", "host_err", "scale",
-                 "window_conv", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw")
+                 "window_conv", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw",
+                 "reuse", "conv_launch", "step_launch")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                activation, mode: str, checks: bool = True) -> _StepPlan:
-    """The _StepPlan of a call (reads metadata only; the arguments are assumed to have passed the checks)."""
+                activation, mode: str, checks: bool = True, reuse: bool = False) -> _StepPlan:
+    """The _StepPlan of a call (reads metadata only; the arguments are assumed to have passed the checks).
+    reuse: the plan will serve later calls (its launches keep their compiled kernels: fast.launch)."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
     p = _StepPlan()
     N = p.N = state_indices.shape[0]
@@ -864,15 +913,21 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     p.conv_args = (D, N, T, cache.num_slots, int(checks),
                    mixed_qkv.stride(0), mixed_qkv.stride(1), conv_weight.stride(0), conv_weight.stride(1),
                    cs.stride(0), cs.stride(1), cs.stride(2))
-    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode, N)
+    sc = step_config(K, V, cache.ssm_state.dtype, HV, mode, N, pdl_ok=pdl_supported(p.device))
     BV, HPP = sc["BV"], sc["HPP"]
     s = cache.ssm_state
     p.step_grid = (cdiv(V, BV), HV // HPP, N)
-    p.step_args = (D,                                   # y.stride(0): y is a fresh contiguous [T, D]
+    p.step_args = (cache.num_slots,
+                   D,                                   # y.stride(0): y is a fresh contiguous [T, D]
                    a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                    s.stride(0), s.stride(1), s.stride(2))
     p.step_kw = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
                      KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), num_warps=sc["num_warps"])
+    if sc["pdl"]:
+        p.conv_kw.update(PDL=True)                      # the conv lets its dependent start at once
+        p.step_kw.update(PDL=True, launch_pdl=True)
+    p.reuse = reuse
+    p.conv_launch = p.step_launch = None                # Relaunch objects, made by the first _run
     return p
 
 
@@ -889,17 +944,20 @@ def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, 
         return o
     y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
     snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
-    conv_kernel = conv_step_kernel if p.window_conv else conv_step_any_w_kernel    # looked up per call, as
-    conv_kernel[p.conv_grid](                                                      # gdn_step_kernel
-        mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cache.conv_state,
-        cache.pend_meta, snap, cache.err, state_indices, cu_seqlens if cu_seqlens is not None else state_indices,
-        *p.conv_args, **p.conv_kw,
-    )
-    gdn_step_kernel[p.step_grid](
-        y, a, b, A_log, dt_bias, o,
-        cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
-        p.scale if scale is None else float(scale), *p.step_args, **p.step_kw,
-    )
+    # the kernels are looked up per call (benchmarks stub them); each launch reuses its compiled kernel
+    # through a Relaunch (fast.launch: no JITFunction.run per call once the plan's first launch is done)
+    conv_kernel = conv_step_kernel if p.window_conv else conv_step_any_w_kernel
+    cl, sl = p.conv_launch, p.step_launch
+    if cl is None or cl.fn is not conv_kernel:
+        cl = p.conv_launch = Relaunch(conv_kernel, p.conv_grid, p.conv_kw, p.reuse)
+    if sl is None or sl.fn is not gdn_step_kernel:
+        sl = p.step_launch = Relaunch(gdn_step_kernel, p.step_grid, p.step_kw, p.reuse)
+    cl(mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cache.conv_state,
+       cache.pend_meta, snap, cache.err, state_indices, cu_seqlens if cu_seqlens is not None else state_indices,
+       *p.conv_args)
+    sl(y, a, b, A_log, dt_bias, o,
+       cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
+       state_indices, p.scale if scale is None else float(scale), *p.step_args)
     return o
 
 
@@ -952,7 +1010,7 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
         check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                           cu_seqlens, scale, activation, False)
         plan = _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                           cu_seqlens, activation, mode)
+                           cu_seqlens, activation, mode, reuse=key is not None)
         _remember(mode, key, plan)
     if check_values:                      # check_step_inputs' value rules: host reads, every call
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
@@ -1073,17 +1131,20 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     """
     sig = rs.accept_signature(cache, state_indices, num_accepted)
     key = None if sig is None else ("accept", sig)
-    N = _known("accept", key)             # the request count of a signature that passed the checks before
-    if N is None:                         # (as _checked_plan: same safety argument, same bound)
+    plan = _known("accept", key)          # [N, Relaunch] of a signature that passed the checks before
+    if plan is None:                      # (as _checked_plan: same safety argument, same bound)
         N = check_accept_inputs(cache, state_indices, num_accepted, False)
-        _remember("accept", key, N)
+        plan = [N, None]
+        _remember("accept", key, plan)
     if check_values:                      # check_accept_inputs' value rules: host reads, every call
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
+    N, launch = plan
     if N == 0:
         return
-    accept_kernel[(cdiv(N, ACCEPT_BLOCK),)](cache.pend_meta, cache.err, state_indices.contiguous(),
-                                            num_accepted.contiguous(), N,
-                                            cache.num_slots, BN=ACCEPT_BLOCK, BC=32, num_warps=4)
+    if launch is None or launch.fn is not accept_kernel:
+        launch = plan[1] = Relaunch(accept_kernel, (cdiv(N, ACCEPT_BLOCK),),
+                                    dict(BN=ACCEPT_BLOCK, BC=32, num_warps=4))
+    launch(cache.pend_meta, cache.err, state_indices.contiguous(), num_accepted.contiguous(), N, cache.num_slots)
     _check_if_free(cache)
 
 

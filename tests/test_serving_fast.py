@@ -530,3 +530,59 @@ def test_fault_codes_are_numbered_in_priority_order():
     # one row breaking several rules at once: the same (highest-priority) fault in both packages
     ok, faults = rs.step_faults([7, 0], 4, lambda s: True, [0, 9, 9], 9, 3)
     assert faults[0][0] == rs.E_SLOT_RANGE and faults[1][0] == rs.E_AWAITING
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and reused launchers exist on a GPU only")
+def test_pdl_and_relaunch_are_bit_identical():
+    """The step kernel as the conv kernel's programmatic dependent (step_config's pdl, on for small N on
+    sm_90+) and the launches reused through fast.launch.Relaunch give the bits of plain launches made
+    through JITFunction.run on every call: outputs, every cache tensor and the recorded fault, over
+    decode / verify / accept rounds with a padded row and a duplicate slot (a fault: writes nothing)."""
+    H, HV, K, V, W, md = 2, 4, 64, 64, 4, 3
+    D = 2 * H * K + HV * V
+    dev = "cuda"
+    base = make_cache(6, H, HV, K, V, W, md, seed=40)
+    layer = _to(make_layer(H, HV, K, V, W, seed=41), torch.bfloat16, dev)
+    lay = _args(layer)
+    steps = [("decode", [0, 1, -1, 3], None), ("verify", [2, 0, 5], [3, 2, 1]), ("decode", [0, 2, 5], None),
+             ("decode", [1, 1, 4], None), ("verify", [4, 3], [2, 1]), ("decode", [3, 4], None)]
+
+    def run(mode):
+        cache = cast_cache(base, torch.float32, torch.bfloat16).to(device=dev)
+        outs, errs = [], []
+        orig = fs.step_config
+        if mode == "plain":
+            fs.step_config = functools.partial(orig, override=dict(pdl=False))
+        try:
+            for i, (kind, slots, acc) in enumerate(steps):
+                if mode == "uncached":
+                    fs.clear_plan_cache()                 # every launch through JITFunction.run
+                idx = torch.tensor(slots, dtype=torch.int32, device=dev)
+                lens = [1 + (j % 3) for j in range(len(slots))] if kind == "verify" else [1] * len(slots)
+                x, a, b = (t.to(dev) for t in make_tokens(sum(lens), HV, D, seed=200 + i, dtype=torch.bfloat16))
+                if kind == "verify":
+                    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+                    outs.append(fs.gdn_verify(x, a, b, *lay, cache, idx, cu))
+                    fs.gdn_accept(cache, idx, torch.tensor([min(c, L) for c, L in zip(acc, lens)],
+                                                           dtype=torch.int32, device=dev))
+                else:
+                    outs.append(fs.gdn_decode(x, a, b, *lay, cache, idx))
+                errs.append(cache.err.clone())
+                cache.err.zero_()
+        finally:
+            fs.step_config = orig
+        torch.cuda.synchronize()
+        return outs, errs, [t.clone() for t in cache.tensors()]
+
+    fs.clear_plan_cache()
+    ref = run("uncached")
+    for mode in ("default", "plain"):
+        fs.clear_plan_cache()
+        got = run(mode)
+        for u, v in zip(ref[0], got[0]):
+            assert torch.equal(u, v), mode
+        for u, v in zip(ref[1] + ref[2], got[1] + got[2]):
+            assert torch.equal(u, v), mode
+    assert any(int(e[0]) != 0 for e in ref[1]), "the duplicate slot must have recorded a fault"
+    assert fs.step_config(K, V, torch.float32, HV, "decode", 3, pdl_ok=fs.pdl_supported(torch.device(dev)))[
+        "pdl"] == (torch.cuda.get_device_capability()[0] >= 9)

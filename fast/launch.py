@@ -1,0 +1,159 @@
+"""Re-launching a Triton kernel with a fixed call layout, without JITFunction.run's per-call host work.
+
+``kernel[grid](*args, **kw)`` costs 15-20 us of host time per launch on a server CPU (benchmarks/
+host_overhead.py --sm90): JITFunction.run binds every argument, computes each one's specialisation
+(dtype, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), builds the cache key,
+looks it up, re-checks every global the kernel reads, and only then calls the compiled kernel's C
+launcher. A decode step's launch plan (fast.serving._StepPlan) already fixes everything in that key
+except the pointers' alignment, so once a plan's first launch has gone through JITFunction.run,
+:class:`Relaunch` calls the same compiled kernel's launcher directly, after checking per call only
+what a plan does not fix:
+
+* every tensor argument is 16-byte aligned (as it was when the kernel was picked; the caching allocator
+  gives 512-byte aligned blocks, so a miss means a user view with an odd offset);
+* the integer arguments equal the first launch's (Triton specialises on them; the plan fixes them);
+* the current device is the first launch's (Triton's kernel cache is per device), and the stream is read
+  from Triton's driver per call, exactly as JITFunction.run reads it;
+* nothing is listening: no Triton launch hook (profilers), no wrapper installed over JITFunction.run
+  (refgdn.capture's launch recorder, which CUDA-graph capture relies on to see every launch).
+
+Any miss takes the ordinary ``kernel[grid](...)`` path (which also compiles a new variant if one is
+needed), so the result is the same kernel on the same arguments either way. Never used when the
+kernels run in the interpreter (``kernel[grid]`` returns no compiled kernel there). Floats are passed
+through (Triton does not specialise on them). The launcher's calling convention (grid, stream, function,
+packed metadata, launch metadata, enter / exit hooks, then every bound argument, constexprs included)
+is Triton's since 3.3; tests/test_launch.py checks it on the installed Triton, and the GPU tests run the
+ops both ways.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Relaunch"]
+
+from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
+
+try:                                      # the launch path as it is when fast is imported (see _quiet)
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _triton_driver
+    from triton.runtime.jit import JITFunction as _JIT
+    _JIT_RUN = _JIT.run
+except Exception:  # noqa: BLE001 - no triton (or one without knobs: Triton < 3.4): Relaunch never reuses
+    _JIT_RUN = None
+
+
+def _driver():
+    """Triton's active driver (current device and stream, as JITFunction.run reads them)."""
+    return _triton_driver.active
+
+
+def _silent(hook) -> bool:
+    """A launch hook slot with nothing in it: None (Triton <= 3.8) or an empty HookChain (3.9)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
+def _quiet(fn) -> bool:
+    """No launch hook and no wrapper over the launch path: a direct launch skips nothing anyone observes."""
+    rt = _knobs.runtime
+    if not (_silent(rt.launch_enter_hook) and _silent(rt.launch_exit_hook)):
+        return False
+    if type(fn).run is not _JIT_RUN:      # refgdn.capture's recorder (or another tool) wraps the launch path
+        return False
+    return not _Hooks.active
+
+
+class Relaunch:
+    """``fn[grid](*args, **kw)`` with fixed grid and keyword arguments, the compiled launcher reused.
+
+    Call it with the kernel's positional arguments (``launch(*args)``). The first call, and any call
+    whose arguments the checks of the module docstring do not clear, goes through ``fn[grid]``; the
+    others call the compiled kernel's launcher with the same arguments, the constexpr keyword values
+    appended in parameter order. One Relaunch serves one call layout (the caller's plan): same kernel,
+    grid, keyword arguments and tensor dtypes; what may vary per call is checked.
+    """
+
+    __slots__ = ("fn", "grid", "kw", "reuse", "compiled", "device", "tail", "tensors", "ints", "int_values")
+
+    def __init__(self, fn, grid, kw: dict, reuse: bool = True):
+        """reuse=False: every call goes through ``fn[grid]`` (a launch layout used once: the ~10 us of
+        bookkeeping for a reuse would be wasted)."""
+        self.fn, self.kw, self.reuse = fn, dict(kw), reuse
+        g = tuple(grid) + (1, 1)
+        self.grid = (int(g[0]), int(g[1]), int(g[2]))
+        self.compiled = None
+
+    def __call__(self, *args) -> None:
+        c = self.compiled
+        if c is not None and _quiet(self.fn):
+            drv = _driver()
+            dev = drv.get_current_device()
+            ptr_bits = 0
+            for t in self.tensors(args):
+                ptr_bits |= t.data_ptr()
+            if dev == self.device and not ptr_bits & 15 and self.ints(args) == self.int_values:
+                g0, g1, g2 = self.grid
+                rt = _knobs.runtime                      # the (silent) hook slots, passed as Triton does
+                c.run(g0, g1, g2, drv.get_current_stream(dev), c.function, c.packed_metadata, None,
+                      rt.launch_enter_hook, rt.launch_exit_hook, *args, *self.tail)
+                return
+        out = self.fn[self.grid](*args, **self.kw)
+        if self.reuse:
+            self._remember(out, args)
+
+    def _remember(self, compiled: Any, args: tuple) -> None:
+        """After an ordinary launch: keep its compiled kernel if every later check can be made."""
+        self.compiled = None
+        if (compiled is None or _JIT_RUN is None
+                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+            return                                     # the interpreter, or an unknown Triton
+        try:
+            tail = _constexpr_tail(self.fn, len(args), tuple(self.kw.items()))
+        except TypeError:                              # an unhashable keyword value
+            return
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if tail is None or any(args[i].data_ptr() & 15 for i in tensors):
+            return                                     # an unaligned pointer picked its own variant
+        ints = [i for i, a in enumerate(args) if type(a) is int or type(a) is bool]
+        self.tensors = _getter(tensors)
+        self.ints = _getter(ints)
+        self.int_values = self.ints(args)
+        self.tail = tail
+        self.device = _driver().get_current_device()
+        self.compiled = compiled
+
+
+def _getter(idx: list):
+    """args -> tuple of args[i] for i in idx (a tuple for any length)."""
+    if not idx:
+        return lambda args: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*idx)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexpr_tail(fn, npos: int, kw_items: tuple) -> Optional[tuple]:
+    """The values of the parameters after the first npos, from the keyword arguments or their defaults,
+    in order (what JITFunction.run's binder appends to the positional arguments); None if one has
+    neither. Cached: gdn_materialize builds a plan per call."""
+    kw = dict(kw_items)
+    py = fn
+    while not inspect.isfunction(py):
+        py = getattr(py, "fn", None)
+        if py is None:
+            return None
+    out = []
+    for p in list(inspect.signature(py).parameters.values())[npos:]:
+        if p.name in kw:
+            out.append(kw[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return tuple(out)
