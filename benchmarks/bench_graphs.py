@@ -95,6 +95,45 @@ def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
     return rows
 
 
+SWEEP_STEP = [dict(BV=16, num_warps=1), dict(BV=32, num_warps=1), dict(BV=32, num_warps=2),
+              dict(BV=64, num_warps=2), dict(BV=64, num_warps=4), dict(BV=128, num_warps=4),
+              dict(BV=128, num_warps=8), dict(BV=32, num_warps=1, HPP=2), dict(BV=64, num_warps=4, HPP=2)]
+SWEEP_CONV = [dict(BD=64, num_warps=1), dict(BD=128, num_warps=1), dict(BD=128, num_warps=2),
+              dict(BD=256, num_warps=2), dict(BD=512, num_warps=4)]
+
+
+def sweep_rows(batches=(1, 2, 4, 8, 16)) -> list:
+    """Per layer of a 32-layer graph, the step kernel's configs (SWEEP_STEP) at each N, PDL off and on at
+    N = 1 and 8 (the pinned rule elsewhere), then the conv kernel's configs (SWEEP_CONV) at N = 1 and 8
+    with the pinned step config. Benchmark sweeps only (benchmarks.bench_decode.launch_overrides)."""
+    import fast.serving as fs
+    from benchmarks.bench_decode import launch_overrides
+    rows = []
+
+    def fast_call(N, seed=0):
+        p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
+        args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
+                p["idx"])
+        return lambda: fs.gdn_decode(*args)  # noqa: E731
+
+    for N in batches:
+        pinned = fs.step_config(128, 128, torch.float32, 32, "decode", N, pdl_ok=True)
+        for cfg in SWEEP_STEP:
+            for pdl in ((False, True) if N in (1, 8) else (pinned["pdl"],)):
+                c = dict(cfg, pdl=pdl)
+                with launch_overrides(step=c):
+                    try:
+                        us = per_layer_us(lambda i: fast_call(N, i))
+                    except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                        us, c = float("nan"), dict(c, error=repr(e)[:60])
+                rows.append(dict(what="sweep: step kernel", N=N, us=us, note=str(c)))
+        for cfg in SWEEP_CONV if N in (1, 8) else ():
+            with launch_overrides(conv=cfg):
+                rows.append(dict(what="sweep: conv kernel", N=N, us=per_layer_us(lambda i: fast_call(N, i)),
+                                 note=str(cfg)))
+    return rows
+
+
 def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "bench", ops="fast",
                dtype=torch.bfloat16, device: str = "cuda", warmup: int = 10) -> list:
     """(preset, ops, dtype, device: a CPU smoke run uses the tiny preset with simulated graphs.)"""
@@ -153,6 +192,8 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "be
 
 def run(only: str = "all", batches=(1, 8), beside_pdl: bool = False) -> list:
     rows = []
+    if only == "sweep":
+        return sweep_rows(batches)
     if only in ("all", "layer"):
         rows += layer_rows(batches, beside_pdl)
     if only in ("all", "model"):
@@ -163,7 +204,7 @@ def run(only: str = "all", batches=(1, 8), beside_pdl: bool = False) -> list:
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("all", "layer", "model"), default="all")
+    ap.add_argument("--only", choices=("all", "layer", "model", "sweep"), default="all")
     ap.add_argument("--batches", default="1,8", help="N of the layer rows (comma-separated)")
     ap.add_argument("--beside-pdl", action="store_true", help="layer rows with the step kernel's PDL off and on")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")

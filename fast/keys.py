@@ -73,7 +73,9 @@ def _checked_kernels() -> bool:
 
 
 def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-               activation, mode: str) -> List[CompileKey]:
+               activation, mode: str, device=None) -> List[CompileKey]:
+    """device: where the call runs (default the cache's): whether the step kernel is the conv kernel's
+    programmatic dependent depends on it (fast.serving.pdl_supported)."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
     N = state_indices.shape[0]
     if N == 0:
@@ -100,7 +102,8 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
                   state_indices=idx, cu_seqlens=cu)
     if checked:
         conv_d.update(err=cache.err.dtype)
-    pdl_ok = checked and _serving.pdl_supported(cache.ssm_state.device)
+    pdl_ok = checked and _serving.pdl_supported(torch.device(device) if device is not None
+                                                 else cache.ssm_state.device)
     sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N, pdl_ok=pdl_ok)
     step_c = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"],
                   VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=False)
@@ -122,18 +125,20 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale=None,
-               activation="silu", check_values=False) -> List[CompileKey]:
-    """Keys of fast.gdn_decode: the conv step kernel (decode: TMAX = 1) and the step kernel."""
+               activation="silu", check_values=False, *, device=None) -> List[CompileKey]:
+    """Keys of fast.gdn_decode: the conv step kernel (decode: TMAX = 1) and the step kernel. ``device``:
+    where the call runs (default the cache's; PDL on sm_90+ for small N)."""
     return _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
-                      activation, "decode")
+                      activation, "decode", device)
 
 
 def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-               scale=None, activation="silu", check_values=False) -> List[CompileKey]:
+               scale=None, activation="silu", check_values=False, *, device=None) -> List[CompileKey]:
     """Keys of fast.gdn_verify: both kernels in verify mode (TMAX = 1 + max_draft, KEEP_PENDING, VARLEN).
-    One variant per cache geometry, whatever the number of drafts k <= max_draft of the call."""
+    One variant per cache geometry, whatever the number of drafts k <= max_draft of the call (and per
+    PDL: N <= fast.serving.PDL_MAX_N on sm_90+)."""
     return _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                      activation, "verify")
+                      activation, "verify", device)
 
 
 def gdn_accept(cache, state_indices, num_accepted, check_values=False) -> List[CompileKey]:
@@ -152,7 +157,7 @@ def gdn_accept(cache, state_indices, num_accepted, check_values=False) -> List[C
                                  num_accepted=num_accepted.dtype), dict(num_warps=1))]
 
 
-def gdn_materialize(cache, state_indices, check_values=False) -> List[CompileKey]:
+def gdn_materialize(cache, state_indices, check_values=False, *, device=None) -> List[CompileKey]:
     """Keys of fast.gdn_materialize: the step kernels with zero new tokens (float32 dummies, varlen)."""
     N = state_indices.shape[0]
     dev = torch.device("meta")
@@ -161,7 +166,7 @@ def gdn_materialize(cache, state_indices, check_values=False) -> List[CompileKey
     hv = torch.empty(cache.HV, dtype=_F32, device=dev)
     w = torch.empty(cache.D, cache.W, dtype=_F32, device=dev)
     cu = torch.empty(N + 1, dtype=_I32, device=dev)
-    return _step_keys(dummy, ab, ab, w, None, hv, hv, cache, state_indices, cu, None, "materialize")
+    return _step_keys(dummy, ab, ab, w, None, hv, hv, cache, state_indices, cu, None, "materialize", device)
 
 
 # ----------------------------------------------------------------------------------------------

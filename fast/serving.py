@@ -127,7 +127,7 @@ _E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE
 _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
 MIN_PROGRAMS = 256   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
-PDL_MAX_N = 16       # the step kernel is the conv kernel's programmatic dependent up to this many requests
+PDL_MAX_N = 4        # the step kernel is the conv kernel's programmatic dependent up to this many requests
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
@@ -143,8 +143,11 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     compiled variant; an override cannot turn pdl on where pdl_ok is False).
 
     PDL: at small N the step is latency-bound (the state of one request is 2 MB at Qwen3-Next's shape);
-    starting the step kernel's state reads while the conv kernel runs hides the conv. At N = 256 (an
-    H200, 2026-11-22) it gained nothing for float32 states and cost 10 % for bfloat16 ones.
+    starting the step kernel's state reads while the conv kernel runs hides the conv. Per layer of a
+    32-layer graph (H100, float32 state, benchmarks/bench_graphs.py --beside-pdl): N = 1 5.4-5.8 us with
+    PDL vs 6.8 without, N = 2 8.1 vs 9.3, N = 4 11.3 vs 11.8; N = 8 19.3 vs 18.5, N = 16 32.9 vs 30.5
+    (slower: the early programs crowd the conv's). At N = 256 (H200) no gain for float32, 10 % slower
+    for bfloat16 states.
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -681,7 +684,19 @@ def gdn_step_kernel(
         early = tl.where((raw >= 0) & (raw < S), raw, 0)
         p_s = ssm + early * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
         b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
+        if TMAX == 1 and not KEEP_PENDING:
+            # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
+            # T = N), so the first head's a, b (inputs of earlier launches) load before the wait and
+            # its q, k, v right after it, beside the verdict rather than behind it
+            e_a = tl.load(a + i_n * stride_a_t + i_hv * stride_a_h)
+            e_b = tl.load(b + i_n * stride_b_t + i_hv * stride_b_h)
         tl.extra.cuda.gdc_wait()                    # the conv kernel's writes (y, snap) are visible now
+        if TMAX == 1 and not KEEP_PENDING:
+            p_y = y + i_n * stride_y_t
+            e_h = i_hv // (HV // H)
+            e_q = tl.load(p_y + e_h * K + o_k, mask=m_k, other=0)
+            e_k = tl.load(p_y + H * K + e_h * K + o_k, mask=m_k, other=0)
+            e_v = tl.load(p_y + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0)
     slot = tl.load(snap + i_n * 5).to(tl.int64)
     valid = slot >= 0
     slot = tl.maximum(slot, 0)
@@ -706,8 +721,11 @@ def gdn_step_kernel(
         # prologue loads, all independent of the state: first pending token, first new token
         n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb, count > 0, i_h, i_hv, o_k, o_v,
                                                     m_k, m_v, H, HV, K, V)
-        n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                                stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
+        if PDL and TMAX == 1 and not KEEP_PENDING and j == 0:
+            n_q, n_k, n_v, n_a, n_b = e_q, e_k, e_v, e_a, e_b      # the same rows, loaded early (above)
+        else:
+            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v, stride_y_t,
+                                                    stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
         b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
         b_cur = b_next

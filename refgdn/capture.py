@@ -1329,18 +1329,19 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     steps: Dict[str, set] = {}
 
     def decode(N):
-        return keys.gdn_decode(e(N, D), e(N, HV), e(N, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx))
+        return keys.gdn_decode(e(N, D), e(N, HV), e(N, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx),
+                               device=dev)
 
     def verify(N, T):
         return keys.gdn_verify(e(N * T, D), e(N * T, HV), e(N * T, HV), conv_w, None, A_log, dt_bias, cache,
-                               e(N, dtype=idx), e(N + 1, dtype=torch.int32))
+                               e(N, dtype=idx), e(N + 1, dtype=torch.int32), device=dev)
 
     def accept(N):
         return keys.gdn_accept(cache, e(N, dtype=idx), e(N, dtype=cfg.accept_dtype))
 
     def prefill(T, N):
         cu = e(N + 1, dtype=torch.int32)
-        out = list(keys.gdn_materialize(cache, e(N, dtype=torch.int32)))
+        out = list(keys.gdn_materialize(cache, e(N, dtype=torch.int32), device=dev))
         out += keys.causal_conv1d(e(1, T, D), conv_w, None, "silu", e(N, D, W - 1), True, cu, device=dev)
         out += keys.chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV),
                                            e(1, T, HV, dtype=cdt), None, e(N, HV, K, V, dtype=cfg.state_dtype),
