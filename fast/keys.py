@@ -116,11 +116,13 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
         del step_c["VARLEN"], step_d["cu_seqlens"]      # indices only for its early state read (PDL)
         conv_c.update(PDL=bool(sc["pdl"]))
         step_c.update(PDL=bool(sc["pdl"]))
-        if sc["pdl"]:
-            step_o.update(launch_pdl=True)
     else:
         del step_c["PDL"]
-    return [CompileKey.make(conv_name, conv_c, conv_d, dict(num_warps=cc["num_warps"])),
+    conv_o = dict(num_warps=cc["num_warps"])
+    if sc["pdl"]:
+        conv_o.update(launch_pdl=True)
+        step_o.update(launch_pdl=True)
+    return [CompileKey.make(conv_name, conv_c, conv_d, conv_o),
             CompileKey.make("gdn_step_kernel", step_c, step_d, step_o)]
 
 

@@ -126,8 +126,8 @@ _E_TOO_LONG, _E_AWAITING = _Const(rs.E_TOO_LONG), _Const(rs.E_AWAITING)
 _E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE)
 _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
-MIN_PROGRAMS = 256   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
-PDL_MAX_N = 4        # the step kernel is the conv kernel's programmatic dependent up to this many requests
+MIN_PROGRAMS = 1024  # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
+PDL_MAX_N = 8        # both step kernels are programmatic dependents up to this many requests
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
@@ -144,10 +144,10 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
 
     PDL: at small N the step is latency-bound (the state of one request is 2 MB at Qwen3-Next's shape);
     starting the step kernel's state reads while the conv kernel runs hides the conv. Per layer of a
-    32-layer graph (H100, float32 state, benchmarks/bench_graphs.py --beside-pdl): N = 1 5.4-5.8 us with
-    PDL vs 6.8 without, N = 2 8.1 vs 9.3, N = 4 11.3 vs 11.8; N = 8 19.3 vs 18.5, N = 16 32.9 vs 30.5
-    (slower: the early programs crowd the conv's). At N = 256 (H200) no gain for float32, 10 % slower
-    for bfloat16 states.
+    32-layer graph (H100, float32 state, benchmarks/bench_graphs.py): N = 1 5.4-5.8 us with PDL vs 6.8
+    without (BV 16); N = 8 17.1 vs 18.4 (BV 32, one warp) but 19.0 vs 18.4 with BV 64 in four warps;
+    N = 16 32.9 vs 30.5 (the early programs crowd the conv's). At N = 256 (H200) no gain for float32,
+    10 % slower for bfloat16 states.
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
     registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
@@ -165,12 +165,16 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     else:
         elem = torch.empty(0, dtype=state_dtype).element_size()
         BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
-        # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs. At N = 1 (HV = 32,
-        # K = V = 128, fp32 state, H100) BV 64 gave 64 programs and 8.2 us per layer of a 32-layer graph,
-        # BV 16 in one warp 256 programs and 6.9 us; at N = 8 BV 64 stays (18.6 us; BV 16: 19.0)
+        warps = max(1, min(8, BK * BV * elem // 8192))
+        # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs, one warp for blocks of
+        # at most 16 KB. Per layer of a 32-layer graph (HV = 32, K = V = 128, fp32 state, H100, PDL where
+        # pinned; benchmarks/bench_graphs.py --only sweep): N = 1 BV 16 5.8 us (BV 64 6.7); N = 2 BV 16 7.2
+        # (BV 32 7.9); N = 4 BV 16 10.1 (BV 64 11.3); N = 8 BV 32 one warp 17.1 (two warps 18.8, BV 64 18.4);
+        # N = 16 BV 64 four warps 30.5 (BV 32 one warp 33.3)
         while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
             BV //= 2
-        cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV * elem // 8192)), HPP=1, fold=True)
+            warps = max(1, min(8, BK * BV * elem // 16384))
+        cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
     cfg["pdl"] = N is not None and N <= PDL_MAX_N
     if override:
         cfg.update(override)
@@ -412,8 +416,10 @@ def conv_step_kernel(
     and layout changes cost more than the dependent load.)
     """
     if PDL:
-        # the step kernel (launched as this one's programmatic dependent) may start now: before its
+        # launched as the previous kernel's programmatic dependent: wait for it (and, by its own wait,
+        # everything before it) before reading anything; then let the step kernel start: before its
         # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -537,8 +543,10 @@ def conv_step_any_w_kernel(
     writes nothing; its tokens' rows of y are scratch.
     """
     if PDL:
-        # the step kernel (launched as this one's programmatic dependent) may start now: before its
+        # launched as the previous kernel's programmatic dependent: wait for it (and, by its own wait,
+        # everything before it) before reading anything; then let the step kernel start: before its
         # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -691,6 +699,8 @@ def gdn_step_kernel(
             e_a = tl.load(a + i_n * stride_a_t + i_hv * stride_a_h)
             e_b = tl.load(b + i_n * stride_b_t + i_hv * stride_b_h)
         tl.extra.cuda.gdc_wait()                    # the conv kernel's writes (y, snap) are visible now
+        # the next kernel may launch (a PDL-launched one waits for this one's end before reading anything)
+        tl.extra.cuda.gdc_launch_dependents()
         if TMAX == 1 and not KEEP_PENDING:
             p_y = y + i_n * stride_y_t
             e_h = i_hv // (HV // H)
@@ -941,8 +951,8 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                    s.stride(0), s.stride(1), s.stride(2))
     p.step_kw = dict(H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
                      KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), num_warps=sc["num_warps"])
-    if sc["pdl"]:
-        p.conv_kw.update(PDL=True)                      # the conv lets its dependent start at once
+    if sc["pdl"]:                                       # both kernels programmatic dependents (see the kernels)
+        p.conv_kw.update(PDL=True, launch_pdl=True)
         p.step_kw.update(PDL=True, launch_pdl=True)
     p.reuse = reuse
     p.conv_launch = p.step_launch = None                # Relaunch objects, made by the first _run
