@@ -23,7 +23,9 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  cache-key lookup, the used-globals check) except the driver's launch call. Rows: one
                  launch of each kernel, and the decode host old (full checks, launch prep) vs cached.
                  --plain-constants: the kernel-visible constants as before (plain tl.constexpr; a separate
-                 process). Relies on Triton internals (driver.set_active); run it in a fresh process.
+                 process). The "relaunch" row: the conv kernel through fast.launch.Relaunch (the compiled
+                 kernel's launcher reused; the C launch is a no-op here), what gdn_decode's cached path
+                 pays per launch. Relies on Triton internals (driver.set_active); run it in a fresh process.
 
 Run: python -m benchmarks.host_overhead [--device cuda | --sm90 [--plain-constants]] [--iters 200] [--repeats 31]
 (CPU by default: the real kernels would run in the Triton interpreter, so the decode rows stub them.)
