@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from refgdn.checks import one_host_read
+
 from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
@@ -644,6 +646,7 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
     return out
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
                                stages: Optional[dict] = None, *, configs: Optional[dict] = None,

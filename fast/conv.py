@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from refgdn.checks import check_conv_inputs, check_conv_update_inputs
+from refgdn.checks import check_conv_inputs, check_conv_update_inputs, one_host_read
 
 from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
 
@@ -361,6 +361,7 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
     return dict(BT=BT, BD=BD, num_warps=8 if BT * BD >= 8192 else 4)
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = None, initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
@@ -386,6 +387,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                                      cu_seqlens)
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_state=None,
                               output_final_state=False, cu_seqlens=None, config: Optional[dict] = None):
     """causal_conv1d with ``config`` overriding keys of the pinned config (for benchmark sweeps that

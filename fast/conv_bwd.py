@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from refgdn.checks import one_host_read
+
 from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
 
 
@@ -216,6 +218,7 @@ def conv_bwd_config(T: int, D: int) -> dict:
     return {"dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=None, cu_seqlens=None,
                       dfinal=None, *, configs: Optional[dict] = None):
     """x: [B, T, D], weight: [D, W], dy: [B, T, D], bias: [D], initial_state, dfinal: [N, D, W-1]

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from refgdn.checks import check_cu_seqlens_values
+from refgdn.checks import check_cu_seqlens_values, one_host_read_scope
 
 from . import chunk as _chunk
 from . import chunk_bwd as _chunk_bwd
@@ -37,7 +37,7 @@ def _check_cu_values(cu_seqlens: Optional[Tensor], T: int) -> None:
     """cu_seqlens' values, when the public function could not read them: under torch.compile the host
     validation sees fake tensors (refgdn.checks.check_cu_seqlens leaves the values to this check, which
     runs with the real tensors when the compiled graph runs; the same ValueError). Eager calls were
-    checked already; the second read of N + 1 integers is the price of one code path."""
+    checked already: inside the public function's one_host_read scope this re-check reads nothing new."""
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, T)
 
@@ -56,9 +56,10 @@ def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
                               use_qk_l2norm_in_kernel: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
                               chunk_size: int) -> Tuple[Tensor, Tensor]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] -> (o [B, T, HV, V], final_state [N, HV, K, V] fp32)."""
-    _check_cu_values(cu_seqlens, q.shape[1])
-    return _chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens,
-                                             use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+    with one_host_read_scope():                     # the check and the forward's tables share one read
+        _check_cu_values(cu_seqlens, q.shape[1])
+        return _chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens,
+                                                 use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
 
 
 @chunk_gated_delta_rule_op.register_fake
@@ -124,8 +125,10 @@ chunk_gated_delta_rule_op.register_autograd(_chunk_backward, setup_context=_chun
 def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
                      initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """x: [B, T, D] -> (y [B, T, D], final_state [N, D, W-1]); activation "" (none) or "silu"."""
-    _check_cu_values(cu_seqlens, x.shape[1])
-    y, final = _conv.causal_conv1d_with_config(x, weight, bias, activation or None, initial_state, True, cu_seqlens)
+    with one_host_read_scope():                     # the check and the tile table share one read
+        _check_cu_values(cu_seqlens, x.shape[1])
+        y, final = _conv.causal_conv1d_with_config(x, weight, bias, activation or None, initial_state, True,
+                                                   cu_seqlens)
     return y, final
 
 

@@ -1,14 +1,16 @@
 """Small helpers shared by the fast kernels: interpreter detection, sizes, varlen chunk tables.
 
 Nothing here launches a kernel. The varlen table builders read ``cu_seqlens`` on the host
-(one device->host copy), so they belong to eager prefill paths, never inside a CUDA-graph
-capture (DESIGN.md invariant 5); graph-captured paths must precompute their tables outside.
+(one device->host copy per op, shared with its value check: refgdn.checks.one_host_read_scope),
+so they belong to eager prefill paths, never inside a CUDA-graph capture (DESIGN.md invariant 5);
+graph-captured paths must precompute their tables outside.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 
@@ -37,38 +39,49 @@ def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
-def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """cu_seqlens: [N+1] -> chunk_offsets [N+1] int32: sequence n owns global chunks
-    ``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (a zero-length sequence owns none).
+def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens: [N+1] -> (chunk_indices [NT, 2] int32, chunk_offsets [N+1] int32) on cu_seqlens' device.
 
-    Chunks never straddle sequences: sequence n has ceil(len_n / chunk_size) chunks.
+    chunk_indices has one row per global chunk, ``(sequence n, chunk index within sequence n)``;
+    sequence n owns global chunks ``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (none when empty): chunks
+    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them.
+
+    Host work: cu_seqlens' values are read once (refgdn.checks.host_offsets: shared with the op's value
+    check inside its one_host_read scope), the tables are built with numpy and copied to the device in
+    one transfer (both views of one buffer, each starting 16-byte aligned). No device kernel runs. Use
+    outside CUDA-graph capture.
     """
-    lens = prepare_lens(cu_seqlens.to(torch.int64))
-    nchunks = (lens + chunk_size - 1) // chunk_size
-    out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=cu_seqlens.device)
-    out[1:] = torch.cumsum(nchunks, 0)
-    return out.to(torch.int32)
+    from refgdn.checks import host_offsets
+    offs = np.asarray(host_offsets(cu_seqlens), dtype=np.int64)
+    counts = (np.diff(offs) + chunk_size - 1) // chunk_size                  # [N] chunks per sequence
+    offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    NT = int(offsets[-1])
+    seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)          # [NT]
+    within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
+    head = -(-offsets.size // 4) * 4                                          # indices start 16-byte aligned
+    buf = np.zeros(head + 2 * NT, dtype=np.int32)
+    buf[:offsets.size] = offsets
+    buf[head:] = np.stack([seq, within], 1).reshape(-1)
+    dev = torch.from_numpy(buf).to(cu_seqlens.device)
+    return dev[head:].view(NT, 2), dev[:offsets.size]
+
+
+def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """cu_seqlens: [N+1] -> chunk_offsets [N+1] int32 (varlen_chunk_tables' second table)."""
+    return varlen_chunk_tables(cu_seqlens, chunk_size)[1]
 
 
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """cu_seqlens: [N+1] -> chunk_indices [NT, 2] int32, one row per global chunk:
-    ``(sequence n, chunk index within sequence n)``. NT = total chunks over all sequences.
-
-    Host work: reads the lengths once (``.tolist()``); use outside CUDA-graph capture.
-    """
-    lens = prepare_lens(cu_seqlens.to(torch.int64))
-    nchunks = ((lens + chunk_size - 1) // chunk_size).cpu()
-    seq = torch.repeat_interleave(torch.arange(nchunks.numel()), nchunks)  # [NT]
-    if seq.numel() == 0:
-        return torch.zeros(0, 2, dtype=torch.int32, device=cu_seqlens.device)
-    starts = torch.cumsum(nchunks, 0) - nchunks                              # [N]
-    within = torch.arange(seq.numel()) - starts[seq]                         # [NT]
-    return torch.stack([seq, within], 1).to(torch.int32).to(cu_seqlens.device)
+    """cu_seqlens: [N+1] -> chunk_indices [NT, 2] int32 (varlen_chunk_tables' first table). One host
+    read of cu_seqlens (shared inside a one_host_read scope); use outside CUDA-graph capture."""
+    return varlen_chunk_tables(cu_seqlens, chunk_size)[0]
 
 
 def num_chunks(T: int, chunk_size: int, cu_seqlens: Optional[torch.Tensor]) -> int:
-    """Total number of chunks: B*ceil(T/BT) style per batch row, or the varlen total."""
+    """Total number of chunks: B*ceil(T/BT) style per batch row, or the varlen total (a host read)."""
     if cu_seqlens is None:
         return cdiv(T, chunk_size)
-    lens = prepare_lens(cu_seqlens.to(torch.int64))
-    return int(((lens + chunk_size - 1) // chunk_size).sum().item())
+    from refgdn.checks import host_offsets
+    offs = host_offsets(cu_seqlens)
+    return sum(cdiv(b - a, chunk_size) for a, b in zip(offs, offs[1:]))

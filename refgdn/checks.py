@@ -6,8 +6,11 @@ fast calls the same functions, so both packages reject the same inputs with the 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import numbers
-from typing import Optional, Sequence
+import threading
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -78,9 +81,55 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str
     return cu_seqlens.numel() - 1
 
 
+_HOST = threading.local()     # .memo: {id(tensor): (tensor, values)} while a one_host_read scope is open
+
+
+@contextlib.contextmanager
+def one_host_read_scope():
+    """Inside the block, :func:`host_offsets` reads each cu_seqlens tensor's values to the host once:
+    the value check and the varlen tables of an op (and of the ops it calls) share one device->host copy,
+    one sync on a GPU, instead of one per reader. Nested blocks share the outer one; the values are
+    forgotten when the outermost block ends (never reused by a later call, which may have changed them)."""
+    outer = getattr(_HOST, "memo", None)
+    if outer is None:
+        _HOST.memo = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _HOST.memo = None
+
+
+def one_host_read(fn):
+    """Decorator: ``fn`` runs inside :func:`one_host_read_scope`."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with one_host_read_scope():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> List[int]:
+    """cu_seqlens' values as a list of ints: a host read (a sync on a GPU), once per tensor inside a
+    :func:`one_host_read_scope` (the list is shared: callers must not modify it)."""
+    memo = getattr(_HOST, "memo", None)
+    if memo is None:
+        return _read(cu_seqlens)
+    hit = memo.get(id(cu_seqlens))
+    if hit is None or hit[0] is not cu_seqlens:
+        hit = memo[id(cu_seqlens)] = (cu_seqlens, _read(cu_seqlens))
+    return hit[1]
+
+
+def _read(cu_seqlens: torch.Tensor) -> List[int]:
+    """The device->host read itself (tests count the calls)."""
+    return cu_seqlens.tolist()
+
+
 def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> None:
-    """cu_seqlens' values: starts at 0, non-decreasing, ends at T. A host read (a sync on a GPU)."""
-    offsets = cu_seqlens.tolist()  # host read: validation only, before any work
+    """cu_seqlens' values: starts at 0, non-decreasing, ends at T. A host read (a sync on a GPU; shared
+    with the op's other readers inside a one_host_read_scope)."""
+    offsets = host_offsets(cu_seqlens)  # host read: validation only, before any work
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):

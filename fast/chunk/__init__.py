@@ -81,7 +81,7 @@ from typing import Optional
 import torch
 
 import refgdn
-from refgdn.checks import check_gdn_inputs
+from refgdn.checks import check_gdn_inputs, one_host_read
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
@@ -101,6 +101,7 @@ from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 # the public ops
 # ============================================================================================
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                            chunk_size=64):
@@ -137,6 +138,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                                       use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None):
@@ -181,6 +183,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     return o, final
 
 
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv, next_pow2, prepare_chunk_indices, prepare_chunk_offsets
+from ..utils import cdiv, next_pow2, varlen_chunk_tables
 
 
 SOFTPLUS_THRESHOLD = 20.0
@@ -274,8 +274,8 @@ class _Chunks:
         self.varlen = cu_seqlens is not None
         self.cu_seqlens = cu_seqlens
         if self.varlen:
-            self.indices = prepare_chunk_indices(cu_seqlens, BT)     # [NT_total, 2] (sequence, chunk)
-            self.offsets = prepare_chunk_offsets(cu_seqlens, BT)     # [N+1] first global chunk of each
+            # [NT_total, 2] (sequence, chunk) and [N+1] first global chunk of each: one host read, one copy
+            self.indices, self.offsets = varlen_chunk_tables(cu_seqlens, BT)
             self.NT = 1                                               # unused
             self.total = self.indices.shape[0]
         else:

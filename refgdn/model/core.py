@@ -43,6 +43,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..checks import one_host_read_scope
 from .cache import KVCache, ModelCache, StepMetadata, build_step_metadata
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .layers import MTPHead, DecoderLayer, RMSNorm, Rotary
@@ -280,7 +281,8 @@ class Qwen3NextModel(nn.Module):
         Afterwards kv_lens[slot] = meta.seq_lens and mtp_kv_lens[slot] = the old kv_lens.
         """
         self._check_step(cache, input_ids, meta, "prefill")
-        hidden = self._run_target(cache, input_ids, meta, "prefill")
+        with one_host_read_scope():       # every layer's ops read query_start_loc's values once, together
+            hidden = self._run_target(cache, input_ids, meta, "prefill")
         self._commit(cache, meta.state_indices, meta.seq_lens)
         return hidden
 

@@ -1,0 +1,94 @@
+"""Varlen host reads: each op reads cu_seqlens' values to the host once per call (its value check and its
+varlen tables share the read: refgdn.checks.one_host_read_scope), a model prefill once for all layers, and
+the tables built from that read equal the definition (a loop over sequences and chunks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fast
+import refgdn.checks as checks
+from fast.utils import varlen_chunk_tables
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    log = []
+    real = checks._read
+
+    def counting(cu):
+        log.append(cu)
+        return real(cu)
+    monkeypatch.setattr(checks, "_read", counting)
+    return log
+
+
+def _tables_by_definition(offs, BT):
+    indices, offsets = [], [0]
+    for n, (a, b) in enumerate(zip(offs, offs[1:])):
+        nc = -(-(b - a) // BT)
+        indices += [[n, c] for c in range(nc)]
+        offsets.append(offsets[-1] + nc)
+    return indices, offsets
+
+
+@pytest.mark.parametrize("offs", [pytest.param([0, 5], id="one"), pytest.param([0, 0, 64, 65, 65, 200], id="empty-and-edges"),
+                                  pytest.param([0, 1, 2, 3, 4, 5], id="ones"), pytest.param([0, 0], id="only-empty")])
+@pytest.mark.parametrize("BT", [16, 64])
+def test_varlen_tables_match_definition(offs, BT):
+    cu = torch.tensor(offs, dtype=torch.int32, device=DEVICE)
+    idx, off = varlen_chunk_tables(cu, BT)
+    want_i, want_o = _tables_by_definition(offs, BT)
+    assert idx.dtype == off.dtype == torch.int32 and idx.device == cu.device
+    assert idx.shape == (len(want_i), 2) and idx.tolist() == want_i and off.tolist() == want_o
+    assert idx.is_contiguous() and off.is_contiguous()
+    assert idx.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 0      # both views start aligned
+
+
+def _varlen_problem(lens, H=1, HV=2, K=16, V=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    T = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    q, k, v = r(1, T, H, K), r(1, T, H, K), r(1, T, HV, V)
+    gg = -torch.rand(1, T, HV, generator=g).to(DEVICE)
+    beta = torch.rand(1, T, HV, generator=g).to(DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return q, k, v, gg, beta, cu
+
+
+def test_one_read_per_op_call(reads):
+    q, k, v, g, beta, cu = _varlen_problem([3, 0, 17])
+    fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    assert len(reads) == 1, "check + chunk tables: one host read"
+    x = torch.randn(1, 20, 8, device=DEVICE)
+    w = torch.randn(8, 4, device=DEVICE)
+    fast.causal_conv1d(x, w, None, "silu", cu_seqlens=cu)
+    assert len(reads) == 2, "conv: check + tile table, one host read"
+    reads.clear()
+    checks.host_offsets(cu)                                  # no scope open: every call reads
+    checks.host_offsets(cu)
+    assert len(reads) == 2
+
+
+def test_backward_reads_once(reads):
+    q, k, v, g, beta, cu = _varlen_problem([5, 11])
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    o, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16)
+    n_fwd = len(reads)
+    o.sum().backward()
+    assert n_fwd == 1 and len(reads) == 2, (n_fwd, len(reads))
+
+
+def test_model_prefill_reads_once_for_all_layers(reads):
+    from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.float32, seed=0, device=DEVICE)
+    cache = m.allocate_cache(num_slots=2, max_len=64)
+    ids = torch.randint(0, m.config.vocab_size, (9,), device=DEVICE)
+    meta = m.metadata(cache, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                      torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE), 9)
+    reads.clear()
+    m.prefill(cache, ids, meta)
+    assert len(reads) == 1, f"{len(reads)} host reads of cu_seqlens in one prefill (one expected)"
