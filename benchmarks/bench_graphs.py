@@ -45,6 +45,15 @@ def per_layer_us(make_call, layers: int = LAYERS) -> float:
     return common.bench(g) * 1e3 / layers if g is not None else float("nan")
 
 
+def fast_call(N: int, seed: int = 0):
+    """One GDN layer's decode step at Qwen3-Next's shape (float32 state) on its own problem: a callable."""
+    import fast.serving as fs
+    p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
+    args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
+            p["idx"])
+    return lambda: fs.gdn_decode(*args)  # noqa: E731
+
+
 def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
     """beside_pdl: also the per-layer rows with the step kernel launched plainly (step_config's pdl off),
     to see what the programmatic dependent launch buys at each N."""
@@ -52,12 +61,6 @@ def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
     from benchmarks.bench_decode import launch_overrides
     rows = []
     fla = common.try_import_fla()
-
-    def fast_call(N, seed=0):
-        p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
-        args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
-                p["idx"])
-        return lambda: fs.gdn_decode(*args)  # noqa: E731
 
     for N in batches:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
@@ -109,12 +112,6 @@ def sweep_rows(batches=(1, 2, 4, 8, 16)) -> list:
     import fast.serving as fs
     from benchmarks.bench_decode import launch_overrides
     rows = []
-
-    def fast_call(N, seed=0):
-        p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
-        args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
-                p["idx"])
-        return lambda: fs.gdn_decode(*args)  # noqa: E731
 
     for N in batches:
         pinned = fs.step_config(128, 128, torch.float32, 32, "decode", N, pdl_ok=True)
