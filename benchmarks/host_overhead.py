@@ -17,6 +17,9 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  old = check_step_inputs + _launch (uncached) + _check_if_free, cached = gdn_decode
   decode wall    (--device cuda only) the same two with the real launches, one sync per batch: what
                  benchmarks.bench_graphs' "fast eager (wall, host incl.)" row measures
+  launch, allocations  (--device cuda only) the cached decode's pieces alone: each kernel through its
+                 Relaunch, Triton's compiled launcher alone, JITFunction.run, the three torch.empty, and one
+                 torch kernel launch for scale (launch_rows)
   --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
                  reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
                  trick), so JITFunction.run does all its host work (argument binding and specialisation, the
@@ -199,7 +202,43 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
         fs.clear_plan_cache()
         out.append(("decode wall, real launches: old", per_call_us(old_decode_host, iters, repeats, sync)))
         out.append(("decode wall, real launches: cached", per_call_us(new_decode, iters, repeats, sync)))
+        out += launch_rows(args, iters, repeats, sync)
     return out
+
+
+def launch_rows(args, iters: int, repeats: int, sync) -> list:
+    """(GPU) The cached decode's pieces, each alone, with the real launches (one sync per batch of calls):
+    each kernel through its plan's Relaunch, the compiled launcher alone (Triton's, no checks), the conv
+    kernel through JITFunction.run, the three output / scratch allocations, and one torch kernel launch
+    for scale."""
+    import fast.serving as fs
+    from triton.runtime import driver
+    x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
+    fs.gdn_decode(*args)                                            # the plan and its Relaunch objects
+    p = fs._LAST["decode"][1]
+    dev = cache.ssm_state.device
+    y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
+    o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)
+    snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)
+    conv = (x, cw, cb, y, cache.conv_state, cache.pend_meta, snap, cache.err, idx, idx, *p.conv_args)
+    step = (y, a, b, A_log, dt_bias, o, cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g,
+            cache.pend_beta, cache.pend_meta, snap, idx, p.scale, *p.step_args)
+    t = lambda fn: per_call_us(fn, iters, repeats, sync)  # noqa: E731
+    rows = [(f"launch: conv via Relaunch (pdl={p.conv_kw.get('PDL', False)})", t(lambda: p.conv_launch(*conv))),
+            (f"launch: step via Relaunch (pdl={p.step_kw.get('PDL', False)})", t(lambda: p.step_launch(*step)))]
+    r = p.conv_launch
+    if r.compiled is not None:
+        d = driver.active
+        rows.append(("launch: conv, Triton's compiled launcher alone",
+                     t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *conv,
+                                          *r.tail))))
+    rows.append(("launch: conv via JITFunction.run", t(lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw))))
+    rows.append(("allocations: the step's three torch.empty",
+                 t(lambda: (torch.empty(p.y_shape, dtype=p.act_dtype, device=dev),
+                            torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
+                            torch.empty((p.N, 5), dtype=torch.int32, device=dev)))))
+    rows.append(("for scale: one torch kernel launch (zero_)", t(lambda: snap.zero_())))
+    return rows
 
 
 def main(argv=None) -> int:
