@@ -2,9 +2,12 @@
 # One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
 # benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
 # are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
-#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving]...   (default: all)
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving|pending|train]...   (default: all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
+#   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
+#     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
+#     (host_overhead --device cuda), the decode layer rows (bench_graphs --only layer)
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the experimental
 #     bf16x2 / kkt-forward modes of fast.chunk_bwd): the gradient matrix under each (full bf16 families),
 #     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op alone
@@ -59,6 +62,14 @@ if [[ $steps == *serving* ]]; then
   python3 -m conformance --device cuda --jobs 8 --ops gdn_decode,gdn_verify --timeout 200 \
     --json "$OUT/conformance-serving.json" 2>"$OUT/conformance-serving.err" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
   python3 -m benchmarks.bench_decode --sweep 2>&1 | tee "$OUT/bench-decode.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *pending* ]]; then
+  timeout 240 python3 -m benchmarks --only prefill 2>&1 | tee "$OUT/bench-prefill.log" | tail -20; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | tee "$OUT/host-overhead.log" | tail -20
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,2,4,8,16 2>&1 | grep "^|" | tee "$OUT/graphs.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *train* ]]; then

@@ -18,7 +18,9 @@ what a plan does not fix:
   (refgdn.capture's launch recorder, which CUDA-graph capture relies on to see every launch).
 
 Any miss takes the ordinary ``kernel[grid](...)`` path (which also compiles a new variant if one is
-needed), so the result is the same kernel on the same arguments either way. Never used when the
+needed), so the result is the same kernel on the same arguments either way. Not followed after the first
+launch: Triton knobs that change compile options at run time (``knobs.runtime.debug``, instrumentation);
+set them before the first call (clear fast.serving's plans to pick them up later). Never used when the
 kernels run in the interpreter (``kernel[grid]`` returns no compiled kernel there). Floats are passed
 through (Triton does not specialise on them). The launcher's calling convention (grid, stream, function,
 packed metadata, launch metadata, enter / exit hooks, then every bound argument, constexprs included)
