@@ -36,9 +36,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Relaunch"]
-
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
+
+__all__ = ["Relaunch"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs
