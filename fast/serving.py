@@ -209,8 +209,11 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def conv_config(D: int, W: int = 4, override: Optional[dict] = None) -> dict:
-    """Pinned launch config of the conv step kernels: BD channels per program (override: as step_config's)."""
-    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1)
+    """Pinned launch config of the conv step kernels: BD channels per program (override: as step_config's);
+    spec: decode (W <= 4) reads the window at column 0 beside the slot's metadata instead of after it,
+    and again at its true column when the slot has pending tokens (experimental, off: written for the
+    latency-bound small-N step, not yet timed on a GPU; at N = 256 an earlier form measured no gain)."""
+    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1, spec=False)
     if override:
         cfg.update(override)
     return cfg
@@ -405,7 +408,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SPEC: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -431,12 +434,28 @@ def conv_step_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if SPEC:
+        # decode: the window of a slot without pending tokens starts at column 0; read it (at the request's
+        # own slot, clamped: a safe address whatever the value) beside the metadata rather than behind it.
+        # A failed request's y rows are scratch, so what this read got for one is never used.
+        e_raw = tl.load(state_indices + i_n).to(tl.int64)
+        e_slot = tl.where((e_raw >= 0) & (e_raw < S), e_raw, 0)
+        e_c = conv_state + e_slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
+        e0 = tl.zeros([BD], dtype=tl.float32)
+        e1 = e0
+        e2 = e0
+        if W >= 4:
+            e0 = tl.load(e_c + (W - 4) * stride_c_w, mask=m_d, other=0).to(tl.float32)
+        if W >= 3:
+            e1 = tl.load(e_c + (W - 3) * stride_c_w, mask=m_d, other=0).to(tl.float32)
+        if W >= 2:
+            e2 = tl.load(e_c + (W - 2) * stride_c_w, mask=m_d, other=0).to(tl.float32)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
         meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
     _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
                  bos, L, code, value, extra, TCAP, VARLEN)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
     m_dv = m_d & _as_block(valid, o_d)              # channels of a request that writes (real, no fault)
     p_c = conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
     # the new tokens' raw inputs: up to 4 in flight (p0 is token t, p1 token t+1, ...)
@@ -464,15 +483,22 @@ def conv_step_kernel(
     w0 = zero
     w1 = zero
     w2 = zero
+    m_win = m_dv
+    if SPEC:
+        m_win = m_dv & _as_block(off != 0, o_d)     # read again only where the early read was the wrong column
     if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if SPEC:
+        r0 = tl.where(off == 0, e0, r0)
+        r1 = tl.where(off == 0, e1, r1)
+        r2 = tl.where(off == 0, e2, r2)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
@@ -942,7 +968,8 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                      num_warps=cc["num_warps"])
     p.window_conv = W <= 4                              # conv_step_kernel, else conv_step_any_w_kernel
     if p.window_conv:
-        p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))   # the columns a step writes
+        p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)),  # the columns a step writes
+                         SPEC=bool(cc.get("spec")) and TMAX == 1)
     else:
         p.conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
     p.conv_grid = (cdiv(D, cc["BD"]), N)

@@ -586,3 +586,55 @@ def test_pdl_and_relaunch_are_bit_identical():
     assert any(int(e[0]) != 0 for e in ref[1]), "the duplicate slot must have recorded a fault"
     assert fs.step_config(K, V, torch.float32, HV, "decode", 3, pdl_ok=fs.pdl_supported(torch.device(dev)))[
         "pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@pytest.mark.parametrize("W", [pytest.param(2, id="W2"), pytest.param(3, id="W3"), pytest.param(4, id="W4")])
+def test_conv_spec_window_is_bit_identical(W):
+    """conv_config's experimental ``spec`` (decode reads the window at column 0 beside the metadata, again at
+    its true column when the slot has pending tokens) gives the bits of the plain read: outputs, every cache
+    tensor and the recorded fault, over decode rounds after verify + accept (pending tokens: the window is
+    not at column 0), with a padded row and a duplicate slot."""
+    H, HV, K, V, md = 1, 2, 8, 8, 3
+    D = 2 * H * K + HV * V
+    base = make_cache(5, H, HV, K, V, W, md, seed=50, state_dtype=torch.float32, act_dtype=torch.float32)
+    layer = _to(make_layer(H, HV, K, V, W, seed=51))
+    lay = _args(layer)
+    steps = [("decode", [0, 1, -1]), ("verify", [1, 3]), ("decode", [1, 3, 0]), ("decode", [2, 2, 4]),
+             ("decode", [4, 0])]
+
+    def run(spec):
+        cache = base.clone().to(device=DEVICE)
+        outs = []
+        orig = fs.conv_config
+        fs.conv_config = functools.partial(orig, override=dict(spec=spec))
+        fs.clear_plan_cache()
+        try:
+            for i, (kind, slots) in enumerate(steps):
+                idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+                lens = [3] * len(slots) if kind == "verify" else [1] * len(slots)
+                x, a, b = (t.to(DEVICE) for t in make_tokens(sum(lens), HV, D, seed=300 + i, dtype=torch.float32))
+                if kind == "verify":
+                    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+                    outs.append(fs.gdn_verify(x, a, b, *lay, cache, idx, cu))
+                    fs.gdn_accept(cache, idx, torch.tensor([2] * len(slots), dtype=torch.int32, device=DEVICE))
+                else:
+                    try:
+                        outs.append(fs.gdn_decode(x, a, b, *lay, cache, idx))
+                    except ValueError as e:                # the CPU device raises the duplicate at once
+                        outs.append(str(e))
+                    assert fs._LAST["decode"][1].conv_kw["SPEC"] == spec     # the path under test ran
+                outs.append(cache.err.clone())
+                cache.err.zero_()
+        finally:
+            fs.conv_config = orig
+            fs.clear_plan_cache()
+        return outs, [t.clone() for t in cache.tensors()]
+
+    plain, spec = run(False), run(True)
+    assert len(plain[0]) == len(spec[0])
+    for u, v in zip(plain[0] + plain[1], spec[0] + spec[1]):
+        assert (u == v) if isinstance(u, str) else torch.equal(u, v)
+    assert any(isinstance(u, str) or (u.dtype == torch.int64 and int(u[0]) != 0) for u in plain[0]), \
+        "the duplicate slot must have been reported"
+    cc = fs.conv_config(D, W, override=dict(spec=True))
+    assert cc["spec"] and fs._build_plan is not None
