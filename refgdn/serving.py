@@ -596,6 +596,14 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
         return None
 
 
+def materialize_signature(cache, state_indices) -> Optional[tuple]:
+    """As step_signature, for :func:`check_cache` and :func:`check_state_indices` (gdn_materialize's checks)."""
+    try:
+        return _cache_sig(cache), _tensor_sig(state_indices)
+    except Exception:  # noqa: BLE001 - see step_signature
+        return None
+
+
 def accept_signature(cache, state_indices, num_accepted) -> Optional[tuple]:
     """As step_signature, for :func:`check_accept_inputs` (the cache, state_indices, num_accepted)."""
     try:

@@ -158,6 +158,11 @@ BAD = [
     ("accept-count-float", "accept", _set(2, lambda w, a: a[2].to(F32))),
     ("accept-count-length", "accept", _set(2, lambda w, a: a[2][:1])),
     ("accept-indices-resized-in-place", "accept", lambda w, a: (a[1].resize_(3), a)[1]),
+    ("materialize-indices-float", "materialize", _set(1, lambda w, a: a[1].to(F32))),
+    ("materialize-indices-rank", "materialize", _set(1, lambda w, a: a[1][None])),
+    ("materialize-indices-resized-in-place", "materialize", lambda w, a: (a[1].resize_(1, 2), a)[1]),
+    ("materialize-cache-ssm-transposed", "materialize", _field("ssm_state", lambda t: t.transpose(2, 3))),
+    ("materialize-cache-pend_meta-resized-in-place", "materialize", _resize_pend_meta),
 ]
 
 
@@ -168,6 +173,8 @@ def _call(ops, kind, args):
         return ops.gdn_decode(*args, **kw)
     if kind == "verify":
         return ops.gdn_verify(*args)
+    if kind == "materialize":
+        return ops.gdn_materialize(*args)
     return ops.gdn_accept(*args)
 
 
@@ -178,6 +185,10 @@ def _valid_args(w, kind):
         args = [w.cache, _i([0, 2]), _i([2, 1])]
         fast.gdn_accept(*args)            # stores accept's signature ...
         fast.gdn_verify(*w.verify_args())  # ... and a verify awaits the bad accept
+        return args
+    if kind == "materialize":
+        args = [w.cache, _i([0, 2])]
+        fast.gdn_materialize(*args)       # stores materialize's signature
         return args
     args = w.verify_args() if kind == "verify" else w.decode_args()
     _call(fast, "verify" if kind == "verify" else "decode", args)
@@ -209,7 +220,11 @@ def test_bad_input_after_a_cached_call_raises_the_uncached_error(name, kind, mut
     uncached, untouched_u = _bad_message(kind, mutate, cached=False)
     assert cached == uncached
     assert untouched and untouched_u, f"{name}: a cache tensor changed"
-    if kind != "accept":                  # and refgdn, the oracle, says the same
+    if kind == "materialize":             # and refgdn, the oracle, says the same
+        w = World()
+        args = mutate(w, [w.cache, _i([0, 2])])
+        assert _message(lambda: _call(refgdn, kind, args)) == cached
+    elif kind != "accept":
         w = World()
         args = mutate(w, (w.verify_args() if kind == "verify" else w.decode_args())) if mutate else \
             w.decode_args()
@@ -263,7 +278,7 @@ def _schedule(w, before_each):
 
 
 def test_cached_and_uncached_paths_are_bit_identical(monkeypatch):
-    counts = {"step": 0, "accept": 0}
+    counts = {"step": 0, "accept": 0, "materialize": 0}
 
     def counting(name, fn):
         def wrapped(*a, **k):
@@ -272,13 +287,19 @@ def test_cached_and_uncached_paths_are_bit_identical(monkeypatch):
         return wrapped
     monkeypatch.setattr(fs, "check_step_inputs", counting("step", fs.check_step_inputs))
     monkeypatch.setattr(fs, "check_accept_inputs", counting("accept", fs.check_accept_inputs))
+    monkeypatch.setattr(fs, "check_state_indices", counting("materialize", fs.check_state_indices))
     w_cached, w_plain = World(seed=5), World(seed=5)
     o_cached = _schedule(w_cached, lambda: None)
+    for _ in range(2):                                         # verify-free slots: nothing pending
+        fast.gdn_materialize(w_cached.cache, _i([0, 2]))
     # 3 step signatures (verify, strided verify, decode; scale's type is float or None: 2 decode signatures)
-    assert counts == {"step": 4, "accept": 1}, counts
-    counts.update(step=0, accept=0)
+    assert counts == {"step": 4, "accept": 1, "materialize": 1}, counts
+    counts.update(step=0, accept=0, materialize=0)
     o_plain = _schedule(w_plain, fs.clear_plan_cache)
-    assert counts == {"step": 6, "accept": 3}, counts          # every call checked in full
+    for _ in range(2):
+        fs.clear_plan_cache()
+        fast.gdn_materialize(w_plain.cache, _i([0, 2]))
+    assert counts == {"step": 6, "accept": 3, "materialize": 2}, counts     # every call checked in full
     for a, b in zip(o_cached, o_plain):
         assert torch.equal(a, b)
     for a, b in zip(w_cached.cache.tensors(), w_plain.cache.tensors()):
