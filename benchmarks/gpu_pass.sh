@@ -7,7 +7,7 @@
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
 #     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
-#     (host_overhead --device cuda), the decode layer rows (bench_graphs --only layer)
+#     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the experimental
 #     bf16x2 / kkt-forward modes of fast.chunk_bwd): the gradient matrix under each (full bf16 families),
 #     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op alone
@@ -70,6 +70,9 @@ if [[ $steps == *pending* ]]; then
   rc=$((rc | ${PIPESTATUS[0]}))
   timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,2,4,8,16 2>&1 | grep "^|" | tee "$OUT/graphs.log"
   rc=$((rc | ${PIPESTATUS[0]}))
+  # the experimental step / conv configs (BV 8, conv 'spec') beside the pinned ones, per N (printed only)
+  timeout 240 python3 -m benchmarks.bench_graphs --only sweep --batches 1,2,4,8 --no-results 2>&1 | grep "^|" \
+    | tee "$OUT/graphs-sweep.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *train* ]]; then
