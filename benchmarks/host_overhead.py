@@ -179,9 +179,9 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     acc = (cache, args[8], torch.ones_like(args[8]))
 
     def cached_accept_checks():       # what gdn_accept now does before its launch (valid call: a hit)
-        return fs._known("accept", ("accept", rs.accept_signature(*acc)))
+        return fs._checked_entry("accept", rs.accept_signature(*acc), None)
 
-    fs._remember("accept", ("accept", rs.accept_signature(*acc)), [N, None])
+    fs._remember("accept", ("accept", fs.step_config, fs.conv_config, rs.accept_signature(*acc)), (N, None))
     out.append(("accept checks: check_accept_inputs (old)", t(lambda: rs.check_accept_inputs(*acc, False))))
     out.append(("accept checks: cached (signature + lookup)", t(cached_accept_checks)))
     out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))

@@ -94,6 +94,7 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Optional
 
@@ -194,18 +195,12 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     return cfg
 
 
-_PDL_DEVICES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: a CUDA device of compute capability 9.0+ (Hopper, Blackwell),
     not the interpreter. Cached per device."""
-    ok = _PDL_DEVICES.get(device)
-    if ok is None:
-        ok = (device.type == "cuda" and not is_interpreting()
-              and torch.cuda.get_device_capability(device)[0] >= 9)
-        _PDL_DEVICES[device] = ok
-    return ok
+    return (device.type == "cuda" and not is_interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def conv_config(D: int, W: int = 4, override: Optional[dict] = None) -> dict:
@@ -400,6 +395,23 @@ def _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, first
             _record_fault(err, before == 0, code, i_n, value, extra)
 
 
+@triton.jit
+def _conv_pdl_enter():
+    """The conv kernels' start as the previous kernel's programmatic dependent: wait for it (and, by its own
+    wait, everything before it) before reading anything; then let the step kernel start: before its
+    gdc_wait it reads only state_indices and the ssm state, which the conv kernels do not write."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _own_slot(state_indices, i_n, S):
+    """Request i_n's slot read before its verdict is known (PDL's early state read, the conv's `spec`
+    window): state_indices[i_n] where it is a real slot, else 0 -- a safe address whatever the value."""
+    raw = tl.load(state_indices + i_n).to(tl.int64)
+    return tl.where((raw >= 0) & (raw < S), raw, 0)
+
+
 @triton.jit(do_not_specialize=["N", "T", "S", "checks"])   # one variant for every batch size, token count, ...
 def conv_step_kernel(
     x, weight, bias, y, conv_state, meta, snap, err, state_indices, cu_seqlens,
@@ -427,11 +439,7 @@ def conv_step_kernel(
     and layout changes cost more than the dependent load.)
     """
     if PDL:
-        # launched as the previous kernel's programmatic dependent: wait for it (and, by its own wait,
-        # everything before it) before reading anything; then let the step kernel start: before its
-        # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        _conv_pdl_enter()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -440,9 +448,7 @@ def conv_step_kernel(
         # decode: the window of a slot without pending tokens starts at column 0; read it (at the request's
         # own slot, clamped: a safe address whatever the value) beside the metadata rather than behind it.
         # A failed request's y rows are scratch, so what this read got for one is never used.
-        e_raw = tl.load(state_indices + i_n).to(tl.int64)
-        e_slot = tl.where((e_raw >= 0) & (e_raw < S), e_raw, 0)
-        e_c = conv_state + e_slot * stride_c_n + o_d.to(tl.int64) * stride_c_d
+        e_c = conv_state + _own_slot(state_indices, i_n, S) * stride_c_n + o_d.to(tl.int64) * stride_c_d
         e0 = tl.zeros([BD], dtype=tl.float32)
         e1 = e0
         e2 = e0
@@ -577,11 +583,7 @@ def conv_step_any_w_kernel(
     writes nothing; its tokens' rows of y are scratch.
     """
     if PDL:
-        # launched as the previous kernel's programmatic dependent: wait for it (and, by its own wait,
-        # everything before it) before reading anything; then let the step kernel start: before its
-        # gdc_wait it reads only state_indices and the ssm state, which nothing here writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        _conv_pdl_enter()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
@@ -722,9 +724,7 @@ def gdn_step_kernel(
     m_v = o_v < V
     i_hv = tl.program_id(1) * HPP
     if PDL:
-        raw = tl.load(state_indices + i_n).to(tl.int64)
-        early = tl.where((raw >= 0) & (raw < S), raw, 0)
-        p_s = ssm + early * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+        p_s = ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
         b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
         if TMAX == 1 and not KEEP_PENDING:
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
@@ -935,19 +935,20 @@ class _StepPlan:
     Built by :func:`_build_plan` from shapes, strides, dtypes, devices, None-ness, mode and activation
     (never from values): grid sizes, the kernels' scalar and constexpr arguments (configs from
     :func:`step_config` / :func:`conv_config`), output shapes, whether any unit-stride input needs a
-    ``.contiguous()`` copy, whether the cache's fault word lives in host memory. :func:`_run` adds the
-    per-call parts: the tensors, fresh outputs, the scale's value, and the kernel objects (module globals
-    looked up per call, as before). No tensor is kept: one plan serves every cache of the same geometry.
+    ``.contiguous()`` copy, whether the cache's fault word lives in host memory, and the two launches
+    (fast.launch.Relaunch of the kernels as the plan was built: benchmarks that stub the kernels clear the
+    plans). :func:`_run` adds the per-call parts: the tensors, fresh outputs, the scale's value. No tensor
+    is kept: one plan serves every cache of the same geometry.
     """
     __slots__ = ("N", "T", "y_shape", "o_shape", "act_dtype", "device", "unit_stride", "host_err", "scale",
-                 "window_conv", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw",
-                 "reuse", "conv_launch", "step_launch")
+                 "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw", "conv_launch",
+                 "step_launch")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
                 activation, mode: str, checks: bool = True, reuse: bool = False) -> _StepPlan:
     """The _StepPlan of a call (reads metadata only; the arguments are assumed to have passed the checks).
-    reuse: the plan will serve later calls (its launches keep their compiled kernels: fast.launch)."""
+    reuse: the plan will serve later calls (its launches keep their compiled kernels: fast.launch.Relaunch)."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
     p = _StepPlan()
     N = p.N = state_indices.shape[0]
@@ -966,8 +967,8 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     p.conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
                      SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
                      num_warps=cc["num_warps"])
-    p.window_conv = W <= 4                              # conv_step_kernel, else conv_step_any_w_kernel
-    if p.window_conv:
+    window_conv = W <= 4                                # conv_step_kernel, else conv_step_any_w_kernel
+    if window_conv:
         p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)),  # the columns a step writes
                          SPEC=bool(cc.get("spec")) and TMAX == 1)
     else:
@@ -989,8 +990,9 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     if sc["pdl"]:                                       # both kernels programmatic dependents (see the kernels)
         p.conv_kw.update(PDL=True, launch_pdl=True)
         p.step_kw.update(PDL=True, launch_pdl=True)
-    p.reuse = reuse
-    p.conv_launch = p.step_launch = None                # Relaunch objects, made by the first _run
+    p.conv_launch = Relaunch(conv_step_kernel if window_conv else conv_step_any_w_kernel, p.conv_grid, p.conv_kw,
+                             reuse)
+    p.step_launch = Relaunch(gdn_step_kernel, p.step_grid, p.step_kw, reuse)
     return p
 
 
@@ -1007,20 +1009,12 @@ def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, 
         return o
     y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
     snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
-    # the kernels are looked up per call (benchmarks stub them); each launch reuses its compiled kernel
-    # through a Relaunch (fast.launch: no JITFunction.run per call once the plan's first launch is done)
-    conv_kernel = conv_step_kernel if p.window_conv else conv_step_any_w_kernel
-    cl, sl = p.conv_launch, p.step_launch
-    if cl is None or cl.fn is not conv_kernel:
-        cl = p.conv_launch = Relaunch(conv_kernel, p.conv_grid, p.conv_kw, p.reuse)
-    if sl is None or sl.fn is not gdn_step_kernel:
-        sl = p.step_launch = Relaunch(gdn_step_kernel, p.step_grid, p.step_kw, p.reuse)
-    cl(mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y, cache.conv_state,
-       cache.pend_meta, snap, cache.err, state_indices, cu_seqlens if cu_seqlens is not None else state_indices,
-       *p.conv_args)
-    sl(y, a, b, A_log, dt_bias, o,
-       cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
-       state_indices, p.scale if scale is None else float(scale), *p.step_args)
+    p.conv_launch(mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y,
+                  cache.conv_state, cache.pend_meta, snap, cache.err, state_indices,
+                  cu_seqlens if cu_seqlens is not None else state_indices, *p.conv_args)
+    p.step_launch(y, a, b, A_log, dt_bias, o,
+                  cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap,
+                  state_indices, p.scale if scale is None else float(scale), *p.step_args)
     return o
 
 
@@ -1041,7 +1035,7 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 # ----------------------------------------------------------------------------------------------
 
 PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
-_PLANS: dict = {}        # key -> _StepPlan (steps) or N (accept), insertion-ordered
+_PLANS: dict = {}        # key -> _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
 _LAST: dict = {}         # mode -> (key, plan) of its last call that passed the checks
 _STORE_LOCK = threading.Lock()   # _store's insert + evict (misses only; hits read without it)
 
@@ -1067,17 +1061,30 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     """
     sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                             cu_seqlens, scale, activation)
-    key = None if sig is None else (mode, step_config, conv_config, sig)
-    plan = _known(mode, key)
-    if plan is None:
+
+    def checked(reuse: bool) -> _StepPlan:
         check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                           cu_seqlens, scale, activation, False)
-        plan = _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                           cu_seqlens, activation, mode, reuse=key is not None)
-        _remember(mode, key, plan)
+        return _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                           cu_seqlens, activation, mode, reuse=reuse)
+    plan = _checked_entry(mode, sig, checked)
     if check_values:                      # check_step_inputs' value rules: host reads, every call
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
     return plan
+
+
+def _checked_entry(mode: str, sig, checked):
+    """What a call with signature ``sig`` needs beyond its arguments (a plan, its launches, constants): the
+    value remembered for it when a call with that signature passed the checks before, else ``checked(reuse)``,
+    which runs the full checks (raising on bad input: nothing is remembered) and builds the value, then
+    remembered (reuse: whether it will be, i.e. sig is not None). The key holds the mode and the config
+    functions in use (_checked_plan says why that is safe)."""
+    key = None if sig is None else (mode, step_config, conv_config, sig)
+    value = _known(mode, key)
+    if value is None:
+        value = checked(key is not None)
+        _remember(mode, key, value)
+    return value
 
 
 def _known(mode: str, key):
@@ -1145,8 +1152,10 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         S <- fold(pending);  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = scale S^T q
 
     Values are checked on the device (module docstring): a bad request writes nothing and its fault
-    is raised by ``cache.check()`` (on a CPU device by the op itself); check_values=True checks on the host first (a sync). Two launches
-    (conv, then gating + l2norm + delta rule in one kernel); one read and one write of each state block. Pending tokens of a previous verify are folded in first; the slot ends committed.
+    is raised by ``cache.check()`` (on a CPU device by the op itself); check_values=True checks on the
+    host first (a sync). Two launches (conv, then gating + l2norm + delta rule in one kernel); one read
+    and one write of each state block. Pending tokens of a previous verify are folded in first; the slot
+    ends committed.
     """
     p = _checked_plan("decode", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       None, scale, activation, check_values)
@@ -1192,21 +1201,14 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     Checked on the device (slot range, duplicates, a verify awaiting this accept, the count's range):
     a bad row writes nothing and its fault is raised by ``cache.check()`` (on a CPU device by the op itself).
     """
-    sig = rs.accept_signature(cache, state_indices, num_accepted)
-    key = None if sig is None else ("accept", sig)
-    plan = _known("accept", key)          # [N, Relaunch] of a signature that passed the checks before
-    if plan is None:                      # (as _checked_plan: same safety argument, same bound)
+    def checked(reuse: bool) -> tuple:   # (N, its launch); as _checked_plan: same safety argument, same bound
         N = check_accept_inputs(cache, state_indices, num_accepted, False)
-        plan = [N, None]
-        _remember("accept", key, plan)
+        return N, Relaunch(accept_kernel, (cdiv(N, ACCEPT_BLOCK),), dict(BN=ACCEPT_BLOCK, BC=32, num_warps=4), reuse)
+    N, launch = _checked_entry("accept", rs.accept_signature(cache, state_indices, num_accepted), checked)
     if check_values:                      # check_accept_inputs' value rules: host reads, every call
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
-    N, launch = plan
     if N == 0:
         return
-    if launch is None or launch.fn is not accept_kernel:
-        launch = plan[1] = Relaunch(accept_kernel, (cdiv(N, ACCEPT_BLOCK),),
-                                    dict(BN=ACCEPT_BLOCK, BC=32, num_warps=4))
     launch(cache.pend_meta, cache.err, state_indices.contiguous(), num_accepted.contiguous(), N, cache.num_slots)
     _check_if_free(cache)
 
@@ -1219,29 +1221,22 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
     Host work as gdn_decode's: checks and launch plan once per call signature.
     """
-    sig = rs.materialize_signature(cache, state_indices)
-    key = None if sig is None else ("materialize", sig)
-    entry = _known("materialize", key)    # [N, inputs, plan] of a signature that passed the checks before
-    if entry is None:                     # (as _checked_plan: same safety argument, same bound)
+    def checked(reuse: bool) -> tuple:   # as _checked_plan: same safety argument, same bound
         check_cache(cache)
-        entry = [check_state_indices(state_indices, cache, None, False), None, None]
-        _remember("materialize", key, entry)
-    N = entry[0]
-    if check_values:
-        raise_first(step_value_faults(cache, state_indices, None, N)[1])
-    if entry[1] is None:
-        # the step's inputs for zero new tokens per request: constant, read-only (no kernel writes them),
+        N = check_state_indices(state_indices, cache, None, False)
+        # the step's inputs for zero new tokens per request: constant and read-only (no kernel writes them),
         # so a remembered signature keeps them with its plan
         dev = cache.ssm_state.device
         HV, D, W = cache.HV, cache.D, cache.W
         zeros_cu = torch.zeros(N + 1, dtype=torch.int32, device=dev)     # every request brings 0 tokens
-        dummy = cache.conv_state.new_zeros(0, D)
         ab = torch.zeros(0, HV, dtype=torch.float32, device=dev)
         hv = torch.zeros(HV, dtype=torch.float32, device=dev)
-        w = torch.zeros(D, W, dtype=torch.float32, device=dev)
-        inputs = (dummy, ab, ab, w, None, hv, hv)
-        plan = _build_plan(*inputs, cache, state_indices, zeros_cu, None, "materialize", reuse=key is not None)
-        entry[1], entry[2] = (inputs, zeros_cu), plan
-    (inputs, zeros_cu), plan = entry[1], entry[2]
+        inputs = (cache.conv_state.new_zeros(0, D), ab, ab, torch.zeros(D, W, dtype=torch.float32, device=dev),
+                  None, hv, hv, cache, state_indices, zeros_cu)
+        return N, inputs[:7], zeros_cu, _build_plan(*inputs, None, "materialize", reuse=reuse)
+    N, inputs, zeros_cu, plan = _checked_entry("materialize", rs.materialize_signature(cache, state_indices),
+                                               checked)
+    if check_values:
+        raise_first(step_value_faults(cache, state_indices, None, N)[1])
     _run(plan, *inputs, cache, state_indices, zeros_cu, None)
     _check_if_free(cache)

@@ -8,10 +8,12 @@ graph-captured paths must precompute their tables outside.
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
+
+from refgdn.checks import host_offsets
 
 
 def is_interpreting() -> bool:
@@ -34,11 +36,6 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens: [N+1] -> per-sequence lengths [N] (same dtype and device)."""
-    return cu_seqlens[1:] - cu_seqlens[:-1]
-
-
 def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens: [N+1] -> (chunk_indices [NT, 2] int32, chunk_offsets [N+1] int32) on cu_seqlens' device.
 
@@ -51,7 +48,6 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
     one transfer (both views of one buffer, each starting 16-byte aligned). No device kernel runs. Use
     outside CUDA-graph capture.
     """
-    from refgdn.checks import host_offsets
     offs = np.asarray(host_offsets(cu_seqlens), dtype=np.int64)
     counts = (np.diff(offs) + chunk_size - 1) // chunk_size                  # [N] chunks per sequence
     offsets = np.zeros(counts.size + 1, dtype=np.int64)
@@ -67,21 +63,7 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
     return dev[head:].view(NT, 2), dev[:offsets.size]
 
 
-def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """cu_seqlens: [N+1] -> chunk_offsets [N+1] int32 (varlen_chunk_tables' second table)."""
-    return varlen_chunk_tables(cu_seqlens, chunk_size)[1]
-
-
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """cu_seqlens: [N+1] -> chunk_indices [NT, 2] int32 (varlen_chunk_tables' first table). One host
     read of cu_seqlens (shared inside a one_host_read scope); use outside CUDA-graph capture."""
     return varlen_chunk_tables(cu_seqlens, chunk_size)[0]
-
-
-def num_chunks(T: int, chunk_size: int, cu_seqlens: Optional[torch.Tensor]) -> int:
-    """Total number of chunks: B*ceil(T/BT) style per batch row, or the varlen total (a host read)."""
-    if cu_seqlens is None:
-        return cdiv(T, chunk_size)
-    from refgdn.checks import host_offsets
-    offs = host_offsets(cu_seqlens)
-    return sum(cdiv(b - a, chunk_size) for a, b in zip(offs, offs[1:]))
