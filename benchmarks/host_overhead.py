@@ -209,8 +209,9 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
 def launch_rows(args, iters: int, repeats: int, sync) -> list:
     """(GPU) The cached decode's pieces, each alone, with the real launches (one sync per batch of calls):
     each kernel through its plan's Relaunch, the compiled launcher alone (Triton's, no checks), the conv
-    kernel through JITFunction.run, the three output / scratch allocations, and one torch kernel launch
-    for scale."""
+    kernel through JITFunction.run, the three output / scratch allocations (and one alone), and one torch
+    kernel launch for scale. The compiled launcher is timed with the tensors and with their addresses
+    (ints: what Relaunch passes; a tensor costs the launcher a data_ptr() call and a driver query)."""
     import fast.serving as fs
     from triton.runtime import driver
     x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
@@ -232,11 +233,16 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
         rows.append(("launch: conv, Triton's compiled launcher alone",
                      t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *conv,
                                           *r.tail))))
+        ptrs = tuple(u.data_ptr() if isinstance(u, torch.Tensor) else u for u in conv)
+        rows.append(("launch: conv, Triton's compiled launcher alone, tensors as addresses",
+                     t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *ptrs,
+                                          *r.tail))))
     rows.append(("launch: conv via JITFunction.run", t(lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw))))
     rows.append(("allocations: the step's three torch.empty",
                  t(lambda: (torch.empty(p.y_shape, dtype=p.act_dtype, device=dev),
                             torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
                             torch.empty((p.N, 5), dtype=torch.int32, device=dev)))))
+    rows.append(("allocations: one torch.empty (o)", t(lambda: torch.empty(p.o_shape, dtype=p.act_dtype, device=dev))))
     rows.append(("for scale: one torch kernel launch (zero_)", t(lambda: snap.zero_())))
     return rows
 

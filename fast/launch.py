@@ -10,7 +10,8 @@ except the pointers' alignment, so once a plan's first launch has gone through J
 what a plan does not fix:
 
 * every tensor argument is 16-byte aligned (as it was when the kernel was picked; the caching allocator
-  gives 512-byte aligned blocks, so a miss means a user view with an odd offset);
+  gives 512-byte aligned blocks, so a miss means a user view with an odd offset); tensors reach the
+  launcher as their addresses (ints), which spares its per-pointer data_ptr() call and driver query;
 * the integer arguments equal the first launch's (Triton specialises on them; the plan fixes them);
 * the current device is the first launch's (Triton's kernel cache is per device), and the stream is read
   from Triton's driver per call, exactly as JITFunction.run reads it;
@@ -74,9 +75,15 @@ class Relaunch:
 
     Call it with the kernel's positional arguments (``launch(*args)``). The first call, and any call
     whose arguments the checks of the module docstring do not clear, goes through ``fn[grid]``; the
-    others call the compiled kernel's launcher with the same arguments, the constexpr keyword values
-    appended in parameter order. One Relaunch serves one call layout (the caller's plan): same kernel,
-    grid, keyword arguments and tensor dtypes; what may vary per call is checked.
+    others call the compiled kernel's launcher with the same arguments, each tensor replaced by its
+    address (``data_ptr()``), the constexpr keyword values appended in parameter order. One Relaunch
+    serves one call layout (the caller's plan): same kernel, grid, keyword arguments and tensor dtypes
+    and devices; what may vary per call is checked.
+
+    The caller guarantees that every tensor argument lives on the device of the first launch (fast.serving's
+    plans: the call's signature holds every tensor's device, and a plan serves one signature). Triton's own
+    launcher would catch a host tensor (its cuPointerGetAttribute query, a driver call per pointer);
+    an address passed as an int is used as it is.
     """
 
     __slots__ = ("fn", "grid", "kw", "reuse", "compiled", "device", "launcher", "head", "tail", "tensors", "ints",
@@ -95,14 +102,20 @@ class Relaunch:
         if c is not None and _quiet(self.fn):
             drv = _driver()
             dev = drv.get_current_device()
+            # every tensor as its address: the launcher takes an int as the pointer itself, where a tensor
+            # costs a data_ptr() call and a cuPointerGetAttribute driver query each (the caller's signature
+            # has already pinned every tensor to this device: see the class docstring)
+            flat = list(args)
             ptr_bits = 0
-            for t in self.tensors(args):
-                ptr_bits |= t.data_ptr()
+            for i in self.tensors:
+                ptr = flat[i].data_ptr()
+                ptr_bits |= ptr
+                flat[i] = ptr
             if dev == self.device and not ptr_bits & 15 and self.ints(args) == self.int_values:
                 # head: the compiled kernel's function handle and packed metadata, then no launch metadata
                 # and no hooks (_quiet found the hook slots empty: an empty HookChain would only be called,
                 # from C, to do nothing)
-                self.launcher(*self.grid, drv.get_current_stream(dev), *self.head, *args, *self.tail)
+                self.launcher(*self.grid, drv.get_current_stream(dev), *self.head, *flat, *self.tail)
                 return
         out = self.fn[self.grid](*args, **self.kw)
         if self.reuse:
@@ -122,7 +135,7 @@ class Relaunch:
         if tail is None or any(args[i].data_ptr() & 15 for i in tensors):
             return                                     # an unaligned pointer picked its own variant
         ints = [i for i, a in enumerate(args) if type(a) is int or type(a) is bool]
-        self.tensors = _getter(tensors)
+        self.tensors = tuple(tensors)
         self.ints = _getter(ints)
         self.int_values = self.ints(args)
         self.tail = tail
