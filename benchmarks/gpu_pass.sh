@@ -70,7 +70,7 @@ if [[ $steps == *pending* ]]; then
   rc=$((rc | ${PIPESTATUS[0]}))
   timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,2,4,8,16 2>&1 | grep "^|" | tee "$OUT/graphs.log"
   rc=$((rc | ${PIPESTATUS[0]}))
-  # the experimental step / conv configs (BV 8, conv 'spec') beside the pinned ones, per N (printed only)
+  # the step / conv configs beside the pinned ones, per N (printed only)
   timeout 240 python3 -m benchmarks.bench_graphs --only sweep --batches 1,2,4,8 --no-results 2>&1 | grep "^|" \
     | tee "$OUT/graphs-sweep.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null

@@ -18,7 +18,7 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
   decode wall    (--device cuda only) the same two with the real launches, one sync per batch: what
                  benchmarks.bench_graphs' "fast eager (wall, host incl.)" row measures
   launch, allocations  (--device cuda only) the cached decode's pieces alone: each kernel through its
-                 Relaunch, Triton's compiled launcher alone, JITFunction.run, the three torch.empty, and one
+                 Relaunch, Triton's compiled launcher alone, JITFunction.run, the allocations, and one
                  torch kernel launch for scale (launch_rows)
   --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
                  reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
@@ -209,7 +209,7 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
 def launch_rows(args, iters: int, repeats: int, sync) -> list:
     """(GPU) The cached decode's pieces, each alone, with the real launches (one sync per batch of calls):
     each kernel through its plan's Relaunch, the compiled launcher alone (Triton's, no checks), the conv
-    kernel through JITFunction.run, the three output / scratch allocations (and one alone), and one torch
+    kernel through JITFunction.run, the output and scratch allocations (two now, three before; and one alone), and one torch
     kernel launch for scale. The compiled launcher is timed with the tensors and with their addresses
     (ints: what Relaunch passes; a tensor costs the launcher a data_ptr() call and a driver query)."""
     import fast.serving as fs
@@ -238,7 +238,10 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
                      t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *ptrs,
                                           *r.tail))))
     rows.append(("launch: conv via JITFunction.run", t(lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw))))
-    rows.append(("allocations: the step's three torch.empty",
+    rows.append(("allocations: the step's two torch.empty (o, conv -> step scratch)",
+                 t(lambda: (torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
+                            torch.empty(p.scratch_bytes, dtype=torch.uint8, device=dev)))))
+    rows.append(("allocations: three torch.empty (o, y, snap: before the scratch)",
                  t(lambda: (torch.empty(p.y_shape, dtype=p.act_dtype, device=dev),
                             torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
                             torch.empty((p.N, 5), dtype=torch.int32, device=dev)))))

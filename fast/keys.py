@@ -82,7 +82,7 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
         return []
     varlen = cu_seqlens is not None
     TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
-    cc = _serving.conv_config(D, W)
+    cc = _serving.conv_config(D, W, N)
     idx = state_indices.dtype
     cu = cu_seqlens.dtype if varlen else idx
     checked = _checked_kernels()
@@ -92,7 +92,7 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
         conv_c.update(BN=_serving.DUP_BLOCK)
     if W <= _conv.WINDOW_MAX_W:
         conv_name = "conv_step_kernel"
-        conv_c.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)), SPEC=bool(cc.get("spec")) and TMAX == 1)
+        conv_c.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))
     else:
         conv_name = "conv_step_any_w_kernel"
         conv_c.update(CW=cache.conv_state.shape[2], SP=next_pow2(W - 1 + TMAX))

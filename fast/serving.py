@@ -106,7 +106,7 @@ import refgdn.serving as rs
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
-from .launch import Relaunch
+from .launch import Carved, Relaunch
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
@@ -203,12 +203,23 @@ def pdl_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def conv_config(D: int, W: int = 4, override: Optional[dict] = None) -> dict:
-    """Pinned launch config of the conv step kernels: BD channels per program (override: as step_config's);
-    spec: decode (W <= 4) reads the window at column 0 beside the slot's metadata instead of after it,
-    and again at its true column when the slot has pending tokens (experimental, off: written for the
-    latency-bound small-N step, not yet timed on a GPU; at N = 256 an earlier form measured no gain)."""
-    cfg = dict(BD=min(next_pow2(D), 256), num_warps=4 if not is_interpreting() else 1, spec=False)
+def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[dict] = None) -> dict:
+    """Pinned launch config of the conv step kernels: BD channels per program, num_warps. N: the number of
+    requests (None: large). override: as step_config's.
+
+    Small batches (N <= PDL_MAX_N, where the step kernel starts beside the conv): 64 channels in one warp,
+    so the conv's many small programs leave the SMs to the step kernel's early state reads. Per layer of a
+    32-layer graph (H100, float32 state, step config pinned; benchmarks/bench_graphs.py --only sweep,
+    2026-11-23): N = 8 BD 64 one warp 17.0 us, BD 256 two warps 17.7, BD 256 four warps 18.0-18.2; N = 1
+    5.0 vs 4.9-5.2 (within the run-to-run spread). Larger N: 256 channels in four warps (N = 256, H200,
+    bench_decode --sweep).
+    """
+    if is_interpreting():
+        cfg = dict(BD=min(next_pow2(D), 256), num_warps=1)
+    elif N is not None and N <= PDL_MAX_N:
+        cfg = dict(BD=min(next_pow2(D), 64), num_warps=1)
+    else:
+        cfg = dict(BD=min(next_pow2(D), 256), num_warps=4)
     if override:
         cfg.update(override)
     return cfg
@@ -406,8 +417,8 @@ def _conv_pdl_enter():
 
 @triton.jit
 def _own_slot(state_indices, i_n, S):
-    """Request i_n's slot read before its verdict is known (PDL's early state read, the conv's `spec`
-    window): state_indices[i_n] where it is a real slot, else 0 -- a safe address whatever the value."""
+    """Request i_n's slot read before its verdict is known (PDL's early state read): state_indices[i_n]
+    where it is a real slot, else 0 -- a safe address whatever the value."""
     raw = tl.load(state_indices + i_n).to(tl.int64)
     return tl.where((raw >= 0) & (raw < S), raw, 0)
 
@@ -420,7 +431,7 @@ def conv_step_kernel(
     stride_c_n, stride_c_d, stride_c_w,
     W: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, CWP: tl.constexpr,
     BD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-    PDL: tl.constexpr = False, SPEC: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One program: channels [i_d*BD, +BD) of request i_n; conv width W <= 4 (a sliding window in registers).
 
@@ -444,20 +455,6 @@ def conv_step_kernel(
     i_n = tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    if SPEC:
-        # decode: the window of a slot without pending tokens starts at column 0; read it (at the request's
-        # own slot, clamped: a safe address whatever the value) beside the metadata rather than behind it.
-        # A failed request's y rows are scratch, so what this read got for one is never used.
-        e_c = conv_state + _own_slot(state_indices, i_n, S) * stride_c_n + o_d.to(tl.int64) * stride_c_d
-        e0 = tl.zeros([BD], dtype=tl.float32)
-        e1 = e0
-        e2 = e0
-        if W >= 4:
-            e0 = tl.load(e_c + (W - 4) * stride_c_w, mask=m_d, other=0).to(tl.float32)
-        if W >= 3:
-            e1 = tl.load(e_c + (W - 3) * stride_c_w, mask=m_d, other=0).to(tl.float32)
-        if W >= 2:
-            e2 = tl.load(e_c + (W - 2) * stride_c_w, mask=m_d, other=0).to(tl.float32)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
         meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
     _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
@@ -489,22 +486,15 @@ def conv_step_kernel(
     w0 = zero
     w1 = zero
     w2 = zero
-    m_win = m_dv
-    if SPEC:
-        m_win = m_dv & _as_block(off != 0, o_d)     # read again only where the early read was the wrong column
     if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-    if SPEC:
-        r0 = tl.where(off == 0, e0, r0)
-        r1 = tl.where(off == 0, e1, r1)
-        r2 = tl.where(off == 0, e2, r2)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
@@ -940,7 +930,7 @@ class _StepPlan:
     plans). :func:`_run` adds the per-call parts: the tensors, fresh outputs, the scale's value. No tensor
     is kept: one plan serves every cache of the same geometry.
     """
-    __slots__ = ("N", "T", "y_shape", "o_shape", "act_dtype", "device", "unit_stride", "host_err", "scale",
+    __slots__ = ("N", "T", "y_shape", "o_shape", "snap_offset", "scratch_bytes", "act_dtype", "device", "unit_stride", "host_err", "scale",
                  "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw", "conv_launch",
                  "step_launch")
 
@@ -954,6 +944,8 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     N = p.N = state_indices.shape[0]
     T = p.T = mixed_qkv.shape[0]
     p.y_shape, p.o_shape = (T, D), (T, HV, V)          # conv outputs y [T, D]; outputs o [T, HV, V]
+    p.snap_offset = Carved.nbytes(mixed_qkv.dtype, p.y_shape)   # scratch: y, then snap [N, 5] int32
+    p.scratch_bytes = p.snap_offset + Carved.nbytes(torch.int32, (N, 5))
     p.act_dtype, p.device = mixed_qkv.dtype, cache.ssm_state.device
     # the kernels index these with unit stride: copy the (rare) strided ones, per call
     p.unit_stride = all(t is None or t.is_contiguous() for t in (state_indices, A_log, dt_bias, cu_seqlens,
@@ -962,15 +954,14 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     p.scale = float(K ** -0.5)
     varlen = cu_seqlens is not None
     TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
-    cc = conv_config(D, W)
+    cc = conv_config(D, W, N)
     cs = cache.conv_state
     p.conv_kw = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, BN=DUP_BLOCK,
                      SILU=activation in ("silu", "swish"), HAS_BIAS=conv_bias is not None,
                      num_warps=cc["num_warps"])
     window_conv = W <= 4                                # conv_step_kernel, else conv_step_any_w_kernel
     if window_conv:
-        p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)),  # the columns a step writes
-                         SPEC=bool(cc.get("spec")) and TMAX == 1)
+        p.conv_kw.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))  # the columns a step writes
     else:
         p.conv_kw.update(CW=cs.shape[2], SP=next_pow2(W - 1 + TMAX))
     p.conv_grid = (cdiv(D, cc["BD"]), N)
@@ -1007,8 +998,11 @@ def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, 
     o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)
     if p.N == 0:
         return o
-    y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
-    snap = torch.empty((p.N, 5), dtype=torch.int32, device=dev)         # (slot | -1, count, bank, bos, L)
+    # the conv -> step scratch, one allocation: y [T, D] (conv outputs), snap [N, 5] int32 (slot | -1, count,
+    # bank, bos, L); the launches take their addresses (fast.launch.Carved)
+    scratch = torch.empty(p.scratch_bytes, dtype=torch.uint8, device=dev)
+    y = Carved(scratch, 0, p.act_dtype, p.y_shape)
+    snap = Carved(scratch, p.snap_offset, torch.int32, (p.N, 5))
     p.conv_launch(mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, y,
                   cache.conv_state, cache.pend_meta, snap, cache.err, state_indices,
                   cu_seqlens if cu_seqlens is not None else state_indices, *p.conv_args)

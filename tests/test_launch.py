@@ -192,3 +192,22 @@ def test_relaunch_matches_jitfunction_run_on_installed_triton():
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_carved_regions(fake):
+    """A Carved region stands for a tensor: JITFunction.run gets a view of the scratch with its dtype, shape
+    and address; the compiled launcher gets the address (base + offset)."""
+    k, _ = fake
+    base = torch.zeros(256, dtype=torch.uint8)
+    n = fl.Carved.nbytes(torch.float32, (3, 5))
+    assert n == 64                                     # 60 bytes rounded up to 16
+    x, y = fl.Carved(base, 0, torch.float32, (3, 5)), fl.Carved(base, n, torch.int32, (2, 4))
+    r = fl.Relaunch(k, (1,), dict(A=1))
+    r(*_args(x, y))
+    slow = k.log[-1][2]
+    assert slow[0].dtype == torch.float32 and slow[0].shape == (3, 5) and slow[0].data_ptr() == base.data_ptr()
+    assert slow[1].dtype == torch.int32 and slow[1].shape == (2, 4) and slow[1].data_ptr() == base.data_ptr() + 64
+    slow[1].fill_(7)                                   # a view: writes land in the scratch
+    assert base[64:96].view(torch.int32).tolist() == [7] * 8
+    r(*_args(x, y))
+    assert k.log[-1][0] == "fast" and k.log[-1][1][9:11] == (base.data_ptr(), base.data_ptr() + 64)
