@@ -101,7 +101,7 @@ def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
 SWEEP_STEP = [dict(BV=8, num_warps=1), dict(BV=16, num_warps=1), dict(BV=32, num_warps=1), dict(BV=32, num_warps=2),
               dict(BV=64, num_warps=2), dict(BV=64, num_warps=4), dict(BV=128, num_warps=4),
               dict(BV=128, num_warps=8), dict(BV=64, num_warps=4, HPP=2)]   # (one-warp BV 32 at HPP 2 spills: 84-176 us)
-SWEEP_CONV = [dict(BD=64, num_warps=1), dict(BD=128, num_warps=1), dict(BD=128, num_warps=2),
+SWEEP_CONV = [dict(BD=32, num_warps=1), dict(BD=64, num_warps=1), dict(BD=128, num_warps=1), dict(BD=128, num_warps=2),
               dict(BD=256, num_warps=2), dict(BD=256, num_warps=4), dict(BD=512, num_warps=4)]
 
 
