@@ -223,20 +223,27 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
     return rows[:12]
 
 
-def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5) -> list:
-    """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler."""
+def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens: Optional[list] = None) -> list:
+    """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler.
+    seq_lens: the varlen case instead (T = their sum, cu_seqlens, an initial state per sequence)."""
     from torch.profiler import ProfilerActivity, profile
 
+    kw = dict(output_final_state=True)
+    if seq_lens:
+        T = sum(seq_lens)
+        kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64,
+                                        device=device)
+    q, k, v, g, beta, S0 = gdn_inputs(T, device, len(seq_lens) if seq_lens else None)
+    if S0 is not None:
+        kw["initial_state"] = S0
     impls = []
     fast_chunk = _fast("chunk_gated_delta_rule")
     if fast_chunk is not None:
-        impls.append(("fast", lambda q, k, v, g, beta: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK,
-                                                                  output_final_state=True)))
+        impls.append(("fast", lambda q, k, v, g, beta: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw)))
     fla = common.try_import_fla()
-    q, k, v, g, beta, _ = gdn_inputs(T, device)
     if fla is not None and fla.chunk_gated_delta_rule is not None:
         try:
-            call, note = common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True)
+            call, note = common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta, **kw)
             impls.append(("fla" + (" (q/k repeated)" if note else ""), lambda *a: call()))
         except Exception as e:  # noqa: BLE001
             print(f"fla breakdown skipped: {e}", file=sys.stderr)
@@ -263,7 +270,7 @@ def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5) -> list:
         for name, ms, calls in sorted(events, key=lambda x: -x[1]):
             rows.append(dict(impl=impl, kernel=name[:80], ms=ms, share=ms / total, calls=calls))
         rows.append(dict(impl=impl, kernel="TOTAL (device time)", ms=total, share=1.0, calls=None))
-    del q, k, v, g, beta
+    del q, k, v, g, beta, S0
     torch.cuda.empty_cache()
     return rows
 
@@ -302,6 +309,9 @@ def run_sections(device: str = "cuda") -> list:
     sections = [("Prefill: fast vs fla", main, meta)]
     sections.append((f"Prefill: per-kernel breakdown, chunk forward T={BREAKDOWN_T} (torch.profiler)",
                      kernel_breakdown(device), {"iterations averaged": 5}))
+    sections.append((f"Prefill: per-kernel breakdown, varlen 16 seqs {VARLEN_TOTAL} tok with initial states "
+                     "(torch.profiler)", kernel_breakdown(device, seq_lens=varlen_lengths()),
+                     {"iterations averaged": 5, "lengths": str(varlen_lengths())}))
     sections.append((f"Prefill: conv1d config sweep T={CONV_T} D={CONV_D} (fastest 12)", conv_sweep(device, gbs),
                      {"ceiling": f"copy {gbs:.0f} GB/s"}))
     return sections
