@@ -120,23 +120,29 @@ def _bench_or_error(fn: Callable) -> tuple:
 # sections
 # ----------------------------------------------------------------------------------------------
 
-def bench_chunk(device: str, tflops_ceiling: float) -> list:
+def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) -> list:
+    """The chunk rows (fast, fla, the refgdn oracle at the first T); only: the cases whose name contains it."""
     rows = []
     fast_chunk = _fast("chunk_gated_delta_rule")
     fla = common.try_import_fla()
     fla_chunk = fla.chunk_gated_delta_rule if fla is not None else None
 
-    cases = [(f"chunk fwd T={T}", T, None, 1) for T in CHUNK_TS]
-    cases.append((f"chunk fwd B={BATCHED[0]} T={BATCHED[1]}", BATCHED[1], None, BATCHED[0]))
+    cases = [(f"chunk fwd T={T}", T, None, 1, False) for T in CHUNK_TS]
+    cases.append((f"chunk fwd B={BATCHED[0]} T={BATCHED[1]}", BATCHED[1], None, BATCHED[0], False))
     lens = varlen_lengths()
-    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init", VARLEN_TOTAL, lens, 1))
-    for name, T, seq_lens, B in cases:
+    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init", VARLEN_TOTAL, lens, 1, False))
+    # the same with cu_seqlens' host copy passed to both (fla's cu_seqlens_cpu; vLLM has query_start_loc_cpu):
+    # no device->host read per call, so the host work overlaps the GPU
+    cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init, cu_seqlens_cpu", VARLEN_TOTAL, lens, 1, True))
+    for name, T, seq_lens, B, host_copy in [c for c in cases if only is None or only in c[0]]:
         N = len(seq_lens) if seq_lens else None
         q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
         kw = dict(initial_state=S0, output_final_state=True)
         if seq_lens:
             cu = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
             kw["cu_seqlens"] = cu
+            if host_copy:
+                kw["cu_seqlens_cpu"] = cu.cpu()
         notes = []
         ms = None
         if fast_chunk is not None:

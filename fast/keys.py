@@ -275,9 +275,10 @@ def _fp64(*ts) -> bool:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64, *, device=None) -> List[CompileKey]:
+                           chunk_size=64, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: its four kernels at chunk size BT = chunk_size (float64 runs
-    refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's)."""
+    refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
+    cu_seqlens_cpu changes no key (the kernels read a checked copy of cu_seqlens in its dtype)."""
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape

@@ -36,17 +36,21 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cu_seqlens: [N+1] -> (chunk_indices [NT, 2] int32, chunk_offsets [N+1] int32) on cu_seqlens' device.
+def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu_seqlens: [N+1] -> (chunk_indices [NT, 2] int32, chunk_offsets [N+1] int32, offsets [N+1] in
+    cu_seqlens' dtype), all on cu_seqlens' device.
 
     chunk_indices has one row per global chunk, ``(sequence n, chunk index within sequence n)``;
     sequence n owns global chunks ``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (none when empty): chunks
-    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them.
+    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them. ``offsets`` is a device copy
+    of the very values the tables were built from (and the op checked): kernels read it instead of
+    cu_seqlens, so what they index always agrees with the tables and the checks.
 
-    Host work: cu_seqlens' values are read once (refgdn.checks.host_offsets: shared with the op's value
-    check inside its one_host_read scope), the tables are built with numpy and copied to the device in
-    one transfer (both views of one buffer, each starting 16-byte aligned). No device kernel runs. Use
-    outside CUDA-graph capture.
+    Host work: cu_seqlens' values come from refgdn.checks.host_offsets (one read shared with the op's value
+    check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the three tables are
+    built with numpy into one buffer (each part 16-byte aligned) and copied to the device in one transfer,
+    from pinned memory without blocking on a GPU (a pageable copy would wait for every kernel queued
+    before it). No device kernel runs. Use outside CUDA-graph capture.
     """
     offs = np.asarray(host_offsets(cu_seqlens), dtype=np.int64)
     counts = (np.diff(offs) + chunk_size - 1) // chunk_size                  # [N] chunks per sequence
@@ -55,12 +59,22 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
     NT = int(offsets[-1])
     seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)          # [NT]
     within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
-    head = -(-offsets.size // 4) * 4                                          # indices start 16-byte aligned
-    buf = np.zeros(head + 2 * NT, dtype=np.int32)
+    a16 = lambda n: -(-n // 4) * 4                                           # noqa: E731 - int32 words to 16 B
+    wide = cu_seqlens.dtype == torch.int64
+    head = a16(offsets.size)                                                  # chunk_indices start
+    tail = a16(head + 2 * NT)                                                 # the checked offsets start
+    buf = np.zeros(tail + offs.size * (2 if wide else 1), dtype=np.int32)
     buf[:offsets.size] = offsets
-    buf[head:] = np.stack([seq, within], 1).reshape(-1)
-    dev = torch.from_numpy(buf).to(cu_seqlens.device)
-    return dev[head:].view(NT, 2), dev[:offsets.size]
+    buf[head:head + 2 * NT:2] = seq
+    buf[head + 1:head + 2 * NT:2] = within
+    buf[tail:].view(np.int64 if wide else np.int32)[:] = offs
+    host = torch.from_numpy(buf)
+    if cu_seqlens.device.type == "cuda":
+        dev = host.pin_memory().to(cu_seqlens.device, non_blocking=True)   # the pinned block outlives the copy
+    else:
+        dev = host.to(cu_seqlens.device)
+    checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
+    return dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked
 
 
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -121,6 +121,35 @@ def host_offsets(cu_seqlens: torch.Tensor) -> List[int]:
     return hit[1]
 
 
+def provide_host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> None:
+    """Inside the current :func:`one_host_read_scope`, :func:`host_offsets` (cu_seqlens) answers with
+    cu_seqlens_cpu's values (a host copy the caller holds, fla's and vLLM's ``cu_seqlens_cpu`` /
+    ``query_start_loc_cpu``): no device->host read, no sync. Checked first (check_cu_seqlens_cpu); a no-op
+    outside a scope (the op then reads cu_seqlens itself)."""
+    memo = getattr(_HOST, "memo", None)
+    if memo is not None:
+        memo[id(cu_seqlens)] = (cu_seqlens, cu_seqlens_cpu.tolist())   # a CPU tensor: no sync
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens) -> None:
+    """cu_seqlens_cpu: cu_seqlens' values on the host, [N+1] int32 or int64 on the CPU, with cu_seqlens
+    (its values are then checked in its place and used for the chunk bookkeeping)."""
+    if cu_seqlens_cpu is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is a host copy of cu_seqlens: give cu_seqlens too (or neither)")
+    _need_tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1)
+    if cu_seqlens_cpu.dtype not in INT_DTYPES:
+        raise ValueError(f"cu_seqlens_cpu must be int32 or int64, got {cu_seqlens_cpu.dtype}")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be on the CPU (a host copy of cu_seqlens), got "
+                         f"{cu_seqlens_cpu.device}")
+    if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+            and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
+        raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {_shape(cu_seqlens)}, got "
+                         f"{_shape(cu_seqlens_cpu)}")
+
+
 def _read(cu_seqlens: torch.Tensor) -> List[int]:
     """The device->host read itself (tests count the calls)."""
     return cu_seqlens.tolist()
@@ -139,11 +168,13 @@ def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> Non
 
 
 def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
-                     A_log=None, dt_bias=None, chunk_size=None) -> int:
+                     A_log=None, dt_bias=None, chunk_size=None, cu_seqlens_cpu=None) -> int:
     """Validate the gated-delta-rule arguments; return N, the number of sequences.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g, beta: [B, T, HV];
-    initial_state: [N, HV, K, V]; cu_seqlens: [N+1] int with B == 1; A_log, dt_bias: [HV] (together).
+    initial_state: [N, HV, K, V]; cu_seqlens: [N+1] int with B == 1; A_log, dt_bias: [HV] (together);
+    cu_seqlens_cpu: cu_seqlens' host copy (inside a one_host_read scope its values are the ones checked
+    and read: provide_host_offsets).
     """
     _need_tensor("q", q, 4)
     _need_tensor("k", k, 4)
@@ -172,7 +203,10 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
         for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
             check_float_param(name, t, (HV,), "[HV]", device)
     check_scale(scale)
+    check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
     if cu_seqlens is not None:
+        if cu_seqlens_cpu is not None and isinstance(cu_seqlens, torch.Tensor):
+            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
         N = check_cu_seqlens(cu_seqlens, B, T, device)
     else:
         N = B

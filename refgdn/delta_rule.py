@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .checks import check_chunk_size, check_gdn_inputs
+from .checks import check_chunk_size, check_gdn_inputs, host_offsets, one_host_read
 from .gating import compute_dtype, l2norm, softplus
 
 
@@ -31,15 +31,16 @@ def sequences(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> Iterator[Tu
         for b in range(B):
             yield b, b, 0, T
     else:
-        offsets = cu_seqlens.tolist()
+        offsets = host_offsets(cu_seqlens)       # a host read, shared inside the op's one_host_read scope
         for n in range(len(offsets) - 1):
             yield n, 0, offsets[n], offsets[n + 1]
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
-             chunk_size=None):
+             chunk_size=None, cu_seqlens_cpu=None):
     """Validate, apply fused gating / l2norm, upcast to the compute dtype. Returns a dict of tensors."""
-    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size)
+    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
+                         cu_seqlens_cpu)
     dt = compute_dtype(q, v, g, beta, initial_state)
     H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
     if A_log is not None:  # fused gating: `g` is the raw gate input a
@@ -217,14 +218,18 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
     return rearrange(o, "b n h j c d -> b (n c) (h j) d")
 
 
+@one_host_read   # cu_seqlens' values read to the host once per call (or taken from cu_seqlens_cpu)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64):
+                           chunk_size=64, cu_seqlens_cpu=None):
     """Gated delta rule in the chunked WY/UT form (same function as the recurrent form).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   (HV % H == 0)
     initial_state: [N, HV, K, V] (N = B, or len(cu_seqlens) - 1 for varlen with B == 1)
     cu_seqlens: [N+1] int; chunks never straddle sequences. chunk_size: a power of two >= 16.
+    cu_seqlens_cpu: optional, cu_seqlens' values as a CPU tensor (fla's argument; vLLM's
+    query_start_loc_cpu): checked and used in place of a device->host read of cu_seqlens, which must
+    hold the same values (the segmentation follows cu_seqlens_cpu).
     Returns o: [B, T, HV, V] in v.dtype and final_state: [N, HV, K, V] (float32; float64 for
     float64 inputs) or None unless output_final_state.
 
@@ -235,7 +240,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     recurrent_gated_delta_rule.
     """
     p = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
-                 chunk_size)
+                 chunk_size, cu_seqlens_cpu)
     B, T = q.shape[:2]
     BT = chunk_size
     o_parts, finals = [], []

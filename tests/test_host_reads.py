@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fast
+import refgdn
 import refgdn.checks as checks
 from fast.utils import varlen_chunk_tables
 
@@ -37,14 +38,16 @@ def _tables_by_definition(offs, BT):
 @pytest.mark.parametrize("offs", [pytest.param([0, 5], id="one"), pytest.param([0, 0, 64, 65, 65, 200], id="empty-and-edges"),
                                   pytest.param([0, 1, 2, 3, 4, 5], id="ones"), pytest.param([0, 0], id="only-empty")])
 @pytest.mark.parametrize("BT", [16, 64])
-def test_varlen_tables_match_definition(offs, BT):
-    cu = torch.tensor(offs, dtype=torch.int32, device=DEVICE)
-    idx, off = varlen_chunk_tables(cu, BT)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64")])
+def test_varlen_tables_match_definition(offs, BT, dtype):
+    cu = torch.tensor(offs, dtype=dtype, device=DEVICE)
+    idx, off, checked = varlen_chunk_tables(cu, BT)
     want_i, want_o = _tables_by_definition(offs, BT)
-    assert idx.dtype == off.dtype == torch.int32 and idx.device == cu.device
+    assert idx.dtype == off.dtype == torch.int32 and idx.device == off.device == checked.device == cu.device
     assert idx.shape == (len(want_i), 2) and idx.tolist() == want_i and off.tolist() == want_o
-    assert idx.is_contiguous() and off.is_contiguous()
-    assert idx.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 0      # both views start aligned
+    assert checked.dtype == dtype and checked.tolist() == offs and checked.data_ptr() != cu.data_ptr()
+    assert idx.is_contiguous() and off.is_contiguous() and checked.is_contiguous()
+    assert idx.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 0 and checked.data_ptr() % 16 == 0  # aligned
 
 
 def _varlen_problem(lens, H=1, HV=2, K=16, V=16, dtype=torch.float32):
@@ -92,3 +95,41 @@ def test_model_prefill_reads_once_for_all_layers(reads):
     reads.clear()
     m.prefill(cache, ids, meta)
     assert len(reads) == 1, f"{len(reads)} host reads of cu_seqlens in one prefill (one expected)"
+
+
+def test_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):
+    """cu_seqlens_cpu (fla's argument; vLLM's query_start_loc_cpu): no device->host read, the same bits as
+    the read path, in fast and in refgdn; its values are checked in cu_seqlens' place, and the kernels
+    index by them (the checked copy uploaded with the tables), not by cu_seqlens' device values."""
+    q, k, v, g, beta, cu = _varlen_problem([3, 0, 17, 9])
+    host = cu.cpu()
+    reads.clear()
+    for op in (fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule):
+        kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, chunk_size=16, output_final_state=True)
+        want = op(q, k, v, g, beta, **kw)
+        n = len(reads)
+        got = op(q, k, v, g, beta, cu_seqlens_cpu=host, **kw)
+        assert len(reads) == n, f"{op.__module__}: cu_seqlens read although cu_seqlens_cpu was given"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), op.__module__
+    # a host copy that disagrees with cu_seqlens: the segmentation follows the checked host copy
+    other = [0, 10, 10, 20, 29]
+    stale = torch.tensor(other, dtype=torch.int32, device=DEVICE)
+    o_host, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=stale.cpu(), chunk_size=16)
+    o_dev, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=stale, chunk_size=16)
+    assert torch.equal(o_host, o_dev)
+
+
+@pytest.mark.parametrize("bad, match", [
+    pytest.param(lambda cu: cu.cpu()[1:], "cu_seqlens_cpu must have cu_seqlens' shape", id="shape"),
+    pytest.param(lambda cu: cu.cpu().float(), "cu_seqlens_cpu must be int32 or int64", id="dtype"),
+    pytest.param(lambda cu: torch.empty(cu.shape, dtype=torch.int32, device="meta"), "must be on the CPU", id="device"),
+    pytest.param(lambda cu: torch.tensor([0, 3, 3, 20, 28]), "must end at T=29", id="values"),
+    pytest.param(lambda cu: [0, 3, 3, 20, 29], "cu_seqlens_cpu must be a torch.Tensor", id="list"),
+])
+def test_cu_seqlens_cpu_checked(bad, match):
+    q, k, v, g, beta, cu = _varlen_problem([3, 0, 17, 9])
+    for op in (fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule):
+        with pytest.raises(ValueError, match=match):
+            op(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=bad(cu), chunk_size=16)
+    with pytest.raises(ValueError, match="give cu_seqlens too"):
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens_cpu=cu.cpu(), chunk_size=16)

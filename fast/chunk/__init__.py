@@ -104,7 +104,7 @@ from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64):
+                           chunk_size=64, cu_seqlens_cpu=None):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]
     -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
 
@@ -117,16 +117,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     computed in fp32 inside the cumsum. use_qk_l2norm_in_kernel normalises q, k rows in the kernels
     (k once, in kernel 1). chunk_size: 16, 32 or 64. Inputs may be strided views (unit stride along
     the head dim is preferred; other layouts are copied). q, k, v in fp16/bf16/fp32; float64 inputs
-    run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture).
+    run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture): one
+    device->host copy, a sync, unless cu_seqlens_cpu (its values as a CPU tensor, fla's argument, vLLM's
+    query_start_loc_cpu) is given: then nothing waits for the GPU and the call's host work overlaps the
+    previous kernels. Either way the kernels read the checked values (uploaded with the chunk tables),
+    never cu_seqlens itself, so the segmentation follows the checked copy.
 
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
     """
-    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size)
+    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
+                         cu_seqlens_cpu)       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
     if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+                                             cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                             cu_seqlens_cpu)
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):

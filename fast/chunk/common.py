@@ -274,8 +274,9 @@ class _Chunks:
         self.varlen = cu_seqlens is not None
         self.cu_seqlens = cu_seqlens
         if self.varlen:
-            # [NT_total, 2] (sequence, chunk) and [N+1] first global chunk of each: one host read, one copy
-            self.indices, self.offsets = varlen_chunk_tables(cu_seqlens, BT)
+            # [NT_total, 2] (sequence, chunk), [N+1] first global chunk of each, and the checked offsets the
+            # kernels read in place of cu_seqlens: one host read (none with cu_seqlens_cpu), one copy
+            self.indices, self.offsets, self.cu_seqlens = varlen_chunk_tables(cu_seqlens, BT)
             self.NT = 1                                               # unused
             self.total = self.indices.shape[0]
         else:
