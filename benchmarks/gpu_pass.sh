@@ -2,12 +2,16 @@
 # One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
 # benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
 # are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
-#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving|pending|train]...   (default: all)
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving|pending|varlen|train]...   (default: all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
 #     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
 #     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
+#   varlen (not in all): the varlen chunk forward without a host sync (cu_seqlens_cpu; kernels read the checked
+#     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
+#     (with and without cu_seqlens_cpu, fla beside both). Written in the fifth session of 2026-11-23, not yet
+#     run on a GPU.
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the experimental
 #     bf16x2 / kkt-forward modes of fast.chunk_bwd): the gradient matrix under each (full bf16 families),
 #     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op alone
@@ -74,6 +78,16 @@ if [[ $steps == *pending* ]]; then
   timeout 240 python3 -m benchmarks.bench_graphs --only sweep --batches 1,2,4,8 --no-results 2>&1 | grep "^|" \
     | tee "$OUT/graphs-sweep.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *varlen* ]]; then
+  timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
+    tests/test_compile.py tests/test_model.py tests/test_fast_grad.py tests/test_capture.py \
+    -k "varlen or host or cu_seqlens or prefill or planner" 2>&1 | tee "$OUT/pytest-varlen.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 150 python3 -c "
+import benchmarks.bench_prefill as b, benchmarks.common as c
+for r in b.bench_chunk('cuda', c.matmul_tflops('cuda'), only='varlen'):
+    print(r)" 2>&1 | grep -v Warn | tee "$OUT/varlen-rows.log" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *train* ]]; then
   variants=${VARIANTS:-bf16x2/tf32/16-bit,tf32/tf32/16-bit/forward,bf16x2/bf16x2/16-bit}
