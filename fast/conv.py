@@ -36,7 +36,7 @@ import triton.language as tl
 
 from refgdn.checks import check_conv_inputs, check_conv_update_inputs, one_host_read
 
-from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
+from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
 @triton.jit
@@ -364,7 +364,8 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = None, initial_state: Optional[torch.Tensor] = None,
-                  output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
+                  output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                  cu_seqlens_cpu: Optional[torch.Tensor] = None):
     """x: [B, T, D], weight: [D, W], bias: [D], initial_state: [N, D, W-1] -> (y [B, T, D], final_state [N, D, W-1])
 
         y_t = act(bias + sum_{j=0}^{W-1} weight[:, j] * x_{t-W+1+j})      act: None or "silu"
@@ -372,7 +373,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     Varlen: B == 1 and cu_seqlens [N+1]. Inputs before a sequence's start come from initial_state
     (zeros when None). y in x.dtype; final_state (the last W-1 inputs of each sequence, oldest
     first; None unless output_final_state) in initial_state's dtype if given, else x's.
-    refgdn.causal_conv1d's twin.
+    refgdn.causal_conv1d's twin. cu_seqlens_cpu: as fast.chunk_gated_delta_rule's (its values, on the
+    CPU: no device->host read); the kernels read the checked offsets uploaded with the tile table.
 
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.causal_conv1d (fast.library), whose backward is fast.conv_bwd's kernel:
@@ -380,16 +382,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, weight, bias, initial_state):
-        check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
+        check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
         y, final = library.causal_conv1d_op(x, weight, bias, activation or "", initial_state, cu_seqlens)
         return y, (final if output_final_state else None)
     return causal_conv1d_with_config(x, weight, bias, activation, initial_state, output_final_state,
-                                     cu_seqlens)
+                                     cu_seqlens, cu_seqlens_cpu)
 
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_state=None,
-                              output_final_state=False, cu_seqlens=None, config: Optional[dict] = None):
+                              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                              config: Optional[dict] = None):
     """causal_conv1d with ``config`` overriding keys of the pinned config (for benchmark sweeps that
     choose the pinned values; each config is a separate compilation):
 
@@ -399,7 +402,7 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         and fast_silu (bool: approximate ex2/rcp; default and only honoured for float32 compute on
         CUDA); Triton's num_stages and maxnreg.
     """
-    N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
+    N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, D = x.shape
     W = weight.shape[1]
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
@@ -416,10 +419,12 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         raise ValueError(f"config: kernel 'window' needs W <= {WINDOW_MAX_W} and BT % 4 == 0, 'tile' any W; "
                          f"got kernel={kernel!r}, W={W}, BT={BT}")
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
+    cu_checked = None
     while True:
         if cu_seqlens is not None:
-            # host read of the lengths (eager prefill only, not for graph capture)
-            tile_table = prepare_chunk_indices(cu_seqlens, BT)
+            # the lengths on the host (one read per call, none with cu_seqlens_cpu; eager prefill only, not
+            # for graph capture); the kernels read the checked offsets uploaded with the table
+            tile_table, _, cu_checked = varlen_chunk_tables(cu_seqlens, BT)
             n_tiles = tile_table.shape[0]
         else:
             tile_table = None
@@ -442,14 +447,14 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         else:
             fwd = causal_conv1d_fwd_kernel
         fwd[grid](
-            x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+            x, y, weight, bias, initial_state, cu_checked, tile_table,
             T, D, *x.stride(), *weight.stride(), *s,
             W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
             HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, **launch)
     if output_final_state and W > 1 and N > 0:
         BDs = max(16, min(256, next_pow2(D)))
         causal_conv1d_final_state_kernel[(cdiv(D, BDs), N)](
-            x, final, initial_state, cu_seqlens, T, D, *x.stride(), *s,
+            x, final, initial_state, cu_checked, T, D, *x.stride(), *s,
             W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             num_warps=4)
     return y, final

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from refgdn.checks import one_host_read
 
-from .utils import cdiv, is_interpreting, next_pow2, prepare_chunk_indices
+from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
 @triton.jit
@@ -240,20 +240,21 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     tables = {}
 
     def tiles(BT):
-        """(tile_table or None, tile count) for tiles of BT rows (varlen: one host read of cu_seqlens)."""
+        """(tile_table or None, tile count, the offsets the kernels read) for tiles of BT rows (varlen: the
+        host read of cu_seqlens, one per call, and the checked copy uploaded with the table)."""
         if BT not in tables:
             if cu_seqlens is not None:
-                t = prepare_chunk_indices(cu_seqlens, BT)                # host read (eager only)
-                tables[BT] = (t, t.shape[0])
+                t, _, checked = varlen_chunk_tables(cu_seqlens, BT)      # host read (eager only)
+                tables[BT] = (t, t.shape[0], checked)
             else:
-                tables[BT] = (None, cdiv(T, BT))
+                tables[BT] = (None, cdiv(T, BT), None)
         return tables[BT]
 
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
     dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
-    table_z, n_z = tiles(cfg["dz"]["BT"])
+    table_z, n_z, cu_z = tiles(cfg["dz"]["BT"])
     n_part = (B if cu_seqlens is None else 1) * n_z
     dw_part = torch.zeros(n_part, W, D, dtype=cdt, device=x.device)
     db_part = torch.zeros(n_part, D, dtype=cdt, device=x.device)
@@ -265,14 +266,14 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     if n_z > 0 and D > 0:
         c = cfg["dz"]
         conv_bwd_dz_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
-            x, dy, weight, bias, initial_state, cu_seqlens, table_z, dz, dw_part, db_part,
+            x, dy, weight, bias, initial_state, cu_z, table_z, dz, dw_part, db_part,
             T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s,
             BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
             num_warps=c["num_warps"], **flags)
         c = cfg["dx"]
-        table_x, n_x = tiles(c["BT"])
+        table_x, n_x, cu_x = tiles(c["BT"])
         conv_bwd_dx_kernel[(cdiv(D, c["BD"]), n_x, Bg)](
-            dz, weight, dfinal, cu_seqlens, table_x, dx, dinit if dinit is not None else dx,
+            dz, weight, dfinal, cu_x, table_x, dx, dinit if dinit is not None else dx,
             T, D, *weight.stride(),
             BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
             num_warps=c["num_warps"], **flags)

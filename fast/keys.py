@@ -176,7 +176,7 @@ def gdn_materialize(cache, state_indices, check_values=False, *, device=None) ->
 # ----------------------------------------------------------------------------------------------
 
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, *, device=None) -> List[CompileKey]:
+                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
     """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
     fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
     call runs (default x's; CUDA float32 compute takes the approximate silu). (A pinned BT grows

@@ -75,9 +75,3 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
         dev = host.to(cu_seqlens.device)
     checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
     return dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked
-
-
-def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """cu_seqlens: [N+1] -> chunk_indices [NT, 2] int32 (varlen_chunk_tables' first table). One host
-    read of cu_seqlens (shared inside a one_host_read scope); use outside CUDA-graph capture."""
-    return varlen_chunk_tables(cu_seqlens, chunk_size)[0]

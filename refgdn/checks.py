@@ -236,16 +236,21 @@ def _check_weight_bias(weight, bias, D: int, device: torch.device) -> int:
     return weight.shape[1]
 
 
-def check_conv_inputs(x, weight, bias=None, activation=None, initial_state=None, cu_seqlens=None) -> int:
+def check_conv_inputs(x, weight, bias=None, activation=None, initial_state=None, cu_seqlens=None,
+                      cu_seqlens_cpu=None) -> int:
     """Validate causal_conv1d's arguments; return N, the number of sequences.
 
-    x: [B, T, D]; weight: [D, W]; bias: [D]; initial_state: [N, D, W-1]; cu_seqlens: [N+1] with B == 1.
+    x: [B, T, D]; weight: [D, W]; bias: [D]; initial_state: [N, D, W-1]; cu_seqlens: [N+1] with B == 1;
+    cu_seqlens_cpu: its host copy (as check_gdn_inputs).
     """
     _need_tensor("x", x, 3)
     _need_float("x", x)
     B, T, D = x.shape
     W = _check_weight_bias(weight, bias, D, x.device)
     check_activation(activation)
+    check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
+    if cu_seqlens_cpu is not None and isinstance(cu_seqlens, torch.Tensor):
+        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
     N = check_cu_seqlens(cu_seqlens, B, T, x.device) if cu_seqlens is not None else B
     if initial_state is not None:
         _need_tensor("initial_state", initial_state, 3)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .checks import check_conv_inputs, check_conv_update_inputs
+from .checks import check_conv_inputs, check_conv_update_inputs, one_host_read
 from .delta_rule import sequences
 from .gating import compute_dtype
 
@@ -14,12 +14,15 @@ def _activate(y: torch.Tensor, activation) -> torch.Tensor:
     return F.silu(y) if activation in ("silu", "swish") else y
 
 
+@one_host_read   # cu_seqlens' values read to the host once per call (or taken from cu_seqlens_cpu)
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
+                  cu_seqlens=None, cu_seqlens_cpu=None):
     """Causal depthwise conv1d over time.
 
     x: [B, T, D]   weight: [D, W]   bias: [D]   initial_state: [N, D, W-1] (oldest input first)
-    cu_seqlens: [N+1] int with B == 1 (varlen). Returns y: [B, T, D] in x.dtype and final_state:
+    cu_seqlens: [N+1] int with B == 1 (varlen); cu_seqlens_cpu: optional, its values as a CPU tensor,
+    used in place of reading cu_seqlens (which must hold the same values: the segmentation follows
+    cu_seqlens_cpu). Returns y: [B, T, D] in x.dtype and final_state:
     [N, D, W-1] (the last W-1 inputs of each sequence, initial state included when the sequence is
     shorter; in initial_state's dtype if given, else x's) or None unless output_final_state.
 
@@ -27,7 +30,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
 
     Inputs before a sequence's start come from initial_state (zeros when None).
     """
-    check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens)
+    check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, D = x.shape
     W = weight.shape[1]
     dt = compute_dtype(x, weight, initial_state)

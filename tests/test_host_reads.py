@@ -133,3 +133,28 @@ def test_cu_seqlens_cpu_checked(bad, match):
             op(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=bad(cu), chunk_size=16)
     with pytest.raises(ValueError, match="give cu_seqlens too"):
         fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens_cpu=cu.cpu(), chunk_size=16)
+
+
+def test_conv_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):
+    """causal_conv1d's cu_seqlens_cpu, as the chunk op's: no read, the same bits, the host copy's segmentation."""
+    lens = [3, 0, 17, 9]
+    x = torch.randn(1, sum(lens), 8, device=DEVICE)
+    w = torch.randn(8, 4, device=DEVICE)
+    s0 = torch.randn(len(lens), 8, 3, device=DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=DEVICE)
+    for op in (fast.causal_conv1d, refgdn.causal_conv1d):
+        kw = dict(initial_state=s0, output_final_state=True, cu_seqlens=cu)
+        want = op(x, w, None, "silu", **kw)
+        n = len(reads)
+        got = op(x, w, None, "silu", cu_seqlens_cpu=cu.cpu(), **kw)
+        assert len(reads) == n, f"{op.__module__}: cu_seqlens read although cu_seqlens_cpu was given"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), op.__module__
+    stale = torch.tensor([0, 10, 10, 20, 29], dtype=torch.int64, device=DEVICE)
+    y_host, f_host = fast.causal_conv1d(x, w, None, "silu", s0, True, cu_seqlens=cu, cu_seqlens_cpu=stale.cpu())
+    y_dev, f_dev = fast.causal_conv1d(x, w, None, "silu", s0, True, cu_seqlens=stale)
+    assert torch.equal(y_host, y_dev) and torch.equal(f_host, f_dev)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must have cu_seqlens' shape"):
+        fast.causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu()[1:])
+    with pytest.raises(ValueError, match="must end at T=29"):
+        refgdn.causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 3, 3, 20, 28]))
+
