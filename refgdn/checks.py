@@ -132,8 +132,9 @@ def provide_host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor)
 
 
 def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens) -> None:
-    """cu_seqlens_cpu: cu_seqlens' values on the host, [N+1] int32 or int64 on the CPU, with cu_seqlens
-    (its values are then checked in its place and used for the chunk bookkeeping)."""
+    """cu_seqlens_cpu: cu_seqlens' values on the host, [N+1] int32 or int64 on the CPU, with cu_seqlens.
+    Once checked, its values stand for cu_seqlens' in the current one_host_read scope (provide_host_offsets):
+    the value check and the chunk bookkeeping read them instead of the device tensor."""
     if cu_seqlens_cpu is None:
         return
     if cu_seqlens is None:
@@ -148,6 +149,8 @@ def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens) -> None:
             and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
         raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {_shape(cu_seqlens)}, got "
                          f"{_shape(cu_seqlens_cpu)}")
+    if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():   # (traced: values at run time)
+        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
 
 
 def _read(cu_seqlens: torch.Tensor) -> List[int]:
@@ -174,7 +177,7 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g, beta: [B, T, HV];
     initial_state: [N, HV, K, V]; cu_seqlens: [N+1] int with B == 1; A_log, dt_bias: [HV] (together);
     cu_seqlens_cpu: cu_seqlens' host copy (inside a one_host_read scope its values are the ones checked
-    and read: provide_host_offsets).
+    and read: check_cu_seqlens_cpu).
     """
     _need_tensor("q", q, 4)
     _need_tensor("k", k, 4)
@@ -205,8 +208,6 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     check_scale(scale)
     check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
     if cu_seqlens is not None:
-        if cu_seqlens_cpu is not None and isinstance(cu_seqlens, torch.Tensor):
-            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
         N = check_cu_seqlens(cu_seqlens, B, T, device)
     else:
         N = B
@@ -249,8 +250,6 @@ def check_conv_inputs(x, weight, bias=None, activation=None, initial_state=None,
     W = _check_weight_bias(weight, bias, D, x.device)
     check_activation(activation)
     check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
-    if cu_seqlens_cpu is not None and isinstance(cu_seqlens, torch.Tensor):
-        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
     N = check_cu_seqlens(cu_seqlens, B, T, x.device) if cu_seqlens is not None else B
     if initial_state is not None:
         _need_tensor("initial_state", initial_state, 3)
