@@ -131,23 +131,24 @@ def provide_host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor)
         memo[id(cu_seqlens)] = (cu_seqlens, cu_seqlens_cpu.tolist())   # a CPU tensor: no sync
 
 
-def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens) -> None:
+def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, name: str = "cu_seqlens_cpu", of: str = "cu_seqlens") -> None:
     """cu_seqlens_cpu: cu_seqlens' values on the host, [N+1] int32 or int64 on the CPU, with cu_seqlens.
     Once checked, its values stand for cu_seqlens' in the current one_host_read scope (provide_host_offsets):
-    the value check and the chunk bookkeeping read them instead of the device tensor."""
+    the value check and the chunk bookkeeping read them instead of the device tensor. name / of: the two
+    arguments' names in messages (the model says query_start_loc_cpu / meta.query_start_loc)."""
     if cu_seqlens_cpu is None:
         return
     if cu_seqlens is None:
-        raise ValueError("cu_seqlens_cpu is a host copy of cu_seqlens: give cu_seqlens too (or neither)")
-    _need_tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1)
+        raise ValueError(f"{name} is a host copy of {of}: give {of} too (or neither)")
+    _need_tensor(name, cu_seqlens_cpu, 1)
     if cu_seqlens_cpu.dtype not in INT_DTYPES:
-        raise ValueError(f"cu_seqlens_cpu must be int32 or int64, got {cu_seqlens_cpu.dtype}")
+        raise ValueError(f"{name} must be int32 or int64, got {cu_seqlens_cpu.dtype}")
     if cu_seqlens_cpu.device.type != "cpu":
-        raise ValueError(f"cu_seqlens_cpu must be on the CPU (a host copy of cu_seqlens), got "
+        raise ValueError(f"{name} must be on the CPU (a host copy of {of}), got "
                          f"{cu_seqlens_cpu.device}")
     if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
             and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
-        raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {_shape(cu_seqlens)}, got "
+        raise ValueError(f"{name} must have {of}'s shape {_shape(cu_seqlens)}, got "
                          f"{_shape(cu_seqlens_cpu)}")
     if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():   # (traced: values at run time)
         provide_host_offsets(cu_seqlens, cu_seqlens_cpu)

@@ -187,8 +187,8 @@ def _prefill(model, cache, ps, slots, dev):
         offs.append(offs[-1] + L)
     ids = torch.tensor([t for p in ps for t in p], dtype=torch.int64, device=dev)
     si = torch.tensor(slots, dtype=I32, device=dev)
-    qsl = torch.tensor(offs, dtype=I32, device=dev)
-    hidden = model.prefill(cache, ids, model.metadata(cache, si, qsl, offs[-1]))
+    qsl_cpu = torch.tensor(offs, dtype=I32)
+    hidden = model.prefill(cache, ids, model.metadata(cache, si, qsl_cpu.to(dev), offs[-1]), qsl_cpu)
     last = torch.tensor([o - 1 for o in offs[1:]], device=dev)
     return hidden, model.logits(hidden.index_select(0, last)), offs
 

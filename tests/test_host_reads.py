@@ -93,8 +93,17 @@ def test_model_prefill_reads_once_for_all_layers(reads):
     meta = m.metadata(cache, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
                       torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE), 9)
     reads.clear()
-    m.prefill(cache, ids, meta)
+    h = m.prefill(cache, ids, meta)
     assert len(reads) == 1, f"{len(reads)} host reads of cu_seqlens in one prefill (one expected)"
+    # with the offsets' host copy (vLLM's query_start_loc_cpu): no read at all, the same result
+    cache2 = m.allocate_cache(num_slots=2, max_len=64)
+    meta2 = m.metadata(cache2, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                       torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE), 9)
+    reads.clear()
+    h2 = m.prefill(cache2, ids, meta2, torch.tensor([0, 4, 9], dtype=torch.int32))
+    assert len(reads) == 0 and torch.equal(h, h2)
+    with pytest.raises(ValueError, match="query_start_loc_cpu must have meta.query_start_loc's shape"):
+        m.prefill(m.allocate_cache(num_slots=2, max_len=64), ids, meta2, torch.tensor([0, 9], dtype=torch.int32))
 
 
 def test_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):

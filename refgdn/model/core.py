@@ -43,7 +43,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checks import one_host_read_scope
+from ..checks import check_cu_seqlens_cpu, one_host_read_scope
 from .cache import KVCache, ModelCache, StepMetadata, build_step_metadata
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .layers import MTPHead, DecoderLayer, RMSNorm, Rotary
@@ -273,15 +273,21 @@ class Qwen3NextModel(nn.Module):
         cache.kv_lens_buf.index_copy_(0, safe, new_lens.to(torch.int32))
 
     @torch.no_grad()
-    def prefill(self, cache: ModelCache, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def prefill(self, cache: ModelCache, input_ids: torch.Tensor, meta: StepMetadata,
+                query_start_loc_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Varlen prefill.  input_ids: [T] -> hidden [T, hidden] (after the final norm).
 
         meta from the target lengths (``model.metadata(cache, ...)``); a request whose slot has
         kv_lens > 0 continues from its state (its pending verify tokens are committed first).
         Afterwards kv_lens[slot] = meta.seq_lens and mtp_kv_lens[slot] = the old kv_lens.
+        The GDN layers' varlen ops need meta.query_start_loc's values on the host: read once for all
+        layers, or taken from query_start_loc_cpu [N+1] (the same offsets on the CPU, as vLLM keeps them),
+        which spares the read and its sync.
         """
         self._check_step(cache, input_ids, meta, "prefill")
         with one_host_read_scope():       # every layer's ops read query_start_loc's values once, together
+            check_cu_seqlens_cpu(query_start_loc_cpu, meta.query_start_loc, "query_start_loc_cpu",
+                                 "meta.query_start_loc")
             hidden = self._run_target(cache, input_ids, meta, "prefill")
         self._commit(cache, meta.state_indices, meta.seq_lens)
         return hidden
@@ -387,10 +393,11 @@ class Qwen3NextModel(nn.Module):
                 raise ValueError(f"packed input_ids must be [sum(seq_lens)] = [{sum(lens)}], got {list(ids.shape)}")
         cache = self.allocate_cache(len(lens), max(max(lens), 1))
         dev = self.device
-        qsl = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        qsl_cpu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        qsl = qsl_cpu.to(dev)
         si = torch.arange(len(lens), dtype=torch.int32, device=dev)
         meta = self.metadata(cache, si, qsl, ids.shape[0])
-        logits = self.logits(self.prefill(cache, ids.to(dev), meta))
+        logits = self.logits(self.prefill(cache, ids.to(dev), meta, qsl_cpu))
         return logits.view(len(lens), lens[0], -1) if seq_lens is None else logits
 
     # ------------------------------------------------------------------------------------------
