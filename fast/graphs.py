@@ -410,9 +410,9 @@ class GraphedSteps:
         """A step no graph fits: eagerly, still under the lifecycle (a variant not profiled raises)."""
         return self._gm.lc.eager(fn, f"eager {what}")
 
-    def prefill(self, cache, input_ids, meta):
+    def prefill(self, cache, input_ids, meta, query_start_loc_cpu=None):
         self._step = 0
-        return self._eager("prefill", lambda: self._gm.m.prefill(cache, input_ids, meta))
+        return self._eager("prefill", lambda: self._gm.m.prefill(cache, input_ids, meta, query_start_loc_cpu))
 
     def accept(self, cache, state_indices, num_accepted):
         self._step = 0

@@ -148,7 +148,7 @@ def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, name: str = "cu_seqlens_cpu
                          f"{cu_seqlens_cpu.device}")
     if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
             and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
-        raise ValueError(f"{name} must have {of}'s shape {_shape(cu_seqlens)}, got "
+        raise ValueError(f"{name} must have the shape of {of}, {_shape(cu_seqlens)}, got "
                          f"{_shape(cu_seqlens_cpu)}")
     if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():   # (traced: values at run time)
         provide_host_offsets(cu_seqlens, cu_seqlens_cpu)

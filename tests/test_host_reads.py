@@ -102,7 +102,7 @@ def test_model_prefill_reads_once_for_all_layers(reads):
     reads.clear()
     h2 = m.prefill(cache2, ids, meta2, torch.tensor([0, 4, 9], dtype=torch.int32))
     assert len(reads) == 0 and torch.equal(h, h2)
-    with pytest.raises(ValueError, match="query_start_loc_cpu must have meta.query_start_loc's shape"):
+    with pytest.raises(ValueError, match="query_start_loc_cpu must have the shape of meta.query_start_loc"):
         m.prefill(m.allocate_cache(num_slots=2, max_len=64), ids, meta2, torch.tensor([0, 9], dtype=torch.int32))
 
 
@@ -129,7 +129,7 @@ def test_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):
 
 
 @pytest.mark.parametrize("bad, match", [
-    pytest.param(lambda cu: cu.cpu()[1:], "cu_seqlens_cpu must have cu_seqlens' shape", id="shape"),
+    pytest.param(lambda cu: cu.cpu()[1:], "cu_seqlens_cpu must have the shape of cu_seqlens", id="shape"),
     pytest.param(lambda cu: cu.cpu().float(), "cu_seqlens_cpu must be int32 or int64", id="dtype"),
     pytest.param(lambda cu: torch.empty(cu.shape, dtype=torch.int32, device="meta"), "must be on the CPU", id="device"),
     pytest.param(lambda cu: torch.tensor([0, 3, 3, 20, 28]), "must end at T=29", id="values"),
@@ -162,7 +162,7 @@ def test_conv_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):
     y_host, f_host = fast.causal_conv1d(x, w, None, "silu", s0, True, cu_seqlens=cu, cu_seqlens_cpu=stale.cpu())
     y_dev, f_dev = fast.causal_conv1d(x, w, None, "silu", s0, True, cu_seqlens=stale)
     assert torch.equal(y_host, y_dev) and torch.equal(f_host, f_dev)
-    with pytest.raises(ValueError, match="cu_seqlens_cpu must have cu_seqlens' shape"):
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must have the shape of cu_seqlens"):
         fast.causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu()[1:])
     with pytest.raises(ValueError, match="must end at T=29"):
         refgdn.causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 3, 3, 20, 28]))
