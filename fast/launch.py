@@ -182,7 +182,7 @@ def _constexpr_tail(fn, npos: int, kw_items: tuple) -> Optional[tuple]:
 
 class Carved:
     """A typed, contiguous region of a scratch allocation, passed to :class:`Relaunch` where a kernel takes a
-    tensor: several per-call scratch tensors from one ``torch.empty`` (each allocation costs ~4-7 us of host
+    tensor: several per-call scratch tensors from one ``torch.empty`` (each allocation costs ~3-7 us of host
     time on a GPU server), without building a view per call. The compiled launcher needs only the address;
     a tensor view is made only for a launch through JITFunction.run (it specialises on dtype and alignment).
 
