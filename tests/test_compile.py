@@ -212,3 +212,23 @@ def test_varlen_compiles_fullgraph_and_checks_values_at_run_time(bad):
     with pytest.raises(ValueError) as err:
         cconv(x, w, cu)
     assert str(err.value) == str(ref_err.value)
+
+
+def test_varlen_with_host_offsets_compiles_fullgraph():
+    """cu_seqlens_cpu beside cu_seqlens under torch.compile(fullgraph=True): its checks trace without a graph
+    break (the values are checked when the graph runs, as without it), and the outputs are the eager ones."""
+    (q, k, v, g, beta), (x, w) = _varlen_inputs(DEVICE)
+    cu_cpu = torch.tensor([0, 7, 7, 30, 40], dtype=torch.int32)
+    cu = cu_cpu.to(DEVICE)
+
+    def gdn(q, k, v, g, beta, cu, cu_cpu):
+        return fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                                           output_final_state=True, chunk_size=16)
+
+    def conv(x, w, cu, cu_cpu):
+        return fast.causal_conv1d(x, w, None, "silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, output_final_state=True)
+    torch._dynamo.reset()
+    cgdn, cconv = (torch.compile(f, fullgraph=True, backend="aot_eager") for f in (gdn, conv))
+    for eager, compiled in ((gdn(q, k, v, g, beta, cu, cu_cpu), cgdn(q, k, v, g, beta, cu, cu_cpu)),
+                            (conv(x, w, cu, cu_cpu), cconv(x, w, cu, cu_cpu))):
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
