@@ -278,8 +278,9 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
             BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
             num_warps=c["num_warps"], **flags)
     if dinit is not None and n_z > 0 and cu_seqlens is not None:
-        # zero-length sequences own no tile: their initial state only reaches the final state
-        empty = (cu_seqlens[1:] == cu_seqlens[:-1])
+        # zero-length sequences own no tile: their initial state only reaches the final state (by the checked
+        # offsets, as the kernels)
+        empty = (cu_z[1:] == cu_z[:-1])
         if dfinal is not None:
             dinit[empty] = dfinal[empty].to(dinit.dtype)
     elif dinit is not None and n_z == 0 and dfinal is not None:

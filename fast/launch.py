@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import operator
 from typing import Any, Optional
 
@@ -198,22 +199,10 @@ class Carved:
 
     def tensor(self) -> torch.Tensor:
         """The region as a tensor (a view of base)."""
-        n = _numel(self.shape) * _itemsize(self.dtype)
+        n = math.prod(self.shape) * self.dtype.itemsize
         return self.base[self.offset:self.offset + n].view(self.dtype).view(self.shape)
 
     @staticmethod
     def nbytes(dtype: torch.dtype, shape: tuple) -> int:
         """Bytes of a region, rounded up to 16 (so the next one starts aligned)."""
-        return -(-_numel(shape) * _itemsize(dtype) // 16) * 16
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+        return -(-math.prod(shape) * dtype.itemsize // 16) * 16

@@ -930,9 +930,9 @@ class _StepPlan:
     plans). :func:`_run` adds the per-call parts: the tensors, fresh outputs, the scale's value. No tensor
     is kept: one plan serves every cache of the same geometry.
     """
-    __slots__ = ("N", "T", "y_shape", "o_shape", "snap_offset", "scratch_bytes", "act_dtype", "device", "unit_stride", "host_err", "scale",
-                 "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args", "step_kw", "conv_launch",
-                 "step_launch")
+    __slots__ = ("N", "T", "y_shape", "o_shape", "snap_offset", "scratch_bytes", "act_dtype", "device",
+                 "unit_stride", "host_err", "scale", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args",
+                 "step_kw", "conv_launch", "step_launch")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
