@@ -62,6 +62,7 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
                     _trunc_tf32)
+from .chunk.state import state_config
 from .gating import l2norm_into
 from .utils import cdiv, is_interpreting
 
@@ -751,7 +752,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # fp32 k and w tiles; H100, Triton 3.6, bench_train's shape: fwd+bwd 11.5 ms vs 11.9 at BV 32)
     st_over = None
     if fp32_gpu:
-        st_over = dict(num_stages=2)
+        # fp32 tiles: BV 64 only from 2 programs per SM (the rule measured for this recompute; the forward
+        # takes BV 64 from half a program per SM)
+        st_over = dict(num_stages=2, BV=state_config(N, HV, K, V, dev, bv64_programs=2 * _num_sms(dev))["BV"])
         if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64:
             st_over.update(BV=64, num_warps=4)
     _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,

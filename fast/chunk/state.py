@@ -118,18 +118,27 @@ def chunk_state_kernel(
 # host side: pinned config, launcher, the stage twin state_passing
 # ============================================================================================
 
-def state_config(N: int, HV: int, K: int, V: int, device: torch.device) -> dict:
+def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None) -> dict:
     """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist,
     each walking all chunks of its sequence, so BV trades parallelism (small BV: more programs fill the
     SMs) against redundant w/k reads (every V-block program reloads the chunk's w and k; they mostly hit
-    L2). Qwen3-Next at B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs. num_stages=3 prefetches
-    the next chunks' w, u, k, G behind the current chunk's dots. Pinned, never autotuned
-    (DESIGN.md invariant 2). Interpreter: one V-block (fewest programs)."""
+    L2). num_stages=3 prefetches the next chunks' w, u, k, G behind the current chunk's dots: with it the
+    block takes ~119 KB of shared memory at BT = 64, K = 128 (one block per SM; 2 stages ran 1.9x slower).
+    BV 64 (four warps) from half a program per SM on: H200, Triton 3.6, bf16, Qwen3-Next shape, state
+    kernel alone (torch.profiler), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
+    programs), B=4 T=4096: 0.229 vs 0.335, B=8 T=2048: 0.235 (either rule), varlen mix 0.495 (BV 64 either
+    rule); eight warps 0.27-0.28. Below that, B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs
+    (T=16384: 0.331 ms; BV 16 0.415; BV 64 in 8 warps 0.548). ncu (H200, B=1 T=16384): 150 registers,
+    one warp per scheduler issuing every ~4 cycles -- the pass is latency-bound per warp. Hand-prefetching
+    u and G a chunk ahead (beside the compiler's pipeline) bought nothing at B=1 and lost on the varlen
+    mix (0.547 ms): not kept. Pinned, never autotuned (DESIGN.md invariant 2). Interpreter: one V-block
+    (fewest programs). bv64_programs: the program count at BV 64 from which BV 64 is taken (default half
+    the SMs; the backward's fp32 recompute keeps its own, fast.chunk_bwd)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     sms = _num_sms(device)
-    if N * HV * cdiv(V, 64) >= 2 * sms:
+    if N * HV * cdiv(V, 64) >= (sms // 2 if bv64_programs is None else bv64_programs):
         BV = 64
     elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
         BV = 32
