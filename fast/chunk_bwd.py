@@ -29,8 +29,10 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
      (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
-Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE below): for 16-bit inputs the
-recompute runs in fp32 (tf32 products for bf16, tf32x3 for fp16) on the exact fp32 values of 16-bit tiles:
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE / RECOMPUTE_KKT below): for bf16
+inputs every fp32 operand of a product is split into bf16 hi + lo ("bf16x2": ~16 mantissa bits from 16-bit
+tensor-core dots) and kernel 1 is recomputed exactly as the forward ran it; for fp16 inputs the
+recompute runs in fp32 (tf32x3 products) on the exact fp32 values of 16-bit tiles:
 the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
 kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
 products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
@@ -90,8 +92,11 @@ from .utils import cdiv, is_interpreting
 # fla 0.56, the default 0.32): the quick families' length-1 sequences, fused gating and strong decay are
 # what it fails.
 # fp32 inputs: IEEE products throughout.
-GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
-RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: None})
+# bf16 default since the sixth session of 2026-11-23: ("bf16x2", "bf16x2", "16-bit", "forward"), the comments on
+# bf16x2 and KKT below (H200, Triton 3.6: full bf16 gradient families worst 0.759; fwd+bwd 5.34 ms at
+# bench_train's shape against 5.70 for the previous default's kernel 1 run the forward's way).
+GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16: "tf32x3", torch.float32: "ieee"})
+RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16: "tf32x3", torch.float32: None})
 # STORAGE of the recompute's chunk-local intermediates (normalised q / k, A, w, u, h, dh), per input dtype:
 # None keeps the recompute's dtype (fp32 with RECOMPUTE_PRECISION set); "16-bit" stores them in the
 # inputs' dtype while every kernel still computes on their (exactly converted) fp32 values: half the
@@ -116,8 +121,13 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "
 # ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage dominates), tf32/bf16x2 0.942, bf16x2/bf16x2
 # 0.906 (ddt_bias with fused gating; with fp32 storage instead of 16-bit: 0.437). Compiles for sm_90
 # (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared
-# memory, kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). Not run on a GPU: next,
-# `bash benchmarks/gpu_pass.sh train` (grad_precision and bench_train --beside for each variant).
+# memory, kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). On a GPU (H200, Triton
+# 3.6, benchmarks.grad_precision, the full bf16 gradient families): bf16x2/bf16x2/16-bit/forward worst
+# 0.759 (dg, no-init-K64-V96), fwd+bwd 5.342 ms at bench_train's shape; tf32/tf32/16-bit/forward worst
+# 0.764, 5.698 ms. Per kernel (bench_train --only profile --beside, same device): bf16x2/bf16x2/16-bit
+# against tf32/tf32/16-bit: kernel 1 682 -> 530 us, kernel 2 559 -> 388, the state pass 674 -> 619, stage
+# 1 282 -> 160, the reverse pass 816 -> 775, stage 3 1458 -> 1422, the WY backward 1005 -> 1089; all
+# kernels 5967 -> 5468 us. The bf16 default.
 RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
 # KKT: how the recompute's kernel 1 (G, l2norm(k), A) runs with 16-bit storage: "recompute" (fp32 products
 # of the fp32 normalised k at the recompute precision) or "forward" (experimental: exactly the forward's
@@ -126,7 +136,9 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # Quick families, interpreter with round-to-nearest: bf16 worst 0.841 (the same da case as "recompute"),
 # fp16 0.476 (0.52 with "recompute"). Not run on a GPU. Kernel 2 (w, u) run the forward's way as well
 # fails: bf16 1.144 (dg, strided-slices family; its 16-bit products round beta exp(G) k before A's product).
-RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "recompute", torch.float16: "recompute", torch.float32: "recompute"})
+# On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
+# 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
+RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
 
 
 def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
