@@ -245,10 +245,10 @@ def sweep_rows(device: str, stages=None) -> list:
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
     rows = []
-    for stage, cfg in grid:
-        if stages is not None and stage not in stages:
+    for stage, cfg in [("pinned", {})] + grid:          # the pinned configs first: the sweep's own baseline
+        if stages is not None and stage not in stages and stage != "pinned":
             continue
-        ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg}), leaves, do), leaves)
+        ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg} if cfg else None), leaves, do), leaves)
         rows.append(dict(stage=stage, config=str(cfg), ms=ms, note=err))
         print(f"sweep: {stage} {cfg}: {ms} {err}", file=sys.stderr, flush=True)
     return rows
