@@ -819,11 +819,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
                           dk3=dk.clone(), dw=dw.clone(), dG3=dG.sum(0))
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
+        # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
+        # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
+        # full bf16 gradient families throughout (module comment), this mix lies between them
+        wy_g = "tf32" if gprec == "bf16x2" else gprec
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
-            **common, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
+            **dict(common, GPREC=wy_g, EMU_TF32=dot_f32 and wy_g == "tf32"), NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
             **_cfg("wy", wy_bwd_config(K, V), configs))
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
