@@ -245,10 +245,16 @@ def sweep_rows(device: str, stages=None) -> list:
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
     rows = []
+    fault = None          # a device fault (illegal address) poisons the CUDA context: later rows cannot run
     for stage, cfg in [("pinned", {})] + grid:          # the pinned configs first: the sweep's own baseline
         if stages is not None and stage not in stages and stage != "pinned":
             continue
+        if fault is not None:
+            rows.append(dict(stage=stage, config=str(cfg), ms=None, note=f"not run: the CUDA context faulted at {fault}"))
+            continue
         ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg} if cfg else None), leaves, do), leaves)
+        if "illegal memory access" in err or "unspecified launch failure" in err:
+            fault = f"{stage} {cfg}"
         rows.append(dict(stage=stage, config=str(cfg), ms=ms, note=err))
         print(f"sweep: {stage} {cfg}: {ms} {err}", file=sys.stderr, flush=True)
     return rows
