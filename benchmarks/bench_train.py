@@ -236,7 +236,9 @@ def sweep_rows(device: str, stages=None) -> list:
     (names as in fast.chunk_bwd's configs argument), None for all."""
     leaves, do = inputs(B, T, H, HV, device)
     # BV = 16 last: an fp32-operand config at BV 16 once faulted (illegal memory access, module comment in
-    # fast.chunk_bwd), which would poison the context for every row after it
+    # fast.chunk_bwd), which would poison the context for every row after it. Under the bf16x2 default, dqkwg
+    # at BV 64, 4 warps, BKC 32, one stage faulted likewise (H200, Triton 3.6, 2026-11-23; the interpreter
+    # gives the pinned config's gradients for it): a fault ends the sweep, and the rows after it say not run
     grid = [("dh", dict(num_stages=s_, num_warps=w, BV=bv)) for s_ in (1, 2) for w in (4, 8) for bv in (32, 64)]
     grid += [(st, dict(num_warps=w, BV=bv, num_stages=s_, BKC=bkc)) for st in ("dqkwg", "wy") for w in (4, 8)
              for bv in (32, 64) for s_ in (1, 2) for bkc in (32, 64)]
