@@ -43,11 +43,13 @@ pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmar
 times from bench_train --sweep on an H100), never autotuned: these are training kernels but they share
 the forward's no-autotune rule.
 
-Where the time goes (H100, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
---only profile; benchmarks/RESULTS.md, third session of 2026-11-23): forward + backward 6.6 ms (fla 0.6.0
-4.4 ms in the same run), of which stage 3 1.7, the WY backward 1.05, the reverse state pass 1.03, the
-state pass (forward and recompute) 0.87 ms; fla's kernels for the same steps take 1.1 / 0.51 / 0.46 /
-0.52 ms with 16-bit operands.
+Where the time goes (H200, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
+--only profile / profile_fla; benchmarks/RESULTS.md, sixth session of 2026-11-23): forward + backward 5.23 ms
+(fla 0.6.0 3.87 ms, guard bypassed, in the same run); per kernel (two profiling runs, same machine type),
+fast against fla's kernel for the same step (us): stage 3 1411 / 959, the WY backward 996 / 504, the reverse state pass 774 / 448, the state pass
+(forward and recompute) 611 / 411, kernel 1 (forward and recompute) 396 / 188, kernel 2 386 / 305, the
+output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm backward 191 / 517 (fla: a torch reduction
+and its l2norm kernel). fla's backward runs 16-bit products throughout; ours the precision above.
 """
 from __future__ import annotations
 
