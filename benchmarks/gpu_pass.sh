@@ -10,11 +10,10 @@
 #     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
 #   varlen (not in all): the varlen chunk forward without a host sync (cu_seqlens_cpu; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
-#     (with and without cu_seqlens_cpu, fla beside both). Written in the fifth session of 2026-11-23, not yet
-#     run on a GPU.
-#   train (not in all): the backward's precision variants, measured (VARIANTS, default the experimental
-#     bf16x2 / kkt-forward modes of fast.chunk_bwd): the gradient matrix under each (full bf16 families),
-#     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op alone
+#     (with and without cu_seqlens_cpu, fla beside both). First GPU run: sixth session of 2026-11-23 (H200).
+#   train (not in all): the backward's precision variants, measured (VARIANTS, default the alternatives to the
+#     bf16 default bf16x2/bf16x2/16-bit/forward of fast.chunk_bwd): the gradient matrix under each (full bf16
+#     families), fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op
 set -uo pipefail
 OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -90,7 +89,7 @@ for r in b.bench_chunk('cuda', c.matmul_tflops('cuda'), only='varlen'):
     print(r)" 2>&1 | grep -v Warn | tee "$OUT/varlen-rows.log" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *train* ]]; then
-  variants=${VARIANTS:-bf16x2/tf32/16-bit,tf32/tf32/16-bit/forward,bf16x2/bf16x2/16-bit}
+  variants=${VARIANTS:-bf16x2/bf16x2/16-bit/forward,tf32/tf32/16-bit/forward,bf16x2/tf32/16-bit/forward}
   # cold compiles of the full bf16 families took > 200 s per variant in one process on an H100 (2026-11-23)
   timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" --jobs 12 2>&1 \
     | tee "$OUT/grad-precision.log" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
