@@ -229,6 +229,53 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
     return rows[:12]
 
 
+STATE_SWEEP_CASES = ((1, 16384), (2, 8192), (4, 4096), (8, 2048))       # (B, T): the same tokens, more sequences
+STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4),
+                       dict(BV=64, num_warps=8), dict(BV=32, num_warps=4, num_stages=2))
+
+
+def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIGS, iters: int = 5) -> list:
+    """Kernel 3 (chunk_state_kernel, the sequential state pass) alone over a config grid, at the same token
+    count split into 1..8 sequences: its device time (torch.profiler) under each config beside the pinned one
+    (fast.chunk.state.state_config), passed as the forward's ``configs`` argument. How the sixth session of
+    2026-11-23 chose the pinned BV rule; run: python -c "import benchmarks.bench_prefill as b;
+    [print(r) for r in b.state_sweep('cuda')]"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fast.chunk import chunk_gated_delta_rule_fwd
+    from fast.chunk.state import state_config
+
+    def state_ms(fn) -> float:
+        fn()
+        common.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            common.synchronize()
+        for e in prof.key_averages():
+            if e.key == "chunk_state_kernel":
+                return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / iters / 1e3
+        return float("nan")
+
+    rows = []
+    for B, T in cases:
+        q, k, v, g, beta, _ = gdn_inputs(T, device, B=B)
+        pinned = state_config(B, HV, K, V, q.device)
+        for cfg in (None,) + tuple(configs):
+            over = {"state": cfg} if cfg else None
+            try:
+                ms = state_ms(lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK,
+                                                                 output_final_state=True, configs=over))
+                note = ""
+            except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                ms, note = None, f"{type(e).__name__}: {e}"[:100]
+            rows.append(dict(case=f"B={B} T={T}", config=f"pinned {pinned}" if cfg is None else str(cfg), ms=ms,
+                             note=note))
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
+    return rows
+
+
 def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens: Optional[list] = None) -> list:
     """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler.
     seq_lens: the varlen case instead (T = their sum, cu_seqlens, an initial state per sequence)."""

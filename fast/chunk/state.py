@@ -125,7 +125,7 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     L2). num_stages=3 prefetches the next chunks' w, u, k, G behind the current chunk's dots: with it the
     block takes ~119 KB of shared memory at BT = 64, K = 128 (one block per SM; 2 stages ran 1.9x slower).
     BV 64 (four warps) from half a program per SM on: H200, Triton 3.6, bf16, Qwen3-Next shape, state
-    kernel alone (torch.profiler), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
+    kernel alone (torch.profiler; benchmarks.bench_prefill.state_sweep), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
     programs), B=4 T=4096: 0.229 vs 0.335, B=8 T=2048: 0.235 (either rule), varlen mix 0.495 (BV 64 either
     rule); eight warps 0.27-0.28. Below that, B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs
     (T=16384: 0.331 ms; BV 16 0.415; BV 64 in 8 warps 0.548). ncu (H200, B=1 T=16384): 150 registers,
