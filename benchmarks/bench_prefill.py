@@ -229,6 +229,26 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
     return rows[:12]
 
 
+def _kernel_times(fn, iters: int) -> list:
+    """[(kernel name, mean device ms per call, calls per call)] of fn over ``iters`` profiled calls (after one
+    unprofiled call): torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    common.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        common.synchronize()
+    events = []
+    for e in prof.key_averages():
+        t_us = getattr(e, "device_time_total", None)
+        if t_us is None:
+            t_us = getattr(e, "cuda_time_total", 0)
+        if t_us and t_us > 0:
+            events.append((e.key, t_us / iters / 1e3, e.count / iters))
+    return events
+
+
 STATE_SWEEP_CASES = ((1, 16384), (2, 8192), (4, 4096), (8, 2048))       # (B, T): the same tokens, more sequences
 STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4),
                        dict(BV=64, num_warps=8), dict(BV=32, num_warps=4, num_stages=2))
@@ -240,22 +260,11 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     (fast.chunk.state.state_config), passed as the forward's ``configs`` argument. How the sixth session of
     2026-11-23 chose the pinned BV rule; run: python -c "import benchmarks.bench_prefill as b;
     [print(r) for r in b.state_sweep('cuda')]"."""
-    from torch.profiler import ProfilerActivity, profile
-
     from fast.chunk import chunk_gated_delta_rule_fwd
     from fast.chunk.state import state_config
 
     def state_ms(fn) -> float:
-        fn()
-        common.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
-            common.synchronize()
-        for e in prof.key_averages():
-            if e.key == "chunk_state_kernel":
-                return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / iters / 1e3
-        return float("nan")
+        return next((ms for name, ms, _ in _kernel_times(fn, iters) if name == "chunk_state_kernel"), float("nan"))
 
     rows = []
     for B, T in cases:
@@ -279,8 +288,6 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
 def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens: Optional[list] = None) -> list:
     """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler.
     seq_lens: the varlen case instead (T = their sum, cu_seqlens, an initial state per sequence)."""
-    from torch.profiler import ProfilerActivity, profile
-
     kw = dict(output_final_state=True)
     if seq_lens:
         T = sum(seq_lens)
@@ -303,22 +310,10 @@ def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens
     rows = []
     for impl, fn in impls:
         try:
-            fn(q, k, v, g, beta)
-            common.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(iters):
-                    fn(q, k, v, g, beta)
-                common.synchronize()
+            events = _kernel_times(lambda: fn(q, k, v, g, beta), iters)
         except Exception as e:  # noqa: BLE001
             rows.append(dict(impl=impl, kernel=f"failed: {type(e).__name__}: {e}"[:120]))
             continue
-        events = []
-        for e in prof.key_averages():
-            t_us = getattr(e, "device_time_total", None)
-            if t_us is None:
-                t_us = getattr(e, "cuda_time_total", 0)
-            if t_us and t_us > 0:
-                events.append((e.key, t_us / iters / 1e3, e.count / iters))
         total = sum(t for _, t, _ in events) or 1.0
         for name, ms, calls in sorted(events, key=lambda x: -x[1]):
             rows.append(dict(impl=impl, kernel=name[:80], ms=ms, share=ms / total, calls=calls))

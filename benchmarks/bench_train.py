@@ -252,7 +252,8 @@ def sweep_rows(device: str, stages=None) -> list:
         if stages is not None and stage not in stages and stage != "pinned":
             continue
         if fault is not None:
-            rows.append(dict(stage=stage, config=str(cfg), ms=None, note=f"not run: the CUDA context faulted at {fault}"))
+            rows.append(dict(stage=stage, config=str(cfg), ms=None,
+                             note=f"not run: the CUDA context faulted at {fault}"))
             continue
         ms, err = _bench(_fwd_bwd(_fast_knob_call(configs={stage: cfg} if cfg else None), leaves, do), leaves)
         if "illegal memory access" in err or "unspecified launch failure" in err:

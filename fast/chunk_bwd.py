@@ -46,10 +46,11 @@ the forward's no-autotune rule.
 Where the time goes (H200, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
 --only profile / profile_fla; benchmarks/RESULTS.md, sixth session of 2026-11-23): forward + backward 5.23 ms
 (fla 0.6.0 3.87 ms, guard bypassed, in the same run); per kernel (two profiling runs, same machine type),
-fast against fla's kernel for the same step (us): stage 3 1411 / 959, the WY backward 996 / 504, the reverse state pass 774 / 448, the state pass
-(forward and recompute) 611 / 411, kernel 1 (forward and recompute) 396 / 188, kernel 2 386 / 305, the
-output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm backward 191 / 517 (fla: a torch reduction
-and its l2norm kernel). fla's backward runs 16-bit products throughout; ours the precision above.
+fast against fla's kernel for the same step (us): stage 3 1411 / 959, the WY backward 996 / 504, the
+reverse state pass 774 / 448, the state pass (forward and recompute) 611 / 411, kernel 1 (forward and
+recompute) 396 / 188, kernel 2 386 / 305, the output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm
+backward 191 / 517 (fla: a torch reduction and its l2norm kernel). fla's backward runs 16-bit products
+throughout; ours the precision above.
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
                     _trunc_tf32)
-from .chunk.state import state_config
 from .gating import l2norm_into
 from .utils import cdiv, is_interpreting
 
@@ -766,13 +766,13 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # fp32 k and w tiles; H100, Triton 3.6, bench_train's shape: fwd+bwd 11.5 ms vs 11.9 at BV 32)
     st_over = None
     if fp32_gpu:
-        # fp32 tiles: BV 64 only from 2 programs per SM (the rule measured for this recompute; the forward
-        # takes BV 64 from half a program per SM)
-        st_over = dict(num_stages=2, BV=state_config(N, HV, K, V, dev, bv64_programs=2 * _num_sms(dev))["BV"])
+        st_over = dict(num_stages=2)
         if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64:
             st_over.update(BV=64, num_warps=4)
+    # fp32 tiles: BV 64 from two programs per SM (the rule measured for this recompute; the forward takes
+    # BV 64 from half a program per SM)
     _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
-                  cfg_over=st_over, configs=configs)
+                  cfg_over=st_over, configs=configs, bv64_programs=2 * _num_sms(dev) if fp32_gpu else None)
     del u
 
     Glx = G if Gl is None else Gl
@@ -793,9 +793,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dA_log_t = torch.empty(B, T, HV, **f32) if A_log is not None else None
     # 16-bit storage: the stages' own products of stored values (Q K^T, K K^T) take 16-bit operands, exact
     # products of the stored values (PREC None); products with a gradient operand convert both to fp32
+    def grad_prec(gp):                   # _gdot's precision constexprs (tf32 truncation emulated when interpreting)
+        return dict(GPREC=gp, EMU_TF32=dot_f32 and gp == "tf32")
     common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen,
-                  PREC=None if store16 else prec,
-                  DOT_F32=dot_f32, PRECISE=precise, GPREC=gprec, EMU_TF32=dot_f32 and gprec == "tf32")
+                  PREC=None if store16 else prec, DOT_F32=dot_f32, PRECISE=precise, **grad_prec(gprec))
 
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
@@ -824,12 +825,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
         # full bf16 gradient families throughout (module comment), this mix lies between them
-        wy_g = "tf32" if gprec == "bf16x2" else gprec
+        wy = dict(common, **grad_prec("tf32" if gprec == "bf16x2" else gprec))
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
-            **dict(common, GPREC=wy_g, EMU_TF32=dot_f32 and wy_g == "tf32"), NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
+            **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
             **_cfg("wy", wy_bwd_config(K, V), configs))
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))

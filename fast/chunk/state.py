@@ -119,21 +119,21 @@ def chunk_state_kernel(
 # ============================================================================================
 
 def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None) -> dict:
-    """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist,
-    each walking all chunks of its sequence, so BV trades parallelism (small BV: more programs fill the
-    SMs) against redundant w/k reads (every V-block program reloads the chunk's w and k; they mostly hit
-    L2). num_stages=3 prefetches the next chunks' w, u, k, G behind the current chunk's dots: with it the
-    block takes ~119 KB of shared memory at BT = 64, K = 128 (one block per SM; 2 stages ran 1.9x slower).
-    BV 64 (four warps) from half a program per SM on: H200, Triton 3.6, bf16, Qwen3-Next shape, state
-    kernel alone (torch.profiler; benchmarks.bench_prefill.state_sweep), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
-    programs), B=4 T=4096: 0.229 vs 0.335, B=8 T=2048: 0.235 (either rule), varlen mix 0.495 (BV 64 either
-    rule); eight warps 0.27-0.28. Below that, B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs
-    (T=16384: 0.331 ms; BV 16 0.415; BV 64 in 8 warps 0.548). ncu (H200, B=1 T=16384): 150 registers,
-    one warp per scheduler issuing every ~4 cycles -- the pass is latency-bound per warp. Hand-prefetching
-    u and G a chunk ahead (beside the compiler's pipeline) bought nothing at B=1 and lost on the varlen
-    mix (0.547 ms): not kept. Pinned, never autotuned (DESIGN.md invariant 2). Interpreter: one V-block
-    (fewest programs). bv64_programs: the program count at BV 64 from which BV 64 is taken (default half
-    the SMs; the backward's fp32 recompute keeps its own, fast.chunk_bwd)."""
+    """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist, each walking all
+    chunks of its sequence, so BV trades parallelism (small BV: more programs fill the SMs) against redundant w/k
+    reads (every V-block program reloads the chunk's w and k; they mostly hit L2). num_stages=3 prefetches the
+    next chunks' w, u, k, G behind the current chunk's dots: with it the block takes ~119 KB of shared memory at
+    BT = 64, K = 128 (one block per SM; 2 stages ran 1.9x slower). BV 64 (four warps) from half a program per SM
+    on: H200, Triton 3.6, bf16, Qwen3-Next shape, state kernel alone (torch.profiler;
+    benchmarks.bench_prefill.state_sweep), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
+    programs), B=4 T=4096: 0.229 vs 0.335, B=8 T=2048: 0.235 (either rule), varlen mix 0.495 (BV 64 either rule);
+    eight warps 0.27-0.28. Below that, B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs (T=16384: 0.331 ms;
+    BV 16 0.415; BV 64 in 8 warps 0.548). ncu (H200, B=1 T=16384): 150 registers, one warp per scheduler issuing
+    every ~4 cycles -- the pass is latency-bound per warp. Hand-prefetching u and G a chunk ahead (beside the
+    compiler's pipeline) bought nothing at B=1 and lost on the varlen mix (0.547 ms): not kept. Pinned, never
+    autotuned (DESIGN.md invariant 2). Interpreter: one V-block (fewest programs). bv64_programs: the program
+    count at BV 64 from which BV 64 is taken (default half the SMs; the backward's fp32 recompute keeps its own,
+    fast.chunk_bwd)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
@@ -149,17 +149,19 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
-                  prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None):
+                  prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
+                  bv64_programs: Optional[int] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
-    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages);
-    configs: benchmark overrides, merged last."""
+    bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys
+    merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark
+    overrides, merged last."""
     H, K = k.shape[2], k.shape[3]
     HV, V = u.shape[2], u.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
     # pinned config, then the caller's adjustments, then benchmark overrides (a sweep sees what it set)
-    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device), **(cfg_over or {})), configs)
+    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs), **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
