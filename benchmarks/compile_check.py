@@ -14,7 +14,8 @@ machine's Triton may allocate differently, so keep margins.
 
 Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fused gating at 64), plus the
 16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
-bench16 = the same with the 16-bit backward.
+bench16 = the same with the 16-bit backward; decode = fast.serving's step kernels at Qwen3-Next's shape (float32
+state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import tempfile
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16"])
+    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode"])
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
@@ -58,7 +59,16 @@ def main(argv=None) -> int:
                                       torch.randn(B, HV, K, V), None, l2, A_log, dt_bias, BT,
                                       precision=precision)
 
-    if args.shape == "small":
+    if args.shape == "decode":
+        import fast.serving as fs
+        from benchmarks.bench_decode import make_problem
+        fs.pdl_supported = lambda device: True                # the sm_90 variants (programmatic dependents)
+        for N, k in ((1, 0), (8, 0), (16, 0), (8, 3)):
+            p = make_problem(N, k, torch.float32, "cpu")
+            args_ = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
+                     p["idx"])
+            fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
+    elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
         if dt != torch.float32:
