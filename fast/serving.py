@@ -207,15 +207,20 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     """Pinned launch config of the conv step kernels: BD channels per program, num_warps. N: the number of
     requests (None: large). override: as step_config's.
 
-    Small batches (N <= PDL_MAX_N, where the step kernel starts beside the conv): 64 channels in one warp,
-    so the conv's many small programs leave the SMs to the step kernel's early state reads. Per layer of a
-    32-layer graph (H100, float32 state, step config pinned; benchmarks/bench_graphs.py --only sweep,
-    2026-11-23): N = 8 BD 64 one warp 17.0 us, BD 256 two warps 17.7, BD 256 four warps 18.0-18.2; N = 1
-    5.0 vs 4.9-5.2 (within the run-to-run spread). Larger N: 256 channels in four warps (N = 256, H200,
-    bench_decode --sweep).
+    Up to four requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step kernel's
+    wait). Five to PDL_MAX_N (the step kernel starts beside the conv): 64 channels in one warp, so the conv's
+    many small programs leave the SMs to the step kernel's early state reads. Per layer of a 32-layer graph
+    (H100, float32 state, step config pinned; benchmarks/bench_graphs.py --only sweep, 2026-11-23): N = 8 BD 64
+    one warp 17.0 us, BD 256 two warps 17.7, BD 256 four warps 18.0-18.2; N = 1 5.0 vs 4.9-5.2 (within the
+    run-to-run spread). Per layer of a 32-layer graph (H200, Triton 3.6, first session of 2026-11-24, each figure
+    from two runs: N = 1 4.54-4.85 us vs BD 64 one warp 5.04-5.08, BD 128 two warps 4.83-4.90, BD 256 / 512 four
+    warps 4.91-4.97; N = 2 5.66-5.67 vs 6.10; N = 4 8.07 vs 8.28; at N = 8 BD 64 one warp stays best,
+    13.50-13.54 vs 14.12-14.54). Larger N: 256 channels in four warps (N = 256, H200, bench_decode --sweep).
     """
     if is_interpreting():
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=1)
+    elif N is not None and N <= 4:
+        cfg = dict(BD=min(next_pow2(D), 256), num_warps=2)
     elif N is not None and N <= PDL_MAX_N:
         cfg = dict(BD=min(next_pow2(D), 64), num_warps=1)
     else:
@@ -474,7 +479,15 @@ def conv_step_kernel(
     if TMAX > 3:
         p3 = tl.load(p_x + 3 * stride_x_t, mask=m_d & _as_block(L > 3, o_d), other=0)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-    off = tl.maximum(count - 1, 0).to(tl.int64)
+    if TCAP == 1:
+        # no drafts (count <= 1): the window starts at column 0 whatever the count, and is read whatever the
+        # verdict (slot is a safe address; a failed request's y rows are scratch and the stores below keep
+        # m_dv), so its reads wait for state_indices only, not for the slot's metadata and the duplicate scan
+        off = 0
+        m_win = m_d
+    else:
+        off = tl.maximum(count - 1, 0).to(tl.int64)
+        m_win = m_dv
     drop = tl.minimum(L, 1)
 
     p_w = weight + o_d * stride_w_d
@@ -487,13 +500,13 @@ def conv_step_kernel(
     w1 = zero
     w2 = zero
     if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_dv, other=0).to(tl.float32)
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
         w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
     if HAS_BIAS:
