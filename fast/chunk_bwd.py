@@ -3,8 +3,11 @@
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   do: [B, T, HV, V]   dht: [N, HV, K, V]
     S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
-What is saved and why: the forward (fast.library's autograd registration) saves only its inputs (q, k, v,
-g, beta, initial_state and the gating parameters), no intermediate. Everything chunk-sized is cheap to
+What is saved and why: the forward (fast.library's autograd registration) saves its inputs (q, k, v,
+g, beta, initial_state and the gating parameters) and, where this backward would rerun kernel 1 exactly as
+the forward ran it (reuses_forward_kkt: bf16 by default), that kernel's outputs G, l2norm(k) and A (as fla
+keeps A and G): [B, T, HV] fp32 + [B, T, H, K] + [B, T, HV, BT] 16-bit, about 0.2 ms of kernel 1 saved at
+bench_train's shape. Everything else chunk-sized is cheap to
 recompute with the forward's own chunk-parallel kernels 1-2 (G, l2norm(k), A, w, u) and the chunk states
 h with the sequential kernel 3; storing h and v_new from the forward instead would hold
 NC * HV * K * V + T * HV * V per layer (h alone is K / BT = 2x the size of v at BT = 64, K = 128) across
@@ -13,7 +16,7 @@ the whole model's forward, and the recompute costs about one forward without its
 Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
 Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
 
-  0. recompute  G, kn (= l2norm(k)), A, w, u, h, v_new          fast.chunk kernels 1-3
+  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, u, h, v_new   fast.chunk kernels 1-3
   1. ``bwd_dv_local_kernel``  grid (chunks * HV)      dv_local = scale ((Q K^T) M)^T dO      (chunk_dv_local)
   2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
          dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
@@ -141,6 +144,14 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
 # 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
+
+
+def reuses_forward_kkt(dtype: torch.dtype) -> bool:
+    """Whether the default backward for inputs of ``dtype`` runs kernel 1 exactly as the forward did (16-bit
+    storage, RECOMPUTE_KKT "forward"), so the forward's A, G and normalised k can be kept instead (fla keeps A
+    and G too): the custom op's forward returns them and its backward skips kernel 1 (~0.2 ms at bench_train's
+    shape; memory: A is [B, T, HV, BT] in the input dtype, G [B, T, HV] fp32, kn [B, T, H, K])."""
+    return RECOMPUTE_STORAGE.get(dtype) == "16-bit" and RECOMPUTE_KKT.get(dtype) == "forward"
 
 
 def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
@@ -665,7 +676,7 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
                                stages: Optional[dict] = None, *, configs: Optional[dict] = None,
-                               precision: Optional[tuple] = None):
+                               precision: Optional[tuple] = None, kkt: Optional[tuple] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
@@ -683,6 +694,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     an optional fourth item, kernel 1's recompute: "recompute" (the default: fp32 products at the recompute
     precision) or "forward" (experimental, 16-bit storage only: exactly the forward's kernel 1, 16-bit
     products of the 16-bit normalised k, the same A the forward used, at the forward's cost).
+    kkt: (A, G, kn or None), kernel 1's outputs kept by the forward (chunk_gated_delta_rule_fwd's keep_kkt; the
+    custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
+    run the forward's way (those exact values); ignored otherwise.
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -734,19 +748,23 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # precision hazard: the forward's 16-bit intermediates (A, w, u, h, v_new, l2norm(k)) each round at
     # 2^-9 (bf16): with them dg failed the conformance rule (module constants above); RECOMPUTE_PRECISION
     # recomputes them in fp32.
-    G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    Gl = torch.empty_like(G) if precise else None
     sdt = dt if store16 else cdt                                         # storage of A, kn, qu, w, u, h, dh
-    A = torch.empty(B, T, HV, BT, dtype=sdt, device=dev)
-    kn = torch.empty(B, T, H, K, dtype=sdt, device=dev) if l2 else None
+    Gl = None
     # fp32 k blocks in one warp spill (1.2 KB per thread at K = 128, sm_90, Triton 3.9; 2 warps: 0.5 KB)
     fp32_gpu = cdt == torch.float32 and not is_interpreting()
     # kkt_mode "forward": kernel 1 exactly as the forward ran it (16-bit k tiles normalised and rounded,
     # 16-bit products, its pinned config), so A is the forward's and consistent with the stored kn
     as_fwd = kkt_mode == "forward"
-    _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
-                store_g=True, do_a=True, precise=precise, prec_of=None if as_fwd else prec_of,
-                cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 and not as_fwd else None, configs=configs)
+    if as_fwd and kkt is not None and not precise and kkt[0].dtype == sdt and (kkt[2] is not None) == l2:
+        A, G, kn = kkt                       # the forward's kernel 1 outputs: what it would recompute, exactly
+    else:
+        G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+        Gl = torch.empty_like(G) if precise else None
+        A = torch.empty(B, T, HV, BT, dtype=sdt, device=dev)
+        kn = torch.empty(B, T, H, K, dtype=sdt, device=dev) if l2 else None
+        _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
+                    store_g=True, do_a=True, precise=precise, prec_of=None if as_fwd else prec_of,
+                    cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 and not as_fwd else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q, sdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
     w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)

@@ -2,8 +2,9 @@
 and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one graph, forward and backward.
 
     torch.ops.fast.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size) -> (o, final_state)
-    torch.ops.fast.chunk_gated_delta_rule_bwd(do, dht, <the forward's inputs>)
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+        -> (o, final_state, A, G, kn)      (A, G, kn: kernel 1's outputs kept for the backward, or empty)
+    torch.ops.fast.chunk_gated_delta_rule_bwd(do, dht, <the forward's inputs>, A, G, kn)
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     torch.ops.fast.causal_conv1d(x, weight, bias, activation, initial_state, cu_seqlens) -> (y, final_state)
     torch.ops.fast.causal_conv1d_bwd(dy, dfinal, <the forward's inputs>) -> (dx, dweight, dbias, dinitial_state)
@@ -16,8 +17,12 @@ on a flag's value being None); the public functions drop it unless output_final_
 Custom ops cannot return None: gradients that do not exist (no initial state, no fused gating, no bias)
 come back from the backward ops as empty tensors and are mapped to None in the autograd formula.
 
-What is saved for backward: the inputs only (see fast.chunk_bwd and fast.conv_bwd for why everything
-else is recomputed). ``scale`` arrives as a float (the public function fills in the K ** -0.5 default).
+What is saved for backward: the inputs (see fast.chunk_bwd and fast.conv_bwd for why the rest is recomputed),
+and, for the chunked rule where the backward would rerun the forward's kernel 1 exactly
+(fast.chunk_bwd.reuses_forward_kkt: bf16 by default), that kernel's outputs A, G and the normalised k, as fla
+keeps A and G: the backward then skips it. The forward op returns them as three more outputs (empty tensors
+where not kept) so autograd can save them; they are not differentiable. ``scale`` arrives as a float (the
+public function fills in the K ** -0.5 default).
 """
 
 from typing import Optional, Tuple
@@ -54,12 +59,30 @@ def _none_if_empty(t: Tensor, keep: bool) -> Optional[Tensor]:
 def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                               initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                               use_qk_l2norm_in_kernel: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-                              chunk_size: int) -> Tuple[Tensor, Tensor]:
-    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] -> (o [B, T, HV, V], final_state [N, HV, K, V] fp32)."""
+                              chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] -> (o [B, T, HV, V], final_state [N, HV, K, V]
+    fp32, A [B, T, HV, chunk_size], G [B, T, HV] fp32, kn [B, T, H, K]): the last three kernel 1's outputs where
+    the backward reuses them (_keeps_kkt), else empty (kn also without use_qk_l2norm_in_kernel)."""
     with one_host_read_scope():                     # the check and the forward's tables share one read
         _check_cu_values(cu_seqlens, q.shape[1])
-        return _chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens,
-                                                 use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+        if not _keeps_kkt(v):
+            o, final = _chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens,
+                                                         use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+            return o, final, _empty(q), _empty(q), _empty(q)
+        o, final, (A, G, kn) = _chunk.chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale, initial_state, True, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
+            chunk_size, keep_kkt=True)
+        return o, final, A, G, kn if kn is not None else _empty(q)
+
+
+def _keeps_kkt(v: Tensor) -> bool:
+    """The forward keeps kernel 1's outputs for the backward (by the inputs' dtype: v's, the op's compute dtype)."""
+    return _chunk_bwd.reuses_forward_kkt(v.dtype)
+
+
+def _empty(like: Tensor) -> Tensor:
+    """A fresh empty stand-in for an output that is not kept (custom ops' outputs may not alias)."""
+    return like.new_empty(0, dtype=torch.float32)
 
 
 @chunk_gated_delta_rule_op.register_fake
@@ -67,25 +90,35 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kerne
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return q.new_empty(B, T, HV, V, dtype=v.dtype), q.new_empty(N, HV, K, V, dtype=torch.float32)
+    o, final = q.new_empty(B, T, HV, V, dtype=v.dtype), q.new_empty(N, HV, K, V, dtype=torch.float32)
+    if not _keeps_kkt(v):
+        return o, final, _empty(q), _empty(q), _empty(q)
+    return (o, final, q.new_empty(B, T, HV, chunk_size, dtype=k.dtype), q.new_empty(B, T, HV, dtype=torch.float32),
+            q.new_empty(B, T, H, K, dtype=k.dtype) if use_qk_l2norm_in_kernel else _empty(q))
 
 
 @torch.library.custom_op("fast::chunk_gated_delta_rule_bwd", mutates_args=())
 def chunk_gated_delta_rule_bwd_op(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor,
                                   beta: Tensor, scale: float, initial_state: Optional[Tensor],
                                   cu_seqlens: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
-                                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], chunk_size: int
+                                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], chunk_size: int,
+                                  A: Optional[Tensor] = None, G: Optional[Tensor] = None,
+                                  kn: Optional[Tensor] = None
                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); absent ones (no initial state / gating) are empty."""
+    """-> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); absent ones (no initial state / gating) are empty.
+    A, G, kn: the forward op's kept kernel 1 outputs (empty or None: not kept; kernel 1 reruns)."""
+    kkt = None
+    if A is not None and G is not None and A.numel() > 0 and G.numel() > 0:
+        kkt = (A, G, kn if kn is not None and kn.numel() > 0 else None)
     out = _chunk_bwd.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens,
-                                                use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+                                                use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size, kkt=kkt)
     # a fresh empty tensor per absent gradient: a custom op's returns may not alias each other
     return tuple(t if t is not None else q.new_empty(0, dtype=torch.float32) for t in out)
 
 
 @chunk_gated_delta_rule_bwd_op.register_fake
 def _(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
-      chunk_size):
+      chunk_size, A=None, G=None, kn=None):
     def empty():
         return q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -99,17 +132,21 @@ def _(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm
 
 def _chunk_setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, cu_seqlens, l2, A_log, dt_bias, chunk_size = inputs
-    # saved: the inputs only; the backward recomputes G, A, w, u, h, v_new (fast.chunk_bwd docstring)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    _, _, A, G, kn = output
+    # saved: the inputs, and kernel 1's outputs where the forward kept them (empty otherwise); the backward
+    # recomputes the rest: w, u, h, v_new (fast.chunk_bwd docstring)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, A, G, kn)
     ctx.scale, ctx.l2, ctx.chunk_size = scale, l2, chunk_size
 
 
-def _chunk_backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
+def _chunk_backward(ctx, do, dht, dA, dG, dkn):
+    """dA, dG, dkn: gradients of the kept intermediates, which no loss reads (ignored)."""
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, A, G, kn = ctx.saved_tensors
     if do is None:
         do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd_op(
-        do, dht, q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.l2, A_log, dt_bias, ctx.chunk_size)
+        do, dht, q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.l2, A_log, dt_bias, ctx.chunk_size,
+        A, G, kn)
     return (dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0, initial_state is not None), None, None,
             _none_if_empty(dA_log, A_log is not None), _none_if_empty(ddt_bias, dt_bias is not None), None)
 

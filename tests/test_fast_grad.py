@@ -494,3 +494,46 @@ def test_fast_backward_stages_match_refgdn_stages(dtype):
     for name in truth:
         res = evaluate(Check(name, got[name].float().cpu(), truth[name], ref[name], dtype=dtype))
         assert res["passed"], (name, res)
+
+
+@pytest.mark.parametrize("l2,gate,cu", [
+    pytest.param(True, True, None, id="l2norm-fused-gating"),
+    pytest.param(False, False, [0, 0, 5, 40], id="plain-varlen-empty"),
+])
+def test_fast_bwd_reuses_the_forwards_kernel1_outputs_bf16(monkeypatch, l2, gate, cu):
+    """bf16 (fast.chunk_bwd.reuses_forward_kkt): the custom op's forward keeps A, G and the normalised k, and
+    its backward does not run kernel 1; the gradients equal, bit for bit, the backward that reruns it."""
+    import fast.chunk_bwd as cb
+    from fast import library
+    assert cb.reuses_forward_kkt(torch.bfloat16) and not cb.reuses_forward_kkt(torch.float32)
+    B = 1 if cu else 2
+    q, k, v, g, beta, S0 = gdn_inputs(B, 40, 2, 4, 16, 16, seed=21, init=True, N=len(cu) - 1 if cu else None,
+                                      dtype=torch.float32)
+    q, k, v, beta = (t.to(device=DEV, dtype=torch.bfloat16) for t in (q, k, v, beta))
+    g, S0 = g.to(DEV), S0.to(DEV)
+    A_log = dt_bias = None
+    if gate:                                     # g is the raw gate input a: g = -exp(A_log) softplus(a + dt_bias)
+        A_log, dt_bias = torch.rand(4, device=DEV), torch.randn(4, device=DEV)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu else None
+    args = (q, k, v, g, beta, 0.25, S0, cu_t, l2, A_log, dt_bias, 16)
+    o, final, A, G, kn = library.chunk_gated_delta_rule_op(*args)
+    assert A.shape == (B, 40, 4, 16) and G.shape == (B, 40, 4) and (kn.shape == (B, 40, 2, 16)) == l2
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(o.shape, generator=gen).to(device=DEV, dtype=o.dtype)
+    dht = torch.randn(final.shape, generator=gen).to(DEV)
+    rerun = library.chunk_gated_delta_rule_bwd_op(do, dht, *args)             # nothing kept: kernel 1 reruns
+    launches = []
+    real = cb._launch_kkt
+    monkeypatch.setattr(cb, "_launch_kkt", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1])
+    kept = library.chunk_gated_delta_rule_bwd_op(do, dht, *args, A, G, kn)
+    assert launches == []
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), kept, rerun):
+        assert torch.equal(x, y), name
+    # and through autograd (the saved outputs reach the backward)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, beta)]
+    o2, f2 = fast.chunk_gated_delta_rule(leaves[0], leaves[1], leaves[2], g, leaves[3], 0.25, S0, True, cu_t, l2,
+                                         A_log, dt_bias, 16)
+    grads = torch.autograd.grad((o2.float() * do.float()).sum() + (f2 * dht).sum(), leaves)
+    assert launches == []
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta"), grads, (rerun[0], rerun[1], rerun[2], rerun[4])):
+        assert torch.equal(x, y), name

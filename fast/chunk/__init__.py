@@ -60,7 +60,8 @@ the twin of refgdn.recurrent_gated_delta_rule, handy for short T.
 
 Backward (training): fast.chunk_bwd's kernels, reached through autograd of the custom op
 torch.ops.fast.chunk_gated_delta_rule (fast.library); it recomputes kernels 1-3's outputs with the
-launchers of the step modules (``prec_of`` runs them on fp32 copies at a chosen dot precision).
+launchers of the step modules (``prec_of`` runs them on fp32 copies at a chosen dot precision), or takes
+kernel 1's from the forward where they are the same values (``keep_kkt``; fast.chunk_bwd.reuses_forward_kkt).
 
 Each refgdn stage (chunk_cumsum, wy_repr, w_u, state_passing, chunk_output) has a twin here of
 the same name and signature built from the same kernels (kernel 1 runs with constexpr switches),
@@ -136,7 +137,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        o, final = library.chunk_gated_delta_rule_op(
+        o, final, *_ = library.chunk_gated_delta_rule_op(
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, (final if output_final_state else None)
@@ -147,10 +148,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                               chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None):
+                               chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
+                               keep_kkt: bool = False):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
-    configs, inv_method: benchmark knobs passed to the launchers (module docstring)."""
+    configs, inv_method: benchmark knobs passed to the launchers (module docstring).
+    keep_kkt: also return kernel 1's outputs, (o, final, (A [B, T, HV, BT], G [B, T, HV] fp32, kn [B, T, H, K]
+    or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -186,6 +190,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
                    configs=configs)
+    if keep_kkt:
+        return o, final, (A, G, kn)
     return o, final
 
 
