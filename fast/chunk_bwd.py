@@ -461,7 +461,7 @@ def bwd_wy_kernel(
     dbeta, dg, dA_log_t: [B, T, HV] fp32.
     Registers: K in blocks of BKC, V in blocks of BV, so only [BT, BT] blocks (dA, A^T, K K^T) and one
     [BT, BKC] / [BT, BV] tile of each operand are live: two passes over K (before dL: dA, dKb's terms,
-    K K^T; after: R K + R^T K), dk updated in place by both.
+    K K^T; after: dKb again, R K + R^T K), dk read and written once, in the second.
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -489,7 +489,8 @@ def bwd_wy_kernel(
         b_dG += tl.load(dG + i_p * s_dG + tok, mask=m_r, other=0.0)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
-    # pass 1 over K: dA += dw Kb^T, dKb = A^T dw and its terms, K K^T; dk += beta exp(G) dKb
+    # pass 1 over K: dA += dw Kb^T, dKb = A^T dw and its row-sum terms, K K^T (dk is not touched: pass 2
+    # recomputes dKb, one more read of dw instead of a second fp32 read + write of dk)
     for i_k in range(0, BK // BKC):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
@@ -502,8 +503,6 @@ def bwd_wy_kernel(
         b_dbeta += tl.sum(b_dKb * b_kf * b_eG[:, None], 1)
         b_dG += tl.sum(b_dKb * b_Kb, 1)
         b_KK += _dot(b_k, tl.trans(b_k), PREC, DOT_F32)
-        b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0) + b_dKb * b_bG[:, None]
-        tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_rv = m_r[:, None] & (o_v < V)[None, :]
@@ -525,12 +524,14 @@ def bwd_wy_kernel(
     b_R = b_R * b_beta[:, None]
     b_P = b_R * b_KK                                                         # dL * L
     b_dG += tl.sum(b_P, 1) - tl.sum(b_P, 0)
-    # pass 2 over K: dk += R K + R^T K
+    # pass 2 over K: dk += beta exp(G) dKb + R K + R^T K  (dKb = A^T dw again: the same dot as pass 1's)
     for i_k in range(0, BK // BKC):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
-        b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_dw = tl.load(dw + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0) + b_dKb * b_bG[:, None]
         b_dk += (_gdot(b_R, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
                  + _gdot(tl.trans(b_R), b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32))
         tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
