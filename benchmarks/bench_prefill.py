@@ -106,11 +106,15 @@ def _row(case: str, tokens: int, ms: float, *, flops: float = None, nbytes: floa
     return row
 
 
-def _bench_or_error(fn: Callable) -> tuple:
-    """(ms, "") or (None, error text): one failing implementation must not sink the whole run."""
+def _bench_or_error(fn: Callable, warm: bool = False) -> tuple:
+    """(ms, "") or (None, error text): one failing implementation must not sink the whole run. warm: one
+    untimed do_bench first (the first row of a process: fla's first timed row read 2x slow there, 1.052 vs
+    0.499 ms on an H200, sixth session of 2026-11-23; given to both implementations alike)."""
     try:
         fn()
         common.synchronize()
+        if warm:
+            common.bench(fn)
         return common.bench(fn), ""
     except Exception as e:  # noqa: BLE001
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -134,7 +138,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
     # the same with cu_seqlens' host copy passed to both (fla's cu_seqlens_cpu; vLLM has query_start_loc_cpu):
     # no device->host read per call, so the host work overlaps the GPU
     cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init, cu_seqlens_cpu", VARLEN_TOTAL, lens, 1, True))
-    for name, T, seq_lens, B, host_copy in [c for c in cases if only is None or only in c[0]]:
+    for i, (name, T, seq_lens, B, host_copy) in enumerate([c for c in cases if only is None or only in c[0]]):
         N = len(seq_lens) if seq_lens else None
         q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
         kw = dict(initial_state=S0, output_final_state=True)
@@ -146,7 +150,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
         notes = []
         ms = None
         if fast_chunk is not None:
-            ms, err = _bench_or_error(lambda: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw))
+            ms, err = _bench_or_error(lambda: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw), warm=i == 0)
             if err:
                 notes.append("fast: " + err)
         else:
@@ -155,7 +159,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
         if fla_chunk is not None:
             try:
                 call, note = common.call_fla_gdn(fla_chunk, q, k, v, g, beta, **kw)
-                fla_ms, err = _bench_or_error(call)
+                fla_ms, err = _bench_or_error(call, warm=i == 0)
                 notes += [n for n in (note, "fla: " + err if err else "") if n]
             except Exception as e:  # noqa: BLE001
                 notes.append(f"fla: {type(e).__name__}: {e}"[:120])
