@@ -54,9 +54,9 @@ def fast_call(N: int, seed: int = 0):
     return lambda: fs.gdn_decode(*args)  # noqa: E731
 
 
-def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
-    """beside_pdl: also the per-layer rows with the step kernel launched plainly (step_config's pdl off),
-    to see what the programmatic dependent launch buys at each N."""
+def layer_rows(batches=(1, 8), beside=()) -> list:
+    """beside: step_config keys ("pdl", "fused") whose per-layer rows are also timed with the key off and on,
+    to see what the programmatic dependent launch / the one-launch decode buy at each N."""
     import fast.serving as fs
     from benchmarks.bench_decode import launch_overrides
     rows = []
@@ -65,12 +65,13 @@ def layer_rows(batches=(1, 8), beside_pdl: bool = False) -> list:
     for N in batches:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
                          us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
-                         note=f"pdl={fs.step_config(128, 128, torch.float32, 32, 'decode', N, pdl_ok=True)['pdl']}"))
-        if beside_pdl:
-            for pdl in (False, True):
-                with launch_overrides(step=dict(pdl=pdl)):
+                         note="pdl={pdl} fused={fused}".format(**fs.step_config(128, 128, torch.float32, 32, "decode",
+                                                                                  N, pdl_ok=True))))
+        for key in beside:
+            for on in (False, True):
+                with launch_overrides(step={key: on}):
                     rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer "
-                                     f"graph, pdl={pdl}", N=N, us=per_layer_us(lambda i: fast_call(N, i))))
+                                     f"graph, {key}={on}", N=N, us=per_layer_us(lambda i: fast_call(N, i))))
         step = fast_call(N)
         g = graphed(step)
         if g is not None:
@@ -187,12 +188,12 @@ def model_rows(batches=(1, 32), ks=(1, 2, 3), iters: int = 20, preset: str = "be
     return rows
 
 
-def run(only: str = "all", batches=(1, 8), beside_pdl: bool = False) -> list:
+def run(only: str = "all", batches=(1, 8), beside=()) -> list:
     rows = []
     if only == "sweep":
         return sweep_rows(batches)
     if only in ("all", "layer"):
-        rows += layer_rows(batches, beside_pdl)
+        rows += layer_rows(batches, beside)
     if only in ("all", "model"):
         rows += model_rows()
     return rows
@@ -203,13 +204,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("all", "layer", "model", "sweep"), default="all")
     ap.add_argument("--batches", default="1,8", help="N of the layer rows (comma-separated)")
-    ap.add_argument("--beside-pdl", action="store_true", help="layer rows with the step kernel's PDL off and on")
+    ap.add_argument("--beside", default="", help="comma-separated step_config keys (pdl, fused): layer rows with "
+                    "each off and on")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_graphs: needs a GPU")
         return
-    rows = run(ns.only, tuple(int(b) for b in ns.batches.split(",")), ns.beside_pdl)
+    rows = run(ns.only, tuple(int(b) for b in ns.batches.split(",")), tuple(k for k in ns.beside.split(",") if k))
     print(common.format_table(rows))
     if not ns.no_results:
         common.append_results(TITLE, rows, meta=META)
