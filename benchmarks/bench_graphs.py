@@ -55,8 +55,8 @@ def fast_call(N: int, seed: int = 0):
 
 
 def layer_rows(batches=(1, 8), beside=()) -> list:
-    """beside: step_config keys ("pdl", "fused") whose per-layer rows are also timed with the key off and on,
-    to see what the programmatic dependent launch / the one-launch decode buy at each N."""
+    """beside: step_config keys (e.g. "pdl") whose per-layer rows are also timed with the key off and on, to see
+    what each buys at each N."""
     import fast.serving as fs
     from benchmarks.bench_decode import launch_overrides
     rows = []
@@ -65,7 +65,7 @@ def layer_rows(batches=(1, 8), beside=()) -> list:
     for N in batches:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
                          us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
-                         note="pdl={pdl} fused={fused}".format(**fs.step_config(128, 128, torch.float32, 32, "decode",
+                         note="pdl={pdl}".format(**fs.step_config(128, 128, torch.float32, 32, "decode",
                                                                                   N, pdl_ok=True))))
         for key in beside:
             for on in (False, True):
@@ -204,7 +204,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("all", "layer", "model", "sweep"), default="all")
     ap.add_argument("--batches", default="1,8", help="N of the layer rows (comma-separated)")
-    ap.add_argument("--beside", default="", help="comma-separated step_config keys (pdl, fused): layer rows with "
+    ap.add_argument("--beside", default="", help="comma-separated step_config keys (e.g. pdl): layer rows with "
                     "each off and on")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
     ns = ap.parse_args(argv)

@@ -93,6 +93,9 @@ def main(argv=None) -> int:
         seen.add((name, kernel.hash))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(kernel.asm["ptx"])
+        if os.environ.get("COMPILE_CHECK_PTX"):                 # keep the PTX for reading
+            with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ptx"), "w") as g:
+                g.write(kernel.asm["ptx"])
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
         info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
                 if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]

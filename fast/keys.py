@@ -122,26 +122,14 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
     if sc["pdl"]:
         conv_o.update(launch_pdl=True)
         step_o.update(launch_pdl=True)
-    if checked and sc.get("fused") and W <= _conv.WINDOW_MAX_W and not varlen:
-        # decode of a small batch: one launch (fast.serving.gdn_decode_fused_kernel)
-        fused_c = dict(H=H, HV=HV, K=K, V=V, SK=step_c["SK"], BK=step_c["BK"], BV=sc["BV"], W=W, TCAP=TC,
-                       SILU=conv_c["SILU"], HAS_BIAS=conv_c["HAS_BIAS"], BN=_serving.DUP_BLOCK, FOLD=step_c["FOLD"],
-                       PDL=bool(sc["pdl"]))
-        fused_d = dict(x=mixed_qkv.dtype, weight=conv_weight.dtype, bias=conv_d["bias"], a=a.dtype, b=b.dtype,
-                       A_log=A_log.dtype, dt_bias=dt_bias.dtype, o=mixed_qkv.dtype, conv_state=cache.conv_state.dtype,
-                       ssm=cache.ssm_state.dtype, pk=cache.pend_k.dtype, pv=cache.pend_v.dtype, pg=cache.pend_g.dtype,
-                       pbeta=cache.pend_beta.dtype, meta=cache.pend_meta.dtype, tickets=cache.tickets.dtype,
-                       err=cache.err.dtype, state_indices=idx)
-        return [CompileKey.make("gdn_decode_fused_kernel", fused_c, fused_d, step_o)]
     return [CompileKey.make(conv_name, conv_c, conv_d, conv_o),
             CompileKey.make("gdn_step_kernel", step_c, step_d, step_o)]
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale=None,
                activation="silu", check_values=False, *, device=None) -> List[CompileKey]:
-    """Keys of fast.gdn_decode: the conv step kernel (decode: TMAX = 1) and the step kernel, or for a small
-    batch (step_config's ``fused``) the one-launch decode kernel. ``device``: where the call runs (default the
-    cache's; PDL on sm_90+ for small N)."""
+    """Keys of fast.gdn_decode: the conv step kernel (decode: TMAX = 1) and the step kernel. ``device``:
+    where the call runs (default the cache's; PDL on sm_90+ for small N)."""
     return _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
                       activation, "decode", device)
 

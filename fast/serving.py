@@ -31,7 +31,12 @@ and latency (small one-warp blocks, reductions by shuffles). Tried on an H200 an
 folded into the step kernel (one launch, q/k windows rewritten by their last reader through atomic
 counters: 377 us), evict-first state traffic, a speculative window load, a flat coalesced window store
 for row-major conv states (all within noise or slower); programmatic dependent launches (PDL) at N = 256
-(no gain for float32 states, slower for bfloat16 ones).
+(no gain for float32 states, slower for bfloat16 ones). Tried on an H100 at small N and dropped (2026-11-24,
+benchmarks/RESULTS.md): decode as one launch, every step program convolving the channels it reads and the
+shared q/k windows and pend_meta rewritten by their last reader through per-slot ticket atomics -- per layer
+of a 32-layer graph N = 1 6.59 us vs 5.19 for these two launches, N = 8 17.8 vs 16.1: each scalar atomic's
+result is broadcast to the warp at once, so its round trip (two per program) sits on the critical path, and
+the conv's window and weight loads, 8-16x redundant per q/k head, come on top of the state read.
 
 Small batches (N <= PDL_MAX_N, sm_90+): the step is latency-bound (one request's state is 2 MB at
 Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the conv kernel waits for its
@@ -137,7 +142,6 @@ _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
 MIN_PROGRAMS = 1024  # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
 PDL_MAX_N = 8        # both step kernels are programmatic dependents up to this many requests
-FUSED_MAX_N = 8      # decode runs as one launch (gdn_decode_fused_kernel) up to this many requests
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
@@ -147,9 +151,7 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
                 N: Optional[int] = None, override: Optional[dict] = None, pdl_ok: bool = False) -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
     fold (decay folded into a scalar), pdl (launched as the conv kernel's programmatic dependent: only
-    where ``pdl_ok``, the device has it (pdl_supported), and for N <= PDL_MAX_N requests), fused (decode of
-    N <= FUSED_MAX_N requests as one launch of gdn_decode_fused_kernel, same BV / warps / pdl; HPP 1; the
-    plan also needs a conv width <= 4). N: the number
+    where ``pdl_ok``, the device has it (pdl_supported), and for N <= PDL_MAX_N requests). N: the number
     of requests (None: large). override: keys put over the heuristic's (benchmark sweeps and tests:
     benchmarks/bench_decode.launch_overrides; the ops never pass it; each distinct config is its own
     compiled variant; an override cannot turn pdl on where pdl_ok is False).
@@ -188,7 +190,6 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
             warps = max(1, min(8, BK * BV * elem // 16384))
         cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
     cfg["pdl"] = N is not None and N <= PDL_MAX_N
-    cfg["fused"] = mode == "decode" and N is not None and N <= FUSED_MAX_N
     if override:
         cfg.update(override)
     cfg["pdl"] = bool(cfg["pdl"]) and pdl_ok and not is_interpreting()
@@ -196,7 +197,6 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
     while HV % hpp:
         hpp //= 2
     cfg["HPP"] = hpp
-    cfg["fused"] = bool(cfg["fused"]) and mode == "decode" and hpp == 1
     return cfg
 
 
@@ -411,17 +411,9 @@ def _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, first
         tl.store(p + 2, (word & 1).to(tl.int32))
         tl.store(p + 3, bos.to(tl.int32))
         tl.store(p + 4, L.to(tl.int32))
-        _publish_fault(err, meta, state_indices, cu_seqlens, i_n, N, T, S, code, value, extra, TCAP, VARLEN)
-
-
-@triton.jit
-def _publish_fault(err, meta, state_indices, cu_seqlens, i_n, N, T, S, code, value, extra,
-                   TCAP: tl.constexpr, VARLEN: tl.constexpr):
-    """Request i_n's fault (code != 0) into err if no request before it has one (_step_fault_before: the
-    error path only), from one program of the request."""
-    if code != 0:
-        before = _step_fault_before(meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, VARLEN)
-        _record_fault(err, before == 0, code, i_n, value, extra)
+        if code != 0:
+            before = _step_fault_before(meta, state_indices, cu_seqlens, i_n, N, T, S, TCAP, VARLEN)
+            _record_fault(err, before == 0, code, i_n, value, extra)
 
 
 @triton.jit
@@ -873,197 +865,6 @@ def gdn_step_kernel(
 
 
 @triton.jit
-def _conv_token(x, p_x, p_c, p_w, p_b, m, off, stride_c_w, stride_w_w,
-                W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One decode token's causal conv on a block of channels (p_x, p_c, p_w, p_b: per-channel pointers into the
-    token's raw inputs, the slot's conv window, the weights and the bias; x: the inputs' base pointer):
-
-        y = act(bias + w[W-1] x_t + w[W-2] r2 + w[W-3] r1 + w[W-4] r0)
-
-    with the committed window r0 (oldest) .. r2 read at column ``off`` (zeros for the columns a W < 4 lacks).
-    The same expression, in the same order, as conv_step_kernel's, and y rounded to x's dtype as that kernel
-    stores it. Returns (y fp32, r1, r2, x_t raw): the window after the token is [r1, r2, x_t][-(W-1):]."""
-    zero = tl.zeros(m.shape, dtype=tl.float32)
-    r0 = zero
-    r1 = zero
-    r2 = zero
-    w0 = zero
-    w1 = zero
-    w2 = zero
-    if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m, other=0).to(tl.float32)
-        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m, other=0).to(tl.float32)
-    if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m, other=0).to(tl.float32)
-        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m, other=0).to(tl.float32)
-    if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m, other=0).to(tl.float32)
-        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m, other=0).to(tl.float32)
-    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m, other=0).to(tl.float32)
-    x_raw = tl.load(p_x, mask=m, other=0)
-    acc = w3 * x_raw.to(tl.float32) + w2 * r2 + w1 * r1 + w0 * r0
-    if HAS_BIAS:
-        acc += tl.load(p_b, mask=m, other=0).to(tl.float32)
-    if SILU:
-        acc = acc / (1 + tl.exp(-acc))               # exp(-y) -> inf for y << 0: y / inf = -0, no NaN
-    return acc.to(x.dtype.element_ty).to(tl.float32), r1, r2, x_raw
-
-
-@triton.jit
-def _conv_shift(conv_state, p_c, r1, r2, x_raw, m, stride_c_w, W: tl.constexpr):
-    """The window after one decode token, from column 0 (the oldest column dropped): [r1, r2, x_t][-(W-1):]."""
-    dt = conv_state.dtype.element_ty
-    if W >= 4:
-        tl.store(p_c + (W - 4) * stride_c_w, r1.to(dt), mask=m)
-    if W >= 3:
-        tl.store(p_c + (W - 3) * stride_c_w, r2.to(dt), mask=m)
-    if W >= 2:
-        tl.store(p_c + (W - 2) * stride_c_w, x_raw.to(dt), mask=m)
-
-
-@triton.jit(do_not_specialize=["N", "S", "checks"])    # one variant for every batch size and slot count
-def gdn_decode_fused_kernel(
-    x, weight, bias, a, b, A_log, dt_bias, o,
-    conv_state, ssm, pk, pv, pg, pbeta, meta, tickets, err, state_indices,
-    scale, N, S, checks,
-    stride_x_t, stride_x_d, stride_w_d, stride_w_w, stride_c_n, stride_c_d, stride_c_w,
-    stride_a_t, stride_a_h, stride_b_t, stride_b_h, stride_s_n, stride_s_h,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, TCAP: tl.constexpr,
-    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Decode in one launch (small batches): value columns [i_v*BV, +BV) of value head i_hv of request i_n.
-
-    x: [N, D] raw inputs (q | k | v channels), conv_state [S, D, W-1+max_draft], weight [D, W], a, b: [N, HV],
-    o: [N, HV, V] contiguous; the rest as gdn_step_kernel's; tickets: [S, H + 1] int32, zero between launches.
-    Per program, everything gdn_step_kernel and conv_step_kernel do for it, with the conv of the channels it
-    reads (its q/k head's 2K, its BV of v) computed here:
-
-        verdict (_step_row_check) ; S <- ssm[slot] ; fold the count pending tokens ;
-        q, k, v = conv(window, x) ; gating, l2norm ; S <- exp(g) S ; S <- S + k (beta (v - S^T k))^T ;
-        o = scale S^T q ; ssm[slot] <- S ; the conv windows and pend_meta after the token
-
-    Who writes what is shared: a v channel is read by this program alone, which rewrites its window; the q/k
-    channels of a head are read by the GROUP * cdiv(V, BV) programs of its value heads, and pend_meta by all
-    HV * cdiv(V, BV) of the request. Each reader, after its reads (a barrier, then an acq_rel atomic: the
-    last-block pattern), takes a ticket (tickets[slot, h], tickets[slot, H]); the one that takes the last rewrites
-    the head's q/k windows (from its registers: every reader loaded the same values), resp. pend_meta, and
-    puts the ticket back to 0. A request that does not write (padded, failed) takes no ticket: written slots are
-    unique, so tickets are never shared. No other scratch: the verdict is computed by every program from
-    values no program of the launch writes (state_indices; pend_meta's word, which decode leaves alone; its
-    count, rewritten only after every reader took its ticket), so all programs of a request agree.
-
-    Why (H200, Qwen3-Next shape, per layer of a 32-layer graph, benchmarks/bench_graphs.py): at small N the
-    two-launch step waits for the conv kernel (2.2-2.6 us alone) and its y round trip; here nothing waits but
-    the loads. (At N = 256 an earlier one-launch step was slower, 377 vs ~286 us: the redundant q/k conv and
-    the atomics cost more than a launch there; fast.serving's module docstring.)
-
-    PDL (sm_90+, step_config): launched as its predecessor's programmatic dependent, it waits (gdc_wait) before
-    reading anything -- its predecessor may be the previous step on this cache -- so only the launch overlaps.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    i_v = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_n = tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    # the state block at the request's own slot (clamped: a safe address whatever the value), before the
-    # verdict, so the big read does not wait for the checks; used only if the request writes (slot == own)
-    p_s = ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :]
-    b_cur = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
-    slot, valid, live, bos, L, count, word, code, value, extra = _step_row_check(
-        meta, state_indices, state_indices, i_n, N, N, S, checks, TCAP, 1, False, BN)
-    first = (i_v == 0) & (i_hv == 0)                 # the request's program that reports its fault
-    _publish_fault(err, meta, state_indices, state_indices, i_n, N, N, S, tl.where(first, code, 0), value, extra,
-                   TCAP, False)
-    count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
-    m_vv = m_v & _as_block(valid, o_v)
-
-    # the conv of the token's q, k (head i_h) and v (columns o_v of head i_hv); decode: row i_n of x
-    off = 0
-    if TCAP > 1:
-        off = tl.maximum(count - 1, 0).to(tl.int64)   # the committed window (count <= 1 when TCAP == 1)
-    p_cs = conv_state + slot * stride_c_n
-    d_q = i_h * K + o_k
-    d_k = H * K + i_h * K + o_k
-    d_v = 2 * H * K + i_hv * V + o_v
-    p_xr = x + i_n * stride_x_t
-    b_q, q1, q2, qx = _conv_token(x, p_xr + d_q * stride_x_d, p_cs + d_q.to(tl.int64) * stride_c_d,
-                                  weight + d_q * stride_w_d, bias + d_q, m_k, off, stride_c_w, stride_w_w,
-                                  W, SILU, HAS_BIAS)
-    b_k, k1, k2, kx = _conv_token(x, p_xr + d_k * stride_x_d, p_cs + d_k.to(tl.int64) * stride_c_d,
-                                  weight + d_k * stride_w_d, bias + d_k, m_k, off, stride_c_w, stride_w_w,
-                                  W, SILU, HAS_BIAS)
-    b_v, v1, v2, vx = _conv_token(x, p_xr + d_v * stride_x_d, p_cs + d_v.to(tl.int64) * stride_c_d,
-                                  weight + d_v * stride_w_d, bias + d_v, m_v, off, stride_c_w, stride_w_w,
-                                  W, SILU, HAS_BIAS)
-    b_a = tl.load(a + i_n * stride_a_t + i_hv * stride_a_h).to(tl.float32)
-    b_b = tl.load(b + i_n * stride_b_t + i_hv * stride_b_h).to(tl.float32)
-
-    # tickets: after every read of the shared windows and of pend_meta (the barrier orders all threads' reads
-    # before the one atomic; acq_rel orders it before the last reader's writes)
-    tl.debug_barrier()
-    p_t = tickets + slot * (H + 1)
-    old_h = tl.atomic_add(p_t + i_h, 1, mask=valid, sem="acq_rel", scope="gpu")
-    old_r = tl.atomic_add(p_t + H, 1, mask=valid, sem="acq_rel", scope="gpu")
-    last_h = valid & (old_h == (HV // H) * tl.cdiv(V, BV) - 1)
-    last_r = valid & (old_r == HV * tl.cdiv(V, BV) - 1)
-
-    # 1. fold the pending tokens (accepted inputs kept by the previous verify) into the state
-    b_s = b_cur.to(tl.float32)                       # bf16 states: rounded once, at the store
-    if FOLD:
-        c = (i_n * 0).to(tl.float32) + 1.0           # the state is c * b_s
-    else:
-        c = 1.0
-    pb = (slot * 2 + (word & 1).to(tl.int64)) * TCAP   # token row 0 of the pending bank
-    for i in range(0, count):
-        c_k, c_v, c_g, c_beta = _pending_inputs(pk, pv, pg, pbeta, pb + i, valid, i_h, i_hv, o_k, o_v,
-                                                m_k, m_v, H, HV, K, V)
-        if FOLD:
-            b_kf = c_k.to(tl.float32)
-            b_s, c = _fold_decay(b_s, c, c_g.to(tl.float32))
-            b_u = c_beta.to(tl.float32) * (c_v.to(tl.float32) - c * tl.sum(b_s * b_kf[:, None], axis=0))
-            b_s = b_s + b_kf[:, None] * (b_u / c)[None, :]
-        else:
-            b_s = _delta_rule(b_s, c_k.to(tl.float32), c_v.to(tl.float32), c_g.to(tl.float32),
-                              c_beta.to(tl.float32))
-
-    # 2. the token: gating, l2norm, delta rule, output (as gdn_step_kernel's new tokens)
-    b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_x = b_a + tl.load(dt_bias + i_hv).to(tl.float32)
-    # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
-    b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
-    b_beta = 1 / (1 + tl.exp(-b_b))                  # exp(-b) -> inf for b << 0: 1 / inf = 0, no NaN
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    if FOLD:
-        b_s, c = _fold_decay(b_s, c, b_g)
-        b_u = b_beta * (b_v - c * tl.sum(b_s * b_k[:, None], axis=0))
-        b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
-        b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
-    else:
-        b_s = _delta_rule(b_s, b_k, b_v, b_g, b_beta)
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)
-    b_o = tl.where(valid, b_o, 0.0)                  # padded / failed rows: zeros
-    tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty), mask=m_k[:, None] & m_vv[None, :])
-
-    # 3. the windows after the token and the slot's metadata (decode commits everything: count 0)
-    _conv_shift(conv_state, p_cs + d_v.to(tl.int64) * stride_c_d, v1, v2, vx, m_vv, stride_c_w, W)
-    m_kl = m_k & _as_block(last_h, o_k)
-    _conv_shift(conv_state, p_cs + d_q.to(tl.int64) * stride_c_d, q1, q2, qx, m_kl, stride_c_w, W)
-    _conv_shift(conv_state, p_cs + d_k.to(tl.int64) * stride_c_d, k1, k2, kx, m_kl, stride_c_w, W)
-    tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=last_r)
-    tl.store(p_t + i_h, 0, mask=last_h)
-    tl.store(p_t + H, 0, mask=last_r)
-
-
-@triton.jit
 def _accept_rows(meta, state_indices, num_accepted, o_n, N, S, BC: tl.constexpr):
     """The value rules of gdn_accept (refgdn.serving.accept_faults) for a block of requests o_n [BN].
 
@@ -1152,7 +953,7 @@ class _StepPlan:
     """
     __slots__ = ("N", "T", "y_shape", "o_shape", "snap_offset", "scratch_bytes", "act_dtype", "device",
                  "unit_stride", "host_err", "scale", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args",
-                 "step_kw", "conv_launch", "step_launch", "fused")
+                 "step_kw", "conv_launch", "step_launch")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
@@ -1201,18 +1002,6 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     if sc["pdl"]:                                       # both kernels programmatic dependents (see the kernels)
         p.conv_kw.update(PDL=True, launch_pdl=True)
         p.step_kw.update(PDL=True, launch_pdl=True)
-    p.fused = bool(sc["fused"]) and window_conv and not varlen
-    if p.fused:                                         # one launch: gdn_decode_fused_kernel
-        p.scratch_bytes = 0
-        p.step_args = (N, cache.num_slots, int(checks), *p.conv_args[5:], *p.step_args[2:])
-        p.step_kw = dict(H=H, HV=HV, K=K, V=V, SK=s.stride(2), BK=next_pow2(K), BV=BV, W=W, TCAP=TC,
-                         SILU=p.conv_kw["SILU"], HAS_BIAS=p.conv_kw["HAS_BIAS"], BN=DUP_BLOCK, FOLD=bool(sc["fold"]),
-                         num_warps=sc["num_warps"])
-        if sc["pdl"]:
-            p.step_kw.update(PDL=True, launch_pdl=True)
-        p.conv_launch = None
-        p.step_launch = Relaunch(gdn_decode_fused_kernel, p.step_grid, p.step_kw, reuse)
-        return p
     p.conv_launch = Relaunch(conv_step_kernel if window_conv else conv_step_any_w_kernel, p.conv_grid, p.conv_kw,
                              reuse)
     p.step_launch = Relaunch(gdn_step_kernel, p.step_grid, p.step_kw, reuse)
@@ -1229,12 +1018,6 @@ def _run(p: _StepPlan, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, 
     dev = p.device
     o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)
     if p.N == 0:
-        return o
-    if p.fused:
-        p.step_launch(mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, a, b, A_log,
-                      dt_bias, o, cache.conv_state, cache.ssm_state, cache.pend_k, cache.pend_v, cache.pend_g,
-                      cache.pend_beta, cache.pend_meta, cache.tickets, cache.err, state_indices,
-                      p.scale if scale is None else float(scale), *p.step_args)
         return o
     # the conv -> step scratch, one allocation: y [T, D] (conv outputs), snap [N, 5] int32 (slot | -1, count,
     # bank, bos, L); the launches take their addresses (fast.launch.Carved)

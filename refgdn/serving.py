@@ -255,9 +255,6 @@ class GDNStateCache:
     err:        [4] int64                   the first recorded fault (code, request, value, extra);
                                             code 0 = none. Not slot-indexed. Written by fast's kernels
                                             (and refgdn with check_values=False), raised by check().
-    tickets:    [S, H + 1] int32            scratch of fast's one-launch decode (which program of a request
-                                            rewrites the shared conv windows and pend_meta); zero between
-                                            launches, never read by refgdn. Defaults to zeros.
     The pend_* tensors must be contiguous (kernels index them directly). ``err`` defaults to a
     fresh zero buffer, so a cache built from the seven slot tensors keeps working; several
     caches (a model's layers) may share one err buffer (``allocate(err=...)``): one check() then
@@ -272,15 +269,10 @@ class GDNStateCache:
     pend_beta: torch.Tensor
     pend_meta: torch.Tensor
     err: Optional[torch.Tensor] = None
-    tickets: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.err is None and isinstance(self.ssm_state, torch.Tensor):
             self.err = torch.zeros(4, dtype=torch.int64, device=self.ssm_state.device)
-        if (self.tickets is None and isinstance(self.ssm_state, torch.Tensor) and isinstance(self.pend_k, torch.Tensor)
-                and self.ssm_state.dim() >= 1 and self.pend_k.dim() == 5):
-            self.tickets = torch.zeros(self.ssm_state.shape[0], self.pend_k.shape[3] + 1, dtype=torch.int32,
-                                       device=self.ssm_state.device)
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, HV: int, K: int, V: int, conv_width: int = 4,
@@ -365,7 +357,7 @@ class GDNStateCache:
     SLOT_FIELDS = ("ssm_state", "conv_state", "pend_k", "pend_v", "pend_g", "pend_beta", "pend_meta")
 
     def tensors(self) -> list:
-        """Every tensor in field order, the seven slot tensors then err and tickets (no copies)."""
+        """Every tensor in field order, the seven slot tensors then err (no copies)."""
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     def slot_tensors(self) -> list:
@@ -380,8 +372,7 @@ class GDNStateCache:
         out = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            keep = f.name in ("pend_meta", "err", "tickets")
-            out[f.name] = t.to(device=kw.get("device", t.device)) if keep else t.to(**kw)
+            out[f.name] = t.to(device=kw.get("device", t.device)) if f.name in ("pend_meta", "err") else t.to(**kw)
         return GDNStateCache(**out)
 
     def reset(self, slots) -> None:
@@ -445,11 +436,6 @@ def check_cache(cache) -> None:
     _need_device("cache.err", cache.err, dev)
     if cache.err.dtype != torch.int64 or not cache.err.is_contiguous():
         raise ValueError(f"cache.err must be a contiguous int64 tensor, got {cache.err.dtype}")
-    _need_tensor("cache.tickets", cache.tickets, 2)
-    _need_shape("cache.tickets", cache.tickets, (S, H + 1), "[S, H + 1]")
-    _need_device("cache.tickets", cache.tickets, dev)
-    if cache.tickets.dtype != torch.int32 or not cache.tickets.is_contiguous():
-        raise ValueError(f"cache.tickets must be a contiguous int32 tensor, got {cache.tickets.dtype}")
     _need_tensor("cache.conv_state", cache.conv_state, 3)
     _need_float("cache.conv_state", cache.conv_state)
     _need_device("cache.conv_state", cache.conv_state, dev)
@@ -585,7 +571,7 @@ def _cache_sig(cache) -> tuple:
     c = cache
     return (type(c), _tensor_sig(c.ssm_state), _tensor_sig(c.conv_state), _tensor_sig(c.pend_k),
             _tensor_sig(c.pend_v), _tensor_sig(c.pend_g), _tensor_sig(c.pend_beta), _tensor_sig(c.pend_meta),
-            _tensor_sig(c.err), _tensor_sig(c.tickets))
+            _tensor_sig(c.err))
 
 
 def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,

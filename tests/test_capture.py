@@ -200,10 +200,8 @@ def test_keys_match_fast_launches():
         F.gdn_gating(A, r(2, HV), dt, r(2, HV))
         F.l2norm(q)
     names = [key.kernel for key in log.launched]
-    # decode of 2 requests: one launch (gdn_decode_fused_kernel); verify and materialize: conv + step kernels
-    assert names.count("gdn_step_kernel") == 2 and names.count("gdn_decode_fused_kernel") == 1
-    assert "chunk_output_kernel" in names and "accept_kernel" in names
-    assert len(log.launched) == 16        # 1 + 2 + 1 + 2 (serving) + 4 + 1 (prefill) + 2 + 1 (conv) + 1 + 1
+    assert names.count("gdn_step_kernel") == 3 and "chunk_output_kernel" in names and "accept_kernel" in names
+    assert len(log.launched) == 17        # 2 + 2 + 1 + 2 (serving) + 4 + 1 (prefill) + 2 + 1 (conv) + 1 + 1
 
 
 def test_every_fast_op_declares_its_compile_key():
@@ -236,7 +234,7 @@ def test_planner_equals_keys_of_the_eager_run(model):
     missing, extra = p.keys - log.keys, log.keys - p.keys
     assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
     decode = p.for_descriptor(CaptureDescriptor("decode", 4))
-    assert {key.kernel for key in decode} == {"gdn_decode_fused_kernel"}   # a small batch: one launch
+    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel"}
     assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
 
 
@@ -336,7 +334,7 @@ def test_seed_000_001_warmup_non_speculative_then_capture_speculative(model):
     m = model
     # profile and warmup through the non-speculative path only: the verify variants are first seen in capture
     lc, cache = ready(m, profile=False)           # a profile that launched nothing: warmup is a first compile
-    with pytest.raises(CompileAfterReserve, match=r"warmup of decode\[N=2, T=1\]: kernel variant gdn_decode_fused_kernel"):
+    with pytest.raises(CompileAfterReserve, match=r"warmup of decode\[N=2, T=1\]: kernel variant conv_step_kernel"):
         lc.capture(CaptureDescriptor("decode", 2), decode_step(m, cache))
     lc = Lifecycle("cpu")
     lc.profile(lambda: _decode(m, m.allocate_cache(2, 16, max_draft=2), [0, 1]))

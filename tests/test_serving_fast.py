@@ -9,7 +9,6 @@ import torch
 
 import fast.serving as fs
 import refgdn.serving as rs
-from fast.serving import step_config
 from conformance.cases_serving import cases, cast_cache, make_cache, make_layer, make_tokens
 from conformance.core import evaluate
 from refgdn.serving import committed_state
@@ -122,46 +121,6 @@ def test_step_kernel_configs(cfg, monkeypatch):
         torch.testing.assert_close(o_f.cpu(), o_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c_fast.ssm_state.cpu(), c_ref.ssm_state, rtol=1e-5, atol=1e-5)
     assert torch.equal(c_fast.conv_state.cpu(), c_ref.conv_state)
-
-
-@pytest.mark.parametrize("W", [2, 3, 4], ids=lambda w: f"W{w}")
-def test_one_launch_decode_equals_two_launches(W, monkeypatch):
-    """Small-batch decode as one launch (gdn_decode_fused_kernel: the conv in the step program, the shared q/k
-    windows and pend_meta rewritten by their last reader through tickets) against the conv + step launches:
-    outputs, states, conv windows, metadata alike (bitwise in the interpreter, which does not contract FMAs),
-    tickets back to zero, through decodes after accepted verifies (pending tokens folded first), a padded row,
-    GVA and two V-blocks per head (four readers of each q/k window)."""
-    H, HV, K, V, S = 2, 4, 8, 16, 5
-    D = 2 * H * K + HV * V
-    base = make_cache(S, H, HV, K, V, W, 2, seed=90 + W, state_dtype=torch.float32, act_dtype=torch.float32)
-    layer = _to(make_layer(H, HV, K, V, W, seed=91), torch.float32)
-    sched = [("decode", [1, 1, 1]), ("verify", [3, 2, 1], [2, 1, 1]), ("decode", [1, 1, 1]),
-             ("verify", [1, 3, 2], [1, 3, 2]), ("decode", [1, 1, 1]), ("decode", [1, 1, 1])]
-    idx = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    results = {}
-    for fused in (False, True):
-        monkeypatch.setattr(fs, "step_config", functools.partial(step_config, override=dict(BV=8, fused=fused)))
-        c = base.clone().to(device=DEVICE)
-        outs = []
-        for i, (kind, lens, *acc) in enumerate(sched):
-            x, a, b = (t.to(DEVICE) for t in make_tokens(sum(lens), HV, D, seed=200 + i, dtype=torch.float32))
-            if kind == "decode":
-                outs.append(fs.gdn_decode(x, a, b, *_args(layer), c, idx))
-            else:
-                cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-                outs.append(fs.gdn_verify(x, a, b, *_args(layer), c, idx, cu))
-                fs.gdn_accept(c, idx, torch.tensor(acc[0], dtype=torch.int32, device=DEVICE))
-        results[fused] = outs, c
-    (o2, c2), (o1, c1) = results[False], results[True]
-    for x_, y_ in list(zip(o1, o2)) + [(c1.ssm_state, c2.ssm_state)]:
-        if DEVICE == "cpu":
-            assert torch.equal(x_, y_)
-        else:                      # the compiler may contract the two kernels' arithmetic differently
-            torch.testing.assert_close(x_, y_, rtol=1e-6, atol=1e-6)
-    for name in ("conv_state", "pend_k", "pend_v", "pend_g", "pend_beta", "pend_meta", "err"):
-        assert torch.equal(getattr(c1, name), getattr(c2, name)), name
-    assert not c1.tickets.any() and not c2.tickets.any()
-    assert not o1[0][1].any() and not o1[-1][1].any()          # the padded row: zeros
 
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded-decay", "explicit-decay"])
