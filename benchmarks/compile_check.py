@@ -16,6 +16,9 @@ Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fuse
 16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
 bench16 = the same with the 16-bit backward; decode = fast.serving's step kernels at Qwen3-Next's shape (float32
 state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8.
+
+COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
+broadcast of a scalar atomic's result).
 """
 from __future__ import annotations
 
