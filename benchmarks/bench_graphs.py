@@ -65,8 +65,7 @@ def layer_rows(batches=(1, 8), beside=()) -> list:
     for N in batches:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
                          us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
-                         note="pdl={pdl}".format(**fs.step_config(128, 128, torch.float32, 32, "decode",
-                                                                                  N, pdl_ok=True))))
+                         note=f"pdl={fs.step_config(128, 128, torch.float32, 32, 'decode', N, pdl_ok=True)['pdl']}"))
         for key in beside:
             for on in (False, True):
                 with launch_overrides(step={key: on}):
