@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
+    ap.add_argument("--step", default="", metavar="KEY=INT,...",
+                    help="decode shape: step_config keys put over the pinned ones (bench_decode.launch_overrides)")
     args = ap.parse_args(argv)
     if "triton" in sys.modules or "fast" in sys.modules:
         print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
@@ -65,12 +67,15 @@ def main(argv=None) -> int:
     if args.shape == "decode":
         import fast.serving as fs
         from benchmarks.bench_decode import make_problem
+        from benchmarks.bench_decode import launch_overrides
         fs.pdl_supported = lambda device: True                # the sm_90 variants (programmatic dependents)
+        step = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.step.split(",") if kv}
         for N, k in ((1, 0), (8, 0), (16, 0), (8, 3)):
             p = make_problem(N, k, torch.float32, "cpu")
             args_ = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
                      p["idx"])
-            fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
+            with launch_overrides(step=step or None):
+                fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
@@ -99,6 +104,9 @@ def main(argv=None) -> int:
         if os.environ.get("COMPILE_CHECK_PTX"):                 # keep the PTX for reading
             with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ptx"), "w") as g:
                 g.write(kernel.asm["ptx"])
+            if "ttgir" in kernel.asm:
+                with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ttgir"), "w") as g:
+                    g.write(kernel.asm["ttgir"])
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
         info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
                 if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]

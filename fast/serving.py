@@ -666,6 +666,17 @@ def _pending_inputs(pk, pv, pg, pbeta, row, live, i_h, i_hv, o_k, o_v, m_k, m_v,
 
 
 @triton.jit
+def _gating(b_a, b_b, b_A, b_dt):
+    """Raw a, b of one token and value head -> (g, beta):  g = A softplus(a + dt_bias),  beta = sigmoid(b);
+    b_A = -exp(A_log). softplus with threshold 20: the discarded branch's argument is clamped so exp
+    cannot overflow; sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)."""
+    b_x = b_a.to(tl.float32) + b_dt
+    b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
+    b_beta = 1 / (1 + tl.exp(-b_b.to(tl.float32)))
+    return b_g, b_beta
+
+
+@triton.jit
 def _delta_rule(b_s, b_k, b_v, b_g, b_beta):
     """One token on a [BK, BV] float32 state block:  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T."""
     b_s = b_s * tl.exp(b_g)                              # g <= 0: exp never overflows
@@ -716,7 +727,13 @@ def gdn_step_kernel(
     FOLD (arithmetic per token and state element: 2 for a pending token, 3 for a new one, 2 for the
     last draft, whose state verify never keeps): the block holds S' with S = c S' (c a scalar), so
     the decay costs one scalar multiply:  c <- c exp(g);  u = beta (v - c S'^T k);  S' += k (u / c)^T;
-    o = c S'_prev^T q + (k . q) u  (both reductions read the block once, before its update).
+    verify: o = c S'_prev^T q + (k . q) u  (both reductions read the block once, before its update).
+    Decode (TMAX = 1, one token, no loop): o = c S'^T q of the updated block, after the block's store, so
+    the 2 MB-per-request state write leaves before o's reduction; with PDL the token's gating (a, b,
+    A_log, dt_bias: inputs of earlier launches) is computed before ``gdc_wait``, so only the l2norm, the
+    delta rule and the two stores follow the conv. Per layer of a 32-layer graph (H200, float32 state,
+    2026-11-24): N = 1 4.87 -> 4.27 us, N = 8 13.6 -> 12.6-12.7 (benchmarks/decode_floor.py, which also
+    measures the floor: a bare read + write of the same state bytes in the same graph is 9.8-10.0 us at N = 8).
     (Loading all tokens' inputs as tiles up front and picking rows measured faster only for float32
     states at k = 3 on an H200, and much slower elsewhere: the tiles spill registers at one warp.)
 
@@ -741,8 +758,10 @@ def gdn_step_kernel(
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
             # T = N), so the first head's a, b (inputs of earlier launches) load before the wait and
             # its q, k, v right after it, beside the verdict rather than behind it
-            e_a = tl.load(a + i_n * stride_a_t + i_hv * stride_a_h)
-            e_b = tl.load(b + i_n * stride_b_t + i_hv * stride_b_h)
+            # and its gating (A_log, dt_bias are weights): none of it waits behind the conv
+            e_g, e_beta = _gating(tl.load(a + i_n * stride_a_t + i_hv * stride_a_h),
+                                  tl.load(b + i_n * stride_b_t + i_hv * stride_b_h),
+                                  -tl.exp(tl.load(A_log + i_hv).to(tl.float32)), tl.load(dt_bias + i_hv).to(tl.float32))
         tl.extra.cuda.gdc_wait()                    # the conv kernel's writes (y, snap) are visible now
         # the next kernel may launch (a PDL-launched one waits for this one's end before reading anything)
         tl.extra.cuda.gdc_launch_dependents()
@@ -777,7 +796,8 @@ def gdn_step_kernel(
         n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb, count > 0, i_h, i_hv, o_k, o_v,
                                                     m_k, m_v, H, HV, K, V)
         if PDL and TMAX == 1 and not KEEP_PENDING and j == 0:
-            n_q, n_k, n_v, n_a, n_b = e_q, e_k, e_v, e_a, e_b      # the same rows, loaded early (above)
+            n_q, n_k, n_v = e_q, e_k, e_v                           # the same rows, loaded early (above)
+            n_a, n_b = e_g, e_beta                                  # (unused: the gating is e_g, e_beta)
         else:
             n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v, stride_y_t,
                                                     stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
@@ -812,46 +832,68 @@ def gdn_step_kernel(
                      mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
 
         # 2. the new tokens: gating, l2norm, delta rule, output
-        own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
-        own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
-        for i in range(0, L):
-            t = bos + i
-            c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
-            n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
-                                                    m_k, m_v, stride_y_t, stride_a_t, stride_a_h, stride_b_t,
-                                                    stride_b_h, H, K, V)
-            b_q = c_q.to(tl.float32)
-            b_k = c_k.to(tl.float32)
+        if TMAX == 1 and not KEEP_PENDING:
+            # decode: one token (L = 1; L = 0 only where the row's offsets failed, and then valid is false too),
+            # straight-line: the state block is stored before o's reduction, so the store leaves first
+            live = L > 0
+            if PDL and j == 0:
+                b_g, b_beta = e_g, e_beta
+            else:
+                b_g, b_beta = _gating(n_a, n_b, b_A, b_dt)
+            b_g = tl.where(live, b_g, 0.0)             # a row without a token leaves the block as it is
+            b_beta = tl.where(live, b_beta, 0.0)
+            b_q = n_q.to(tl.float32)
+            b_k = n_k.to(tl.float32)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-            b_kq = tl.sum(b_k * b_q)
-            b_x = c_a.to(tl.float32) + b_dt
-            # softplus with threshold 20; clamp the argument of the discarded branch so exp cannot overflow
-            b_g = b_A * tl.where(b_x > 20.0, b_x, tl.log(1 + tl.exp(tl.minimum(b_x, 20.0))))
-            # sigmoid: exp(-b) -> inf for b << 0 gives 1 / inf = 0, the right limit (no NaN)
-            b_beta = 1 / (1 + tl.exp(-c_b.to(tl.float32)))
             if FOLD:
                 b_s, c = _fold_decay(b_s, c, b_g)
-                b_u = b_beta * (c_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
-                b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + b_kq * b_u
-                if KEEP_PENDING:
-                    if zero + i + 1 < L:                     # the last draft's state is never used
+                b_u = b_beta * (n_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
+                b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
+            else:
+                b_s = _delta_rule(b_s, b_k, n_v.to(tl.float32), b_g, b_beta)
+            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
+                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+            b_o = c * tl.sum(b_s * b_q[:, None], axis=0)     # o = S^T q of the updated state S = c S'
+            b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
+            tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & _as_block(live, o_v))
+        else:                                          # verify (and materialize: L = 0)
+            own_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)   # one program per q/k head stores k
+            own_gb = valid & (i_v == 0)                             # one program per value head stores g, beta
+            for i in range(0, L):
+                t = bos + i
+                c_q, c_k, c_v, c_a, c_b = n_q, n_k, n_v, n_a, n_b
+                n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
+                                                        m_k, m_v, stride_y_t, stride_a_t, stride_a_h, stride_b_t,
+                                                        stride_b_h, H, K, V)
+                b_q = c_q.to(tl.float32)
+                b_k = c_k.to(tl.float32)
+                b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+                b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+                b_kq = tl.sum(b_k * b_q)
+                b_g, b_beta = _gating(c_a, c_b, b_A, b_dt)
+                if FOLD:
+                    b_s, c = _fold_decay(b_s, c, b_g)
+                    b_u = b_beta * (c_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
+                    b_o = c * tl.sum(b_s * b_q[:, None], axis=0) + b_kq * b_u
+                    if KEEP_PENDING:
+                        if zero + i + 1 < L:                     # the last draft's state is never used
+                            b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
+                    else:
                         b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
                 else:
-                    b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
-            else:
-                b_s = _delta_rule(b_s, b_k, c_v.to(tl.float32), b_g, b_beta)
-                b_o = tl.sum(b_s * b_q[:, None], axis=0)
-            b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
-            tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-            if KEEP_PENDING:
-                tl.store(pk + ((nb + i) * H + i_h) * K + o_k, b_k.to(pk.dtype.element_ty),
-                         mask=m_k & _as_block(own_k, o_k))
-                tl.store(pv + ((nb + i) * HV + i_hv) * V + o_v, c_v.to(pv.dtype.element_ty), mask=m_vv)
-                tl.store(pg + (nb + i) * HV + i_hv, b_g.to(pg.dtype.element_ty), mask=own_gb)
-                tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
-        if not KEEP_PENDING:
-            # decode / materialize: the one write of the state block (skipped when nothing changed)
+                    b_s = _delta_rule(b_s, b_k, c_v.to(tl.float32), b_g, b_beta)
+                    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+                b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
+                tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+                if KEEP_PENDING:
+                    tl.store(pk + ((nb + i) * H + i_h) * K + o_k, b_k.to(pk.dtype.element_ty),
+                             mask=m_k & _as_block(own_k, o_k))
+                    tl.store(pv + ((nb + i) * HV + i_hv) * V + o_v, c_v.to(pv.dtype.element_ty), mask=m_vv)
+                    tl.store(pg + (nb + i) * HV + i_hv, b_g.to(pg.dtype.element_ty), mask=own_gb)
+                    tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
+        if TMAX == 0:
+            # materialize: the one write of the state block (skipped when nothing changed)
             tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
                      mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
         p_s += stride_s_h
