@@ -253,19 +253,22 @@ def _kernel_times(fn, iters: int) -> list:
     return events
 
 
-STATE_SWEEP_CASES = ((1, 16384), (2, 8192), (4, 4096), (8, 2048))       # (B, T): the same tokens, more sequences
+STATE_SWEEP_CASES = ((1, 65536), (1, 16384), (2, 8192), (4, 4096), (8, 2048))       # (B, T): the same tokens, more sequences
 STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4),
                        dict(BV=64, num_warps=8), dict(BV=32, num_warps=4, num_stages=2))
 
 
-def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIGS, iters: int = 5) -> list:
-    """Kernel 3 (chunk_state_kernel, the sequential state pass) alone over a config grid, at the same token
-    count split into 1..8 sequences: its device time (torch.profiler) under each config beside the pinned one
-    (fast.chunk.state.state_config), passed as the forward's ``configs`` argument. How the sixth session of
-    2026-11-23 chose the pinned BV rule; run: python -c "import benchmarks.bench_prefill as b;
-    [print(r) for r in b.state_sweep('cuda')]"."""
+def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIGS, iters: int = 5,
+                from_a=(False, True)) -> list:
+    """Kernel 3 (chunk_state_kernel, the sequential state pass) over a config grid, at the same token count split
+    into 1..8 sequences, with v_new formed from w, u (kernel 2 runs) and from A in the pass (FROM_A; kernel 2
+    skipped): per row the state kernel's device time (torch.profiler) and the whole forward's (do_bench), under
+    each config beside the pinned one (fast.chunk.state.state_config), passed as the forward's ``configs`` and
+    ``from_a`` arguments; "rule" marks the path fast.chunk.state.state_from_a picks. How the pinned BV rule (sixth
+    session of 2026-11-23) and the FROM_A rule (2026-11-24) were chosen; run: python -c "import
+    benchmarks.bench_prefill as b; [print(r) for r in b.state_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd
-    from fast.chunk.state import state_config
+    from fast.chunk.state import state_config, state_from_a
 
     def state_ms(fn) -> float:
         return next((ms for name, ms, _ in _kernel_times(fn, iters) if name == "chunk_state_kernel"), float("nan"))
@@ -274,16 +277,21 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     for B, T in cases:
         q, k, v, g, beta, _ = gdn_inputs(T, device, B=B)
         pinned = state_config(B, HV, K, V, q.device)
-        for cfg in (None,) + tuple(configs):
-            over = {"state": cfg} if cfg else None
-            try:
-                ms = state_ms(lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK,
-                                                                 output_final_state=True, configs=over))
-                note = ""
-            except Exception as e:  # noqa: BLE001 - a config that does not run is reported
-                ms, note = None, f"{type(e).__name__}: {e}"[:100]
-            rows.append(dict(case=f"B={B} T={T}", config=f"pinned {pinned}" if cfg is None else str(cfg), ms=ms,
-                             note=note))
+        rule = state_from_a(B, HV, K, V, q.device)
+        for fa in from_a:
+            for cfg in (None,) + tuple(configs):
+                over = {"state": cfg} if cfg else None
+
+                def fwd():
+                    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, output_final_state=True,
+                                                      configs=over, from_a=fa)
+                try:
+                    ms, total, note = state_ms(fwd), common.bench(fwd), ""
+                except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                    ms, total, note = None, None, f"{type(e).__name__}: {e}"[:100]
+                rows.append(dict(case=f"B={B} T={T}", from_a=fa, config=f"pinned {pinned}" if cfg is None else str(cfg),
+                                 **{"state ms": ms, "forward ms": total}, note=("rule; " if fa == rule and cfg is None
+                                                                               else "") + note))
         del q, k, v, g, beta
         torch.cuda.empty_cache()
     return rows

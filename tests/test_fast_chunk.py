@@ -328,6 +328,46 @@ def test_stage_state_passing(bt):
     _conform("final_state", s, s_r, s_t)
 
 
+@pytest.mark.parametrize("bt", [16, 32, 64])
+def test_stage_state_passing_wy(bt):
+    """The forward's state pass from A (steps 3 and 4 in one kernel) against refgdn's w_u then state_passing."""
+    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 7)
+
+    def pre(x):
+        k, v, g, beta = x[1], x[2], x[3], x[4]
+        G = dr.chunk_cumsum(g, bt)
+        return k, v, beta, dr.wy_repr(k, beta, G, bt), G
+
+    def ref(x):
+        k, v, beta, A, G = pre(x)
+        return dr.state_passing(k, *dr.w_u(k, v, beta, A, G, bt), G, bt, x[5])
+
+    h, vn, s = fc.state_passing_wy(*pre(low), bt, low[5])
+    h_r, vn_r, s_r = ref(low)
+    h_t, vn_t, s_t = ref(hi)
+    _conform("h", h, h_r, h_t)
+    _conform("v_new", vn, vn_r, vn_t)
+    _conform("final_state", s, s_r, s_t)
+
+
+@pytest.mark.parametrize("from_a", [True, False], ids=["state-from-A", "w-u-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_chunk_forward_both_state_paths(from_a, dtype):
+    """The forward with v_new formed in the state pass (kernel 2 skipped) and with kernel 2: both conform, dense
+    (GVA, l2norm, odd T) and varlen (an empty and a one-token sequence, initial states)."""
+    def fwd(bt):
+        def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
+            return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 chunk_size=bt, from_a=from_a, **kw)
+        return run
+    low, hi = _inputs(2, 77, 1, 2, 32, 24, dtype, seed=31, init=True)
+    _compare_op("dense", fwd(32), _ref_chunk(32), low, hi, dtype, use_qk_l2norm_in_kernel=True)
+    lens = [0, 1, 45, 70]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    low, hi = _inputs(1, sum(lens), 2, 4, 16, 16, dtype, seed=32, init=True, N=len(lens))
+    _compare_op("varlen", fwd(16), _ref_chunk(16), low, hi, dtype, cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("bt", [16, 64])
 def test_stage_chunk_output(bt):
     low, hi = _stage_inputs(bt, seed=bt + 3)

@@ -33,6 +33,9 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
   3. ``chunk_state_kernel``    grid (cdiv(V, BV), N * HV)  sequential over the chunks of a sequence
        h[c] = S (stored in k's dtype);  v_new = u - w S (stored);
        S <- exp(G_last) S + K^T (exp(G_last - G) v_new)                   (S: fp32 [K, BV] in registers)
+       With many (sequence, head) pairs (state.state_from_a: batches, varlen mixes) the forward skips kernel 2
+       and the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta (FROM_A): w and u
+       never go through HBM; at B = 1 the extra dependent dot per chunk would lengthen the latency-bound pass.
   4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
@@ -93,7 +96,8 @@ from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECIS
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
                  _kk_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
                  chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, w_u, w_u_config, wy_repr)
-from .state import _launch_state, chunk_state_kernel, state_config, state_passing  # noqa: F401
+from .state import (_launch_state, chunk_state_kernel, state_config, state_from_a, state_passing,  # noqa: F401
+                    state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 
@@ -149,12 +153,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                               keep_kkt: bool = False):
+                               keep_kkt: bool = False, from_a: Optional[bool] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
     keep_kkt: also return kernel 1's outputs, (o, final, (A [B, T, HV, BT], G [B, T, HV] fp32, kn [B, T, H, K]
-    or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd)."""
+    or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd).
+    from_a: whether the state pass forms v_new from A (kernel 2 skipped); None: fast.chunk.state.state_from_a's
+    rule (tests run both)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -177,15 +183,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if l2:
         k = kn                                                           # kernels 2-4 read the normalised k
 
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
-
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)       # chunk-start states
-    v_new = torch.empty_like(u)
-    _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs)
+    v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    if state_from_a(N, HV, K, V, dev) if from_a is None else from_a:
+        # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
+        _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
+                      wy=(A, v, beta))
+    else:
+        w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
+        u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
+        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs)
 
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,

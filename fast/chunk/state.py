@@ -29,13 +29,14 @@ from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
-    k, w, u, G, Gl, h0, h, v_new, ht,
+    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta,
     cu_seqlens, chunk_offsets, T, NT,
-    s_kb, s_kt, s_kh,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
+    FROM_A: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -50,6 +51,13 @@ def chunk_state_kernel(
     compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
     computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). UPCAST (the backward's fp32
     recompute): w and k tiles converted to fp32 after the load, so both dots keep S and v_new in fp32.
+
+    FROM_A (the forward): w and u are never formed. With w = A diag(beta exp(G)) K and u = A diag(beta) V
+    (kernel 2's definitions),  v_new = u - w S = A (beta (V - exp(G) (K S))):  one [BT, K] x [K, BV] dot with
+    k's tile (the tile the update reads anyway), the difference in fp32, then a [BT, BT] x [BT, BV] dot with A
+    (kernel 1's output, k's dtype), rounded to the dot dtype once, after the subtraction (u and w are rounded
+    before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
+    last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -72,35 +80,48 @@ def chunk_state_kernel(
     if USE_H0:
         b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
 
+    v_base = v + i_b * s_vb + i_h * s_vh
+    b_base = beta + i_b * s_bb + i_h * s_bh
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
         m_r = rows < eos
         m_rv = m_r[:, None] & m_v[None, :]
         tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
-        b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-        if UPCAST:
-            b_w = b_w.to(tl.float32)
-        b_hc = b_h.to(b_w.dtype)                                    # chunk-start state as a dot operand
-        if PREC == "bf16x2":                  # the backward's split recompute: S stays fp32, split in _dot
-            b_hc = b_h
-        # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
-        tl.store(h + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_h.to(h.dtype.element_ty), mask=m_kv)
-
-        b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                    # v_new = u - w S
-        tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
-
-        last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
-        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        h_c = h + ((boc + i_t) * HV + i_h) * K * V + kv_off         # this chunk's h[c]
         b_G = tl.load(G + tok, mask=m_r, other=0.0)
-        G_last = tl.load(G + i_last)
-        d_G = G_last - b_G                                          # [BT] G_last - G
-        if PRECISE:
-            d_G = d_G + (tl.load(Gl + i_last) - tl.load(Gl + tok, mask=m_r, other=0.0))
         b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
                       mask=m_r[:, None] & m_k[None, :], other=0.0)
         if UPCAST:
             b_k = b_k.to(tl.float32)
+        if FROM_A:
+            b_A = tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0).to(b_k.dtype)
+            b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
+            b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
+            b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
+            tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A
+            b_r = (b_vr.to(tl.float32) - _exp(b_G, PRECISE)[:, None] * _dot(b_k, b_hc, PREC, DOT_F32)) \
+                * b_beta[:, None]
+            b_v = _dot(b_A, b_r.to(b_k.dtype), PREC, DOT_F32)                          # v_new = A r
+        else:
+            b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            if UPCAST:
+                b_w = b_w.to(tl.float32)
+            b_hc = b_h.to(b_w.dtype)                                # chunk-start state as a dot operand
+            if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
+                b_hc = b_h
+            # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
+            tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+            b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                # v_new = u - w S
+        tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
+
+        last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
+        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        G_last = tl.load(G + i_last)
+        d_G = G_last - b_G                                          # [BT] G_last - G
+        if PRECISE:
+            d_G = d_G + (tl.load(Gl + i_last) - tl.load(Gl + tok, mask=m_r, other=0.0))
 
         # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
         # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
@@ -148,15 +169,31 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
+def state_from_a(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+    """Whether the forward's state pass forms v_new from A itself (the kernel's FROM_A; kernel 2 then does not
+    run): when the pass has enough (sequence, head) pairs for state_config's widest blocks (BV 64 from half a
+    program per SM). FROM_A adds a dependent [BT, BT] x [BT, BV] dot to every chunk step and saves kernel 2's
+    round trip of w and u through HBM (kernel 2 runs at the copy roofline). Whole forward, H200, Triton 3.6,
+    bf16, Qwen3-Next shape, 2026-11-24 (benchmarks.bench_prefill.state_sweep; kernel 2 / FROM_A, ms): B=8
+    T=2048 0.779 / 0.635; B=4 T=4096 0.772 / 0.632; B=2 T=8192 0.773 / 0.726; but B=1 T=16384 0.868 / 0.911 and
+    T=65536 3.35 / 3.54 (state pass 1.27 -> 2.00 ms): with 32 (sequence, head) pairs the pass is latency-bound per
+    program (one per SM) and nothing hides the extra dot. Varlen, 16 sequences / 32760 tokens: 2.10 -> 1.62 ms
+    (fla 1.83). The interpreter always takes FROM_A (the CPU tests cover it; speed is moot there)."""
+    if is_interpreting():
+        return True
+    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2
+
+
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
-                  bv64_programs: Optional[int] = None):
+                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
-    bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys
-    merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark
+    wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
+    forward). bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over:
+    keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark
     overrides, merged last."""
     H, K = k.shape[2], k.shape[3]
-    HV, V = u.shape[2], u.shape[3]
+    HV, V = v_new.shape[2], v_new.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
@@ -165,13 +202,18 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
+    if wy is not None:
+        A, v, beta = wy
+        w = u = v_new                                   # (not read)
+    else:
+        A, v, beta = v_new, v_new, G                    # (not read)
     return chunk_state_kernel[(cdiv(V, BV), N * HV)](
-        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht,
-        ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3],
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta,
+        ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3], *v.stride()[:3], *beta.stride(),
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
-        PREC=_fp32_prec(w.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(), PRECISE=precise,
-        UPCAST=_upcast(prec_of), **cfg)
+        PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
+        DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None, **cfg)
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,
@@ -196,5 +238,34 @@ def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Te
     h0 = initial_state.contiguous() if initial_state is not None else None
     _launch_state(_unit_last(k), w.contiguous(), u.contiguous(), G.float().contiguous(), None, h0, h, v_new, final,
                   ch, N, T, chunk_size, precise=_precise(w.dtype))
+    NC = ch.NT if cu_seqlens is None else ch.total
+    return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
+
+
+def state_passing_wy(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, G: torch.Tensor,
+                     chunk_size: int, initial_state: Optional[torch.Tensor] = None,
+                     cu_seqlens: Optional[torch.Tensor] = None):
+    """Steps 3 and 4 in one pass (the forward's FROM_A kernel). k: [B, T, H, K], v: [B, T, HV, V], beta, G:
+    [B, T, HV], A: [B, T, HV, BT] (wy_repr's), initial_state: [N, HV, K, V] -> (h [B, NC, HV, K, V] in k's dtype,
+    v_new [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32), as state_passing(k, *w_u(k, v, beta, A,
+    G), G) without forming w and u:
+
+        v_new = A (beta (V - exp(G) (K S))) ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)   (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(k, v, beta, A, G, initial_state):
+        w, u = refgdn.delta_rule.w_u(k, v, beta, A, G, chunk_size)
+        return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+    _check_fast_limits(k.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    ch = _Chunks(B, T, chunk_size, cu_seqlens)
+    h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=k.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(_unit_last(k), None, None, G.float().contiguous(), None, h0, h, v_new, final, ch, N, T,
+                  chunk_size, precise=_precise(k.dtype), wy=(A.contiguous(), _unit_last(v), beta))
     NC = ch.NT if cu_seqlens is None else ch.total
     return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
