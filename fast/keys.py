@@ -292,6 +292,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     cu, tab = _dt(cu_seqlens), (_I32 if varlen else None)
     total = T > 0 if varlen else B * cdiv(T, BT) > 0           # some chunk exists
     interp = is_interpreting()
+    dev = device if device is not None else q.device
+    from_a = _chunk.state_from_a(N, HV, K, V, dev)            # the state pass forms v_new (kernel 2 not run)
     out = []
 
     def opts(cfg):
@@ -310,6 +312,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
                  kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
+    if total and HV and not from_a:
+        kdt = k.dtype
         out.append(CompileKey.make(
             "chunk_w_u_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV_all, IS_VARLEN=varlen,
@@ -318,14 +322,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  chunk_indices=tab),
             opts(_chunk._cfg("w_u", _chunk.w_u_config(K, V)))))
     if N * HV:
-        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, device if device is not None else q.device))
+        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev))
+        # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
+        wy = (dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype) if from_a
+              else dict(w=k.dtype, u=v.dtype, A=v.dtype, v=v.dtype, beta=_F32))
         out.append(CompileKey.make(
             "chunk_state_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
-                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False),
-            dict(k=k.dtype, w=k.dtype, u=v.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), h=k.dtype, v_new=v.dtype,
-                 ht=_F32 if output_final_state else None, cu_seqlens=cu, chunk_offsets=tab),
+                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=from_a),
+            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), h=k.dtype, v_new=v.dtype,
+                 ht=_F32 if output_final_state else None, cu_seqlens=cu, chunk_offsets=tab, **wy),
             opts(cfg)))
     if total and HV:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))

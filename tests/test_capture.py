@@ -201,7 +201,10 @@ def test_keys_match_fast_launches():
         F.l2norm(q)
     names = [key.kernel for key in log.launched]
     assert names.count("gdn_step_kernel") == 3 and "chunk_output_kernel" in names and "accept_kernel" in names
-    assert len(log.launched) == 17        # 2 + 2 + 1 + 2 (serving) + 4 + 1 (prefill) + 2 + 1 (conv) + 1 + 1
+    # prefill: kernels 1, 3, 4, and kernel 2 unless the state pass forms v_new itself (fast.chunk.state_from_a)
+    prefill = 4 - fast.chunk.state_from_a(2, HV, K, V, torch.device(DEV))
+    assert ("chunk_w_u_kernel" in names) == (prefill == 4)
+    assert len(log.launched) == 13 + prefill   # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 + 1
 
 
 def test_every_fast_op_declares_its_compile_key():
