@@ -310,41 +310,23 @@ def test_stage_w_u(bt):
     _conform("u", u, u_r, u_t)
 
 
+@pytest.mark.parametrize("wy", [False, True], ids=["from-w-u", "from-A"])
 @pytest.mark.parametrize("bt", [16, 32, 64])
-def test_stage_state_passing(bt):
+def test_stage_state_passing(bt, wy):
+    """Kernel 3 from w, u (state_passing) and from A, forming v_new in the pass (state_passing_wy, the forward's
+    FROM_A), both against refgdn's w_u then state_passing."""
     low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 2)
 
     def pre(x):
         k, v, g, beta = x[1], x[2], x[3], x[4]
         G = dr.chunk_cumsum(g, bt)
-        w, u = dr.w_u(k, v, beta, dr.wy_repr(k, beta, G, bt), G, bt)
-        return k, w, u, G
+        A = dr.wy_repr(k, beta, G, bt)
+        return (k, v, beta, A, G), (k, *dr.w_u(k, v, beta, A, G, bt), G)
 
-    h, vn, s = fc.state_passing(*pre(low), bt, low[5])
-    h_r, vn_r, s_r = dr.state_passing(*pre(low), bt, low[5])
-    h_t, vn_t, s_t = dr.state_passing(*pre(hi), bt, hi[5])
-    _conform("h", h, h_r, h_t)
-    _conform("v_new", vn, vn_r, vn_t)
-    _conform("final_state", s, s_r, s_t)
-
-
-@pytest.mark.parametrize("bt", [16, 32, 64])
-def test_stage_state_passing_wy(bt):
-    """The forward's state pass from A (steps 3 and 4 in one kernel) against refgdn's w_u then state_passing."""
-    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 7)
-
-    def pre(x):
-        k, v, g, beta = x[1], x[2], x[3], x[4]
-        G = dr.chunk_cumsum(g, bt)
-        return k, v, beta, dr.wy_repr(k, beta, G, bt), G
-
-    def ref(x):
-        k, v, beta, A, G = pre(x)
-        return dr.state_passing(k, *dr.w_u(k, v, beta, A, G, bt), G, bt, x[5])
-
-    h, vn, s = fc.state_passing_wy(*pre(low), bt, low[5])
-    h_r, vn_r, s_r = ref(low)
-    h_t, vn_t, s_t = ref(hi)
+    wy_args, wu_args = pre(low)
+    h, vn, s = fc.state_passing_wy(*wy_args, bt, low[5]) if wy else fc.state_passing(*wu_args, bt, low[5])
+    h_r, vn_r, s_r = dr.state_passing(*wu_args, bt, low[5])
+    h_t, vn_t, s_t = dr.state_passing(*pre(hi)[1], bt, hi[5])
     _conform("h", h, h_r, h_t)
     _conform("v_new", vn, vn_r, vn_t)
     _conform("final_state", s, s_r, s_t)

@@ -227,17 +227,23 @@ def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Te
     check_chunk_size(chunk_size)
     if _is_fp64(k, w, u, G, initial_state):
         return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
-    _check_fast_limits(k.shape[3], u.shape[3], chunk_size)
+    return _state_twin(k, G, u.shape, w.dtype, u.dtype, chunk_size, initial_state, cu_seqlens,
+                       w.contiguous(), u.contiguous(), None)
+
+
+def _state_twin(k, G, v_shape, h_dtype, v_dtype, chunk_size, initial_state, cu_seqlens, w, u, wy):
+    """The stage twins' common part: outputs allocated, kernel 3 launched (from w, u or, with wy, from A)."""
+    _check_fast_limits(k.shape[3], v_shape[3], chunk_size)
     B, T, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
+    HV, V = v_shape[2], v_shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     ch = _Chunks(B, T, chunk_size, cu_seqlens)
-    h = torch.empty(ch.total, HV, K, V, dtype=w.dtype, device=k.device)
-    v_new = torch.empty(B, T, HV, V, dtype=u.dtype, device=k.device)
+    h = torch.empty(ch.total, HV, K, V, dtype=h_dtype, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=v_dtype, device=k.device)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch_state(_unit_last(k), w.contiguous(), u.contiguous(), G.float().contiguous(), None, h0, h, v_new, final,
-                  ch, N, T, chunk_size, precise=_precise(w.dtype))
+    _launch_state(_unit_last(k), w, u, G.float().contiguous(), None, h0, h, v_new, final, ch, N, T, chunk_size,
+                  precise=_precise(h_dtype), wy=wy)
     NC = ch.NT if cu_seqlens is None else ch.total
     return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
 
@@ -256,16 +262,5 @@ def state_passing_wy(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: to
     if _is_fp64(k, v, beta, A, G, initial_state):
         w, u = refgdn.delta_rule.w_u(k, v, beta, A, G, chunk_size)
         return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
-    _check_fast_limits(k.shape[3], v.shape[3], chunk_size)
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    ch = _Chunks(B, T, chunk_size, cu_seqlens)
-    h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=k.device)
-    v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=k.device)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch_state(_unit_last(k), None, None, G.float().contiguous(), None, h0, h, v_new, final, ch, N, T,
-                  chunk_size, precise=_precise(k.dtype), wy=(A.contiguous(), _unit_last(v), beta))
-    NC = ch.NT if cu_seqlens is None else ch.total
-    return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
+    return _state_twin(k, G, v.shape, k.dtype, v.dtype, chunk_size, initial_state, cu_seqlens, None, None,
+                       (A.contiguous(), _unit_last(v), beta))
