@@ -253,7 +253,8 @@ def _kernel_times(fn, iters: int) -> list:
     return events
 
 
-STATE_SWEEP_CASES = ((1, 65536), (1, 16384), (2, 8192), (4, 4096), (8, 2048))       # (B, T): the same tokens, more sequences
+# (B, T): Qwen3-Next's longest row, then the same 16384 tokens in 1, 2, 4, 8 sequences
+STATE_SWEEP_CASES = ((1, 65536), (1, 16384), (2, 8192), (4, 4096), (8, 2048))
 STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4),
                        dict(BV=64, num_warps=8), dict(BV=32, num_warps=4, num_stages=2))
 

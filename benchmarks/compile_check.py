@@ -66,8 +66,7 @@ def main(argv=None) -> int:
 
     if args.shape == "decode":
         import fast.serving as fs
-        from benchmarks.bench_decode import make_problem
-        from benchmarks.bench_decode import launch_overrides
+        from benchmarks.bench_decode import launch_overrides, make_problem
         fs.pdl_supported = lambda device: True                # the sm_90 variants (programmatic dependents)
         step = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.step.split(",") if kv}
         for N, k in ((1, 0), (8, 0), (16, 0), (8, 3)):

@@ -9,13 +9,16 @@ Rows, each per layer of one graph of 32 layers on distinct buffers (state out of
    program in ``w`` warps) that loads the block and stores it scaled: the step's traffic in the step's
    programs, without its arithmetic, inputs or conv.
 3. ``delta BV/w``: the same programs with one token's delta rule on the block (u = sum_k S k, S <- d S + k u^T,
-   o = S^T q stored): the step's dependent reductions, without its gating, checks or conv.
+   o = S^T q stored): the step's dependent reductions, without its gating, checks or conv; once more with each
+   request's block found through a slot index loaded first (the step's state_indices).
 4. ``step kernel alone``: fast's gdn_step_kernel relaunched on a fixed conv snapshot (no conv kernel).
-5. ``step (pinned)``: fast.gdn_decode as served (conv kernel + step kernel).
+5. ``step (pinned: conv + step)``: fast.gdn_decode as served; then with the device value checks off
+   (benchmark-only ``fast.serving._launch(checks=False)``), and under each step_config override of ``extra``
+   (conv + step, and the step kernel alone).
 
 bytes = 2 * N * HV * K * V * 4 (state read + write); GB/s = bytes / time.
 
-Run: python -m benchmarks.decode_floor [--batches 1,8]   (prints a table; nothing is appended to RESULTS.md)
+Run: python -m benchmarks.decode_floor [--batches 1,8] [--all-configs]   (prints; appends nothing to RESULTS.md)
 """
 from __future__ import annotations
 
@@ -97,9 +100,7 @@ def _step_alone(N: int):
             plan.step_launch(y, pr["a"], pr["b"], pr["A_log"], pr["dt_bias"], o, cache.ssm_state, cache.pend_k,
                              cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap, pr["idx"],
                              plan.scale, *plan.step_args)
-        scratch._keep = (y, snap, o, pr)     # noqa: SLF001 - alive as long as the callable
-        step._keep = scratch
-        return step
+        return step                          # (y and snap hold the scratch: Carved keeps its base tensor)
     return make
 
 
@@ -108,11 +109,12 @@ def _unchecked(N: int, seed: int):
     return fast_decode_unchecked_fn(make_problem(N, 0, torch.float32, "cuda", seed=seed))
 
 
-FULL = False
-EXTRA = [dict(fold=False), dict(BV=16, HPP=2)]    # step_config keys tried beside the pinned step
+EXTRA = (dict(fold=False), dict(BV=16, HPP=2))    # step_config keys tried beside the pinned step
 
 
-def rows(batches=(1, 8)) -> list:
+def rows(batches=(1, 8), all_configs: bool = False, extra=EXTRA) -> list:
+    """The table; all_configs: the RMW and delta rows at every (BV, warps) of CONFIGS (else BV 32, one warp: the
+    step's config at N = 8); extra: step_config overrides timed beside the pinned step (conv + step and alone)."""
     from benchmarks.bench_decode import launch_overrides
     out = []
     for N in batches:
@@ -126,15 +128,16 @@ def rows(batches=(1, 8)) -> list:
                 us = float("nan")
             out.append(dict(what=what, N=N, us=us, **{"GB/s": nbytes / (us * 1e-6) / 1e9}))
         add("torch mul_", _torch_call(N))
-        for BV, w in CONFIGS if FULL else CONFIGS[1:2]:
+        configs = CONFIGS if all_configs else [(32, 1)]
+        for BV, w in configs:
             add(f"rmw BV{BV}/w{w}", _rmw_call(N, BV, w, False))
-        for BV, w in CONFIGS if FULL else CONFIGS[1:2]:
+        for BV, w in configs:
             add(f"delta BV{BV}/w{w}", _rmw_call(N, BV, w, True))
         add("delta BV32/w1, slot index loaded first", _rmw_call(N, 32, 1, True, True))
         add("step kernel alone (pinned config)", _step_alone(N))
         add("step (pinned: conv + step)", lambda i: fast_call(N, i))
         add("step, device value checks off", lambda i: _unchecked(N, i))
-        for over in EXTRA:
+        for over in extra:
             with launch_overrides(step=over):
                 add(f"step, {over}", lambda i: fast_call(N, i))
                 add(f"step kernel alone, {over}", _step_alone(N))
@@ -144,11 +147,12 @@ def rows(batches=(1, 8)) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--all-configs", action="store_true", help="RMW and delta rows at every (BV, warps) of CONFIGS")
     a = ap.parse_args(argv)
     if not common.gpu_available():
         print("decode_floor: needs a GPU")
         return
-    r = rows(tuple(int(x) for x in a.batches.split(",")))
+    r = rows(tuple(int(x) for x in a.batches.split(",")), a.all_configs)
     print(f"{common.device_name()} | torch {torch.__version__} | triton {triton.__version__} | {LAYERS} layers")
     print(common.format_table(r))
 

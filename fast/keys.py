@@ -299,8 +299,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     def opts(cfg):
         return {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")}
 
+    kdt = k.dtype
     if total and HV:
-        kdt = k.dtype
         out.append(CompileKey.make(
             "chunk_kkt_inv_kernel",
             dict(H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=_chunk._blocks(K, 16)[0], IS_VARLEN=varlen,
@@ -313,7 +313,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
     if total and HV and not from_a:
-        kdt = k.dtype
         out.append(CompileKey.make(
             "chunk_w_u_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV_all, IS_VARLEN=varlen,

@@ -677,6 +677,20 @@ def _gating(b_a, b_b, b_A, b_dt):
 
 
 @triton.jit
+def _qk_norm(c_q, c_k, scale):
+    """One token's q, k rows -> float32 l2-normalised (q also scaled)."""
+    b_q = c_q.to(tl.float32)
+    b_k = c_k.to(tl.float32)
+    return b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale, b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+
+
+@triton.jit
+def _store_block(p_s, b_s, c, m_k, m_cols):
+    """The state block S = c S' into the cache (its dtype) at p_s, the columns m_cols [BV] (rows m_k [BK])."""
+    tl.store(p_s, (b_s * c).to(p_s.dtype.element_ty), mask=m_k[:, None] & m_cols[None, :])
+
+
+@triton.jit
 def _delta_rule(b_s, b_k, b_v, b_g, b_beta):
     """One token on a [BK, BV] float32 state block:  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T."""
     b_s = b_s * tl.exp(b_g)                              # g <= 0: exp never overflows
@@ -759,9 +773,10 @@ def gdn_step_kernel(
             # T = N), so the first head's a, b (inputs of earlier launches) load before the wait and
             # its q, k, v right after it, beside the verdict rather than behind it
             # and its gating (A_log, dt_bias are weights): none of it waits behind the conv
-            e_g, e_beta = _gating(tl.load(a + i_n * stride_a_t + i_hv * stride_a_h),
-                                  tl.load(b + i_n * stride_b_t + i_hv * stride_b_h),
-                                  -tl.exp(tl.load(A_log + i_hv).to(tl.float32)), tl.load(dt_bias + i_hv).to(tl.float32))
+            e_a = tl.load(a + i_n * stride_a_t + i_hv * stride_a_h)
+            e_b = tl.load(b + i_n * stride_b_t + i_hv * stride_b_h)
+            e_g, e_beta = _gating(e_a, e_b, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)),
+                                  tl.load(dt_bias + i_hv).to(tl.float32))
         tl.extra.cuda.gdc_wait()                    # the conv kernel's writes (y, snap) are visible now
         # the next kernel may launch (a PDL-launched one waits for this one's end before reading anything)
         tl.extra.cuda.gdc_launch_dependents()
@@ -796,8 +811,7 @@ def gdn_step_kernel(
         n_pk, n_pv, n_pg, n_pbeta = _pending_inputs(pk, pv, pg, pbeta, pb, count > 0, i_h, i_hv, o_k, o_v,
                                                     m_k, m_v, H, HV, K, V)
         if PDL and TMAX == 1 and not KEEP_PENDING and j == 0:
-            n_q, n_k, n_v = e_q, e_k, e_v                           # the same rows, loaded early (above)
-            n_a, n_b = e_g, e_beta                                  # (unused: the gating is e_g, e_beta)
+            n_q, n_k, n_v, n_a, n_b = e_q, e_k, e_v, e_a, e_b      # the same rows, loaded early (above)
         else:
             n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, bos, L > 0, i_h, i_hv, o_k, o_v, m_k, m_v, stride_y_t,
                                                     stride_a_t, stride_a_h, stride_b_t, stride_b_h, H, K, V)
@@ -828,8 +842,7 @@ def gdn_step_kernel(
                                   c_beta.to(tl.float32))
         if KEEP_PENDING:
             # verify: the committed state (accepted prefix included) is written once, before the drafts
-            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                     mask=m_k[:, None] & (m_vv & _as_block(count > 0, o_v))[None, :])
+            _store_block(p_s, b_s, c, m_k, m_vv & _as_block(count > 0, o_v))
 
         # 2. the new tokens: gating, l2norm, delta rule, output
         if TMAX == 1 and not KEEP_PENDING:
@@ -842,18 +855,14 @@ def gdn_step_kernel(
                 b_g, b_beta = _gating(n_a, n_b, b_A, b_dt)
             b_g = tl.where(live, b_g, 0.0)             # a row without a token leaves the block as it is
             b_beta = tl.where(live, b_beta, 0.0)
-            b_q = n_q.to(tl.float32)
-            b_k = n_k.to(tl.float32)
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_q, b_k = _qk_norm(n_q, n_k, scale)
             if FOLD:
                 b_s, c = _fold_decay(b_s, c, b_g)
                 b_u = b_beta * (n_v.to(tl.float32) - c * tl.sum(b_s * b_k[:, None], axis=0))
                 b_s = b_s + b_k[:, None] * (b_u / c)[None, :]
             else:
                 b_s = _delta_rule(b_s, b_k, n_v.to(tl.float32), b_g, b_beta)
-            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+            _store_block(p_s, b_s, c, m_k, m_vv & _as_block(count + L > 0, o_v))
             b_o = c * tl.sum(b_s * b_q[:, None], axis=0)     # o = S^T q of the updated state S = c S'
             b_o = tl.where(valid, b_o, 0.0)                  # padded rows: zeros
             tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & _as_block(live, o_v))
@@ -866,10 +875,7 @@ def gdn_step_kernel(
                 n_q, n_k, n_v, n_a, n_b = _token_inputs(y, a, b, t + 1, zero + i + 1 < L, i_h, i_hv, o_k, o_v,
                                                         m_k, m_v, stride_y_t, stride_a_t, stride_a_h, stride_b_t,
                                                         stride_b_h, H, K, V)
-                b_q = c_q.to(tl.float32)
-                b_k = c_k.to(tl.float32)
-                b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-                b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+                b_q, b_k = _qk_norm(c_q, c_k, scale)
                 b_kq = tl.sum(b_k * b_q)
                 b_g, b_beta = _gating(c_a, c_b, b_A, b_dt)
                 if FOLD:
@@ -894,8 +900,7 @@ def gdn_step_kernel(
                     tl.store(pbeta + (nb + i) * HV + i_hv, b_beta.to(pbeta.dtype.element_ty), mask=own_gb)
         if TMAX == 0:
             # materialize: the one write of the state block (skipped when nothing changed)
-            tl.store(p_s, (b_s * c).to(ssm.dtype.element_ty),
-                     mask=m_k[:, None] & (m_vv & _as_block(count + L > 0, o_v))[None, :])
+            _store_block(p_s, b_s, c, m_k, m_vv & _as_block(count + L > 0, o_v))
         p_s += stride_s_h
 
     own_meta = valid & (i_v == 0) & (tl.program_id(1) == 0)

@@ -204,7 +204,8 @@ def test_keys_match_fast_launches():
     # prefill: kernels 1, 3, 4, and kernel 2 unless the state pass forms v_new itself (fast.chunk.state_from_a)
     prefill = 4 - fast.chunk.state_from_a(2, HV, K, V, torch.device(DEV))
     assert ("chunk_w_u_kernel" in names) == (prefill == 4)
-    assert len(log.launched) == 13 + prefill   # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 + 1
+    # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
+    assert len(log.launched) == 13 + prefill
 
 
 def test_every_fast_op_declares_its_compile_key():
