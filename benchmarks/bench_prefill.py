@@ -260,16 +260,17 @@ STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(
 
 
 def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIGS, iters: int = 5,
-                from_a=(False, True)) -> list:
+                paths=((False, False), (True, False), (True, True), (False, True))) -> list:
     """Kernel 3 (chunk_state_kernel, the sequential state pass) over a config grid, at the same token count split
-    into 1..8 sequences, with v_new formed from w, u (kernel 2 runs) and from A in the pass (FROM_A; kernel 2
-    skipped): per row the state kernel's device time (torch.profiler) and the whole forward's (do_bench), under
-    each config beside the pinned one (fast.chunk.state.state_config), passed as the forward's ``configs`` and
-    ``from_a`` arguments; "rule" marks the path fast.chunk.state.state_from_a picks. How the pinned BV rule (sixth
-    session of 2026-11-23) and the FROM_A rule (2026-11-24) were chosen; run: python -c "import
-    benchmarks.bench_prefill as b; [print(r) for r in b.state_sweep('cuda')]"."""
+    into 1..8 sequences, along each path (from_a, fuse_output): v_new formed from w, u (kernel 2 runs) or from A in
+    the pass (FROM_A; kernel 2 skipped), and o by kernel 4 or in the pass (OUTPUT; kernel 4 skipped, h and v_new
+    never stored). Per row the state kernel's device time (torch.profiler) and the whole forward's (do_bench),
+    under each config beside the pinned one (fast.chunk.state.state_config), passed as the forward's ``configs``,
+    ``from_a`` and ``fuse_output`` arguments; "rule" marks the path fast.chunk.state's rules pick. How the pinned
+    BV rule (sixth session of 2026-11-23), the FROM_A rule and the OUTPUT rule (2026-11-24) were chosen; run:
+    python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.state_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd
-    from fast.chunk.state import state_config, state_from_a
+    from fast.chunk.state import state_config, state_from_a, state_fuses_output
 
     def state_ms(fn) -> float:
         return next((ms for name, ms, _ in _kernel_times(fn, iters) if name == "chunk_state_kernel"), float("nan"))
@@ -277,22 +278,24 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     rows = []
     for B, T in cases:
         q, k, v, g, beta, _ = gdn_inputs(T, device, B=B)
-        pinned = state_config(B, HV, K, V, q.device)
-        rule = state_from_a(B, HV, K, V, q.device)
-        for fa in from_a:
+        rule = (state_from_a(B, HV, K, V, q.device), state_fuses_output(B, HV, K, V, q.device))
+        for fa, fu in paths:
+            pinned = state_config(B, HV, K, V, q.device, fused=fu)
             for cfg in (None,) + tuple(configs):
                 over = {"state": cfg} if cfg else None
 
                 def fwd():
                     return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, output_final_state=True,
-                                                      configs=over, from_a=fa)
+                                                      configs=over, from_a=fa,
+                                                      fuse_output=fu)
                 try:
                     ms, total, note = state_ms(fwd), common.bench(fwd), ""
                 except Exception as e:  # noqa: BLE001 - a config that does not run is reported
                     ms, total, note = None, None, f"{type(e).__name__}: {e}"[:100]
-                rows.append(dict(case=f"B={B} T={T}", from_a=fa, config=f"pinned {pinned}" if cfg is None else str(cfg),
-                                 **{"state ms": ms, "forward ms": total}, note=("rule; " if fa == rule and cfg is None
-                                                                               else "") + note))
+                rows.append(dict(case=f"B={B} T={T}", from_a=fa, fuse_output=fu,
+                                 config=f"pinned {pinned}" if cfg is None else str(cfg),
+                                 **{"state ms": ms, "forward ms": total},
+                                 note=("rule; " if (fa, fu) == rule and cfg is None else "") + note))
         del q, k, v, g, beta
         torch.cuda.empty_cache()
     return rows

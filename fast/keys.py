@@ -294,6 +294,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     interp = is_interpreting()
     dev = device if device is not None else q.device
     from_a = _chunk.state_from_a(N, HV, K, V, dev)            # the state pass forms v_new (kernel 2 not run)
+    fused = _chunk.state_fuses_output(N, HV, K, V, dev)       # ... and o (kernel 4 not run)
     out = []
 
     def opts(cfg):
@@ -321,19 +322,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  chunk_indices=tab),
             opts(_chunk._cfg("w_u", _chunk.w_u_config(K, V)))))
     if N * HV:
-        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev))
+        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
+        hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
         wy = (dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype) if from_a
               else dict(w=k.dtype, u=v.dtype, A=v.dtype, v=v.dtype, beta=_F32))
+        qo = dict(q=q.dtype, o=v.dtype) if fused else dict(q=k.dtype, o=v.dtype)
         out.append(CompileKey.make(
             "chunk_state_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
-                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=from_a),
-            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), h=k.dtype, v_new=v.dtype,
-                 ht=_F32 if output_final_state else None, cu_seqlens=cu, chunk_offsets=tab, **wy),
+                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=from_a,
+                 OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS),
+            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
+                 cu_seqlens=cu, chunk_offsets=tab, **hv_new, **wy, **qo),
             opts(cfg)))
-    if total and HV:
+    if total and HV and not fused:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))
         out.append(CompileKey.make(
             "chunk_output_kernel",

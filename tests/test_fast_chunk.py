@@ -332,15 +332,17 @@ def test_stage_state_passing(bt, wy):
     _conform("final_state", s, s_r, s_t)
 
 
+@pytest.mark.parametrize("fuse_output", [True, False], ids=["o-in-pass", "o-kernel"])
 @pytest.mark.parametrize("from_a", [True, False], ids=["state-from-A", "w-u-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_chunk_forward_both_state_paths(from_a, dtype):
-    """The forward with v_new formed in the state pass (kernel 2 skipped) and with kernel 2: both conform, dense
-    (GVA, l2norm, odd T) and varlen (an empty and a one-token sequence, initial states)."""
+def test_chunk_forward_both_state_paths(from_a, fuse_output, dtype):
+    """The forward with v_new formed in the state pass (kernel 2 skipped) or by kernel 2, and o formed in the pass
+    (kernel 4 skipped) or by kernel 4: every path conforms, dense (GVA, l2norm, odd T) and varlen (an empty and a
+    one-token sequence, initial states)."""
     def fwd(bt):
         def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
             return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 chunk_size=bt, from_a=from_a, **kw)
+                                                 chunk_size=bt, from_a=from_a, fuse_output=fuse_output, **kw)
         return run
     low, hi = _inputs(2, 77, 1, 2, 32, 24, dtype, seed=31, init=True)
     _compare_op("dense", fwd(32), _ref_chunk(32), low, hi, dtype, use_qk_l2norm_in_kernel=True)
@@ -348,6 +350,47 @@ def test_chunk_forward_both_state_paths(from_a, dtype):
     cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
     low, hi = _inputs(1, sum(lens), 2, 4, 16, 16, dtype, seed=32, init=True, N=len(lens))
     _compare_op("varlen", fwd(16), _ref_chunk(16), low, hi, dtype, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("bt", [16, 32, 64])
+def test_stage_state_output(bt, varlen):
+    """Kernel 3 with steps 3-5 in it (state_output_wy: v_new from A and o in the pass, the forward's FROM_A +
+    OUTPUT) against refgdn's w_u, state_passing and chunk_output; varlen: against refgdn per sequence."""
+    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 5)
+
+    def run(x, op, cu=None):
+        q, k, v, g, beta, h0 = x
+        G = dr.chunk_cumsum(g, bt)
+        A = dr.wy_repr(k, beta, G, bt)
+        if op is not None:
+            return op(q, k, v, beta, A, G, 0.3, bt, h0 if cu is None else h0[:1].expand(2, -1, -1, -1), cu)
+        w, u = dr.w_u(k, v, beta, A, G, bt)
+        h, vn, s = dr.state_passing(k, w, u, G, bt, h0)
+        return dr.chunk_output(q, k, vn, h, G, 0.3, bt), s
+
+    if not varlen:
+        (o, s), (o_r, s_r), (o_t, s_t) = run(low, fc.state_output_wy), run(low, None), run(hi, None)
+    else:
+        # sequences of 2 and 1 chunks, one after the other: [1, 3 bt] with cu_seqlens [0, 2 bt, 3 bt], both from
+        # initial state h0[0]; the truth per sequence is the dense stages on it alone (chunk-aligned, as refgdn's
+        # stages need)
+        cu = torch.tensor([0, 2 * bt, 3 * bt], dtype=torch.int32, device=DEV)
+        lo = [t[:1] for t in low]
+        o, s = run(lo, fc.state_output_wy, cu)
+        o = o[0]
+
+        def per_seq(x):
+            outs, states = [], []
+            for a, b in ((0, 2 * bt), (2 * bt, 3 * bt)):
+                xs = [t[:1, a:b] if i < 5 else t[:1] for i, t in enumerate(x)]
+                oo, ss = run(xs, None)
+                outs.append(oo[0])
+                states.append(ss)
+            return torch.cat(outs, 0), torch.cat(states, 0)
+        (o_r, s_r), (o_t, s_t) = per_seq(lo), per_seq([t.double() for t in lo])
+    _conform("o", o, o_r, o_t)
+    _conform("final_state", s, s_r, s_t)
 
 
 @pytest.mark.parametrize("bt", [16, 64])

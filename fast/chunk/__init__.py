@@ -36,7 +36,9 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        With many (sequence, head) pairs (state.state_from_a: batches, varlen mixes) the forward skips kernel 2
        and the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta (FROM_A): w and u
        never go through HBM; at B = 1 the extra dependent dot per chunk would lengthen the latency-bound pass.
-  4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel
+       With many pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage twin state_output_wy):
+       kernel 4's products on the chunk-start state and v_new it holds, so h and v_new are never stored.
+  4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel (not run when fused into 3)
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
 Kernels 1 and 2 are split (rather than one kernel holding k, L, A, w and u at once) so that each
@@ -96,8 +98,8 @@ from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECIS
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
                  _kk_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
                  chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, w_u, w_u_config, wy_repr)
-from .state import (_launch_state, chunk_state_kernel, state_config, state_from_a, state_passing,  # noqa: F401
-                    state_passing_wy)
+from .state import (_launch_state, chunk_state_kernel, state_config, state_from_a, state_fuses_output,  # noqa: F401
+                    state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 
@@ -153,14 +155,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                               keep_kkt: bool = False, from_a: Optional[bool] = None):
+                               keep_kkt: bool = False, from_a: Optional[bool] = None,
+                               fuse_output: Optional[bool] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
     keep_kkt: also return kernel 1's outputs, (o, final, (A [B, T, HV, BT], G [B, T, HV] fp32, kn [B, T, H, K]
     or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd).
     from_a: whether the state pass forms v_new from A (kernel 2 skipped); None: fast.chunk.state.state_from_a's
-    rule (tests run both)."""
+    rule (tests run both). fuse_output: whether the state pass also forms o (kernel 4 skipped, h and v_new never
+    stored); None: fast.chunk.state.state_fuses_output's rule (tests run both)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -185,21 +189,27 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)       # chunk-start states
-    v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
+    if fused:
+        h = v_new = None                                                 # never leave the pass
+        out = (q, o, scale, l2)
+    else:
+        h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)   # chunk-start states
+        v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        out = None
     if state_from_a(N, HV, K, V, dev) if from_a is None else from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta))
+                      wy=(A, v, beta), out=out)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
         _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
-        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs)
-
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
-                   configs=configs)
+        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out)
+    if not fused:
+        _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
+                       configs=configs)
     if keep_kkt:
         return o, final, (A, G, kn)
     return o, final

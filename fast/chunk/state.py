@@ -3,6 +3,8 @@
     k: [B, T, H, K]   w: [B, T, HV, K]   u: [B, T, HV, V]   G: [B, T, HV]   h0, ht: [N, HV, K, V] fp32
     -> h: [chunks, HV, K, V] (chunk-start states), v_new: [B, T, HV, V]
     h[c] = S ;  v_new = u - w S ;  S <- exp(G_last) S + K^T (exp(G_last - G) v_new)
+    OUTPUT (step 5 fused in, q: [B, T, H, K] -> o: [B, T, HV, V]; h and v_new then never leave the pass):
+    O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
 ``chunk_state_kernel``: grid (cdiv(V, BV), N * HV), sequential over the chunks of a sequence with S fp32
 [K, BV] in registers. Here too: its pinned config (``state_config``), launcher and the stage twin.
@@ -19,7 +21,8 @@ import refgdn
 from refgdn.checks import check_chunk_size
 
 from ..utils import cdiv, is_interpreting
-from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64, _num_sms,
+from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _gdiff, _is_fp64,
+                     _num_sms,
                      _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
 
 
@@ -29,14 +32,15 @@ from .common import (_blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
-    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta,
-    cu_seqlens, chunk_offsets, T, NT,
-    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o,
+    cu_seqlens, chunk_offsets, T, NT, scale,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
-    FROM_A: tl.constexpr = False,
+    FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
+    EPS: tl.constexpr = 1e-6,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -58,6 +62,15 @@ def chunk_state_kernel(
     (kernel 1's output, k's dtype), rounded to the dot dtype once, after the subtraction (u and w are rounded
     before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
     last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
+
+    OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
+    the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
+    o's dtype, as v_new would have been stored), so h and v_new are neither written nor read back (kernel 4 does
+    not run):  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]. q: [B, T, H, K]
+    (strided, unit last-dim stride), o: [B, T, HV, V] contiguous; L2NORM normalises q's rows as kernel 4 does (the
+    dots take q as loaded, rows scaled by scale / |q_i| in fp32 afterwards). Q S and Q K^T hang off the pass's
+    dependent chain (S -> v_new -> S), so they cost throughput, not latency: worth it where the pass is
+    throughput-bound (many (sequence, head) pairs), not at B = 1.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -80,6 +93,7 @@ def chunk_state_kernel(
     if USE_H0:
         b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
 
+    q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
     v_base = v + i_b * s_vb + i_h * s_vh
     b_base = beta + i_b * s_bb + i_h * s_bh
     for i_t in range(0, n_chunks):
@@ -98,7 +112,8 @@ def chunk_state_kernel(
             b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
             b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
-            tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            if not OUTPUT:
+                tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
             # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A
             b_r = (b_vr.to(tl.float32) - _exp(b_G, PRECISE)[:, None] * _dot(b_k, b_hc, PREC, DOT_F32)) \
                 * b_beta[:, None]
@@ -111,10 +126,34 @@ def chunk_state_kernel(
             if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
                 b_hc = b_h
             # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
-            tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            if not OUTPUT:
+                tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
             b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
             b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                # v_new = u - w S
-        tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
+        if OUTPUT:
+            # step 5 on the chunk-start state b_hc (h[c] as kernel 4 reads it) and this chunk's v_new
+            b_q = tl.load(q_base + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                          mask=m_r[:, None] & m_k[None, :], other=0.0)
+            if L2NORM:
+                qf = b_q.to(tl.float32)
+                b_rs = tl.rsqrt(tl.sum(qf * qf, 1) + EPS) * scale        # [BT] row scale: scale / |q_i|
+            else:
+                b_rs = tl.zeros([BT], dtype=tl.float32) + scale
+            b_o = _dot(b_q, b_hc, PREC, DOT_F32) * (_exp(b_G, PRECISE) * b_rs)[:, None]   # inter-chunk
+            keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None]
+            if PRECISE:
+                b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+            else:
+                b_Gl = b_G
+            # precision hazard: mask before exp (above the diagonal G_i - G_j >= 0 may overflow)
+            b_Aq = _dot(b_q, tl.trans(b_k), PREC, DOT_F32) \
+                * _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0), PRECISE)
+            b_Aq = tl.where(keep, b_Aq * b_rs[:, None], 0.0)
+            b_vo = b_v.to(o.dtype.element_ty)                          # v_new as stored in kernel 4's path
+            b_o += _dot(b_Aq.to(b_vo.dtype), b_vo, PREC, DOT_F32)                             # intra-chunk
+            tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
+        else:
+            tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
         last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
         i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
@@ -139,7 +178,8 @@ def chunk_state_kernel(
 # host side: pinned config, launcher, the stage twin state_passing
 # ============================================================================================
 
-def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None) -> dict:
+def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None,
+                 fused: bool = False) -> dict:
     """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist, each walking all
     chunks of its sequence, so BV trades parallelism (small BV: more programs fill the SMs) against redundant w/k
     reads (every V-block program reloads the chunk's w and k; they mostly hit L2). num_stages=3 prefetches the
@@ -154,11 +194,20 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     compiler's pipeline) bought nothing at B=1 and lost on the varlen mix (0.547 ms): not kept. Pinned, never
     autotuned (DESIGN.md invariant 2). Interpreter: one V-block (fewest programs). bv64_programs: the program
     count at BV 64 from which BV 64 is taken (default half the SMs; the backward's fp32 recompute keeps its own,
-    fast.chunk_bwd)."""
+    fast.chunk_bwd).
+
+    fused (the pass forms o too, OUTPUT: state_fuses_output): BV 64 from one program per SM, else BV 32; four warps,
+    two pipeline stages (the q tile joins the prefetched ones: three stages ran 1.6x slower). H100, Triton 3.6, bf16,
+    Qwen3-Next shape, whole forward (ms; benchmarks.bench_prefill.state_sweep, 2026-11-24): B=4 T=4096: BV 64 / 4
+    warps / 2 stages 0.584, 1 stage 0.577, 3 stages 0.843, 8 warps 0.914, BV 32 0.692, BV 128 / 8 warps 1.06-1.18;
+    B=2 T=8192: BV 32 0.695, BV 64 0.817-0.857; B=8, B=16 as B=4 (0.590, 0.595); varlen mix 1.508 (BV 32 1.869)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     sms = _num_sms(device)
+    if fused:
+        BV = min(64 if N * HV * cdiv(V, 64) >= sms else 32, BVmax)
+        return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
     if N * HV * cdiv(V, 64) >= (sms // 2 if bv64_programs is None else bv64_programs):
         BV = 64
     elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
@@ -184,21 +233,41 @@ def state_from_a(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
     return N * HV * cdiv(V, 64) >= _num_sms(device) // 2
 
 
+def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+    """Whether the forward's state pass also forms o (the kernel's OUTPUT; kernel 4 does not run and h, v_new never
+    go through HBM): with as many (sequence, head) pairs as state_from_a asks (the two go together in the forward).
+    Q S and Q K^T double the pass's products, off its dependent chain: paid in throughput, so a win where the pass
+    has programs to spare and a loss at B = 1, where one program per SM walks its chunks latency-bound. Whole
+    forward, H100, Triton 3.6, bf16, Qwen3-Next shape, ms (kernel 4 / fused, each at its pinned config;
+    benchmarks.bench_prefill.state_sweep, 2026-11-24): B=2 T=8192 0.780 / 0.695; B=4 T=4096 0.708 / 0.584; B=8
+    T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens 2.05 / 1.51; but B=1
+    T=16384 0.953 (without FROM_A) / 1.086. The interpreter always fuses (the CPU tests cover it)."""
+    return state_from_a(N, HV, K, V, device)
+
+
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
-                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None):
+                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
-    forward). bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over:
-    keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark
-    overrides, merged last."""
+    forward). out: (q, o, scale, l2norm_q): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
+    (then None) not. bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold);
+    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs:
+    benchmark overrides, merged last."""
     H, K = k.shape[2], k.shape[3]
-    HV, V = v_new.shape[2], v_new.shape[3]
+    if out is not None:
+        q, o, scale, l2norm_q = out
+        HV, V = o.shape[2], o.shape[3]
+        h = v_new = o                                   # (not written)
+    else:
+        q, o, scale, l2norm_q = k, v_new, 1.0, False    # (not read)
+        HV, V = v_new.shape[2], v_new.shape[3]
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
     # pinned config, then the caller's adjustments, then benchmark overrides (a sweep sees what it set)
-    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs), **(cfg_over or {})), configs)
+    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs, fused=out is not None),
+                             **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
@@ -208,12 +277,14 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     else:
         A, v, beta = v_new, v_new, G                    # (not read)
     return chunk_state_kernel[(cdiv(V, BV), N * HV)](
-        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta,
-        ch.cu_seqlens, ch.offsets, T, ch.NT, *k.stride()[:3], *v.stride()[:3], *beta.stride(),
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
+        ch.cu_seqlens, ch.offsets, T, ch.NT, float(scale),
+        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3],
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
-        DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None, **cfg)
+        DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
+        OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,
@@ -229,6 +300,35 @@ def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Te
         return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
     return _state_twin(k, G, u.shape, w.dtype, u.dtype, chunk_size, initial_state, cu_seqlens,
                        w.contiguous(), u.contiguous(), None)
+
+
+def state_output_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
+                    G: torch.Tensor, scale: float, chunk_size: int, initial_state: Optional[torch.Tensor] = None,
+                    cu_seqlens: Optional[torch.Tensor] = None):
+    """Steps 3, 4 and 5 in one pass (the forward's FROM_A + OUTPUT kernel). q, k: [B, T, H, K], v: [B, T, HV, V],
+    beta, G: [B, T, HV], A: [B, T, HV, BT] (wy_repr's), initial_state: [N, HV, K, V] -> (o [B, T, HV, V] in v's
+    dtype, final_state [N, HV, K, V] float32), as chunk_output(q, k, *state_passing_wy(...)[:2], G, scale) without
+    storing h or v_new:
+
+        v_new = A (beta (V - exp(G) (K S))) ;  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
+        S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)                                               (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(q, k, v, beta, A, G, initial_state):
+        w, u = refgdn.delta_rule.w_u(k, v, beta, A, G, chunk_size)
+        h, v_new, final = refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+        return refgdn.delta_rule.chunk_output(q, k, v_new, h, G, scale, chunk_size), final
+    _check_fast_limits(k.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=k.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(_unit_last(k), None, None, G.float().contiguous(), None, h0, None, None, final,
+                  _Chunks(B, T, chunk_size, cu_seqlens), N, T, chunk_size, precise=_precise(k.dtype),
+                  wy=(A.contiguous(), _unit_last(v), beta), out=(_unit_last(q), o, float(scale), False))
+    return o, final
 
 
 def _state_twin(k, G, v_shape, h_dtype, v_dtype, chunk_size, initial_state, cu_seqlens, w, u, wy):
