@@ -359,6 +359,44 @@ def _progress(row: dict) -> str:
 # entry points
 # ----------------------------------------------------------------------------------------------
 
+def error_rows(device: str, cases=((1, 4096), (4, 4096)), seed: int = 1) -> list:
+    """Relative error of o and of the final state against the float64 truth (refgdn in float64 on the same rounded
+    inputs): max |x - truth| / max |truth|, for fast on the path its rules pick and on the other one (o through
+    kernel 4 / in the state pass), and fla 0.6.0 when installed. Issue 11's accuracy bar: fast's error at or below
+    fla's."""
+    import refgdn
+    from fast.chunk import chunk_gated_delta_rule_fwd
+    from fast.chunk.state import state_fuses_output
+
+    def rel(x, t):
+        return ((x.double() - t).abs().max() / t.abs().max()).item()
+
+    fla = common.try_import_fla()
+    rows = []
+    for B, T in cases:
+        q, k, v, g, beta, _ = gdn_inputs(T, device, B=B, seed=seed)
+        S0 = 0.1 * torch.randn(B, HV, K, V, device=device, generator=torch.Generator(device=device).manual_seed(seed))
+        o_t, s_t = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                                 initial_state=S0.double(), output_final_state=True,
+                                                 chunk_size=CHUNK)
+        rule = state_fuses_output(B, HV, K, V, q.device)
+        for fused in (rule, not rule):
+            o, st = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                                               chunk_size=CHUNK, fuse_output=fused, from_a=True if fused else None)
+            rows.append(dict(case=f"B={B} T={T}", impl="fast" + (" (rule)" if fused == rule else ""),
+                             path="o in the state pass" if fused else "kernel 4", **{"o rel err": rel(o, o_t),
+                             "state rel err": rel(st, s_t)}))
+        if fla is not None and fla.chunk_gated_delta_rule is not None:
+            call, note = common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta, initial_state=S0,
+                                             output_final_state=True)
+            o, st = call()
+            rows.append(dict(case=f"B={B} T={T}", impl="fla 0.6.0", path=note or "-",
+                             **{"o rel err": rel(o, o_t), "state rel err": rel(st, s_t)}))
+        del q, k, v, g, beta, S0, o_t, s_t
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_sections(device: str = "cuda") -> list:
     """[(title, rows, meta)]: the main table, the T=65536 breakdown, the conv1d config sweep."""
     tflops = common.matmul_tflops(device)
@@ -378,6 +416,8 @@ def run_sections(device: str = "cuda") -> list:
                      {"iterations averaged": 5, "lengths": str(varlen_lengths())}))
     sections.append((f"Prefill: conv1d config sweep T={CONV_T} D={CONV_D} (fastest 12)", conv_sweep(device, gbs),
                      {"ceiling": f"copy {gbs:.0f} GB/s"}))
+    sections.append(("Prefill: error against the float64 truth (refgdn float64 on the same rounded inputs)",
+                     error_rows(device), {"error": "max |x - truth| / max |truth|, bf16 inputs, an initial state"}))
     return sections
 
 
