@@ -286,8 +286,7 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
 
                 def fwd():
                     return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, output_final_state=True,
-                                                      configs=over, from_a=fa,
-                                                      fuse_output=fu)
+                                                      configs=over, from_a=fa, fuse_output=fu)
                 try:
                     ms, total, note = state_ms(fwd), common.bench(fwd), ""
                 except Exception as e:  # noqa: BLE001 - a config that does not run is reported

@@ -42,10 +42,8 @@ def chunk_output_kernel(
 
     q, k: [B, T, H, K] (strided; k already normalised when asked); v_new, o: [B, T, HV, V],
     G: [B, T, HV], h: [chunks, HV, K, V] (contiguous). grid = (chunks * HV * cdiv(V, BV),), V-block
-    fastest, then head (q, k shared by GVA heads and V-blocks hit L2). L2NORM normalises q: both
-    products are linear in q's rows, so the dots take q as loaded and the rows are scaled by
-    1 / |q_i| in fp32 afterwards (no 16-bit rounding of the normalised q). exp(G) likewise scales the
-    rows of Q h after the dot. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    fastest, then head (q, k shared by GVA heads and V-blocks hit L2). L2NORM normalises q (see
+    _output_block). PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
     """
     pid = tl.program_id(0)
     i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
@@ -71,6 +69,27 @@ def chunk_output_kernel(
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
 
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    else:
+        b_Gl = b_G
+    b_o = _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT, L2NORM, PREC, DOT_F32, PRECISE, EPS)
+    tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT: tl.constexpr, L2NORM: tl.constexpr,
+                  PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, EPS: tl.constexpr):
+    """One chunk's output block, fp32 [BT, BV] (kernel 4's math; also kernel 3's with OUTPUT):
+
+        O = scale [ exp(G) * (Q h) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]
+
+    b_q, b_k: [BT, BK] as loaded (16-bit on the GPU); b_h: [BK, BV] the chunk-start state as a dot operand;
+    b_vn: [BT, BV] v_new in o's dtype; b_G, b_Gl: [BT] (Gl: G's rounding error, used when PRECISE); m_r: [BT]
+    valid rows. L2NORM normalises q: both products are linear in q's rows, so the dots take q as loaded and the
+    rows are scaled by 1 / |q_i| in fp32 afterwards (no 16-bit rounding of the normalised q); exp(G) likewise
+    scales the rows of Q h after the dot."""
+    o_t = tl.arange(0, BT)
     if L2NORM:
         qf = b_q.to(tl.float32)
         b_s = tl.rsqrt(tl.sum(qf * qf, 1) + EPS) * scale            # [BT] row scale: scale / |q_i|
@@ -79,15 +98,10 @@ def chunk_output_kernel(
     b_o = _dot(b_q, b_h, PREC, DOT_F32) * (_exp(b_G, PRECISE) * b_s)[:, None]    # inter-chunk: exp(G) <= 1
     keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None]
     # precision hazard: mask before exp (above the diagonal G_i - G_j >= 0 may overflow)
-    if PRECISE:
-        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
-    else:
-        b_Gl = b_G
     b_A = _dot(b_q, tl.trans(b_k), PREC, DOT_F32) * _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0),
                                                          PRECISE)
     b_A = tl.where(keep, b_A * b_s[:, None], 0.0)
-    b_o += _dot(b_A.to(b_vn.dtype), b_vn, PREC, DOT_F32)                 # intra-chunk
-    tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    return b_o + _dot(b_A.to(b_vn.dtype), b_vn, PREC, DOT_F32)           # intra-chunk
 
 
 # ============================================================================================

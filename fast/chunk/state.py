@@ -21,9 +21,9 @@ import refgdn
 from refgdn.checks import check_chunk_size
 
 from ..utils import cdiv, is_interpreting
-from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _gdiff, _is_fp64,
-                     _num_sms,
-                     _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
+from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
+                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
+from .output import _output_block
 
 
 # ============================================================================================
@@ -66,9 +66,9 @@ def chunk_state_kernel(
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
     o's dtype, as v_new would have been stored), so h and v_new are neither written nor read back (kernel 4 does
-    not run):  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]. q: [B, T, H, K]
-    (strided, unit last-dim stride), o: [B, T, HV, V] contiguous; L2NORM normalises q's rows as kernel 4 does (the
-    dots take q as loaded, rows scaled by scale / |q_i| in fp32 afterwards). Q S and Q K^T hang off the pass's
+    not run):  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]  (output._output_block,
+    kernel 4's own code). q: [B, T, H, K] (strided, unit last-dim stride), o: [B, T, HV, V] contiguous; L2NORM
+    normalises q's rows as kernel 4 does. Q S and Q K^T hang off the pass's
     dependent chain (S -> v_new -> S), so they cost throughput, not latency: worth it where the pass is
     throughput-bound (many (sequence, head) pairs), not at B = 1.
     """
@@ -131,26 +131,16 @@ def chunk_state_kernel(
             b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
             b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                # v_new = u - w S
         if OUTPUT:
-            # step 5 on the chunk-start state b_hc (h[c] as kernel 4 reads it) and this chunk's v_new
+            # step 5 on the chunk-start state b_hc (h[c] as kernel 4 reads it) and this chunk's v_new, rounded to
+            # o's dtype as kernel 4's path stores it
             b_q = tl.load(q_base + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
                           mask=m_r[:, None] & m_k[None, :], other=0.0)
-            if L2NORM:
-                qf = b_q.to(tl.float32)
-                b_rs = tl.rsqrt(tl.sum(qf * qf, 1) + EPS) * scale        # [BT] row scale: scale / |q_i|
-            else:
-                b_rs = tl.zeros([BT], dtype=tl.float32) + scale
-            b_o = _dot(b_q, b_hc, PREC, DOT_F32) * (_exp(b_G, PRECISE) * b_rs)[:, None]   # inter-chunk
-            keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None]
             if PRECISE:
                 b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
             else:
                 b_Gl = b_G
-            # precision hazard: mask before exp (above the diagonal G_i - G_j >= 0 may overflow)
-            b_Aq = _dot(b_q, tl.trans(b_k), PREC, DOT_F32) \
-                * _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0), PRECISE)
-            b_Aq = tl.where(keep, b_Aq * b_rs[:, None], 0.0)
-            b_vo = b_v.to(o.dtype.element_ty)                          # v_new as stored in kernel 4's path
-            b_o += _dot(b_Aq.to(b_vo.dtype), b_vo, PREC, DOT_F32)                             # intra-chunk
+            b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, m_r, scale, BT, L2NORM, PREC,
+                                DOT_F32, PRECISE, EPS)
             tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
         else:
             tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
