@@ -9,7 +9,9 @@ state; chunk size 64 (fast's default). Cases:
   - causal conv1d forward: T = 16384, D = 8192, W = 4, silu, bf16;
   - refgdn (the oracle, float32 compute on the GPU) at T = 4096 only, timed twice;
   - per-kernel breakdown of fast's (and fla's) chunk forward at T = 65536 (torch.profiler);
-  - a conv1d config sweep (BT x BD x warps) to choose the pinned config.
+  - a conv1d config sweep (BT x BD x warps) to choose the pinned config;
+  - the error of o and the final state against the float64 truth (fast's two output paths, fla);
+  - host and device time per call of the chunk forward at short lengths (which of the two bounds a call).
 
 FLOPs of the chunked forward (matmul FLOPs of the algorithm, 2 per multiply-add, per value head,
 chunk size C, head dims K and V, per chunk of C tokens; counted per value head as computed, even
@@ -396,6 +398,53 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seed: int = 1) -> list
     return rows
 
 
+def graph_replay_ms(fn: Callable[[], object]) -> float:
+    """Device time of one call: ``fn`` captured in a CUDA graph (after three warm calls on a side stream), the
+    replay timed by do_bench. Host work is not in it: compare with the eager time to see which bounds a call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return common.bench(graph.replay)
+
+
+def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int = 50) -> list:
+    """Per call of the chunk forward (an initial state, the final state written), fast and fla: the eager time
+    (do_bench: what the main table reports), the host time (``iters`` back-to-back calls with no sync, per call:
+    the Python, checks, allocations and launches; the GPU keeps up while it is shorter than the device time),
+    and the device time (the call replayed from a CUDA graph). A call whose host time exceeds its device time is
+    host-bound: its eager time is the host's."""
+    import fast
+    fla = common.try_import_fla()
+    rows = []
+    for B, T in cases:
+        q, k, v, g, beta, S0 = gdn_inputs(T, device, N=B, B=B)
+        impls = [("fast", lambda: fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S0,
+                                                              output_final_state=True, chunk_size=CHUNK))]
+        if fla is not None and fla.chunk_gated_delta_rule is not None:
+            impls.append(("fla 0.6.0", common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta,
+                                                           initial_state=S0, output_final_state=True)[0]))
+        for name, fn in impls:
+            eager = common.bench(fn)
+            host = common.wall_us(fn, iters=iters, repeats=5, sync=lambda: None)
+            common.synchronize(device)
+            try:
+                dev = graph_replay_ms(fn)
+            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: no device row
+                print(f"host_rows: {name} B={B} T={T}: capture failed: {type(e).__name__}: {e}", file=sys.stderr)
+                dev = float("nan")
+            rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
+                         "device us": dev * 1e3, "bound by": "-" if dev != dev else "host" if host > dev * 1e3 else "device"})
+        del q, k, v, g, beta, S0
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_sections(device: str = "cuda") -> list:
     """[(title, rows, meta)]: the main table, the T=65536 breakdown, the conv1d config sweep."""
     tflops = common.matmul_tflops(device)
@@ -417,6 +466,8 @@ def run_sections(device: str = "cuda") -> list:
                      {"ceiling": f"copy {gbs:.0f} GB/s"}))
     sections.append(("Prefill: error against the float64 truth (refgdn float64 on the same rounded inputs)",
                      error_rows(device), {"error": "max |x - truth| / max |truth|, bf16 inputs, an initial state"}))
+    sections.append(("Prefill: host and device time per call (chunk forward)", host_rows(device),
+                     {"host us": "back-to-back calls without a sync, per call", "device us": "CUDA graph replay"}))
     return sections
 
 

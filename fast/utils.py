@@ -16,13 +16,21 @@ import torch
 from refgdn.checks import host_offsets
 
 
+_INTERPRETING = None     # TRITON_INTERPRET as read by the first is_interpreting() call
+
+
 def is_interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
 
     Kernels use it to pick a single pinned config (the interpreter has no benchmarker) and to
-    cast ``tl.dot`` operands to float32 (bf16 dots are wrong in the interpreter).
+    cast ``tl.dot`` operands to float32 (bf16 dots are wrong in the interpreter). Read from the
+    environment once: Triton fixes the choice when a kernel is defined (fast sets the variable before
+    defining any), and the launchers ask several times per call.
     """
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    global _INTERPRETING
+    if _INTERPRETING is None:
+        _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING
 
 
 def cdiv(a: int, b: int) -> int:

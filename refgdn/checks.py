@@ -104,8 +104,14 @@ def one_host_read(fn):
     """Decorator: ``fn`` runs inside :func:`one_host_read_scope`."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with one_host_read_scope():
+        # one_host_read_scope() written out: this wrapper runs on every op call (host time of eager calls)
+        if getattr(_HOST, "memo", None) is not None:       # inside a scope already: it holds
             return fn(*args, **kwargs)
+        _HOST.memo = {}
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _HOST.memo = None
     return wrapped
 
 

@@ -213,6 +213,38 @@ def test_no_final_state_and_default_scale():
     assert s is None and torch.equal(o, o2)
 
 
+def test_repeated_calls_launch_through_the_signature_plan():
+    """A dense call whose signature passed the checks before skips them and launches through the signature's
+    LaunchPlan (fast.launch; on a GPU each kernel's compiled launcher is reused): the same results as the plain
+    forward, bit for bit; one plan per signature; an input that would fail the checks never reaches a plan."""
+    fc.clear_plan_cache()
+    (q, k, v, g, beta, h0), _ = _inputs(2, 40, 1, 2, 16, 16, torch.float32, init=True)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    for _ in range(3):
+        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fc._PLANS.entries) == 1
+    plan = next(iter(fc._PLANS.entries.values()))
+    fused = fc.state_fuses_output(2, 2, 16, 16, q.device)                  # (always in the interpreter)
+    assert [s[0].__name__ for s in plan.slots] == (["chunk_kkt_inv_kernel", "chunk_state_kernel"] if fused else [
+        "chunk_kkt_inv_kernel", "chunk_w_u_kernel", "chunk_state_kernel", "chunk_output_kernel"])
+    o1, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.25)   # the scale's value
+    o2, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.5)    # is passed per call
+    assert len(fc._PLANS.entries) == 2 and not torch.equal(o1, o2)
+    assert torch.equal(o2, fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, scale=0.5)[0])
+    qs = torch.cat([q, q], dim=-1)[..., :16]                                  # same shape, other strides
+    assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])
+    assert len(fc._PLANS.entries) == 3
+    with pytest.raises(ValueError, match="initial_state"):                   # a known shape family, a bad state
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, chunk_size=16)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, chunk_size=24))
+    assert len(fc._PLANS.entries) == 3
+    fc.clear_plan_cache()
+
+
 def test_float64_runs_the_oracle():
     xs = gdn_inputs(1, 20, 1, 2, 8, 8, seed=1, init=True)
     for f_op, r_op in ((fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule),

@@ -211,3 +211,126 @@ def test_carved_regions(fake):
     assert base[64:96].view(torch.int32).tolist() == [7] * 8
     r(*_args(x, y))
     assert k.log[-1][0] == "fast" and k.log[-1][1][9:11] == (base.data_ptr(), base.data_ptr() + 64)
+
+
+def test_launch_plan_positions(fake):
+    """fast.launch.launch: outside a LaunchPlan block always ``fn[grid]``; inside, the i-th launch reuses the
+    plan's i-th Relaunch only for the same kernel, grid and keyword arguments (else it takes its place)."""
+    k, _ = fake
+    k2 = FakeKernel()
+    k2.log = k.log
+    k2.compiled = FakeCompiled(k.log)
+    x, y = torch.zeros(64), torch.zeros(64)
+    kinds = lambda n: [e[0] for e in k.log[-n:]]  # noqa: E731
+
+    fl.launch(k, (1,), dict(A=1), *_args(x, y))
+    fl.launch(k, (1,), dict(A=1), *_args(x, y))
+    assert kinds(2) == ["slow", "slow"]                # no plan: JITFunction.run every time
+
+    plan = fl.LaunchPlan()
+
+    def step(a2=2, grid2=(2,), kern2=k2):
+        with plan:
+            fl.launch(k, (1,), dict(A=1), *_args(x, y))
+            fl.launch(kern2, grid2, dict(A=a2), *_args(x, y))
+
+    step()
+    assert kinds(2) == ["slow", "slow"] and len(plan.slots) == 2
+    step()
+    assert kinds(2) == ["fast", "fast"]                # positions 0 and 1 reused
+    assert k.log[-1][1][:3] == (2, 1, 1)               # the second launch's own grid
+    step(a2=3)                                         # another constexpr at position 1: a new Relaunch there
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][2] == dict(A=3)
+    step(grid2=(4,))                                   # another grid
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][1] == (4,)
+    step(grid2=(4,), kern2=k)                          # another kernel
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][0] is k
+    step(grid2=(4,), kern2=k)
+    assert kinds(2) == ["fast", "fast"] and len(plan.slots) == 2
+
+    inner = fl.LaunchPlan()
+    with plan:                                         # blocks nest; each keeps its own position
+        fl.launch(k, (1,), dict(A=1), *_args(x, y))
+        with inner:
+            fl.launch(k, (9,), dict(A=1), *_args(x, y))
+        fl.launch(k, (4,), dict(A=2), *_args(x, y))    # the outer plan's position 1, as step() left it
+    assert kinds(3) == ["fast", "slow", "fast"] and len(inner.slots) == 1
+    fl.launch(k, (1,), dict(A=1), *_args(x, y))        # after the blocks: no plan again
+    assert kinds(1) == ["slow"]
+
+
+def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
+    """Fresh process, stand-in sm_90 driver: fast.chunk_gated_delta_rule's second call with a signature launches
+    each kernel through its plan's Relaunch, which hands the compiled launcher the arguments JITFunction.run
+    handed it on the first call (None arguments, the unfused four-kernel path and the fused one included)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {root!r})
+        from triton.runtime.jit import JITFunction
+        real_run = JITFunction.run
+        from benchmarks.sm90 import install_compile_only
+        calls = []
+
+        def on_compile(name, kernel):
+            kernel._run = lambda *a, _n=name: calls.append((_n, a))   # the C launch, recorded
+            kernel.module, kernel._module_pid = "stand-in", -1          # no module to load or unload
+
+        install_compile_only(on_compile)
+        compile_only = JITFunction.run
+        import torch
+        import fast, fast.launch as fl
+        from fast import chunk as fc
+        runs = []
+
+        def counting_run(self, *a, **k):
+            runs.append(self)
+            return real_run(self, *a, **k)
+
+        def inputs(B, H, HV, init):
+            g = torch.Generator().manual_seed(0)
+            q, k = (torch.randn(B, 64, H, 64, generator=g).bfloat16() for _ in range(2))
+            v = torch.randn(B, 64, HV, 64, generator=g).bfloat16()
+            gg, beta = -torch.rand(B, 64, HV, generator=g), torch.rand(B, 64, HV, generator=g).bfloat16()
+            return q, k, v, gg, beta, (torch.zeros(B, HV, 64, 64) if init else None)
+
+        # (B, H, HV, initial state + final state + l2norm): four kernels with every optional tensor; four kernels
+        # with none (None arguments); the fused two-kernel path (N * HV * cdiv(V, 64) >= 132 // 2)
+        for B, H, HV, full in ((1, 2, 4, True), (1, 2, 4, False), (3, 2, 32, True)):
+            q, k, v, gg, beta, h0 = inputs(B, H, HV, full)
+            call = lambda: fast.chunk_gated_delta_rule(q, k, v, gg, beta, initial_state=h0, output_final_state=full,
+                                                       use_qk_l2norm_in_kernel=full)
+            JITFunction.run = compile_only
+            fl._JIT_RUN = compile_only
+            call()                            # compiles (sm_90)
+            JITFunction.run = counting_run    # from here on JITFunction.run launches (into the recorders)
+            fl._JIT_RUN = counting_run
+            fc.clear_plan_cache()
+            runs.clear(); calls.clear()
+            call()                            # a new plan: its launches go through JITFunction.run
+            slow, n_slow = list(calls), len(runs); calls.clear()
+            call()                            # the same plan: Relaunch
+            fast_ = list(calls)
+            want = ["chunk_kkt_inv_kernel", "chunk_state_kernel"] if HV == 32 else [
+                "chunk_kkt_inv_kernel", "chunk_w_u_kernel", "chunk_state_kernel", "chunk_output_kernel"]
+            assert [n for n, _ in slow] == want, slow
+            assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
+            assert [n for n, _ in fast_] == want
+            for (n, a), (_, b) in zip(slow, fast_):
+                assert len(a) == len(b), (n, len(a), len(b))
+                for i, (u, w) in enumerate(zip(a, b)):
+                    if i == 6:                 # launch metadata (read by hooks only): Relaunch passes None
+                        assert w is None, (n, i, w)
+                    elif i in (7, 8):          # the hook slots: None where Triton's are empty
+                        assert w is None and fl._silent(u), (n, i, u, w)
+                    elif hasattr(u, "data_ptr"):   # an address: the caller's tensor's own, or a fresh aligned one
+                        assert type(w) is int and w % 16 == 0, (n, i, u, w)
+                        if any(u is t for t in (q, k, v, gg, beta, h0)):
+                            assert w == u.data_ptr(), (n, i)
+                    else:
+                        assert type(u) is type(w) and u == w, (n, i, u, w)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -88,6 +88,9 @@ import torch
 
 import refgdn
 from refgdn.checks import check_gdn_inputs, one_host_read
+from refgdn.serving import _tensor_sig
+
+from ..launch import LaunchPlan, PlanCache
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
@@ -134,21 +137,70 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
     """
-    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
+    # dense calls: a signature whose call passed the checks before skips them and launches through its plan
+    sig = None if cu_seqlens is not None or cu_seqlens_cpu is not None else _dense_signature(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
+        chunk_size)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
                          cu_seqlens_cpu)       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
-    if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                             cu_seqlens_cpu)
-    _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+        if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+            return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                                 cu_seqlens_cpu)
+        _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
         o, final, *_ = library.chunk_gated_delta_rule_op(
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, (final if output_final_state else None)
-    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+    if sig is None:
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+    if plan is None:
+        plan = LaunchPlan()
+        _PLANS.put(sig, plan)
+    with plan:
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, None,
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+
+
+# ============================================================================================
+# the eager forward's host path, cached by call signature
+# ============================================================================================
+
+# Dense signatures that passed check_gdn_inputs -> the LaunchPlan of their launches (fast.launch): a repeated call
+# skips the checks and launches each kernel through Triton's compiled launcher instead of JITFunction.run.
+# H100 host, B = 1, T = 4096, bf16 (2026-11-24): ~320 us of host time per call before, against ~257 us of device
+# time (a CUDA graph's replay), so the call was host-bound; fla's is ~600 us.
+_PLANS = PlanCache(64)
+
+
+def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
+                     dt_bias, chunk_size) -> Optional[tuple]:
+    """A hashable summary of everything check_gdn_inputs reads and the forward's launches depend on, for a call
+    without cu_seqlens, or None (the caller then checks in full and keeps no plan).
+
+    Two calls with equal signatures pass or fail the checks alike and launch the same kernels with the same
+    configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving._tensor_sig; None-ness
+    included), type(scale) (check_scale reads only the type; the value is passed per call), and the flags and
+    chunk_size with their types (anything but a bool flag: None). Recomputed on every call from the tensors, so
+    a tensor changed in place gives another signature. The check's value rules concern cu_seqlens only."""
+    if type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool:
+        return None
+    try:
+        return (_tensor_sig(q), _tensor_sig(k), _tensor_sig(v), _tensor_sig(g), _tensor_sig(beta),
+                _tensor_sig(initial_state), _tensor_sig(A_log), _tensor_sig(dt_bias), type(scale),
+                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size)
+    except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
+        return None
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached signature (the next call of each checks in full). Tests and benchmarks."""
+    _PLANS.clear()
 
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)

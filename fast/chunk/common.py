@@ -12,6 +12,7 @@ head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_c
 """
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 from typing import Optional, Tuple
 
@@ -214,8 +215,15 @@ def _gdiff(Ga, Gla, Gb, Glb, PRECISE: tl.constexpr):
 # ============================================================================================
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    """The device's SM count (132, an H100 SXM / H200, for a non-CUDA device). Cached per device: the
+    forward's configs ask three times per call, and each property lookup is a torch.cuda call."""
+    return _sm_count(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(kind: str, index: Optional[int]) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(torch.device(kind, index)).multi_processor_count
     return 132  # H100 SXM / H200
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 import refgdn
 from refgdn.checks import check_chunk_size
 
+from ..launch import launch
 from ..utils import cdiv, is_interpreting
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_coords, _Chunks, _dot, _exp,
                      _fp32_prec, _gdiff, _is_fp64, _precise, _unit_last)
@@ -133,13 +134,14 @@ def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
-    return chunk_output_kernel[(ch.total * HV * cdiv(V, BV),)](
-        q, k, v_new, h, G, G if Gl is None else Gl, o,
-        ch.cu_seqlens, ch.indices, T, ch.NT, float(scale),
-        *q.stride()[:3], *k.stride()[:3],
+    kw = dict(
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, L2NORM=l2norm_q, PREC=_fp32_prec(q.dtype), DOT_F32=is_interpreting(),
         PRECISE=precise, EPS=L2NORM_EPS, **cfg)
+    return launch(chunk_output_kernel, (ch.total * HV * cdiv(V, BV),), kw,
+        q, k, v_new, h, G, G if Gl is None else Gl, o,
+        ch.cu_seqlens, ch.indices, T, ch.NT, float(scale),
+        *q.stride()[:3], *k.stride()[:3])
 
 
 def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, G: torch.Tensor,

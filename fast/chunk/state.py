@@ -20,6 +20,7 @@ import triton.language as tl
 import refgdn
 from refgdn.checks import check_chunk_size
 
+from ..launch import launch
 from ..utils import cdiv, is_interpreting
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
                      _num_sms, _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
@@ -266,15 +267,16 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         w = u = v_new                                   # (not read)
     else:
         A, v, beta = v_new, v_new, G                    # (not read)
-    return chunk_state_kernel[(cdiv(V, BV), N * HV)](
-        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
-        ch.cu_seqlens, ch.offsets, T, ch.NT, float(scale),
-        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3],
+    kw = dict(
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
         OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
+    return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
+        ch.cu_seqlens, ch.offsets, T, ch.NT, float(scale),
+        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3])
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,

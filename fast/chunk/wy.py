@@ -22,6 +22,7 @@ import triton.language as tl
 import refgdn
 from refgdn.checks import check_chunk_size
 
+from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
                      _check_fast_limits, _chunk_coords, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff,
@@ -429,10 +430,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
         return
-    return chunk_kkt_inv_kernel[(ch.total * HV,)](
-        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
-        ch.cu_seqlens, ch.indices, T, ch.NT,
-        *k.stride()[:3], *g.stride(), *beta.stride(),
+    kw = dict(
         H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=BK,
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
         LOAD_G=load_g, STORE_G=store_g, DO_A=do_a,
@@ -442,6 +440,10 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
         **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
+    return launch(chunk_kkt_inv_kernel, (ch.total * HV,), kw,
+        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
+        ch.cu_seqlens, ch.indices, T, ch.NT,
+        *k.stride()[:3], *g.stride(), *beta.stride())
 
 
 def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None,
@@ -452,14 +454,15 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
     BK, BV = _blocks(K, V)
     if ch.total == 0 or HV == 0:
         return
-    return chunk_w_u_kernel[(ch.total * HV,)](
-        k, v, beta, G, A, w, u,
-        ch.cu_seqlens, ch.indices, T, ch.NT,
-        *k.stride()[:3], *v.stride()[:3], *beta.stride(),
+    kw = dict(
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
         PRECISE=precise, UPCAST=_upcast(prec_of),
         **_cfg("w_u", w_u_config(K, V), configs))
+    return launch(chunk_w_u_kernel, (ch.total * HV,), kw,
+        k, v, beta, G, A, w, u,
+        ch.cu_seqlens, ch.indices, T, ch.NT,
+        *k.stride()[:3], *v.stride()[:3], *beta.stride())
 
 
 # stage twins of refgdn.delta_rule (same names and leading arguments; each runs one kernel).
@@ -516,7 +519,6 @@ def _wy_repr(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, chunk_size: i
                 chunk_size, l2norm=False, load_g=True, store_g=False, do_a=True, precise=_precise(k.dtype),
                 inv_method=inv_method)
     return A
-
 
 def w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, G: torch.Tensor,
         chunk_size: int, cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
