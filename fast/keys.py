@@ -276,7 +276,8 @@ def _fp64(*ts) -> bool:
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                            chunk_size=64, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
-    """Keys of fast.chunk_gated_delta_rule: its four kernels at chunk size BT = chunk_size (float64 runs
+    """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
+    BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
     cu_seqlens_cpu changes no key (the kernels read a checked copy of cu_seqlens in its dtype)."""
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -288,13 +289,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     varlen = cu_seqlens is not None
     precise = _chunk._precise(v.dtype)
     l2 = bool(use_qk_l2norm_in_kernel)
-    BK, BV_all = _chunk._blocks(K, V)
+    BK, _ = _chunk._blocks(K, V)
     cu, tab = _dt(cu_seqlens), (_I32 if varlen else None)
     total = T > 0 if varlen else B * cdiv(T, BT) > 0           # some chunk exists
     interp = is_interpreting()
     dev = device if device is not None else q.device
-    from_a = _chunk.state_from_a(N, HV, K, V, dev)            # the state pass forms v_new (kernel 2 not run)
-    fused = _chunk.state_fuses_output(N, HV, K, V, dev)       # ... and o (kernel 4 not run)
+    fused = _chunk.state_fuses_output(N, HV, K, V, dev)       # the state pass forms o too (kernel 4 not run)
     out = []
 
     def opts(cfg):
@@ -313,26 +313,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
                  kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
-    if total and HV and not from_a:
-        out.append(CompileKey.make(
-            "chunk_w_u_kernel",
-            dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV_all, IS_VARLEN=varlen,
-                 PREC=_chunk._fp32_prec(kdt), DOT_F32=interp, PRECISE=precise, UPCAST=False),
-            dict(k=kdt, v=v.dtype, beta=beta.dtype, G=_F32, A=kdt, w=kdt, u=v.dtype, cu_seqlens=cu,
-                 chunk_indices=tab),
-            opts(_chunk._cfg("w_u", _chunk.w_u_config(K, V)))))
     if N * HV:
         cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
         hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
-        wy = (dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype) if from_a
-              else dict(w=k.dtype, u=v.dtype, A=v.dtype, v=v.dtype, beta=_F32))
+        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype)     # v_new from A (FROM_A)
         qo = dict(q=q.dtype, o=v.dtype) if fused else dict(q=k.dtype, o=v.dtype)
         out.append(CompileKey.make(
             "chunk_state_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
-                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=from_a,
+                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, **hv_new, **wy, **qo),

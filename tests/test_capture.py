@@ -201,12 +201,11 @@ def test_keys_match_fast_launches():
         F.l2norm(q)
     names = [key.kernel for key in log.launched]
     assert names.count("gdn_step_kernel") == 3 and "chunk_state_kernel" in names and "accept_kernel" in names
-    # prefill: kernels 1 and 3; kernel 2 unless the state pass forms v_new itself (fast.chunk.state_from_a), kernel 4
-    # unless it forms o too (fast.chunk.state_fuses_output)
-    from_a = fast.chunk.state_from_a(2, HV, K, V, torch.device(DEV))
+    # prefill: kernels 1 and 3 (the state pass forms v_new itself: kernel 2 never runs in the forward), kernel 4
+    # unless the pass forms o too (fast.chunk.state_fuses_output)
     fused = fast.chunk.state_fuses_output(2, HV, K, V, torch.device(DEV))
-    prefill = 4 - from_a - fused
-    assert ("chunk_w_u_kernel" in names) == (not from_a) and ("chunk_output_kernel" in names) == (not fused)
+    prefill = 3 - fused
+    assert "chunk_w_u_kernel" not in names and ("chunk_output_kernel" in names) == (not fused)
     # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
     assert len(log.launched) == 13 + prefill
 

@@ -262,7 +262,7 @@ def test_launch_plan_positions(fake):
 def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
     """Fresh process, stand-in sm_90 driver: fast.chunk_gated_delta_rule's second call with a signature launches
     each kernel through its plan's Relaunch, which hands the compiled launcher the arguments JITFunction.run
-    handed it on the first call (None arguments, the unfused four-kernel path and the fused one included)."""
+    handed it on the first call (None arguments, the three-kernel path and the fused two-kernel one included)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = textwrap.dedent(f"""
         import sys
@@ -294,7 +294,7 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             gg, beta = -torch.rand(B, 64, HV, generator=g), torch.rand(B, 64, HV, generator=g).bfloat16()
             return q, k, v, gg, beta, (torch.zeros(B, HV, 64, 64) if init else None)
 
-        # (B, H, HV, initial state + final state + l2norm): four kernels with every optional tensor; four kernels
+        # (B, H, HV, initial state + final state + l2norm): three kernels with every optional tensor; three kernels
         # with none (None arguments); the fused two-kernel path (N * HV * cdiv(V, 64) >= 132 // 2)
         for B, H, HV, full in ((1, 2, 4, True), (1, 2, 4, False), (3, 2, 32, True)):
             q, k, v, gg, beta, h0 = inputs(B, H, HV, full)
@@ -311,8 +311,7 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             slow, n_slow = list(calls), len(runs); calls.clear()
             call()                            # the same plan: Relaunch
             fast_ = list(calls)
-            want = ["chunk_kkt_inv_kernel", "chunk_state_kernel"] if HV == 32 else [
-                "chunk_kkt_inv_kernel", "chunk_w_u_kernel", "chunk_state_kernel", "chunk_output_kernel"]
+            want = ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + ([] if HV == 32 else ["chunk_output_kernel"])
             assert [n for n, _ in slow] == want, slow
             assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
             assert [n for n, _ in fast_] == want

@@ -28,16 +28,17 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (inv_method), the
            off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
            A stored in k's dtype (fp32 for fp32 inputs)
-  2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel
+  2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel (the backward's recompute; the
+                                                           forward with from_a=False)
        w = A (beta exp(G) K),  u = A (beta V)                             (two [BT, BT] x [BT, *] dots)
   3. ``chunk_state_kernel``    grid (cdiv(V, BV), N * HV)  sequential over the chunks of a sequence
        h[c] = S (stored in k's dtype);  v_new = u - w S (stored);
        S <- exp(G_last) S + K^T (exp(G_last - G) v_new)                   (S: fp32 [K, BV] in registers)
-       With many (sequence, head) pairs (state.state_from_a: batches, varlen mixes) the forward skips kernel 2
-       and the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta (FROM_A): w and u
-       never go through HBM; at B = 1 the extra dependent dot per chunk would lengthen the latency-bound pass.
-       With many pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage twin state_output_wy):
-       kernel 4's products on the chunk-start state and v_new it holds, so h and v_new are never stored.
+       The forward skips kernel 2: the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta
+       (FROM_A), so w and u never go through HBM and v_new is rounded once (kernel 2's path rounds w and u, then
+       v_new). With many (sequence, head) pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage
+       twin state_output_wy): kernel 4's products on the chunk-start state and v_new it holds, so h and v_new
+       are never stored.
   4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel (not run when fused into 3)
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
@@ -101,7 +102,7 @@ from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECIS
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
                  _kk_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
                  chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, w_u, w_u_config, wy_repr)
-from .state import (_launch_state, chunk_state_kernel, state_config, state_from_a, state_fuses_output,  # noqa: F401
+from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses_output,  # noqa: F401
                     state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
@@ -207,15 +208,20 @@ def clear_plan_cache() -> None:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                               keep_kkt: bool = False, from_a: Optional[bool] = None,
+                               keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
     keep_kkt: also return kernel 1's outputs, (o, final, (A [B, T, HV, BT], G [B, T, HV] fp32, kn [B, T, H, K]
     or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd).
-    from_a: whether the state pass forms v_new from A (kernel 2 skipped); None: fast.chunk.state.state_from_a's
-    rule (tests run both). fuse_output: whether the state pass also forms o (kernel 4 skipped, h and v_new never
+    from_a: whether the state pass forms v_new from A (kernel 2 not run; the default): False runs kernel 2 first
+    and the pass reads w and u, as fla does (tests and benchmarks run both). Whole forward, H100, Triton 3.6, bf16,
+    Qwen3-Next shape (2026-11-24): as fast at B = 1 (T=16384 0.931-0.946 ms vs 0.941-0.949, T=65536 3.658-3.672
+    vs 3.659-3.665; an H200 run of 2026-11-24 had FROM_A 5 % slower there), 20 % faster in batches (B=4 T=4096
+    0.632 vs 0.772, H200), and more accurate: o's error against the float64 truth, B=1 T=4096, mean of 5 seeds,
+    max-norm / Frobenius, 6.40e-3 / 3.35e-3 against 6.89e-3 / 3.71e-3 for kernel 2's path (fla 0.6.0: 6.78e-3
+    / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped, h and v_new never
     stored); None: fast.chunk.state.state_fuses_output's rule (tests run both)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -250,7 +256,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)   # chunk-start states
         v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
         out = None
-    if state_from_a(N, HV, K, V, dev) if from_a is None else from_a:
+    if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
                       wy=(A, v, beta), out=out)

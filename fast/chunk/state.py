@@ -209,31 +209,20 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
-def state_from_a(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
-    """Whether the forward's state pass forms v_new from A itself (the kernel's FROM_A; kernel 2 then does not
-    run): when the pass has enough (sequence, head) pairs for state_config's widest blocks (BV 64 from half a
-    program per SM). FROM_A adds a dependent [BT, BT] x [BT, BV] dot to every chunk step and saves kernel 2's
-    round trip of w and u through HBM (kernel 2 runs at the copy roofline). Whole forward, H200, Triton 3.6,
-    bf16, Qwen3-Next shape, 2026-11-24 (benchmarks.bench_prefill.state_sweep; kernel 2 / FROM_A, ms): B=8
-    T=2048 0.779 / 0.635; B=4 T=4096 0.772 / 0.632; B=2 T=8192 0.773 / 0.726; but B=1 T=16384 0.868 / 0.911 and
-    T=65536 3.35 / 3.54 (state pass 1.27 -> 2.00 ms): with 32 (sequence, head) pairs the pass is latency-bound per
-    program (one per SM) and nothing hides the extra dot. Varlen, 16 sequences / 32760 tokens: 2.10 -> 1.62 ms
-    (fla 1.83). The interpreter always takes FROM_A (the CPU tests cover it; speed is moot there)."""
+def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+    """Whether the forward's state pass also forms o (the kernel's OUTPUT; kernel 4 does not run and h, v_new never
+    go through HBM): when the pass has enough (sequence, head) pairs for state_config's widest blocks (BV 64 from
+    half a program per SM). Q S and Q K^T double the pass's products, off its dependent chain: paid in throughput,
+    so a win where the pass has programs to spare and a loss at B = 1, where one program per SM walks its chunks
+    latency-bound. Whole forward, H100, Triton 3.6, bf16, Qwen3-Next shape, ms (kernel 4 / fused, each at its
+    pinned config; benchmarks.bench_prefill.state_sweep, 2026-11-24): B=2 T=8192 0.780 / 0.695; B=4 T=4096
+    0.708 / 0.584; B=8 T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens
+    2.05 / 1.51; but B=1 T=16384 0.949 / 1.037-1.108 and T=65536 3.66 / 4.04-4.26 (the pass alone 3.4 ms against
+    1.3 + kernel 4's 1.07; every BV and stage count tried: RESULTS.md, 20:20). The interpreter always fuses (the
+    CPU tests cover it)."""
     if is_interpreting():
         return True
     return N * HV * cdiv(V, 64) >= _num_sms(device) // 2
-
-
-def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
-    """Whether the forward's state pass also forms o (the kernel's OUTPUT; kernel 4 does not run and h, v_new never
-    go through HBM): with as many (sequence, head) pairs as state_from_a asks (the two go together in the forward).
-    Q S and Q K^T double the pass's products, off its dependent chain: paid in throughput, so a win where the pass
-    has programs to spare and a loss at B = 1, where one program per SM walks its chunks latency-bound. Whole
-    forward, H100, Triton 3.6, bf16, Qwen3-Next shape, ms (kernel 4 / fused, each at its pinned config;
-    benchmarks.bench_prefill.state_sweep, 2026-11-24): B=2 T=8192 0.780 / 0.695; B=4 T=4096 0.708 / 0.584; B=8
-    T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens 2.05 / 1.51; but B=1
-    T=16384 0.953 (without FROM_A) / 1.086. The interpreter always fuses (the CPU tests cover it)."""
-    return state_from_a(N, HV, K, V, device)
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
