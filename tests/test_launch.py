@@ -134,64 +134,77 @@ def test_relaunch_never_records_unaligned_or_unknown(fake):
     assert [e[0] for e in k.log[4:]] == ["slow", "slow"]
 
 
+# The stand-in sm_90 driver for a fresh process (benchmarks/sm90.py): real compiles, every C launch recorded into
+# `calls` as (kernel name, arguments); `counting_run` is JITFunction.run that also counts its calls into `runs`;
+# `same_launches(slow, fast_, static)` checks two recorded launch sequences argument by argument, where `static`
+# holds the addresses of the caller's tensors (Relaunch passes those as they are; the fresh outputs of a call may
+# sit at any other aligned address).
+_STAND_IN = """
+import sys
+sys.path.insert(0, {root!r})
+from triton.runtime.jit import JITFunction
+real_run = JITFunction.run
+from benchmarks.sm90 import install_compile_only
+calls, runs = [], []
+
+def on_compile(name, kernel):
+    kernel._run = lambda *a, _n=name: calls.append((_n, a))   # the C launch, recorded
+    kernel.module, kernel._module_pid = "stand-in", -1          # no module to load or unload
+
+install_compile_only(on_compile)
+compile_only = JITFunction.run
+import fast.launch as fl
+
+def counting_run(self, *a, **k):
+    runs.append(self)
+    return real_run(self, *a, **k)
+
+def same_launches(slow, fast_, static):
+    assert [n for n, _ in fast_] == [n for n, _ in slow], (slow, fast_)
+    for (n, a), (_, b) in zip(slow, fast_):
+        assert len(a) == len(b), (n, len(a), len(b))
+        for i, (u, v) in enumerate(zip(a, b)):
+            if i == 6:                 # launch metadata (read by hooks only): Relaunch passes None
+                assert v is None, (n, i, v)
+            elif i in (7, 8):          # the hook slots: None where Triton's are empty
+                assert v is None and fl._silent(u), (n, i, u, v)
+            elif hasattr(u, "data_ptr"):   # an address: the caller's tensor's own, or a fresh aligned one
+                same = type(v) is int and (v == u.data_ptr() if u.data_ptr() in static
+                                           else v % 16 == 0 and v not in static)
+                assert same, (n, i, u, v)
+            else:
+                assert type(u) is type(v) and u == v, (n, i, u, v)
+"""
+
+
+def _run_stand_in(body: str) -> None:
+    """Run _STAND_IN + body in a fresh process (TRITON_INTERPRET=0); it must print OK."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _STAND_IN.format(root=root) + textwrap.dedent(body)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_relaunch_matches_jitfunction_run_on_installed_triton():
     """Fresh process, stand-in sm_90 driver: the launcher sees the same arguments both ways."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {root!r})
-        from triton.runtime.jit import JITFunction
-        real_run = JITFunction.run
-        from benchmarks.sm90 import install_compile_only
-        calls = []
-
-        def on_compile(name, kernel):
-            kernel._run = lambda *a, _n=name: calls.append((_n, a))   # the C launch, recorded
-            kernel.module, kernel._module_pid = "stand-in", -1          # no module to load or unload
-
-        install_compile_only(on_compile)
-        import fast.serving as fs, fast.launch as fl
+    _run_stand_in("""
+        import fast.serving as fs
         from benchmarks.host_overhead import make_step
         args = make_step("cpu")
         fs.gdn_decode(*args)              # compile-only: compiles both kernels (sm_90), builds the plan
-        static = {{t.data_ptr() for t in list(args[:7]) + args[7].tensors() + [args[8]]}}
-        runs = []
-
-        def counting_run(self, *a, **k):
-            runs.append(self)
-            return real_run(self, *a, **k)
-
+        static = {t.data_ptr() for t in list(args[:7]) + args[7].tensors() + [args[8]]}
         JITFunction.run = counting_run    # from here on JITFunction.run launches (into the recorders)
         fl._JIT_RUN = counting_run
         fs.clear_plan_cache()
         fs.gdn_decode(*args)              # a new plan: its first launches go through JITFunction.run
         slow = list(calls); calls.clear()
         fs.gdn_decode(*args)              # the same plan: Relaunch
-        fast_ = list(calls)
         assert len(runs) == 2, runs       # the third call did not go through JITFunction.run
         assert [n for n, _ in slow] == ["conv_step_kernel", "gdn_step_kernel"], slow
-        assert [n for n, _ in fast_] == [n for n, _ in slow]
-        for (n, a), (_, b) in zip(slow, fast_):
-            assert len(a) == len(b), (n, len(a), len(b))
-            for i, (u, v) in enumerate(zip(a, b)):
-                if i == 6:                 # launch metadata (read by hooks only): Relaunch passes None
-                    assert v is None, (n, i, v)
-                    continue
-                if i in (7, 8):            # the hook slots: None where Triton's are empty
-                    assert v is None and fl._silent(u), (n, i, u, v)
-                    continue
-                if hasattr(u, "data_ptr"):       # Relaunch passes each tensor's address: the caller's
-                    # tensors' own; y, o, snap are fresh per call (any aligned address but a caller's tensor's)
-                    same = type(v) is int and (v == u.data_ptr() if u.data_ptr() in static
-                                               else v % 16 == 0 and v not in static)
-                else:
-                    same = type(u) is type(v) and u == v
-                assert same, (n, i, u, v)
-        print("OK", len(slow[0][1]), len(slow[1][1]))
+        same_launches(slow, list(calls), static)
+        print("OK")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_carved_regions(fake):
@@ -263,29 +276,10 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
     """Fresh process, stand-in sm_90 driver: fast.chunk_gated_delta_rule's second call with a signature launches
     each kernel through its plan's Relaunch, which hands the compiled launcher the arguments JITFunction.run
     handed it on the first call (None arguments, the three-kernel path and the fused two-kernel one included)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {root!r})
-        from triton.runtime.jit import JITFunction
-        real_run = JITFunction.run
-        from benchmarks.sm90 import install_compile_only
-        calls = []
-
-        def on_compile(name, kernel):
-            kernel._run = lambda *a, _n=name: calls.append((_n, a))   # the C launch, recorded
-            kernel.module, kernel._module_pid = "stand-in", -1          # no module to load or unload
-
-        install_compile_only(on_compile)
-        compile_only = JITFunction.run
+    _run_stand_in("""
         import torch
-        import fast, fast.launch as fl
+        import fast
         from fast import chunk as fc
-        runs = []
-
-        def counting_run(self, *a, **k):
-            runs.append(self)
-            return real_run(self, *a, **k)
 
         def inputs(B, H, HV, init):
             g = torch.Generator().manual_seed(0)
@@ -310,26 +304,9 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             call()                            # a new plan: its launches go through JITFunction.run
             slow, n_slow = list(calls), len(runs); calls.clear()
             call()                            # the same plan: Relaunch
-            fast_ = list(calls)
             want = ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + ([] if HV == 32 else ["chunk_output_kernel"])
             assert [n for n, _ in slow] == want, slow
             assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
-            assert [n for n, _ in fast_] == want
-            for (n, a), (_, b) in zip(slow, fast_):
-                assert len(a) == len(b), (n, len(a), len(b))
-                for i, (u, w) in enumerate(zip(a, b)):
-                    if i == 6:                 # launch metadata (read by hooks only): Relaunch passes None
-                        assert w is None, (n, i, w)
-                    elif i in (7, 8):          # the hook slots: None where Triton's are empty
-                        assert w is None and fl._silent(u), (n, i, u, w)
-                    elif hasattr(u, "data_ptr"):   # an address: the caller's tensor's own, or a fresh aligned one
-                        assert type(w) is int and w % 16 == 0, (n, i, u, w)
-                        if any(u is t for t in (q, k, v, gg, beta, h0)):
-                            assert w == u.data_ptr(), (n, i)
-                    else:
-                        assert type(u) is type(w) and u == w, (n, i, u, w)
+            same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, h0) if t is not None})
         print("OK")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
