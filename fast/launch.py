@@ -297,3 +297,9 @@ class PlanCache:
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None

@@ -100,7 +100,6 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Optional
 
 import torch
@@ -111,7 +110,7 @@ import refgdn.serving as rs
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
-from .launch import Carved, Relaunch
+from .launch import Carved, PlanCache, Relaunch
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
@@ -1097,9 +1096,8 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 # ----------------------------------------------------------------------------------------------
 
 PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
-_PLANS: dict = {}        # key -> _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
+_PLANS = PlanCache(PLAN_CACHE_SIZE)   # key -> _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
 _LAST: dict = {}         # mode -> (key, plan) of its last call that passed the checks
-_STORE_LOCK = threading.Lock()   # _store's insert + evict (misses only; hits read without it)
 
 
 def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -1116,7 +1114,7 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     difference misses and runs the full checks again; a call that fails them is never stored; an argument
     the signature cannot describe (None returned) is always checked in full. The value rules are not
     cached: check_values=True reads the values on the host on every call, as before, and the kernels'
-    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (_store), plus the last
+    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (fast.launch.PlanCache), plus the last
     one per mode (_LAST, compared first: _known). The configs'
     other input, is_interpreting(), is fixed once fast is imported (fast/__init__ sets TRITON_INTERPRET
     before any kernel is defined), so it is not part of the key.
@@ -1155,7 +1153,7 @@ def _known(mode: str, key):
     last = _LAST.get(mode)
     if last is not None and key == last[0]:
         return last[1]
-    value = _cached(key)
+    value = _PLANS.get(key)
     if value is not None:
         _LAST[mode] = (key, value)
     return value
@@ -1164,43 +1162,14 @@ def _known(mode: str, key):
 def _remember(mode: str, key, value) -> None:
     """Remember a checked call's value under key (None: an argument the signature cannot describe)."""
     if key is not None:
-        _store(key, value)
+        _PLANS.put(key, value)
         _LAST[mode] = (key, value)
-
-
-def _cached(key):
-    """The value stored under key, or None."""
-    if key is None:
-        return None
-    try:
-        return _PLANS.get(key)
-    except TypeError:              # an unhashable attribute of a non-tensor argument: check in full
-        return None
-
-
-def _store(key, value) -> None:
-    """Store a checked call's value under key; beyond PLAN_CACHE_SIZE entries the oldest one goes.
-
-    First in, first out rather than least recently used: a hit then costs one hash and one compare of
-    the key (an LRU's reordering would hash it again); a working set larger than the bound only costs
-    full checks on the calls that miss.
-    """
-    if key is None:
-        return
-    with _STORE_LOCK:                  # two threads missing at once would both evict the same oldest key
-        try:
-            _PLANS[key] = value
-        except TypeError:
-            return
-        while len(_PLANS) > PLAN_CACHE_SIZE:
-            del _PLANS[next(iter(_PLANS))]
 
 
 def clear_plan_cache() -> None:
     """Forget every cached signature (the next call of each kind checks in full). Tests and benchmarks."""
-    with _STORE_LOCK:
-        _PLANS.clear()
-        _LAST.clear()
+    _PLANS.clear()
+    _LAST.clear()
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,

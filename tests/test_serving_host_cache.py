@@ -340,14 +340,16 @@ def test_signature_sees_in_place_changes():
 # ------------------------------------------------------------------------------------------------
 
 def test_store_is_bounded(monkeypatch):
+    assert fs._PLANS.size == fs.PLAN_CACHE_SIZE
     for i in range(3 * fs.PLAN_CACHE_SIZE):
-        fs._store(("test", i), i)
+        fs._PLANS.put(("test", i), i)
     assert len(fs._PLANS) == fs.PLAN_CACHE_SIZE
-    assert fs._cached(("test", 0)) is None and fs._cached(("test", 3 * fs.PLAN_CACHE_SIZE - 1)) is not None
-    assert fs._cached(("test", [1])) is None                          # unhashable: not cached, no error
+    assert fs._PLANS.get(("test", 0)) is None and fs._PLANS.get(("test", 3 * fs.PLAN_CACHE_SIZE - 1)) is not None
+    fs._PLANS.put(("test", [1]), 1)                                   # unhashable: not stored, no error
+    assert fs._PLANS.get(("test", [1])) is None and fs._PLANS.get(None) is None
     fs.clear_plan_cache()
     # through the ops: 5 batch sizes, a bound of 3 -> the first ones are checked again
-    monkeypatch.setattr(fs, "PLAN_CACHE_SIZE", 3)
+    monkeypatch.setattr(fs._PLANS, "size", 3)
     calls = []
     monkeypatch.setattr(fs, "check_step_inputs", lambda *a, **k: calls.append(a[8].shape[0]) or
                         rs.check_step_inputs(*a, **k))
@@ -361,8 +363,8 @@ def test_store_is_bounded(monkeypatch):
 def test_concurrent_misses_evict_safely(monkeypatch):
     """Two threads storing past the bound at once: each must evict one oldest entry, and neither may fail.
     Forced interleaving: the store's dict snapshots its keys when iterated, then waits until both threads
-    have iterated (or 0.5 s). Without fast.serving's store lock both pick the same oldest key and the second
-    `del` raises KeyError; with it the second thread waits for the first and evicts the next oldest."""
+    have iterated (or 0.5 s). Without the store's lock (fast.launch.PlanCache) both pick the same oldest key and the
+    second `del` raises KeyError; with it the second thread waits for the first and evicts the next oldest."""
     import threading
     barrier = threading.Barrier(2, timeout=0.5)
 
@@ -375,14 +377,14 @@ def test_concurrent_misses_evict_safely(monkeypatch):
                 pass
             return iter(keys)
 
-    monkeypatch.setattr(fs, "_PLANS", Interleaved())
-    monkeypatch.setattr(fs, "PLAN_CACHE_SIZE", 1)
-    fs._store(("old",), 0)
+    monkeypatch.setattr(fs._PLANS, "entries", Interleaved())
+    monkeypatch.setattr(fs._PLANS, "size", 1)
+    fs._PLANS.put(("old",), 0)
     errors = []
 
     def store(i):
         try:
-            fs._store(("new", i), i)
+            fs._PLANS.put(("new", i), i)
         except Exception as e:  # noqa: BLE001
             errors.append(repr(e))
     threads = [threading.Thread(target=store, args=(i,)) for i in range(2)]
@@ -390,7 +392,7 @@ def test_concurrent_misses_evict_safely(monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and len(fs._PLANS) == 1 and ("old",) not in fs._PLANS, (errors, dict(fs._PLANS))
+    assert errors == [] and len(fs._PLANS) == 1 and ("old",) not in fs._PLANS, (errors, dict(fs._PLANS.entries))
 
 
 def test_plan_follows_the_config_functions_in_use(monkeypatch):
