@@ -245,6 +245,43 @@ def test_repeated_calls_launch_through_the_signature_plan():
     fc.clear_plan_cache()
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")
+@pytest.mark.parametrize("T,segments,dtype,l2,init,from_a", [
+    pytest.param(4096, 4, torch.bfloat16, False, True, True, id="T4096-s4-bf16"),
+    pytest.param(1000, 3, torch.bfloat16, True, False, False, id="T1000-s3-bf16-l2-kernel2"),
+    pytest.param(777, 5, torch.float32, True, True, True, id="T777-s5-fp32-l2"),
+    pytest.param(130, 8, torch.float16, False, True, False, id="T130-s8-fp16-kernel2")])
+def test_pipelined_forward_is_bit_identical(T, segments, dtype, l2, init, from_a):
+    """One sequence's forward pipelined over segments (fast.chunk.pipeline: the state pass on a side stream, segment
+    by segment, beside the chunk-parallel kernels) gives the one-pass forward's results bit for bit: o, the final
+    state and kernel 1's kept outputs. Also inside a CUDA graph, replayed twice on new inputs."""
+    (q, k, v, g, beta, h0), _ = _inputs(1, T, 2, 4, 64, 32, dtype, init=True)
+    h0 = h0 if init else None
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, from_a=from_a, keep_kkt=True,
+              fuse_output=False)
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segments=1, **kw)
+    got = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segments=segments, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    # captured: the side stream forks from and joins the capturing stream
+    ins = [x.clone() for x in (q, k, v, g, beta)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fc.chunk_gated_delta_rule_fwd(*ins, segments=segments, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fc.chunk_gated_delta_rule_fwd(*ins, segments=segments, **kw)
+    for seed in (5, 6):
+        (q2, k2, v2, g2, beta2, _), _ = _inputs(1, T, 2, 4, 64, 32, dtype, init=True, seed=seed)
+        for dst, src in zip(ins, (q2, k2, v2, g2, beta2)):
+            dst.copy_(src)
+        graph.replay()
+        ref = fc.chunk_gated_delta_rule_fwd(q2, k2, v2, g2, beta2, segments=1, **kw)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_float64_runs_the_oracle():
     xs = gdn_inputs(1, 20, 1, 2, 8, 8, seed=1, init=True)
     for f_op, r_op in ((fast.chunk_gated_delta_rule, refgdn.chunk_gated_delta_rule),

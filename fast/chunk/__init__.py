@@ -106,6 +106,7 @@ from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses
                     state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
+from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
 
 
 # ============================================================================================
@@ -209,7 +210,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
                                keep_kkt: bool = False, from_a: bool = True,
-                               fuse_output: Optional[bool] = None):
+                               fuse_output: Optional[bool] = None, segments: Optional[int] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -221,8 +222,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     vs 3.659-3.665; an H200 run of 2026-11-24 had FROM_A 5 % slower there), 20 % faster in batches (B=4 T=4096
     0.632 vs 0.772, H200), and more accurate: o's error against the float64 truth, B=1 T=4096, mean of 5 seeds,
     max-norm / Frobenius, 6.40e-3 / 3.35e-3 against 6.89e-3 / 3.71e-3 for kernel 2's path (fla 0.6.0: 6.78e-3
-    / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped, h and v_new never
-    stored); None: fast.chunk.state.state_fuses_output's rule (tests run both)."""
+    / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped,
+    h and v_new never stored); None: fast.chunk.state.state_fuses_output's rule (tests run both). segments: how many
+    segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
+    for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -240,15 +243,20 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
+    S = pipeline_segments(N, T, BT, HV, V, dev, fused) if segments is None else segments
+    if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
+        pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
+                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
+        return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False, store_g=True,
                 do_a=True, precise=precise, configs=configs, inv_method=inv_method)
     if l2:
         k = kn                                                           # kernels 2-4 read the normalised k
 
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     if fused:
         h = v_new = None                                                 # never leave the pass
         out = (q, o, scale, l2)
