@@ -286,7 +286,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
     BT = chunk_size
-    varlen = cu_seqlens is not None
+    varlen = cu_seqlens is not None and N != 1             # one sequence runs as the dense B = 1 call
+    cu_seqlens = cu_seqlens if varlen else None
     precise = _chunk._precise(v.dtype)
     l2 = bool(use_qk_l2norm_in_kernel)
     BK, _ = _chunk._blocks(K, V)

@@ -115,6 +115,22 @@ def test_chunk_varlen_matches_per_sequence_calls():
         torch.testing.assert_close(s[n:n + 1], s_n, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [pytest.param(40, id="T40"), pytest.param(0, id="T0")])
+def test_one_sequence_varlen_is_the_dense_call(T):
+    """cu_seqlens = [0, T] (one sequence) runs as the dense B = 1 call: the same results bit for bit, the same
+    compile keys (fast.keys), no chunk tables (and, for a long sequence, the pipelined forward)."""
+    from fast import keys
+    (q, k, v, g, beta, h0), _ = _inputs(1, T, 1, 2, 16, 16, torch.float32, seed=4, init=True)
+    cu = torch.tensor([0, T], dtype=torch.int64, device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, chunk_size=16, use_qk_l2norm_in_kernel=True)
+    dense = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    for extra in (dict(), dict(cu_seqlens_cpu=cu.cpu())):
+        one = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw, **extra)
+        assert torch.equal(one[0], dense[0]) and torch.equal(one[1], dense[1])
+    assert keys.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw) == keys.chunk_gated_delta_rule(
+        q, k, v, g, beta, **kw)
+
+
 @pytest.mark.parametrize("bt,dtype", [(64, torch.float32), (32, torch.float16)], ids=["BT64-fp32", "BT32-fp16"])
 def test_chunk_config_variants(bt, dtype):
     """Non-default configs: several V-blocks in the state and output kernels (BV < V, the last one
