@@ -556,7 +556,7 @@ def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -
 # signatures: what the host checks above read, for callers that skip re-checking unchanged metadata
 # ----------------------------------------------------------------------------------------------
 
-def _tensor_sig(t):
+def tensor_signature(t):
     """A tensor's metadata as the checks see it: (type, shape, stride, dtype, device); None for None.
 
     shape and stride decide rank, numel and every contiguity the checks test (is_contiguous() and
@@ -567,11 +567,10 @@ def _tensor_sig(t):
 
 
 def _cache_sig(cache) -> tuple:
-    """type(cache) and every field's _tensor_sig: all that check_cache reads (fields may be reassigned)."""
-    c = cache
-    return (type(c), _tensor_sig(c.ssm_state), _tensor_sig(c.conv_state), _tensor_sig(c.pend_k),
-            _tensor_sig(c.pend_v), _tensor_sig(c.pend_g), _tensor_sig(c.pend_beta), _tensor_sig(c.pend_meta),
-            _tensor_sig(c.err))
+    """type(cache) and every field's tensor_signature: all that check_cache reads (fields may be reassigned)."""
+    c, ts = cache, tensor_signature
+    return (type(c), ts(c.ssm_state), ts(c.conv_state), ts(c.pend_k), ts(c.pend_v), ts(c.pend_g), ts(c.pend_beta),
+            ts(c.pend_meta), ts(c.err))
 
 
 def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -589,9 +588,9 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
     if activation is not None and type(activation) is not str:
         return None
     try:
-        return (_cache_sig(cache), type(scale), activation, _tensor_sig(mixed_qkv), _tensor_sig(a), _tensor_sig(b),
-                _tensor_sig(conv_weight), _tensor_sig(conv_bias), _tensor_sig(A_log), _tensor_sig(dt_bias),
-                _tensor_sig(state_indices), _tensor_sig(cu_seqlens))
+        ts = tensor_signature
+        return (_cache_sig(cache), type(scale), activation, ts(mixed_qkv), ts(a), ts(b), ts(conv_weight), ts(conv_bias),
+                ts(A_log), ts(dt_bias), ts(state_indices), ts(cu_seqlens))
     except Exception:  # noqa: BLE001 - not a tensor / not a cache: the full checks raise their own error
         return None
 
@@ -599,7 +598,7 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
 def materialize_signature(cache, state_indices) -> Optional[tuple]:
     """As step_signature, for :func:`check_cache` and :func:`check_state_indices` (gdn_materialize's checks)."""
     try:
-        return _cache_sig(cache), _tensor_sig(state_indices)
+        return _cache_sig(cache), tensor_signature(state_indices)
     except Exception:  # noqa: BLE001 - see step_signature
         return None
 
@@ -607,7 +606,7 @@ def materialize_signature(cache, state_indices) -> Optional[tuple]:
 def accept_signature(cache, state_indices, num_accepted) -> Optional[tuple]:
     """As step_signature, for :func:`check_accept_inputs` (the cache, state_indices, num_accepted)."""
     try:
-        return _cache_sig(cache), _tensor_sig(state_indices), _tensor_sig(num_accepted)
+        return _cache_sig(cache), tensor_signature(state_indices), tensor_signature(num_accepted)
     except Exception:  # noqa: BLE001 - see step_signature
         return None
 

@@ -89,7 +89,7 @@ import torch
 
 import refgdn
 from refgdn.checks import check_gdn_inputs, one_host_read
-from refgdn.serving import _tensor_sig
+from refgdn.serving import tensor_signature
 
 from ..launch import LaunchPlan, PlanCache
 
@@ -186,15 +186,15 @@ def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state,
     without cu_seqlens, or None (the caller then checks in full and keeps no plan).
 
     Two calls with equal signatures pass or fail the checks alike and launch the same kernels with the same
-    configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving._tensor_sig; None-ness
+    configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness
     included), type(scale) (check_scale reads only the type; the value is passed per call), and the flags and
     chunk_size with their types (anything but a bool flag: None). Recomputed on every call from the tensors, so
     a tensor changed in place gives another signature. The check's value rules concern cu_seqlens only."""
     if type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool:
         return None
     try:
-        return (_tensor_sig(q), _tensor_sig(k), _tensor_sig(v), _tensor_sig(g), _tensor_sig(beta),
-                _tensor_sig(initial_state), _tensor_sig(A_log), _tensor_sig(dt_bias), type(scale),
+        ts = tensor_signature
+        return (ts(q), ts(k), ts(v), ts(g), ts(beta), ts(initial_state), ts(A_log), ts(dt_bias), type(scale),
                 output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size)
     except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
         return None
