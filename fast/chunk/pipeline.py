@@ -39,14 +39,18 @@ _STREAMS_LOCK = threading.Lock()
 
 def pipeline_segments(N: int, T: int, BT: int, HV: int, V: int, device: torch.device, fused: bool) -> int:
     """How many segments the forward of one dense call pipelines (1: none): 4 for a single sequence (N = 1, dense)
-    of at least 256 chunks (T >= 16384 at BT = 64) on a CUDA device, when the state pass is the unfused
-    latency-bound one (not ``fused``). H100, Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
-    (2026-11-24; device time from a CUDA graph's replay, then the eager call through its launch plan):
-    T=16384 0.942 / 0.842 / 0.822 / 0.891, eager 0.956 / 0.885 / 0.868 / 1.438; T=65536 3.661 / 3.279 / 3.144 /
-    3.158, eager 3.649 / 3.386 / 3.231 / 3.241. Each segment adds host work (three launches, two events, the
-    views), which shorter sequences do not hide; the chunk-parallel kernels beside the pass slow it down, so the
-    gain stays near 13 % of the device time, not the pass's whole idle share."""
-    if N != 1 or fused or is_interpreting() or device.type != "cuda" or cdiv(T, BT) < 256:
+    of at least 512 chunks (T >= 32768 at BT = 64) on a CUDA device, when the state pass is the unfused
+    latency-bound one (not ``fused``). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
+    (2026-11-24; device time from a CUDA graph's replay; then the eager call through its launch plan, and its host
+    time per call), H100: T=16384 0.942 / 0.842 / 0.822 / 0.891, eager 0.956 / 0.885 / 0.868 / 1.438; T=65536
+    3.661 / 3.279 / 3.144 / 3.158, eager 3.649 / 3.386 / 3.231 / 3.241. H200: T=16384 0.893 / 0.790 / 0.770 /
+    0.829, eager 0.897 / 0.840 / 0.817 / 1.438, host 118 / 454 / 790 / 1451 us; T=65536 3.468 / 3.061 / 2.943 /
+    2.925, eager 3.472 / 3.176 / 3.031 / 3.019. The chunk-parallel kernels beside the pass slow it down, so the gain
+    stays near 13 % of the device time, not the pass's whole idle share; and each segment adds ~170 us of host work
+    (three launches, two events, a stream switch, the views), so at T=16384 the call is as long on the host as on
+    the device: the H200's prefill table timed it at 1.037 ms (fla 0.968) where the one-pass forward takes 0.90.
+    Hence the pipeline only from 512 chunks, where the device time (~1.7 ms and up) hides the host's."""
+    if N != 1 or fused or is_interpreting() or device.type != "cuda" or cdiv(T, BT) < 512:
         return 1
     return 4
 
