@@ -16,7 +16,10 @@ themselves, which keep their names as functions of this package):
   state.py      kernel 3 (state_passing), its config, launcher and stage twin
   output.py     kernel 4 (chunk_output), its config, launcher and stage twin
   recurrent.py  the recurrent kernel and its config
-  __init__.py   the public ops below; every name of the former single module is re-exported here
+  pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4
+                (pipeline_segments: B = 1 from 512 chunks, on a GPU; bit-identical to the one-pass forward)
+  __init__.py   the public ops below; every name of the former single module is re-exported here;
+                a dense call's checks and launches cached by its signature (fast.launch.LaunchPlan)
 
 The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequence):
 
