@@ -123,10 +123,16 @@ def test_one_sequence_varlen_is_the_dense_call(T):
     (q, k, v, g, beta, h0), _ = _inputs(1, T, 1, 2, 16, 16, torch.float32, seed=4, init=True)
     cu = torch.tensor([0, T], dtype=torch.int64, device=DEV)
     kw = dict(initial_state=h0, output_final_state=True, chunk_size=16, use_qk_l2norm_in_kernel=True)
+    from refgdn.capture import KeyLog, recording
     dense = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
     for extra in (dict(), dict(cu_seqlens_cpu=cu.cpu())):
-        one = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw, **extra)
+        log = KeyLog()
+        with recording(log):
+            one = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw, **extra)
         assert torch.equal(one[0], dense[0]) and torch.equal(one[1], dense[1])
+        # the launches themselves are the dense call's (IS_VARLEN off, no chunk tables), as fast.keys lists them
+        assert log.launched == keys.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert all(not dict(key.constexprs).get("IS_VARLEN", False) for key in log.launched)
     assert keys.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw) == keys.chunk_gated_delta_rule(
         q, k, v, g, beta, **kw)
 
