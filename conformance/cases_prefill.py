@@ -144,7 +144,11 @@ def gdn_case(op: str, family: str, p: dict, dtype: torch.dtype, chunk_size: Opti
         # the state is float32 but carries the inputs' rounding: take the floor from the input dtype
         return [Check("o", o_f, o_t, o_r), Check("final_state", s_f, s_t, s_r, dtype=dtype)]
 
-    return Case(op=op, case=family, dtype=dtype, run=run, chunk_size=chunk_size, quick=quick)
+    # float32 (IEEE products) compiles slowly at large chunks on a GPU: the full matrix's float32 chunk cases at
+    # BT = 64 took ~30-60 s each on an H100 (2026-11-24), and with cost 1 all seven landed in one worker, which hit
+    # a 400 s limit while the others were done; the worker planner spreads them by cost (as cases_grad's)
+    cost = {16: 2.0, 32: 4.0, 64: 8.0}.get(chunk_size, 1.0) if (dtype == torch.float32 and not quick) else 1.0
+    return Case(op=op, case=family, dtype=dtype, run=run, chunk_size=chunk_size, quick=quick, cost=cost)
 
 
 def _gdn_families(quick: bool) -> dict:

@@ -152,6 +152,16 @@ def test_shards_partition_the_cases_and_keep_variant_groups_together(max_group):
     assert max(loads) - min(loads) <= cap                                      # balanced
 
 
+def test_full_matrix_spreads_slow_float32_chunk_cases():
+    """The full matrix's float32 chunk-forward cases at BT = 64 (slow compiles on a GPU) cost more than one each, so
+    12 workers (gpu_pass.sh's default) share them instead of one worker taking the whole group."""
+    cases, _, _ = runner.collect(False, "cuda", ops=["chunk_gated_delta_rule"])
+    slow = [c for c in cases if c.dtype == torch.float32 and c.chunk_size == 64]
+    assert len(slow) >= 4 and all(c.cost > 1 for c in slow)
+    owners = {i for i in range(12) for c in runner.shard(cases, i, 12) if c in slow}
+    assert len(owners) >= 3
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_timeout_reports_what_ran_and_fails(tmp_path, jobs):
     """--timeout: the run stops, keeps the checks that ran, and the rest is a failure, never a silent pass."""
