@@ -267,6 +267,26 @@ def test_repeated_calls_launch_through_the_signature_plan():
     fc.clear_plan_cache()
 
 
+@pytest.mark.parametrize("NT,S,BT,T", [(1024, 4, 64, 65536), (600, 4, 64, 38390), (7, 3, 16, 100), (3, 8, 64, 130)],
+                         ids=["even", "tail", "small", "more-segments-than-chunks"])
+def test_pipeline_segment_bounds(NT, S, BT, T):
+    """fast.chunk.pipeline's segments: whole chunks, in order, covering every chunk and token once, nearly equal;
+    and the rule never pipelines in the interpreter, for several sequences, or on the fused path."""
+    from fast.chunk import pipeline as pl
+    parts = pl._bounds(NT, S, BT, T)
+    assert parts[0][:3:2] == (0, 0) and parts[-1][1] == NT and parts[-1][3] == T
+    assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(parts, parts[1:]))      # contiguous
+    assert all(c1 > c0 and t0 == c0 * BT and t1 == min(c1 * BT, T) for c0, c1, t0, t1 in parts)
+    sizes = [c1 - c0 for c0, c1, _, _ in parts]
+    assert len(parts) == min(S, NT) and max(sizes) - min(sizes) <= 1
+    dev = torch.device(DEV)
+    assert pl.pipeline_segments(2, 65536, 64, 32, 128, dev, False) == 1
+    assert pl.pipeline_segments(1, 65536, 64, 32, 128, dev, True) == 1
+    assert pl.pipeline_segments(1, 16384, 64, 32, 128, dev, False) == 1
+    if DEV != "cuda":
+        assert pl.pipeline_segments(1, 65536, 64, 32, 128, dev, False) == 1
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")
 @pytest.mark.parametrize("T,segments,dtype,l2,init,from_a", [
     pytest.param(4096, 4, torch.bfloat16, False, True, True, id="T4096-s4-bf16"),
