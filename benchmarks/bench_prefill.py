@@ -407,21 +407,6 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
     return rows
 
 
-def graph_replay_ms(fn: Callable[[], object]) -> float:
-    """Device time of one call: ``fn`` captured in a CUDA graph (after three warm calls on a side stream), the
-    replay timed by do_bench. Host work is not in it: compare with the eager time to see which bounds a call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return common.bench(graph.replay)
-
-
 def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int = 50) -> list:
     """Per call of the chunk forward (an initial state, the final state written), fast and fla: the eager time
     (do_bench: what the main table reports), the host time (``iters`` back-to-back calls with no sync, per call:
@@ -429,6 +414,8 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
     and the device time (the call replayed from a CUDA graph). A call whose host time exceeds its device time is
     host-bound: its eager time is the host's."""
     import fast
+
+    from .bench_decode import graphed
     fla = common.try_import_fla()
     rows = []
     for B, T in cases:
@@ -442,11 +429,8 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
             eager = common.bench(fn)
             host = common.wall_us(fn, iters=iters, repeats=5, sync=lambda: None)
             common.synchronize(device)
-            try:
-                dev = graph_replay_ms(fn)
-            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: no device row
-                print(f"host_rows: {name} B={B} T={T}: capture failed: {type(e).__name__}: {e}", file=sys.stderr)
-                dev = float("nan")
+            replay = graphed(fn)                      # None (reported) if fn cannot be captured
+            dev = common.bench(replay) if replay is not None else float("nan")
             rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
                          "device us": dev * 1e3, "bound by": "-" if dev != dev else "host" if host > dev * 1e3 else "device"})
         del q, k, v, g, beta, S0

@@ -280,11 +280,11 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     sizes = [c1 - c0 for c0, c1, _, _ in parts]
     assert len(parts) == min(S, NT) and max(sizes) - min(sizes) <= 1
     dev = torch.device(DEV)
-    assert pl.pipeline_segments(2, 65536, 64, 32, 128, dev, False) == 1
-    assert pl.pipeline_segments(1, 65536, 64, 32, 128, dev, True) == 1
-    assert pl.pipeline_segments(1, 16384, 64, 32, 128, dev, False) == 1
+    assert pl.pipeline_segments(2, 65536, 64, dev, False) == 1
+    assert pl.pipeline_segments(1, 65536, 64, dev, True) == 1
+    assert pl.pipeline_segments(1, 16384, 64, dev, False) == 1
     if DEV != "cuda":
-        assert pl.pipeline_segments(1, 65536, 64, 32, 128, dev, False) == 1
+        assert pl.pipeline_segments(1, 65536, 64, dev, False) == 1
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")

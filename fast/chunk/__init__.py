@@ -254,7 +254,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
-    S = pipeline_segments(N, T, BT, HV, V, dev, fused) if segments is None else segments
+    S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)

@@ -37,7 +37,7 @@ _STREAMS: dict = {}                 # device index -> the state pass's high-prio
 _STREAMS_LOCK = threading.Lock()
 
 
-def pipeline_segments(N: int, T: int, BT: int, HV: int, V: int, device: torch.device, fused: bool) -> int:
+def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool) -> int:
     """How many segments the forward of one dense call pipelines (1: none): 4 for a single sequence (N = 1, dense)
     of at least 512 chunks (T >= 32768 at BT = 64) on a CUDA device, when the state pass is the unfused
     latency-bound one (not ``fused``). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
