@@ -68,7 +68,7 @@ from refgdn.checks import one_host_read
 
 from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
-                    _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk,
+                    _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
                     _trunc_tf32)
 from .gating import l2norm_into
 from .utils import cdiv, is_interpreting
@@ -253,7 +253,7 @@ def bwd_dv_local_kernel(
 @triton.jit(do_not_specialize=["T", "NT"])
 def bwd_dh_kernel(
     q, k, w, G, Gl, do, dv_local, dht, dh, dv_new, dh0,
-    cu_seqlens, chunk_offsets, T, NT, scale,
+    cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
@@ -270,9 +270,7 @@ def bwd_dh_kernel(
     forward's h). dh[c] is the gradient of the state at the END of chunk c. dS: fp32 [BK, BV] in registers.
     """
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+    i_n, i_h = _seq_head(tl.program_id(1), seq_order, HV, IS_VARLEN)    # varlen: longest sequences first
     i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
     boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
     n_chunks = tl.cdiv(eos - bos, BT)
@@ -830,7 +828,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
-            qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, T, ch.NT, scale,
+            qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
+            scale,
             **dict(common, BV=BV), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
         # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV, NKG)](

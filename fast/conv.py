@@ -424,7 +424,8 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         if cu_seqlens is not None:
             # the lengths on the host (one read per call, none with cu_seqlens_cpu; eager prefill only, not
             # for graph capture); the kernels read the checked offsets uploaded with the table
-            tile_table, _, cu_checked = varlen_chunk_tables(cu_seqlens, BT)
+            tab = varlen_chunk_tables(cu_seqlens, BT)
+            tile_table, cu_checked = tab.indices, tab.checked
             n_tiles = tile_table.shape[0]
         else:
             tile_table = None

@@ -244,8 +244,8 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
         host read of cu_seqlens, one per call, and the checked copy uploaded with the table)."""
         if BT not in tables:
             if cu_seqlens is not None:
-                t, _, checked = varlen_chunk_tables(cu_seqlens, BT)      # host read (eager only)
-                tables[BT] = (t, t.shape[0], checked)
+                t = varlen_chunk_tables(cu_seqlens, BT)                  # host read (eager only)
+                tables[BT] = (t.indices, t.indices.shape[0], t.checked)
             else:
                 tables[BT] = (None, cdiv(T, BT), None)
         return tables[BT]

@@ -327,7 +327,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
-                 cu_seqlens=cu, chunk_offsets=tab, **hv_new, **wy, **qo),
+                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))

@@ -8,7 +8,7 @@ graph-captured paths must precompute their tables outside.
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,18 +44,33 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cu_seqlens: [N+1] -> (chunk_indices [NT, 2] int32, chunk_offsets [N+1] int32, offsets [N+1] in
-    cu_seqlens' dtype), all on cu_seqlens' device.
+class VarlenTables(NamedTuple):
+    """varlen_chunk_tables' result, on cu_seqlens' device. indices: [NT, 2] int32 (sequence n, chunk within n)
+    per global chunk; offsets: [N+1] int32, sequence n's first global chunk; checked: [N+1] in cu_seqlens'
+    dtype, the offsets the tables were built from (what kernels read in place of cu_seqlens); order: [N]
+    int32, the sequences longest first (by chunk count, ties in index order)."""
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    checked: torch.Tensor
+    order: torch.Tensor
 
-    chunk_indices has one row per global chunk, ``(sequence n, chunk index within sequence n)``;
-    sequence n owns global chunks ``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (none when empty): chunks
-    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them. ``offsets`` is a device copy
+
+def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTables:
+    """cu_seqlens: [N+1] -> VarlenTables (indices [NT, 2], offsets [N+1], checked [N+1], order [N]), all on
+    cu_seqlens' device.
+
+    indices has one row per global chunk, ``(sequence n, chunk index within sequence n)``;
+    sequence n owns global chunks ``offsets[n] .. offsets[n+1]-1`` (none when empty): chunks
+    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them. ``checked`` is a device copy
     of the very values the tables were built from (and the op checked): kernels read it instead of
-    cu_seqlens, so what they index always agrees with the tables and the checks.
+    cu_seqlens, so what they index always agrees with the tables and the checks. ``order`` lists the
+    sequences by chunk count, longest first: the sequential passes (one program per sequence, head and V-block,
+    each walking its sequence's chunks) map their programs through it, so the GPU starts the longest walks
+    first and the short ones fill the tail (longest-processing-time-first scheduling) instead of a long
+    sequence starting late and running alone at the end.
 
     Host work: cu_seqlens' values come from refgdn.checks.host_offsets (one read shared with the op's value
-    check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the three tables are
+    check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the four tables are
     built with numpy into one buffer (each part 16-byte aligned) and copied to the device in one transfer,
     from pinned memory without blocking on a GPU (a pageable copy would wait for every kernel queued
     before it). No device kernel runs. Use outside CUDA-graph capture.
@@ -69,10 +84,12 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
     within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
     a16 = lambda n: -(-n // 4) * 4                                           # noqa: E731 - int32 words to 16 B
     wide = cu_seqlens.dtype == torch.int64
-    head = a16(offsets.size)                                                  # chunk_indices start
+    o_ord = a16(offsets.size)                                                 # order start
+    head = a16(o_ord + counts.size)                                           # chunk_indices start
     tail = a16(head + 2 * NT)                                                 # the checked offsets start
     buf = np.zeros(tail + offs.size * (2 if wide else 1), dtype=np.int32)
     buf[:offsets.size] = offsets
+    buf[o_ord:o_ord + counts.size] = np.argsort(-counts, kind="stable")
     buf[head:head + 2 * NT:2] = seq
     buf[head + 1:head + 2 * NT:2] = within
     buf[tail:].view(np.int64 if wide else np.int32)[:] = offs
@@ -82,4 +99,5 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> Tuple[torc
     else:
         dev = host.to(cu_seqlens.device)
     checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
-    return dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked
+    return VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked,
+                        dev[o_ord:o_ord + counts.size])

@@ -41,13 +41,17 @@ def _tables_by_definition(offs, BT):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64")])
 def test_varlen_tables_match_definition(offs, BT, dtype):
     cu = torch.tensor(offs, dtype=dtype, device=DEVICE)
-    idx, off, checked = varlen_chunk_tables(cu, BT)
+    idx, off, checked, order = varlen_chunk_tables(cu, BT)
     want_i, want_o = _tables_by_definition(offs, BT)
+    counts = [b - a for a, b in zip(want_o, want_o[1:])]
+    # longest first by chunk count, ties in index order (a stable sort of -count)
+    assert order.dtype == torch.int32 and order.tolist() == sorted(range(len(counts)), key=lambda n: (-counts[n], n))
     assert idx.dtype == off.dtype == torch.int32 and idx.device == off.device == checked.device == cu.device
     assert idx.shape == (len(want_i), 2) and idx.tolist() == want_i and off.tolist() == want_o
     assert checked.dtype == dtype and checked.tolist() == offs and checked.data_ptr() != cu.data_ptr()
     assert idx.is_contiguous() and off.is_contiguous() and checked.is_contiguous()
     assert idx.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 0 and checked.data_ptr() % 16 == 0  # aligned
+    assert order.data_ptr() % 16 == 0 and order.is_contiguous()
 
 
 def _varlen_problem(lens, H=1, HV=2, K=16, V=16, dtype=torch.float32):

@@ -4,7 +4,8 @@ that several kernels (and fast.chunk_bwd's) call, and the host helpers of every 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   G, Gl: [B, T, HV] fp32
     G_i - G_j = (G_i - G_j) + (Gl_i - Gl_j)        (``_gdiff``: the compensated decay exponent, PRECISE)
 
-Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_exp`` (tl.exp, or
+Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_seq_head`` (a
+sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
 (tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
 head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``,
@@ -90,6 +91,19 @@ def _seq_coords(i_n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
         eos = T
         i_b = i_n.to(tl.int64)
     return i_b, bos, eos
+
+
+@triton.jit
+def _seq_head(i_nh, seq_order, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A sequential pass's program index along its (sequence, value head) axis -> (sequence i_n, head i_h).
+    Dense: i_nh = i_n * HV + i_h. Varlen: the rank-th longest sequence, seq_order[rank] (varlen_chunk_tables'
+    order), so programs that walk the most chunks are dispatched first (heads of one sequence adjacent)."""
+    i_h = i_nh % HV
+    if IS_VARLEN:
+        i_n = tl.load(seq_order + i_nh // HV)
+    else:
+        i_n = i_nh // HV
+    return i_n, i_h
 
 
 @triton.jit
@@ -282,12 +296,14 @@ class _Chunks:
         self.varlen = cu_seqlens is not None
         self.cu_seqlens = cu_seqlens
         if self.varlen:
-            # [NT_total, 2] (sequence, chunk), [N+1] first global chunk of each, and the checked offsets the
-            # kernels read in place of cu_seqlens: one host read (none with cu_seqlens_cpu), one copy
-            self.indices, self.offsets, self.cu_seqlens = varlen_chunk_tables(cu_seqlens, BT)
+            # [NT_total, 2] (sequence, chunk), [N+1] first global chunk of each, the checked offsets the kernels
+            # read in place of cu_seqlens and [N] the sequences longest first (the sequential passes' program
+            # order): one host read (none with cu_seqlens_cpu), one copy
+            tab = varlen_chunk_tables(cu_seqlens, BT)
+            self.indices, self.offsets, self.cu_seqlens, self.order = tab.indices, tab.offsets, tab.checked, tab.order
             self.NT = 1                                               # unused
             self.total = self.indices.shape[0]
         else:
-            self.indices = self.offsets = None
+            self.indices = self.offsets = self.order = None
             self.NT = cdiv(T, BT)
             self.total = B * self.NT

@@ -23,7 +23,7 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
-                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _unit_last, _upcast)
+                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
 
 
@@ -34,7 +34,7 @@ from .output import _output_block
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o,
-    cu_seqlens, chunk_offsets, T, NT, scale,
+    cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -50,7 +50,7 @@ def chunk_state_kernel(
     k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
     u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
     h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
-    V-blocks of one head share w and k via L2). S: fp32 [BK, BV] kept in registers across all chunks;
+    V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head). S: fp32 [BK, BV] kept in registers across all chunks;
     K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
     to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
     compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
@@ -74,9 +74,7 @@ def chunk_state_kernel(
     throughput-bound (many (sequence, head) pairs), not at B = 1.
     """
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+    i_n, i_h = _seq_head(tl.program_id(1), seq_order, HV, IS_VARLEN)    # varlen: longest sequences first
     i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
     boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
     n_chunks = tl.cdiv(eos - bos, BT)
@@ -264,7 +262,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
-        ch.cu_seqlens, ch.offsets, T, ch.NT, float(scale),
+        ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
         *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3])
 
 
