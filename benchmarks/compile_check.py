@@ -14,7 +14,8 @@ machine's Triton may allocate differently, so keep margins.
 
 Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fused gating at 64), plus the
 16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
-bench16 = the same with the 16-bit backward; decode = fast.serving's step kernels at Qwen3-Next's shape (float32
+bench16 = the same with the 16-bit backward; forward = the prefill forward at Qwen3-Next's shape, B 1, B 4 and 16
+sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen3-Next's shape (float32
 state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8.
 
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
@@ -32,7 +33,7 @@ import tempfile
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode"])
+    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode", "forward"])
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
@@ -75,6 +76,17 @@ def main(argv=None) -> int:
                      p["idx"])
             with launch_overrides(step=step or None):
                 fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
+    elif args.shape == "forward":
+        # the prefill forward's kernels at Qwen3-Next's shape (H 16, HV 32, K = V = 128, BT 64): B = 1 (the unfused
+        # pass, kernel 4), B = 4 (the pass forms o) and 16 sequences (varlen, initial states)
+        K = V = 128
+        for B, N in ((1, None), (4, None), (1, 16)):
+            T = 128 if N is None else 16 * 64
+            x = lambda *s: torch.randn(*s).to(dt)               # noqa: E731
+            cu = torch.arange(0, T + 1, T // N) if N else None
+            fc.chunk_gated_delta_rule_fwd(x(B, T, 16, K), x(B, T, 16, K), x(B, T, 32, V), -torch.rand(B, T, 32),
+                                          torch.rand(B, T, 32).to(dt), initial_state=torch.randn(N or B, 32, K, V),
+                                          output_final_state=True, cu_seqlens=cu, chunk_size=64)
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)

@@ -307,6 +307,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             "chunk_kkt_inv_kernel",
             dict(H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=_chunk._blocks(K, 16)[0], IS_VARLEN=varlen,
                  GATE=A_log is not None, L2NORM=l2, LOAD_G=False, STORE_G=True, DO_A=True,
+                 HPP=_chunk.kkt_heads_per_program(HV // H),
                  PREC=_chunk._fp32_prec(kdt), INV_PREC=_chunk.INV_PRECISION[kdt],
                  INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(), DOT_F32=interp,
                  UPCAST=False,

@@ -104,8 +104,9 @@ from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECIS
                      _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
                      _unit_last)
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
-                 _kk_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
-                 chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, w_u, w_u_config, wy_repr)
+                 _kk, _l_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
+                 chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, kkt_heads_per_program, w_u, w_u_config,
+                 wy_repr)
 from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses_output,  # noqa: F401
                     state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401

@@ -150,10 +150,16 @@ def _k_block(k_base, rows, m_r, s_kt, o_k, m_k, kn, kn_off, m_kn,
 
 
 @triton.jit
-def _kk_block(ka, kb, beta_a, Ga, Gla, Gb, Glb, m_a, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-              DIAG: tl.constexpr, PRECISE: tl.constexpr):
-    """One 16x16 block of L: L_ij = beta_i (k_i . k_j) exp(G_i - G_j) for rows i of block a, cols j of
-    block b (b <= a), strictly below the diagonal when DIAG. Rows past the sequence end (m_a False) are 0."""
+def _kk(ka, kb, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Raw 16x16 block of K K^T (rows of block a, columns of block b), fp32; shared by a program's value heads."""
+    return _dot(ka, tl.trans(kb), PREC, DOT_F32)
+
+
+@triton.jit
+def _l_block(kk, beta_a, Ga, Gla, Gb, Glb, m_a, DIAG: tl.constexpr, PRECISE: tl.constexpr):
+    """One 16x16 block of L from its K K^T block: L_ij = beta_i (k_i . k_j) exp(G_i - G_j) for rows i of block
+    a, cols j of block b (b <= a), strictly below the diagonal when DIAG. Rows past the sequence end (m_a False)
+    are 0."""
     o = tl.arange(0, 16)
     keep = m_a[:, None] & (o[None, :] >= 0)
     if DIAG:
@@ -161,7 +167,6 @@ def _kk_block(ka, kb, beta_a, Ga, Gla, Gb, Glb, m_a, PREC: tl.constexpr, DOT_F32
     # precision hazard: mask before exp. Discarded entries (above the diagonal, or a padded row whose
     # G was loaded as 0) can have G_i - G_j > 0 and overflow; exponentiate 0 there instead.
     decay = _exp(tl.where(keep, _gdiff(Ga, Gla, Gb, Glb, PRECISE), 0.0), PRECISE)
-    kk = _dot(ka, tl.trans(kb), PREC, DOT_F32)
     return tl.where(keep, kk * beta_a[:, None] * decay, 0.0)
 
 
@@ -180,145 +185,166 @@ def chunk_kkt_inv_kernel(
     s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr,
-    LOAD_G: tl.constexpr, STORE_G: tl.constexpr, DO_A: tl.constexpr,
+    LOAD_G: tl.constexpr, STORE_G: tl.constexpr, DO_A: tl.constexpr, HPP: tl.constexpr,
     PREC: tl.constexpr, INV_PREC: tl.constexpr, INV_DIAG_PREC: tl.constexpr, INV_ROWS: tl.constexpr,
     DOT_F32: tl.constexpr, UPCAST: tl.constexpr,
     PRECISE: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr,
 ):
-    """Per (chunk, value head): G = cumsum(g); kn = l2norm(k); A = (I + L)^-1.
+    """Per (chunk, HPP value heads of one key head): G = cumsum(g); kn = l2norm(k); A = (I + L)^-1.
 
     k: [B, T, H, K] (any strides, unit last-dim stride), g, beta: [B, T, HV] (any strides).
     G: [B, T, HV] fp32; Gl: [B, T, HV] fp32, G's rounding error (PRECISE only: the cumsum runs in fp64,
     G = fp32(cumsum), Gl = fp32(cumsum - G)); A: [B, T, HV, BT] (its dtype; every column written, zeros
-    above the diagonal); kn: [B, T, H, K] (contiguous, k's dtype; written with L2NORM by the first value
-    head of each group). grid = (chunks * HV,), head fastest (GVA heads sharing k run together: k hits L2).
-    The chunk is NB = BT/16 blocks of 16 tokens; the k blocks [16, BK] are loaded (normalised), the
-    lower blocks of L computed by 16x16 tl.dots, then
+    above the diagonal); kn: [B, T, H, K] (contiguous, k's dtype; written with L2NORM by the program holding
+    the first value head of each group). grid = (chunks * HV / HPP,), heads fastest (programs of one key
+    head run together: k hits L2). HPP (divides GROUP): value heads per program, sharing the chunk's k
+    blocks and K K^T (kkt_heads_per_program).
+    The chunk is NB = BT/16 blocks of 16 tokens; the k blocks [16, BK] are loaded (normalised) and the
+    lower 16x16 blocks of K K^T formed by tl.dots, once; then per value head L = beta (K K^T) exp(G_i - G_j)
+    (strictly lower) and
         A_ii = (I + L_ii)^-1                 (doubling; INV_ROWS: one row-substitution loop for all blocks)
         A_ij = -A_ii sum_{j <= m < i} L_im A_mj                  (block forward substitution)
     Switches: LOAD_G (G given, no cumsum, Gl = 0), STORE_G, DO_A (else only G); UPCAST: k tiles are
     converted to fp32 after the load (the backward's fp32 recompute of 16-bit k, without an fp32 copy).
     """
     pid = tl.program_id(0)
-    i_c = pid // HV
-    i_h = pid % HV
+    i_c = pid // (HV // HPP)
+    i_h0 = (pid % (HV // HPP)) * HPP                             # the program's first value head
     i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = bos + i_t * BT
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    i_hk = i_h // GROUP
-    m_kn = m_k & ((o_k * 0 + i_h % GROUP) == 0)                  # kn columns this program stores
+    i_hk = i_h0 // GROUP
+    m_kn = m_k & ((o_k * 0 + i_h0 % GROUP) == 0)                 # kn columns this program stores
 
-    k_base = k + i_b * s_kb + i_hk * s_kh
-    g_base = g + i_b * s_gb + i_h * s_gh
-    b_base = beta + i_b * s_bb + i_h * s_bh
-    if GATE:
-        A_log_h = tl.load(A_log + i_h).to(tl.float32)
-        dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
-    else:
-        A_log_h = 0.0
-        dt_bias_h = 0.0
-    if PRECISE:
-        acc = tl.sum(tl.zeros([16], dtype=tl.float64), 0)
-    else:
-        acc = tl.sum(tl.zeros([16], dtype=tl.float32), 0)
-
-    # ---- per 16-token block: G, beta, k ------------------------------------------------------
+    # ---- the chunk's 16-token blocks: rows, k (normalised), and the lower blocks of K K^T --------
     r0 = t0 + o_c
     m0 = r0 < eos
-    tok0 = (i_b * T + r0).to(tl.int64) * HV + i_h                # [B, T, HV] flat index of (token, head)
-    kn0 = ((i_b * T + r0).to(tl.int64) * H + i_hk) * K           # [B, T, H, K] row offsets of kn
-    G0, Gl0, acc = _g_block(g_base, s_gt, r0, m0, G, Gl, tok0, acc, A_log_h, dt_bias_h, GATE, LOAD_G, STORE_G,
-                            THRESHOLD, PRECISE)
+    r1 = r0 + 16
+    m1 = r1 < eos
+    r2 = r0 + 32
+    m2 = r2 < eos
+    r3 = r0 + 48
+    m3 = r3 < eos
+    tok_r = (i_b * T + r0).to(tl.int64)                          # [16] flat token index of block 0's rows
     if DO_A:
-        b0 = tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0).to(tl.float32)
+        k_base = k + i_b * s_kb + i_hk * s_kh
+        kn0 = (tok_r * H + i_hk) * K                             # [B, T, H, K] row offsets of kn
         k0 = _k_block(k_base, r0, m0, s_kt, o_k, m_k, kn, kn0, m_kn, L2NORM, EPS, UPCAST)
-    if BT >= 32:
-        r1 = r0 + 16
-        m1 = r1 < eos
-        tok1 = tok0 + 16 * HV
-        G1, Gl1, acc = _g_block(g_base, s_gt, r1, m1, G, Gl, tok1, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
-                                STORE_G, THRESHOLD, PRECISE)
-        if DO_A:
-            b1 = tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0).to(tl.float32)
+        KK00 = _kk(k0, k0, PREC, DOT_F32)
+        if BT >= 32:
             k1 = _k_block(k_base, r1, m1, s_kt, o_k, m_k, kn, kn0 + 16 * H * K, m_kn, L2NORM, EPS, UPCAST)
-    if BT >= 64:
-        r2 = r0 + 32
-        m2 = r2 < eos
-        tok2 = tok0 + 32 * HV
-        G2, Gl2, acc = _g_block(g_base, s_gt, r2, m2, G, Gl, tok2, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
-                                STORE_G, THRESHOLD, PRECISE)
-        r3 = r0 + 48
-        m3 = r3 < eos
-        tok3 = tok0 + 48 * HV
-        G3, Gl3, acc = _g_block(g_base, s_gt, r3, m3, G, Gl, tok3, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
+            KK11 = _kk(k1, k1, PREC, DOT_F32)
+            KK10 = _kk(k1, k0, PREC, DOT_F32)
+        if BT >= 64:
+            k2 = _k_block(k_base, r2, m2, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM, EPS, UPCAST)
+            k3 = _k_block(k_base, r3, m3, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM, EPS, UPCAST)
+            KK22 = _kk(k2, k2, PREC, DOT_F32)
+            KK20 = _kk(k2, k0, PREC, DOT_F32)
+            KK21 = _kk(k2, k1, PREC, DOT_F32)
+            KK33 = _kk(k3, k3, PREC, DOT_F32)
+            KK30 = _kk(k3, k0, PREC, DOT_F32)
+            KK31 = _kk(k3, k1, PREC, DOT_F32)
+            KK32 = _kk(k3, k2, PREC, DOT_F32)               # (k is dead from here)
+
+    for j in range(HPP):
+        i_h = i_h0 + j
+        g_base = g + i_b * s_gb + i_h * s_gh
+        b_base = beta + i_b * s_bb + i_h * s_bh
+        if GATE:
+            A_log_h = tl.load(A_log + i_h).to(tl.float32)
+            dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
+        else:
+            A_log_h = 0.0
+            dt_bias_h = 0.0
+        if PRECISE:
+            acc = tl.sum(tl.zeros([16], dtype=tl.float64), 0)
+        else:
+            acc = tl.sum(tl.zeros([16], dtype=tl.float32), 0)
+
+        # ---- per 16-token block: G (cumsum, stored) and beta ------------------------------------
+        tok0 = tok_r * HV + i_h                                  # [B, T, HV] flat index of (token, head)
+        G0, Gl0, acc = _g_block(g_base, s_gt, r0, m0, G, Gl, tok0, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                 STORE_G, THRESHOLD, PRECISE)
         if DO_A:
-            b2 = tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0).to(tl.float32)
-            k2 = _k_block(k_base, r2, m2, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM, EPS, UPCAST)
-            b3 = tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0).to(tl.float32)
-            k3 = _k_block(k_base, r3, m3, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM, EPS, UPCAST)
-
-    if DO_A:
-        # ---- the lower blocks of L (k is dead after this) --------------------------------------
-        L00 = _kk_block(k0, k0, b0, G0, Gl0, G0, Gl0, m0, PREC, DOT_F32, True, PRECISE)
-        L11 = L00
-        L22 = L00
-        L33 = L00
+            b0 = tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0).to(tl.float32)
         if BT >= 32:
-            L11 = _kk_block(k1, k1, b1, G1, Gl1, G1, Gl1, m1, PREC, DOT_F32, True, PRECISE)
-            L10 = _kk_block(k1, k0, b1, G1, Gl1, G0, Gl0, m1, PREC, DOT_F32, False, PRECISE)
+            tok1 = tok0 + 16 * HV
+            G1, Gl1, acc = _g_block(g_base, s_gt, r1, m1, G, Gl, tok1, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
+                                    STORE_G, THRESHOLD, PRECISE)
+            if DO_A:
+                b1 = tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0).to(tl.float32)
         if BT >= 64:
-            L22 = _kk_block(k2, k2, b2, G2, Gl2, G2, Gl2, m2, PREC, DOT_F32, True, PRECISE)
-            L20 = _kk_block(k2, k0, b2, G2, Gl2, G0, Gl0, m2, PREC, DOT_F32, False, PRECISE)
-            L21 = _kk_block(k2, k1, b2, G2, Gl2, G1, Gl1, m2, PREC, DOT_F32, False, PRECISE)
-            L33 = _kk_block(k3, k3, b3, G3, Gl3, G3, Gl3, m3, PREC, DOT_F32, True, PRECISE)
-            L30 = _kk_block(k3, k0, b3, G3, Gl3, G0, Gl0, m3, PREC, DOT_F32, False, PRECISE)
-            L31 = _kk_block(k3, k1, b3, G3, Gl3, G1, Gl1, m3, PREC, DOT_F32, False, PRECISE)
-            L32 = _kk_block(k3, k2, b3, G3, Gl3, G2, Gl2, m3, PREC, DOT_F32, False, PRECISE)
+            tok2 = tok0 + 32 * HV
+            G2, Gl2, acc = _g_block(g_base, s_gt, r2, m2, G, Gl, tok2, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
+                                    STORE_G, THRESHOLD, PRECISE)
+            tok3 = tok0 + 48 * HV
+            G3, Gl3, acc = _g_block(g_base, s_gt, r3, m3, G, Gl, tok3, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
+                                    STORE_G, THRESHOLD, PRECISE)
+            if DO_A:
+                b2 = tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0).to(tl.float32)
+                b3 = tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0).to(tl.float32)
 
-        # ---- diagonal blocks of the inverse ----------------------------------------------------
-        if INV_ROWS:
-            A00, A11, A22, A33 = _inv_diag_rows(L00, L11, L22, L33, BT // 16)
-        else:
-            A00 = _inv_unit_lower(L00, 16, 4, INV_DIAG_PREC)
-            A11 = A00
-            A22 = A00
-            A33 = A00
+        if DO_A:
+            # ---- the lower blocks of L for this head --------------------------------------------
+            L00 = _l_block(KK00, b0, G0, Gl0, G0, Gl0, m0, True, PRECISE)
+            L11 = L00
+            L22 = L00
+            L33 = L00
             if BT >= 32:
-                A11 = _inv_unit_lower(L11, 16, 4, INV_DIAG_PREC)
+                L11 = _l_block(KK11, b1, G1, Gl1, G1, Gl1, m1, True, PRECISE)
+                L10 = _l_block(KK10, b1, G1, Gl1, G0, Gl0, m1, False, PRECISE)
             if BT >= 64:
-                A22 = _inv_unit_lower(L22, 16, 4, INV_DIAG_PREC)
-                A33 = _inv_unit_lower(L33, 16, 4, INV_DIAG_PREC)
-        zero = tl.zeros([16, 16], dtype=tl.float32)
+                L22 = _l_block(KK22, b2, G2, Gl2, G2, Gl2, m2, True, PRECISE)
+                L20 = _l_block(KK20, b2, G2, Gl2, G0, Gl0, m2, False, PRECISE)
+                L21 = _l_block(KK21, b2, G2, Gl2, G1, Gl1, m2, False, PRECISE)
+                L33 = _l_block(KK33, b3, G3, Gl3, G3, Gl3, m3, True, PRECISE)
+                L30 = _l_block(KK30, b3, G3, Gl3, G0, Gl0, m3, False, PRECISE)
+                L31 = _l_block(KK31, b3, G3, Gl3, G1, Gl1, m3, False, PRECISE)
+                L32 = _l_block(KK32, b3, G3, Gl3, G2, Gl2, m3, False, PRECISE)
 
-        # ---- block forward substitution, block row by block row, and the stores -----------------
-        _store_a(A, tok0, m0, A00, 0, BT)
-        if BT >= 32:
-            _store_a(A, tok0, m0, zero, 1, BT)
-            A10 = -_mm32(A11, _mm32(L10, A00, INV_PREC), INV_PREC)
-            _store_a(A, tok1, m1, A10, 0, BT)
-            _store_a(A, tok1, m1, A11, 1, BT)
-        if BT >= 64:
-            _store_a(A, tok0, m0, zero, 2, BT)
-            _store_a(A, tok0, m0, zero, 3, BT)
-            _store_a(A, tok1, m1, zero, 2, BT)
-            _store_a(A, tok1, m1, zero, 3, BT)
-            A21 = -_mm32(A22, _mm32(L21, A11, INV_PREC), INV_PREC)
-            A20 = -_mm32(A22, _mm32(L20, A00, INV_PREC) + _mm32(L21, A10, INV_PREC), INV_PREC)
-            _store_a(A, tok2, m2, A20, 0, BT)
-            _store_a(A, tok2, m2, A21, 1, BT)
-            _store_a(A, tok2, m2, A22, 2, BT)
-            _store_a(A, tok2, m2, zero, 3, BT)
-            A32 = -_mm32(A33, _mm32(L32, A22, INV_PREC), INV_PREC)
-            A31 = -_mm32(A33, _mm32(L31, A11, INV_PREC) + _mm32(L32, A21, INV_PREC), INV_PREC)
-            A30 = -_mm32(A33, _mm32(L30, A00, INV_PREC) + _mm32(L31, A10, INV_PREC) + _mm32(L32, A20, INV_PREC),
-                         INV_PREC)
-            _store_a(A, tok3, m3, A30, 0, BT)
-            _store_a(A, tok3, m3, A31, 1, BT)
-            _store_a(A, tok3, m3, A32, 2, BT)
-            _store_a(A, tok3, m3, A33, 3, BT)
+            # ---- diagonal blocks of the inverse ------------------------------------------------
+            if INV_ROWS:
+                A00, A11, A22, A33 = _inv_diag_rows(L00, L11, L22, L33, BT // 16)
+            else:
+                A00 = _inv_unit_lower(L00, 16, 4, INV_DIAG_PREC)
+                A11 = A00
+                A22 = A00
+                A33 = A00
+                if BT >= 32:
+                    A11 = _inv_unit_lower(L11, 16, 4, INV_DIAG_PREC)
+                if BT >= 64:
+                    A22 = _inv_unit_lower(L22, 16, 4, INV_DIAG_PREC)
+                    A33 = _inv_unit_lower(L33, 16, 4, INV_DIAG_PREC)
+            zero = tl.zeros([16, 16], dtype=tl.float32)
+
+            # ---- block forward substitution, block row by block row, and the stores -------------
+            _store_a(A, tok0, m0, A00, 0, BT)
+            if BT >= 32:
+                _store_a(A, tok0, m0, zero, 1, BT)
+                A10 = -_mm32(A11, _mm32(L10, A00, INV_PREC), INV_PREC)
+                _store_a(A, tok1, m1, A10, 0, BT)
+                _store_a(A, tok1, m1, A11, 1, BT)
+            if BT >= 64:
+                _store_a(A, tok0, m0, zero, 2, BT)
+                _store_a(A, tok0, m0, zero, 3, BT)
+                _store_a(A, tok1, m1, zero, 2, BT)
+                _store_a(A, tok1, m1, zero, 3, BT)
+                A21 = -_mm32(A22, _mm32(L21, A11, INV_PREC), INV_PREC)
+                A20 = -_mm32(A22, _mm32(L20, A00, INV_PREC) + _mm32(L21, A10, INV_PREC), INV_PREC)
+                _store_a(A, tok2, m2, A20, 0, BT)
+                _store_a(A, tok2, m2, A21, 1, BT)
+                _store_a(A, tok2, m2, A22, 2, BT)
+                _store_a(A, tok2, m2, zero, 3, BT)
+                A32 = -_mm32(A33, _mm32(L32, A22, INV_PREC), INV_PREC)
+                A31 = -_mm32(A33, _mm32(L31, A11, INV_PREC) + _mm32(L32, A21, INV_PREC), INV_PREC)
+                A30 = -_mm32(A33, _mm32(L30, A00, INV_PREC) + _mm32(L31, A10, INV_PREC)
+                             + _mm32(L32, A20, INV_PREC), INV_PREC)
+                _store_a(A, tok3, m3, A30, 0, BT)
+                _store_a(A, tok3, m3, A31, 1, BT)
+                _store_a(A, tok3, m3, A32, 2, BT)
+                _store_a(A, tok3, m3, A33, 3, BT)
 
 
 # ============================================================================================
@@ -408,6 +434,14 @@ def w_u_config(K: int, V: int) -> dict:
     return dict(num_warps=8, num_stages=1)
 
 
+def kkt_heads_per_program(GROUP: int, do_a: bool = True) -> int:
+    """Kernel 1's value heads per program (HPP): 2 when a key head has an even number of value heads (GVA, as
+    Qwen3-Next's 16 key / 32 value heads), so one program loads and normalises the chunk's k once and forms its
+    K K^T blocks once for both heads, then builds and inverts each head's L; else 1. Without A (do_a False:
+    the cumsum only) nothing is shared: 1."""
+    return 2 if do_a and GROUP % 2 == 0 else 1
+
+
 def _inv_rows(inv_method: Optional[str] = None) -> bool:
     """Diagonal-block inverse method: inv_method, by default rows on a GPU, doubling when interpreting
     (module comment)."""
@@ -430,17 +464,18 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
         return
+    cfg = _cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs)
+    HPP = cfg.pop("HPP", kkt_heads_per_program(HV // H, do_a))          # a benchmark may set it (1: unshared)
     kw = dict(
         H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=BK,
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
-        LOAD_G=load_g, STORE_G=store_g, DO_A=do_a,
+        LOAD_G=load_g, STORE_G=store_g, DO_A=do_a, HPP=HPP,
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
         INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
-        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS,
-        **_cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs))
-    return launch(chunk_kkt_inv_kernel, (ch.total * HV,), kw,
+        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **cfg)
+    return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
         k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
         ch.cu_seqlens, ch.indices, T, ch.NT,
         *k.stride()[:3], *g.stride(), *beta.stride())
