@@ -16,10 +16,8 @@ themselves, which keep their names as functions of this package):
   state.py      kernel 3 (state_passing), its config, launcher and stage twin
   output.py     kernel 4 (chunk_output), its config, launcher and stage twin
   recurrent.py  the recurrent kernel and its config
-  pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4; a
-                batch's in two groups of sequences, kernel 1 of the second beside the first's pass
-                (pipeline_segments: B = 1 from 512 chunks, B >= 4 when the pass forms o, on a GPU;
-                bit-identical to the one-pass forward)
+  pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4
+                (pipeline_segments: B = 1 from 512 chunks, on a GPU; bit-identical to the one-pass forward)
   __init__.py   the public ops below; every name of the former single module is re-exported here;
                 a dense call's checks and launches cached by its signature (fast.launch.LaunchPlan)
 
@@ -113,7 +111,7 @@ from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses
                     state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
-from .pipeline import batch_pipelined_forward, pipeline_segments, pipelined_forward  # noqa: F401
+from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
 
 
 # ============================================================================================
@@ -231,9 +229,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     max-norm / Frobenius, 6.40e-3 / 3.35e-3 against 6.89e-3 / 3.71e-3 for kernel 2's path (fla 0.6.0: 6.78e-3
     / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped,
     h and v_new never stored); None: fast.chunk.state.state_fuses_output's rule (tests run both). segments: how many
-    segments a single dense sequence's forward is pipelined over, or groups of sequences a dense batch's
-    (fast.chunk.pipeline; 1: not pipelined; taken only without cu_seqlens on a CUDA device, for B == 1 on the
-    unfused path and for B > 1 on the fused FROM_A path); None: pipeline_segments' rule."""
+    segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
+    for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -260,13 +257,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
-    if S > 1 and cu_seqlens is None and dev.type == "cuda" and (B == 1 and not fused or B > 1 and fused and from_a):
-        if B == 1:
-            pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
-                              precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
-        else:
-            batch_pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S,
-                                    l2=l2, precise=precise, configs=configs, inv_method=inv_method)
+    if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
+        pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
+                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False, store_g=True,
                 do_a=True, precise=precise, configs=configs, inv_method=inv_method)

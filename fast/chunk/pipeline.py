@@ -19,9 +19,6 @@ kernel 4's wait) before anything after the call runs, so the caching allocator's
 for every intermediate, and the pattern (fork by an event, join by an event) is also legal inside a CUDA-graph
 capture. Every segment's tensors are views of the whole call's buffers: at B = 1 a slice along T of a contiguous
 [1, T, ...] buffer is a contiguous buffer of the segment's length (kernels index it from its own start).
-
-A dense batch whose pass forms o (B >= 4 at Qwen3-Next's shape) is cut along B instead (batch_pipelined_forward):
-kernel 1 of the next group of sequences runs beside the pass of the previous one, the same fork and join.
 """
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ import torch
 from ..utils import cdiv, is_interpreting
 from .common import _Chunks
 from .output import _launch_output
-from .state import _launch_state, state_config
+from .state import _launch_state
 from .wy import _launch_kkt, _launch_w_u
 
 _STREAMS: dict = {}                 # device index -> the state pass's high-priority stream
@@ -41,10 +38,9 @@ _STREAMS_LOCK = threading.Lock()
 
 
 def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool) -> int:
-    """How many segments the forward of one dense call (N sequences of T tokens) pipelines (1: none), on a CUDA
-    device: 2 batch groups for N >= 4 sequences when the state pass forms o (``fused``; batch_pipelined_forward),
-    4 segments of a single sequence (N = 1) of at least 512 chunks (T >= 32768 at BT = 64) when the pass is the
-    unfused latency-bound one (pipelined_forward). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
+    """How many segments the forward of one dense call pipelines (1: none): 4 for a single sequence (N = 1, dense)
+    of at least 512 chunks (T >= 32768 at BT = 64) on a CUDA device, when the state pass is the unfused
+    latency-bound one (not ``fused``). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
     (2026-11-24; device time from a CUDA graph's replay; then the eager call through its launch plan, and its host
     time per call), H100: T=16384 0.942 / 0.842 / 0.822 / 0.891, eager 0.956 / 0.885 / 0.868 / 1.438; T=65536
     3.661 / 3.279 / 3.144 / 3.158, eager 3.649 / 3.386 / 3.231 / 3.241. H200: T=16384 0.893 / 0.790 / 0.770 /
@@ -54,11 +50,9 @@ def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool
     (three launches, two events, a stream switch, the views), so at T=16384 the call is as long on the host as on
     the device: the H200's prefill table timed it at 1.037 ms (fla 0.968) where the one-pass forward takes 0.90.
     Hence the pipeline only from 512 chunks, where the device time (~1.7 ms and up) hides the host's."""
-    if is_interpreting() or device.type != "cuda":
+    if N != 1 or fused or is_interpreting() or device.type != "cuda" or cdiv(T, BT) < 512:
         return 1
-    if N == 1:
-        return 4 if not fused and cdiv(T, BT) >= 512 else 1
-    return 2 if fused and N >= 4 else 1
+    return 4
 
 
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
@@ -151,56 +145,3 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
     # caller's stream is behind all of the side stream's work, so the intermediates (allocated on the caller's
     # stream, freed when this returns) need no record_stream
     output(segs[-1], done[-1])
-
-
-def batch_pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], final: Optional[torch.Tensor],
-                            A_log, dt_bias, G, Gl, A, kn, o, BT: int, segments: int, *, l2: bool, precise: bool,
-                            configs: Optional[dict] = None, inv_method: Optional[str] = None) -> None:
-    """Kernels 1 and 3 (the pass forming o: FROM_A + OUTPUT) of chunk_gated_delta_rule_fwd for a dense batch of B
-    sequences, over ``segments`` groups of whole sequences, so that kernel 1 of group i + 1 runs beside the pass of
-    group i:
-
-        caller's stream:  K1 (0) >r0   K1 (1) >r1 ...   K1 (S-1)  K3 (S-1)   <d[S-2]
-        state stream:     <r0 K3 (0)   <r1 K3 (1) ... >d[S-2]
-
-    With many (sequence, head) pairs the pass runs one program per SM in waves (its 255 registers and ~115 KB of
-    shared memory), while kernel 1's one-warp programs are latency-bound: the first group's kernel 1 is the only
-    part of kernel 1 not hidden. Sequences are independent, so the results are bit for bit the one-pass forward's;
-    every group's pass takes the whole call's pinned block (BV), so the compiled variants are the same too.
-    Inputs as the forward's, [B, T, ...] (any batch strides); G, Gl (or None), A, kn (or None), o: the forward's
-    buffers, written here; h0, final: [B, HV, K, V] fp32 or None."""
-    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    dev = q.device
-    cuts = [round(s * B / segments) for s in range(segments + 1)]
-    groups = [slice(b0, b1) for b0, b1 in zip(cuts, cuts[1:]) if b1 > b0]
-    block = dict(BV=state_config(B, HV, K, V, dev, fused=True)["BV"])    # the whole call's, for every group
-    main = torch.cuda.current_stream(dev)
-    side = _state_stream(dev)
-    part = lambda x, sl: None if x is None else x[sl]                    # noqa: E731
-    last = None
-    for i, sl in enumerate(groups):
-        Bs = sl.stop - sl.start
-        ch = _Chunks(Bs, T, BT, None)
-        _launch_kkt(k[sl], g[sl], beta[sl], A_log, dt_bias, G[sl], part(Gl, sl), A[sl], part(kn, sl), ch, T, HV, BT,
-                    l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
-                    inv_method=inv_method)
-        kk = kn[sl] if l2 else k[sl]                                     # what the pass reads as k
-
-        def pass_(sl=sl, ch=ch, kk=kk, Bs=Bs):
-            _launch_state(kk, None, None, G[sl], part(Gl, sl), part(h0, sl), None, None, part(final, sl), ch, Bs, T,
-                          BT, precise=precise, cfg_over=block, configs=configs, wy=(A[sl], v[sl], beta[sl]),
-                          out=(q[sl], o[sl], scale, l2))
-        if i < len(groups) - 1:
-            ready = torch.cuda.Event()
-            ready.record(main)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                pass_()
-                last = torch.cuda.Event()
-                last.record(side)
-        else:
-            pass_()                                                      # after its kernel 1, on the caller's stream
-    if last is not None:
-        # join: the caller's stream waits for every side-stream pass (they are in order there), so the intermediates
-        # (allocated on the caller's stream, freed when the forward returns) need no record_stream
-        main.wait_event(last)
