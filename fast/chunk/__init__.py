@@ -23,18 +23,21 @@ themselves, which keep their names as functions of this package):
 
 The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequence):
 
-  1. ``chunk_kkt_inv_kernel``  grid (chunks * HV)          fully chunk-parallel, 1 warp
+  1. ``chunk_kkt_inv_kernel``  grid (chunks * HV / HPP)    fully chunk-parallel, 1 warp, HPP value heads
+                                                           per program (2 for Qwen3-Next's GVA pairs)
        g (or fused gating of raw a) -> G = chunk-local cumsum            (fp32, stored; fp32 inputs:
            in fp64, with its rounding error Gl stored too, see below)
        k -> l2norm(k) when asked (stored once per key head: kn [B, T, H, K], read by kernels 2-4)
-       L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j                    (16x16 blocks, tl.dot)
+       K K^T (16x16 blocks, tl.dot; once per program, shared by its value heads), then per value head
+       L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j
        A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (inv_method), the
            off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
            A stored in k's dtype (fp32 for fp32 inputs)
   2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel (the backward's recompute; the
                                                            forward with from_a=False)
        w = A (beta exp(G) K),  u = A (beta V)                             (two [BT, BT] x [BT, *] dots)
-  3. ``chunk_state_kernel``    grid (cdiv(V, BV), N * HV)  sequential over the chunks of a sequence
+  3. ``chunk_state_kernel``    grid (cdiv(V, BV), N * HV)  sequential over the chunks of a sequence (varlen:
+                                                           the longest sequences' programs first)
        h[c] = S (stored in k's dtype);  v_new = u - w S (stored);
        S <- exp(G_last) S + K^T (exp(G_last - G) v_new)                   (S: fp32 [K, BV] in registers)
        The forward skips kernel 2: the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta

@@ -5,8 +5,9 @@
     G = chunk-local cumsum(g) ;  A = (I + L)^-1, L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j ;
     w = A (beta exp(G) K) ;  u = A (beta V)
 
-``chunk_kkt_inv_kernel`` (kernel 1, grid (chunks * HV), 1 warp): the cumsum (or fused gating of raw a),
-l2norm(k) once per key head, L in 16x16 blocks and its inverse (diagonal blocks by forward substitution
+``chunk_kkt_inv_kernel`` (kernel 1, grid (chunks * HV / HPP), 1 warp): the cumsum (or fused gating of raw a),
+l2norm(k) once per key head, K K^T in 16x16 blocks once per program (HPP value heads of one key head), each
+head's L and its inverse (diagonal blocks by forward substitution
 or doubling, ``inv_method``; off-diagonal blocks by block forward substitution). ``chunk_w_u_kernel``
 (kernel 2, grid (chunks * HV)): two plain [BT, BT] x [BT, *] dots. Split so that each stays small
 (package docstring). Here too: their pinned configs, launchers and the stage twins.
