@@ -67,7 +67,9 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTabl
     sequences by chunk count, longest first: the sequential passes (one program per sequence, head and V-block,
     each walking its sequence's chunks) map their programs through it, so the GPU starts the longest walks
     first and the short ones fill the tail (longest-processing-time-first scheduling) instead of a long
-    sequence starting late and running alone at the end.
+    sequence starting late and running alone at the end. H200, Triton 3.6, bf16, Qwen3-Next shape, the 16-sequence
+    mix of benchmarks/bench_prefill.py (32760 tokens, 94 chunks in the longest): the forward's state pass 0.750 ->
+    0.676 ms, the whole call 1.082 -> 1.005 ms (results bit for bit the same).
 
     Host work: cu_seqlens' values come from refgdn.checks.host_offsets (one read shared with the op's value
     check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the four tables are
