@@ -92,8 +92,10 @@ def _fast(name: str):
 
 
 def _row(case: str, tokens: int, ms: float, *, flops: float = None, nbytes: float = None,
-         ceiling: float = None, fla_ms: float = None, note: str = "") -> dict:
-    # fixed column order: case, ms, Mtok/s, TFLOP/s, GB/s, of ceiling, fla ms, fla/fast, note
+         ceiling: float = None, fla_ms: float = None, note: str = "", device=None) -> dict:
+    # fixed column order: case, ms, Mtok/s, TFLOP/s, GB/s, of ceiling, fla ms, fla/fast, [device columns,] note
+    # device: (fast's, fla's) device ms per call, the sum of their kernels' times (a call whose host work outlasts
+    # its kernels is timed by its host in "ms"; by its kernels here), or None: no device columns
     row = {"case": case, "ms": ms, "Mtok/s": tokens / ms / 1e3 if ms else None, "TFLOP/s": None, "GB/s": None,
            "of ceiling": None}
     if flops is not None and ms:
@@ -104,6 +106,10 @@ def _row(case: str, tokens: int, ms: float, *, flops: float = None, nbytes: floa
         row["of ceiling"] = row["GB/s"] / ceiling if ceiling else None
     row["fla ms"] = fla_ms
     row["fla/fast"] = fla_ms / ms if (fla_ms and ms) else None
+    if device is not None:
+        dev, fla_dev = device
+        row["device ms"], row["fla device ms"] = dev, fla_dev
+        row["fla/fast device"] = fla_dev / dev if (dev and fla_dev) else None
     row["note"] = note
     return row
 
@@ -150,23 +156,27 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
             if host_copy:
                 kw["cu_seqlens_cpu"] = cu.cpu()
         notes = []
-        ms = None
+        ms = dev_ms = None
         if fast_chunk is not None:
-            ms, err = _bench_or_error(lambda: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw), warm=i == 0)
+            fn = lambda: fast_chunk(q, k, v, g, beta, chunk_size=CHUNK, **kw)    # noqa: E731
+            ms, err = _bench_or_error(fn, warm=i == 0)
             if err:
                 notes.append("fast: " + err)
+            else:
+                dev_ms = device_ms(fn)
         else:
             notes.append("fast.chunk_gated_delta_rule missing")
-        fla_ms = None
+        fla_ms = fla_dev = None
         if fla_chunk is not None:
             try:
                 call, note = common.call_fla_gdn(fla_chunk, q, k, v, g, beta, **kw)
                 fla_ms, err = _bench_or_error(call, warm=i == 0)
                 notes += [n for n in (note, "fla: " + err if err else "") if n]
+                fla_dev = device_ms(call) if not err else None
             except Exception as e:  # noqa: BLE001
                 notes.append(f"fla: {type(e).__name__}: {e}"[:120])
         rows.append(_row(name, B * T, ms, flops=chunk_flops(B * T), ceiling=tflops_ceiling, fla_ms=fla_ms,
-                         note="; ".join(notes)))
+                         note="; ".join(notes), device=(dev_ms, fla_dev)))
         print(_progress(rows[-1]), file=sys.stderr)
         if T == CHUNK_TS[0] and B == 1 and not seq_lens:
             rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
@@ -233,6 +243,12 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
                                  note=err))
     rows.sort(key=lambda r: r["ms"] if r["ms"] else float("inf"))
     return rows[:12]
+
+
+def device_ms(fn, iters: int = 5) -> float:
+    """Device time of one call of fn, in ms: the sum of its kernels' (and copies') times, torch.profiler, mean over
+    ``iters`` calls. Idle gaps between kernels (the host's share of a host-bound call) do not count."""
+    return sum(ms * 1.0 for _, ms, _ in _kernel_times(fn, iters))
 
 
 def _kernel_times(fn, iters: int) -> list:
@@ -447,7 +463,9 @@ def run_sections(device: str = "cuda") -> list:
             "ceiling (chunk rows)": f"bf16 8192^3 matmul, measured: {tflops:.0f} TFLOP/s",
             "ceiling (conv row)": f"device copy (read+write), measured: {gbs:.0f} GB/s",
             "FLOPs": "6CK + 4CV + 6KV + 2C^2/3 per token per value head (benchmarks/bench_prefill.py)",
-            "conv bytes": "2 B x (read x + write y + weights)"}
+            "conv bytes": "2 B x (read x + write y + weights)",
+            "device ms": "the sum of the call's kernel times (torch.profiler, mean of 5 calls): the kernels alone, "
+                         "whatever the host adds; fla/fast device is their ratio"}
     main = bench_chunk(device, tflops) + bench_conv(device, gbs)
     sections = [("Prefill: fast vs fla", main, meta)]
     sections.append((f"Prefill: per-kernel breakdown, chunk forward T={BREAKDOWN_T} (torch.profiler)",
