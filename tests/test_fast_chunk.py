@@ -282,9 +282,11 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     dev = torch.device(DEV)
     assert pl.pipeline_segments(2, 65536, 64, dev, False) == 1
     assert pl.pipeline_segments(1, 65536, 64, dev, True) == 1
-    assert pl.pipeline_segments(1, 16384, 64, dev, False) == 1
-    if DEV != "cuda":
-        assert pl.pipeline_segments(1, 65536, 64, dev, False) == 1
+    assert pl.pipeline_segments(1, 16320, 64, dev, False) == 1                  # 255 chunks
+    cuda = DEV == "cuda"
+    assert pl.pipeline_segments(1, 16384, 64, dev, False) == (2 if cuda else 1)
+    assert pl.pipeline_segments(1, 32767, 64, dev, False) == (2 if cuda else 1)
+    assert pl.pipeline_segments(1, 32768, 64, dev, False) == (4 if cuda else 1)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")

@@ -17,7 +17,8 @@ themselves, which keep their names as functions of this package):
   output.py     kernel 4 (chunk_output), its config, launcher and stage twin
   recurrent.py  the recurrent kernel and its config
   pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4
-                (pipeline_segments: B = 1 from 512 chunks, on a GPU; bit-identical to the one-pass forward)
+                (pipeline_segments: B = 1, 2 segments from 256 chunks, 4 from 512, on a GPU; bit-identical
+                to the one-pass forward)
   __init__.py   the public ops below; every name of the former single module is re-exported here;
                 a dense call's checks and launches cached by its signature (fast.launch.LaunchPlan)
 

@@ -38,9 +38,9 @@ _STREAMS_LOCK = threading.Lock()
 
 
 def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool) -> int:
-    """How many segments the forward of one dense call pipelines (1: none): 4 for a single sequence (N = 1, dense)
-    of at least 512 chunks (T >= 32768 at BT = 64) on a CUDA device, when the state pass is the unfused
-    latency-bound one (not ``fused``). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
+    """How many segments the forward of one dense call pipelines (1: none), for a single sequence (N = 1, dense) on a
+    CUDA device when the state pass is the unfused latency-bound one (not ``fused``): 4 from 512 chunks (T >= 32768
+    at BT = 64), 2 from 256 chunks (T >= 16384). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
     (2026-11-24; device time from a CUDA graph's replay; then the eager call through its launch plan, and its host
     time per call), H100: T=16384 0.942 / 0.842 / 0.822 / 0.891, eager 0.956 / 0.885 / 0.868 / 1.438; T=65536
     3.661 / 3.279 / 3.144 / 3.158, eager 3.649 / 3.386 / 3.231 / 3.241. H200: T=16384 0.893 / 0.790 / 0.770 /
@@ -49,10 +49,15 @@ def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool
     stays near 13 % of the device time, not the pass's whole idle share; and each segment adds ~170 us of host work
     (three launches, two events, a stream switch, the views), so at T=16384 the call is as long on the host as on
     the device: the H200's prefill table timed it at 1.037 ms (fla 0.968) where the one-pass forward takes 0.90.
-    Hence the pipeline only from 512 chunks, where the device time (~1.7 ms and up) hides the host's."""
-    if N != 1 or fused or is_interpreting() or device.type != "cuda" or cdiv(T, BT) < 512:
+    Hence four segments only from 512 chunks, where the device time (~1.7 ms and up) hides the host's; two segments
+    from 256 chunks, whose ~450 us of host time stay under the ~0.8 ms of device time (H200, 2026-11-24 22:50, the
+    forward without a launch plan, host work included: T=16384 S=1 / 2 / 4 / 8 device 0.869 / 0.780 / 0.766 / 0.790
+    ms, eager 0.874 / 0.838 / 0.883 / 3.331; kernel 2's path, from_a=False, pipelines no better: 0.828 / 0.782 /
+    0.798 / 0.893, and at T=65536 3.231 / 3.073 / 3.044 / 3.175 against FROM_A's 3.416 / 3.013 / 2.879 / 2.921)."""
+    if N != 1 or fused or is_interpreting() or device.type != "cuda":
         return 1
-    return 4
+    chunks = cdiv(T, BT)
+    return 4 if chunks >= 512 else 2 if chunks >= 256 else 1
 
 
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
