@@ -285,7 +285,7 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     assert pl.pipeline_segments(1, 16320, 64, dev, False) == 1                  # 255 chunks
     cuda = DEV == "cuda"
     assert pl.pipeline_segments(1, 16384, 64, dev, False) == (2 if cuda else 1)
-    assert pl.pipeline_segments(1, 32767, 64, dev, False) == (2 if cuda else 1)
+    assert pl.pipeline_segments(1, 32704, 64, dev, False) == (2 if cuda else 1)                  # 511 chunks
     assert pl.pipeline_segments(1, 32768, 64, dev, False) == (4 if cuda else 1)
 
 
