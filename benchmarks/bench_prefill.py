@@ -466,7 +466,7 @@ def run_sections(device: str = "cuda") -> list:
             "conv bytes": "2 B x (read x + write y + weights)",
             "device ms": "the sum of the call's kernel times (torch.profiler, mean of 5 calls): the kernels alone, "
                          "whatever the host adds; kernels that run at once (the B=1 pipeline's two streams, from "
-                         "T=32768) each count in full, so there it exceeds the wall time; fla/fast device is the ratio"}
+                         "T=16384) each count in full, so there it exceeds the wall time; fla/fast device is the ratio"}
     main = bench_chunk(device, tflops) + bench_conv(device, gbs)
     sections = [("Prefill: fast vs fla", main, meta)]
     sections.append((f"Prefill: per-kernel breakdown, chunk forward T={BREAKDOWN_T} (torch.profiler)",
