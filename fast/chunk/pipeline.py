@@ -53,7 +53,10 @@ def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool
     from 256 chunks, whose ~450 us of host time stay under the ~0.8 ms of device time (H200, 2026-11-24 22:50, the
     forward without a launch plan, host work included: T=16384 S=1 / 2 / 4 / 8 device 0.869 / 0.780 / 0.766 / 0.790
     ms, eager 0.874 / 0.838 / 0.883 / 3.331; kernel 2's path, from_a=False, pipelines no better: 0.828 / 0.782 /
-    0.798 / 0.893, and at T=65536 3.231 / 3.073 / 3.044 / 3.175 against FROM_A's 3.416 / 3.013 / 2.879 / 2.921)."""
+    0.798 / 0.893, and at T=65536 3.231 / 3.073 / 3.044 / 3.175 against FROM_A's 3.416 / 3.013 / 2.879 / 2.921).
+    Inside the pipeline the pinned configs stay best (same H200, device ms: T=16384 in 2 segments 0.789, the pass
+    at BV 16 0.834, BV 64 0.849, kernel 4 at BV 64 0.813, kernel 1 unshared (HPP 1) 0.799; T=65536 in 4 segments
+    2.924, BV 16 3.321, BV 64 3.086, kernel 4 at BV 64 3.008, HPP 1 2.966)."""
     if N != 1 or fused or is_interpreting() or device.type != "cuda":
         return 1
     chunks = cdiv(T, BT)
