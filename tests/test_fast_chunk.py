@@ -115,6 +115,34 @@ def test_chunk_varlen_matches_per_sequence_calls():
         torch.testing.assert_close(s[n:n + 1], s_n, rtol=0, atol=1e-6)
 
 
+def test_varlen_passes_walk_the_sequences_in_the_order_table(monkeypatch):
+    """The sequential passes map their programs through the tables' sequence order (longest first, for the GPU's
+    schedule): any permutation gives the same results bit for bit, and a table that is not one leaves sequences
+    unvisited (so the kernels do read it: the order is not just computed)."""
+    import fast.chunk.common as cm
+    from fast.utils import VarlenTables
+    lens = [5, 40, 17]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    (q, k, v, g, beta, h0), _ = _inputs(1, sum(lens), 1, 2, 16, 16, torch.float32, seed=7, init=True, N=3)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=16)
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    tables = cm.varlen_chunk_tables
+    assert tables(cu, 16).order.tolist() == [1, 2, 0]                        # by chunk count: 3, 2, 1
+
+    def with_order(order):
+        def build(cu_, bt):
+            t = tables(cu_, bt)
+            return VarlenTables(t.indices, t.offsets, t.checked, torch.tensor(order, dtype=torch.int32, device=DEV))
+        monkeypatch.setattr(cm, "varlen_chunk_tables", build)
+        return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    kept = []                       # every result stays alive: no later output may reuse a block holding the answer
+    for order in ([0, 1, 2], [2, 0, 1]):
+        kept.append(with_order(order))
+        assert torch.equal(kept[-1][0], want[0]) and torch.equal(kept[-1][1], want[1]), order
+    partial = with_order([1, 1, 1])                                          # sequences 0 and 2 never walked
+    assert torch.equal(partial[1][1], want[1][1]) and not torch.equal(partial[1][0], want[1][0])
+
+
 @pytest.mark.parametrize("T", [pytest.param(40, id="T40"), pytest.param(0, id="T0")])
 def test_one_sequence_varlen_is_the_dense_call(T):
     """cu_seqlens = [0, T] (one sequence) runs as the dense B = 1 call: the same results bit for bit, the same
