@@ -50,8 +50,8 @@ def chunk_state_kernel(
     k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
     u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
     h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
-    V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head). S: fp32 [BK, BV] kept in registers across all chunks;
-    K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
+    V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head).
+    S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
     to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
     compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
     computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). UPCAST (the backward's fp32
