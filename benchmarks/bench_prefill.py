@@ -248,7 +248,7 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
 def device_ms(fn, iters: int = 5) -> float:
     """Device time of one call of fn, in ms: the sum of its kernels' (and copies') times, torch.profiler, mean over
     ``iters`` calls. Idle gaps between kernels (the host's share of a host-bound call) do not count."""
-    return sum(ms * 1.0 for _, ms, _ in _kernel_times(fn, iters))
+    return sum(ms for _, ms, _ in _kernel_times(fn, iters))
 
 
 def _kernel_times(fn, iters: int) -> list:
@@ -380,10 +380,11 @@ def _progress(row: dict) -> str:
 def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5)) -> list:
     """Error of o and of the final state against the float64 truth (refgdn in float64 on the same rounded inputs),
     for fast on the path it takes, on the other output path (o through kernel 4 / in the state pass) and on kernel
-    2's path (w and u stored, fla's algorithm), and fla 0.6.0 when installed; issue 11's accuracy bar is fast's error at or below fla's. Two measures per output, each
-    the mean over ``seeds`` (inputs bench_prefill.gdn_inputs(seed) with an initial state): max |x - truth| /
-    max |truth| (one element decides it: noisy between seeds) and ||x - truth|| / ||truth|| (Frobenius: every
-    element); "worst max" is the largest max-norm error over the seeds."""
+    2's path (w and u stored, fla's algorithm), and fla 0.6.0 when installed; issue 11's accuracy bar is fast's
+    error at or below fla's. Two measures per output, each the mean over ``seeds`` (inputs
+    bench_prefill.gdn_inputs(seed) with an initial state): max |x - truth| / max |truth| (one element decides it:
+    noisy between seeds) and ||x - truth|| / ||truth|| (Frobenius: every element); "worst max" is the largest
+    max-norm error over the seeds."""
     import refgdn
     from fast.chunk import chunk_gated_delta_rule_fwd
     from fast.chunk.state import state_fuses_output
@@ -447,8 +448,9 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
             common.synchronize(device)
             replay = graphed(fn)                      # None (reported) if fn cannot be captured
             dev = common.bench(replay) if replay is not None else float("nan")
+            bound = "-" if dev != dev else "host" if host > dev * 1e3 else "device"
             rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
-                         "device us": dev * 1e3, "bound by": "-" if dev != dev else "host" if host > dev * 1e3 else "device"})
+                         "device us": dev * 1e3, "bound by": bound})
         del q, k, v, g, beta, S0
         torch.cuda.empty_cache()
     return rows

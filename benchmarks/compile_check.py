@@ -80,9 +80,9 @@ def main(argv=None) -> int:
         # the prefill forward's kernels at Qwen3-Next's shape (H 16, HV 32, K = V = 128, BT 64): B = 1 (the unfused
         # pass, kernel 4), B = 4 (the pass forms o) and 16 sequences (varlen, initial states)
         K = V = 128
+        x = lambda *s: torch.randn(*s).to(dt)                   # noqa: E731
         for B, N in ((1, None), (4, None), (1, 16)):
             T = 128 if N is None else 16 * 64
-            x = lambda *s: torch.randn(*s).to(dt)               # noqa: E731
             cu = torch.arange(0, T + 1, T // N) if N else None
             fc.chunk_gated_delta_rule_fwd(x(B, T, 16, K), x(B, T, 16, K), x(B, T, 32, V), -torch.rand(B, T, 32),
                                           torch.rand(B, T, 32).to(dt), initial_state=torch.randn(N or B, 32, K, V),
