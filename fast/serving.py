@@ -36,7 +36,11 @@ benchmarks/RESULTS.md): decode as one launch, every step program convolving the 
 shared q/k windows and pend_meta rewritten by their last reader through per-slot ticket atomics -- per layer
 of a 32-layer graph N = 1 6.59 us vs 5.19 for these two launches, N = 8 17.8 vs 16.1: each scalar atomic's
 result is broadcast to the warp at once, so its round trip (two per program) sits on the critical path, and
-the conv's window and weight loads, 8-16x redundant per q/k head, come on top of the state read.
+the conv's window and weight loads, 8-16x redundant per q/k head, come on top of the state read. Tried at small
+N and dropped (2026-11-24, H200 and H100): the conv programs asking L2 for the step's state before their
+``gdc_wait`` (``prefetch.global.L2`` per line, its ``evict_last`` form, or one ``cp.async.bulk.prefetch.L2`` per
+program), so the state's traffic would fill the conv's time: slower at every N, per layer of a 32-layer graph
+N = 8 12.4 -> 14.1 us (H200), 14.8 -> 16.6-17.7 (H100); N = 4 +0.4-1.1 us; N = 1 within noise.
 
 Small batches (N <= PDL_MAX_N, sm_90+): the step is latency-bound (one request's state is 2 MB at
 Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the conv kernel waits for its
