@@ -94,8 +94,8 @@ def _fast(name: str):
 def _row(case: str, tokens: int, ms: float, *, flops: float = None, nbytes: float = None,
          ceiling: float = None, fla_ms: float = None, note: str = "", device=None) -> dict:
     # fixed column order: case, ms, Mtok/s, TFLOP/s, GB/s, of ceiling, fla ms, fla/fast, [device columns,] note
-    # device: (fast's, fla's) device ms per call, the sum of their kernels' times (a call whose host work outlasts
-    # its kernels is timed by its host in "ms"; by its kernels here), or None: no device columns
+    # device: (fast's, fla's) device ms per call, the union of their kernels' intervals (a call whose host work
+    # outlasts its kernels is timed by its host in "ms"; by its kernels here), or None: no device columns
     row = {"case": case, "ms": ms, "Mtok/s": tokens / ms / 1e3 if ms else None, "TFLOP/s": None, "GB/s": None,
            "of ceiling": None}
     if flops is not None and ms:
@@ -246,14 +246,28 @@ def conv_sweep(device: str, gbs_ceiling: float) -> list:
 
 
 def device_ms(fn, iters: int = 5) -> float:
-    """Device time of one call of fn, in ms: the sum of its kernels' (and copies') times, torch.profiler, mean over
-    ``iters`` calls. Idle gaps between kernels (the host's share of a host-bound call) do not count."""
-    return sum(ms for _, ms, _ in _kernel_times(fn, iters))
+    """Device time of one call of fn, in ms: how long the device had a kernel (or copy) of it running, torch.profiler,
+    mean over ``iters`` calls: the union of the kernels' [start, end) intervals (busy_ms), so kernels that run at
+    once (the B=1 pipeline's two streams) count once. Idle gaps between kernels (the host's share of a host-bound
+    call) do not count."""
+    return busy_ms(_kernel_spans(_profile(fn, iters))) / iters
 
 
-def _kernel_times(fn, iters: int) -> list:
-    """[(kernel name, mean device ms per call, calls per call)] of fn over ``iters`` profiled calls (after one
-    unprofiled call): torch.profiler's CUDA activity."""
+def busy_ms(spans) -> float:
+    """The length, in ms, of the union of [start, end) intervals given in us (overlaps counted once)."""
+    total, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
+
+
+def _profile(fn, iters: int):
+    """torch.profiler's record of ``iters`` calls of fn (CUDA activity), after one unprofiled call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     common.synchronize()
@@ -261,6 +275,20 @@ def _kernel_times(fn, iters: int) -> list:
         for _ in range(iters):
             fn()
         common.synchronize()
+    return prof
+
+
+def _kernel_spans(prof) -> list:
+    """[(start us, end us)] of every device activity (kernels, copies) in a profiler record."""
+    from torch.autograd import DeviceType
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def _kernel_times(fn, iters: int) -> list:
+    """[(kernel name, mean device ms per call, calls per call)] of fn over ``iters`` profiled calls (after one
+    unprofiled call): torch.profiler's CUDA activity."""
+    prof = _profile(fn, iters)
     events = []
     for e in prof.key_averages():
         t_us = getattr(e, "device_time_total", None)
@@ -466,9 +494,9 @@ def run_sections(device: str = "cuda") -> list:
             "ceiling (conv row)": f"device copy (read+write), measured: {gbs:.0f} GB/s",
             "FLOPs": "6CK + 4CV + 6KV + 2C^2/3 per token per value head (benchmarks/bench_prefill.py)",
             "conv bytes": "2 B x (read x + write y + weights)",
-            "device ms": "the sum of the call's kernel times (torch.profiler, mean of 5 calls): the kernels alone, "
-                         "whatever the host adds; kernels that run at once (the B=1 pipeline's two streams, from "
-                         "T=16384) each count in full, so there it exceeds the wall time; fla/fast device is the ratio"}
+            "device ms": "how long the device ran the call's kernels (torch.profiler, mean of 5 calls): the union "
+                         "of the kernels' intervals, whatever the host adds between them; kernels that run at once "
+                         "(the B=1 pipeline's two streams, from T=16384) count once; fla/fast device is the ratio"}
     main = bench_chunk(device, tflops) + bench_conv(device, gbs)
     sections = [("Prefill: fast vs fla", main, meta)]
     sections.append((f"Prefill: per-kernel breakdown, chunk forward T={BREAKDOWN_T} (torch.profiler)",
