@@ -171,3 +171,19 @@ def test_timeout_reports_what_ran_and_fails(tmp_path, jobs):
     records = _json(path)
     assert rc != 0
     assert any(not r["passed"] and "timeout" in (r["detail"] or "") for r in records)
+
+
+def test_out_of_memory_case_is_rerun_alone(tmp_path):
+    """A case that failed with CUDA's out-of-memory error under several workers is rerun in a process of its own
+    and its records replace the failure; the other records stay as they were; a worker's record is never rerun."""
+    oom = dict(op="causal_conv1d", case="T1-init", dtype="float32", chunk_size=None, draft_steps=None,
+               check="<exception>", error=None, ref_error=None, ratio=None, passed=False,
+               detail="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", seconds=None)
+    other = dict(oom, case="dense-T63-silu-bias", check="y", passed=True, detail="")
+    worker = dict(oom, op="<worker>", case="shard3.json", detail="worker exited 1: out of memory")
+    out = runner.rerun_out_of_memory([oom, other, worker], ["--quick", "--device", DEVICE])
+    rerun = [r for r in out if r["case"] == "T1-init"]
+    assert {r["check"] for r in rerun} == {"y", "final_state"}
+    assert {r["dtype"] for r in rerun} == {"float32"}
+    assert all(r["passed"] and "rerun alone" in r["detail"] for r in rerun)
+    assert other in out and worker in out and oom not in out
