@@ -243,6 +243,7 @@ def sweep_rows(device: str, stages=None) -> list:
     grid += [(st, dict(num_warps=w, BV=bv, num_stages=s_, BKC=bkc)) for st in ("dqkwg", "wy") for w in (4, 8)
              for bv in (32, 64) for s_ in (1, 2) for bkc in (32, 64)]
     grid += [("dv_local", dict(num_warps=w, BV=bv)) for w in (4, 8) for bv in (64, 128)]
+    grid += [("dw", dict(num_warps=w, BV=bv, num_stages=s_)) for w in (4, 8) for bv in (32, 64) for s_ in (1, 2)]
     grid += [("state", dict(num_stages=s_, num_warps=w, BV=bv)) for s_ in (1, 2, 3) for w in (4, 8) for bv in (32, 64)]
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
@@ -377,7 +378,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="STAGES",
                     help="also sweep fast's backward stage configs (optionally only these comma-separated "
-                         "stages: dh, dqkwg, wy, dv_local, state, w_u, kkt)")
+                         "stages: dh, dqkwg, dw, wy, dv_local, state, w_u, kkt)")
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--beside", default="None/None", metavar="G/R[/16-bit[/forward]]",
                     help="profile: the backward precision tuple timed beside the default (default None/None, "

@@ -21,10 +21,11 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
          dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
          dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
-  3. ``bwd_dqkwg_kernel``     grid (chunks * HV, K-blocks)  dq, dk, dw, dG through the     (chunk_bwd_dqkwg)
+  3. ``bwd_dqkwg_kernel``     grid (chunks * HV, K-blocks)  dq, dk, dG through the         (chunk_bwd_dqkwg)
          output and the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
          as one partial sum per K-block, its intra-chunk part as rowsum(P) - colsum(P) with
          P = ((dO v_new^T) M) * (Q K^T) off the diagonal
+  3b. ``bwd_dw_kernel``       grid (chunks * HV)  dw = -dv_new h^T (through v_new = u - w h)  (chunk_dw)
   4. ``bwd_wy_kernel``        grid (chunks * HV)  through w = A Kb, u = A Vb, A = (I + L)^-1  (wy_bwd +
          in two passes over K-blocks (before and after dL):
          dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
@@ -54,6 +55,12 @@ reverse state pass 774 / 448, the state pass (forward and recompute) 611 / 411, 
 recompute) 396 / 188, kernel 2 386 / 305, the output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm
 backward 191 / 517 (fla: a torch reduction and its l2norm kernel). fla's backward runs 16-bit products
 throughout; ours the precision above.
+Stage 3b (2026-11-25, H100, Triton 3.6, same shape, bench_train's timing and per-kernel profile in one process
+each): dw = -dv_new h^T moved out of stage 3 into its own kernel. Stage 3 1552 -> 1099 us (its spills 776 ->
+96 B per thread, one fp32 tile fewer to load per V-block), stage 3b 301 us (805 MB at ~2.7 TB/s: near the copy
+ceiling), the WY backward 981 -> 964 us ((R + R^T) K as one product); forward + backward 5.28 -> 5.13 ms (fla
+4.42 in the same call). Tried and slower: dw formed inside the WY kernel, K whole (8 warps: 736 B of spills,
+the WY kernel 1.8 ms) or per K-block in both passes (dw's small products recomputed: 1.7 ms).
 """
 from __future__ import annotations
 
@@ -75,8 +82,8 @@ from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
 # benchmarks/bench_train.py --sweep) are merged over the pinned heuristics below: {"dv_local": {...},
-# "dh": {...}, "dqkwg": {...}, "wy": {...}} with keys BV, num_warps, num_stages, and for the recompute
-# {"kkt": {...}, "w_u": {...}, "state": {...}} as in fast.chunk. Each distinct config is its own
+# "dh": {...}, "dqkwg": {...}, "dw": {...}, "wy": {...}} with keys BV, num_warps, num_stages, and for the
+# recompute {"kkt": {...}, "w_u": {...}, "state": {...}} as in fast.chunk. Each distinct config is its own
 # compiled variant.
 # Precision of the backward, per input dtype (read-only defaults; chunk_gated_delta_rule_bwd's
 # ``precision`` argument replaces a row for benchmarks; each value its own compiled variant):
@@ -324,12 +331,12 @@ def bwd_dh_kernel(
 
 
 # ============================================================================================
-# stage 3: dq, dk, dw, dG through the output and the state update     (fully chunk-parallel)
+# stage 3: dq, dk, dG through the output and the state update         (fully chunk-parallel)
 # ============================================================================================
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def bwd_dqkwg_kernel(
-    q, k, v_new, h, dh, G, Gl, do, dv_new, dq, dk, dw, dG,
+    q, k, v_new, h, dh, G, Gl, do, dq, dk, dG,
     cu_seqlens, chunk_indices, T, NT, scale, s_dG,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
@@ -339,12 +346,13 @@ def bwd_dqkwg_kernel(
     """Per (chunk, value head, K-block of BKC), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
 
         dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
-        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T ;   dw = -dv_new h^T
+        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T
         dG = rowsum(Q dq) - rowsum(K dk) ;  dG_L += sum(K dk_state) + exp(G_L) <h, dh>
            (intra-chunk part computed as rowsum(P) - colsum(P), P = scale ((dO v_new^T) M) (Q K^T), i > j)
+    (dw = -dv_new h^T, the gradient through v_new = u - w h, is bwd_dw_kernel's.)
 
-    q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; dv_new: fp32; h, dh: [chunks, HV, K, V];
-    dq, dk, dw: [B, T, HV, K] fp32 (per value head); dG: [NK, B, T, HV] fp32, one partial sum per K-block
+    q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; h, dh: [chunks, HV, K, V];
+    dq, dk: [B, T, HV, K] fp32 (per value head); dG: [NK, B, T, HV] fp32, one partial sum per K-block
     (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
     grid = (chunks * HV, NK): each program owns the K columns of its block, V in blocks of BV inside;
     (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
@@ -366,7 +374,6 @@ def bwd_dqkwg_kernel(
 
     b_dq = tl.zeros([BT, BKC], dtype=tl.float32)
     b_dk = tl.zeros([BT, BKC], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BKC], dtype=tl.float32)
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)
     b_hdh = tl.zeros([BKC], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
@@ -378,12 +385,10 @@ def bwd_dqkwg_kernel(
         b_dh = tl.load(dh + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
         b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        # h and v_new are fp32 when GPREC is set (the backward's recompute stores them so), else 16-bit
+        # v_new is fp32 when GPREC is set (the backward's recompute stores it so), else 16-bit
         b_dq += _gdot(b_do, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_ds += _gdot(b_do, tl.trans(b_vn), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_dk += _gdot(b_vn, tl.trans(b_dh), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
-        b_dw += _gdot(b_dv, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
 
     b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -419,8 +424,50 @@ def bwd_dqkwg_kernel(
     out = tok[:, None] * K + o_k[None, :]
     tl.store(dq + out, b_dq, mask=m_rk)
     tl.store(dk + out, b_dk, mask=m_rk)
-    tl.store(dw + out, -b_dw, mask=m_rk)
     tl.store(dG + i_kb.to(tl.int64) * s_dG + tok, b_dG, mask=m_r)
+
+
+# ============================================================================================
+# stage 3b: dw = -dv_new h^T                                          (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dw_kernel(
+    h, dv_new, dw, ref,
+    cu_seqlens, chunk_indices, T, NT,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, GPREC: tl.constexpr,
+    EMU_TF32: tl.constexpr,
+):
+    """Per (chunk, value head), the gradient through v_new = u - w h (h = h[c], the chunk-start state):
+
+        dw = -dv_new h^T
+
+    h: [chunks, HV, K, V]; dv_new: [B, T, HV, V] fp32; dw: [B, T, HV, K] fp32; ref: any tensor in the inputs'
+    dtype (its dtype only: the 16-bit dtype of the products, as stage 3's). grid = (chunks * HV,); K whole,
+    V in blocks of BV. Its own kernel rather than a fourth accumulator of stage 3: there it cost registers
+    (stage 3 spilled 776 B per thread with it, 96 without; sm_90, bench_train's shape) and a second read of
+    dv_new per K-block program.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    h_base = (i_c.to(tl.int64) * HV + i_h) * K * V
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+        b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dw += _gdot(b_dv, tl.trans(b_h), ref.dtype.element_ty, GPREC, EMU_TF32, PREC, DOT_F32)
+    tl.store(dw + tok[:, None] * K + o_k[None, :], -b_dw, mask=m_r[:, None] & m_k[None, :])
 
 
 # ============================================================================================
@@ -448,7 +495,7 @@ def bwd_wy_kernel(
     """Per (chunk, value head), through w = A Kb, u = A Vb (Kb = beta exp(G) K, Vb = beta V), A = (I + L)^-1:
 
         dA = dw Kb^T + du Vb^T ;  dKb = A^T dw ;  dVb = A^T du ;  dL = -A^T dA A^T (strictly lower)
-        dk += beta exp(G) dKb + R K + R^T K   (R = dL beta_i exp(G_i - G_j)) ;  dv = beta dVb
+        dk += beta exp(G) dKb + (R + R^T) K   (R = dL beta_i exp(G_i - G_j)) ;  dv = beta dVb
         dbeta = rowsum(dKb exp(G) K + dVb V + dL (K K^T) exp(G_i - G_j))
         dG += rowsum(dKb Kb) + rowsum(P) - colsum(P)   (P = R (K K^T) = dL L)
         dg_s = sum_{c >= s in the chunk} dG_c ;  GATE: da = dg dg/da, dA_log per token = dg g
@@ -459,7 +506,7 @@ def bwd_wy_kernel(
     dbeta, dg, dA_log_t: [B, T, HV] fp32.
     Registers: K in blocks of BKC, V in blocks of BV, so only [BT, BT] blocks (dA, A^T, K K^T) and one
     [BT, BKC] / [BT, BV] tile of each operand are live: two passes over K (before dL: dA, dKb's terms,
-    K K^T; after: dKb again, R K + R^T K), dk read and written once, in the second.
+    K K^T; after: dKb again, (R + R^T) K), dk read and written once, in the second.
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -522,7 +569,10 @@ def bwd_wy_kernel(
     b_R = b_R * b_beta[:, None]
     b_P = b_R * b_KK                                                         # dL * L
     b_dG += tl.sum(b_P, 1) - tl.sum(b_P, 0)
-    # pass 2 over K: dk += beta exp(G) dKb + R K + R^T K  (dKb = A^T dw again: the same dot as pass 1's)
+    # R strictly lower, R^T strictly upper: each entry of R + R^T is exactly one of them (no rounding), so
+    # R K + R^T K is one product
+    b_Rs = b_R + tl.trans(b_R)
+    # pass 2 over K: dk += beta exp(G) dKb + (R + R^T) K  (dKb = A^T dw again: the same dot as pass 1's)
     for i_k in range(0, BK // BKC):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
@@ -530,8 +580,7 @@ def bwd_wy_kernel(
         b_dw = tl.load(dw + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
         b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0) + b_dKb * b_bG[:, None]
-        b_dk += (_gdot(b_R, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
-                 + _gdot(tl.trans(b_R), b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32))
+        b_dk += _gdot(b_Rs, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
 
     # dg: reverse cumsum inside the chunk (padded rows carry dG = 0)
@@ -633,11 +682,23 @@ def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False) -> dict:
     [BT, BT] fp32 accumulators, V in blocks of BV. Before the K split (one program per chunk, [BT, BK]
     accumulators, 8 warps, BV 32) the kernel spilled 312 B per thread with serialised wgmma (sm_90,
     Triton 3.9, bf16 with the fp32 recompute, K = V = 128, BT = 64); split at BKC 64, 8 warps: no spill
-    at BV 64 or 32 (4 warps: 408 / 520 B)."""
+    at BV 64 or 32 (4 warps: 408 / 520 B). Without dw (stage 3b's since 2026-11-25; bf16x2 default, bench
+    shape): 4 warps spill 96 B; K whole (BKC 128) at 8 warps 72 B. fwd+bwd at bench_train's shape (H100,
+    Triton 3.6, one process): pinned 5.13-5.19 ms; BKC 128 / 8 warps 5.47, with BV 64 5.32, with one stage
+    5.69; BV 64 5.27; 8 warps 6.08."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
     return dict(BKC=min(64, BK), BV=min(32, BVmax), num_warps=4, num_stages=2 if tf32_operands else 1)
+
+
+def dw_bwd_config(K: int, V: int) -> dict:
+    """Stage 3b: one [BT, BK] fp32 accumulator, V in blocks of BV. fwd+bwd at bench_train's shape (H100, Triton
+    3.6, one process): BV 64 5.18 ms, BV 32 5.22, BV 16 5.26, one stage 5.29, 8 warps 5.36-5.46."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
+    return dict(BV=min(64, BVmax), num_warps=4 if BK <= 128 else 8, num_stages=2)
 
 
 def wy_bwd_config(K: int, V: int) -> dict:
@@ -683,7 +744,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
     the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
     stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
-    stages): h, v_new, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
+    stages): h, v_new, dv_local, dh, dv_new, dh0, stage 3's dq, dk, dG (per value head) and 3b's dw, then dk (total
     per value head), dv, dbeta, dg. Costs copies; None in normal use.
     Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
     precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
@@ -831,14 +892,21 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
             scale,
             **dict(common, BV=BV), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
-        # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
+        # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV, NKG)](
-            qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
+            qu, ku, v_new, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             B * T * HV, **common, **dq_cfg)
         if stages is not None:
             stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
-                          dk3=dk.clone(), dw=dw.clone(), dG3=dG.sum(0))
+                          dk3=dk.clone(), dG3=dG.sum(0))
+        # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------
+        bwd_dw_kernel[(ch.total * HV,)](
+            h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(gprec),
+            **_cfg("dw", dw_bwd_config(K, V), configs))
+        if stages is not None:
+            stages.update(dw=dw.clone())
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
         # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the

@@ -12,10 +12,10 @@ cumulative decay, G_L its value at the chunk's last token, M_ij = exp(G_i - G_j)
     1 G = chunk cumsum of g                          5 chunk_cumsum_bwd: dg = reverse chunk cumsum of dG
     2 A = (I + L)^-1                    \\
     3 w = A (beta exp(G) K), u = A (beta V)  }        4 wy_bwd: dk, dv, dbeta, dG from dw, du
-    4 v_new = u - w S ;                               2 state_passing_bwd: dS (reverse over chunks), dv_new
-      S <- exp(G_L) S + K^T (exp(G_L - G) v_new)
+    4 v_new = u - w S ;                               3b chunk_dw: dw = -dv_new S^T
+      S <- exp(G_L) S + K^T (exp(G_L - G) v_new)      2 state_passing_bwd: dS (reverse over chunks), dv_new
     5 O = scale [(Q exp(G)) S + ((Q K^T) M) v_new]    1 chunk_dv_local: the intra-chunk part of dv_new
-                                                      3 chunk_bwd_dqkwg: dq, dk, dw, dG (output + state update)
+                                                      3 chunk_bwd_dqkwg: dq, dk, dG (output + state update)
 
 Stages take dense [B, T, ...] tensors with T a multiple of chunk_size, already in the compute dtype,
 like the forward stages (padding tokens have g = beta = k = 0). Value heads are kept as (h, j) pairs;
@@ -106,22 +106,21 @@ def state_passing_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, G: torc
 
 
 def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
-                    do: torch.Tensor, dv_new: torch.Tensor, G: torch.Tensor, scale: float, chunk_size: int):
-    """Stage 3. q, k: [B, T, H, K], v_new, do, dv_new: [B, T, HV, V], h, dh: [B, NC, HV, K, V] (chunk-start
-    states and end-of-chunk state gradients), G: [B, T, HV]
-    -> dq, dk, dw: [B, T, HV, K] (per value head), dG: [B, T, HV].
+                    do: torch.Tensor, G: torch.Tensor, scale: float, chunk_size: int):
+    """Stage 3. q, k: [B, T, H, K], v_new, do: [B, T, HV, V], h, dh: [B, NC, HV, K, V] (chunk-start states and
+    end-of-chunk state gradients), G: [B, T, HV] -> dq, dk: [B, T, HV, K] (per value head), dG: [B, T, HV].
 
-    The gradients through the output (O = scale [(Q exp(G)) h + ((Q K^T) M) v_new]), the state update
-    (S' = exp(G_L) h + K^T (exp(G_L - G) v_new)) and v_new = u - w h:
+    The gradients through the output (O = scale [(Q exp(G)) h + ((Q K^T) M) v_new]) and the state update
+    (S' = exp(G_L) h + K^T (exp(G_L - G) v_new)); the one through v_new = u - w h is chunk_dw's (3b):
         dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
-        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T          dw = -dv_new h^T
+        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T
         dG = rowsum(Q dq) - rowsum(K dk);  dG_L += rowsum(K dk_state) summed + exp(G_L) <h, dh>
     (the intra-chunk part of dG computed as rowsum(P) - colsum(P), P = scale ((dO v_new^T) M) (Q K^T), i > j)
     """
     BT, HV, H = chunk_size, v_new.shape[2], q.shape[2]
     Gn = HV // H
     qc, kc = _qk(q, BT), _qk(k, BT)
-    vc, doc, dvc = _heads(v_new, BT, Gn), _heads(do, BT, Gn), _heads(dv_new, BT, Gn)
+    vc, doc = _heads(v_new, BT, Gn), _heads(do, BT, Gn)
     hc = rearrange(h, "b n (h j) k v -> b n h j k v", j=Gn)
     dhc = rearrange(dh, "b n (h j) k v -> b n h j k v", j=Gn)
     Gc = _gates(G, BT, Gn)
@@ -130,14 +129,24 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: to
     dq = scale * (torch.exp(Gc)[..., None] * (doc @ hc.transpose(-1, -2)) + ds @ kc)
     dk_state = torch.exp(G_last - Gc)[..., None] * (vc @ dhc.transpose(-1, -2))
     dk = scale * ds.transpose(-1, -2) @ qc + dk_state
-    dw = -dvc @ hc.transpose(-1, -2)
     # dG = rowsum(Q dq) - rowsum(K dk); the intra-chunk terms as rowsum(P) - colsum(P) with
     # P = ds * (Q K^T): the diagonal P_ii (in both sums) cancels exactly instead of up to rounding
     P = (ds * (qc @ kc.transpose(-1, -2))).tril(-1)
     dG = (qc * (dq - scale * ds @ kc)).sum(-1) - (kc * dk_state).sum(-1) + P.sum(-1) * scale - P.sum(-2) * scale
     last = (kc * dk_state).sum((-1, -2)) + torch.exp(G_last[..., 0]) * (hc * dhc).sum((-1, -2))
     dG = dG + F.one_hot(torch.tensor(BT - 1), BT).to(dG) * last[..., None]
-    return _flat(dq), _flat(dk), _flat(dw), rearrange(dG, "b n h j c -> b (n c) (h j)")
+    return _flat(dq), _flat(dk), rearrange(dG, "b n h j c -> b (n c) (h j)")
+
+
+def chunk_dw(h: torch.Tensor, dv_new: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Stage 3b. h: [B, NC, HV, K, V] (chunk-start states), dv_new: [B, T, HV, V] -> dw: [B, T, HV, K].
+
+    The gradient through v_new = u - w h (per chunk):  dw = -dv_new h^T
+    """
+    BT, HV = chunk_size, dv_new.shape[2]
+    dvc = rearrange(dv_new, "b (n c) hv v -> b n hv c v", c=BT)
+    dw = -dvc @ h.transpose(-1, -2)                                        # [B, NC, HV, BT, K]
+    return rearrange(dw, "b n hv c k -> b (n c) hv k")
 
 
 def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
@@ -239,7 +248,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         dv_loc = chunk_dv_local(qs, ks, G, dos, p["scale"], BT)                                 # 1
         dS = None if dht is None else dht[n:n + 1].to(dt)
         dh, dv_new, dS0 = state_passing_bwd(qs, ks, w, G, dos, dv_loc, p["scale"], BT, dS)      # 2
-        dq, dk, dw, dG = chunk_bwd_dqkwg(qs, ks, v_new, h, dh, dos, dv_new, G, p["scale"], BT)  # 3
+        dq, dk, dG = chunk_bwd_dqkwg(qs, ks, v_new, h, dh, dos, G, p["scale"], BT)              # 3
+        dw = chunk_dw(h, dv_new, BT)                                                           # 3b
         dk2, dv, dbeta, dG2 = wy_bwd(ks, vs, bs, G, A, dw, dv_new, BT)                         # 4
         dg = chunk_cumsum_bwd(dG + dG2, BT)                                                    # 5
         sl = (slice(b, b + 1), slice(bos, eos))

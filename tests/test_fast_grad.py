@@ -108,11 +108,10 @@ def test_stage3_dqkwg(gate):
     dq_w, dk_w, dw_w, dG_w = torch.autograd.grad(loss, [q, k, w, G])
     dv_loc = rb.chunk_dv_local(s["q"], s["k"], s["G"], do, s["scale"], BT)
     dh, dv_new, _ = rb.state_passing_bwd(s["q"], s["k"], s["w"], s["G"], do, dv_loc, s["scale"], BT, dht)
-    dq, dk, dw, dG = rb.chunk_bwd_dqkwg(s["q"], s["k"], v_new.detach(), h.detach(), dh, do, dv_new, s["G"],
-                                        s["scale"], BT)
+    dq, dk, dG = rb.chunk_bwd_dqkwg(s["q"], s["k"], v_new.detach(), h.detach(), dh, do, s["G"], s["scale"], BT)
     close(_group_sum(dq, H), dq_w)
     close(_group_sum(dk, H), dk_w)
-    close(dw, dw_w)
+    close(rb.chunk_dw(h.detach(), dv_new, BT), dw_w)                    # stage 3b
     close(dG, dG_w)
 
 
@@ -457,8 +456,8 @@ def test_fast_grad_validation_unchanged():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
 def test_fast_backward_stages_match_refgdn_stages(dtype):
-    """Every intermediate of fast.chunk_bwd (recomputed h, dv_local, dh, dv_new, dh0, stage 3's dq/dk/dw/dG,
-    stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
+    """Every intermediate of fast.chunk_bwd (recomputed h, dv_local, dh, dv_new, dh0, stage 3's dq/dk/dG,
+    3b's dw, stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
     float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
     padding), GVA 2, with initial state and final-state cotangent. bfloat16 runs in the interpreter too:
     its dots take fp32 operands holding bf16 values (exact), and tf32 operands are modelled by truncation.
@@ -485,9 +484,10 @@ def test_fast_backward_stages_match_refgdn_stages(dtype):
         h, v_new, _ = rd.state_passing(kc, w, u, G, BT, S0c)
         dvl = rb.chunk_dv_local(qc, kc, G, doc, scale, BT)
         dh, dv_new, dh0 = rb.state_passing_bwd(qc, kc, w, G, doc, dvl, scale, BT, dhtc)
-        dq3, dk3, dw, dG3 = rb.chunk_bwd_dqkwg(qc, kc, v_new, h, dh, doc, dv_new, G, scale, BT)
+        dq3, dk3, dG3 = rb.chunk_bwd_dqkwg(qc, kc, v_new, h, dh, doc, G, scale, BT)
+        dw = rb.chunk_dw(h, dv_new, BT)
         dk4, dv, dbeta, dG4 = rb.wy_bwd(kc, vc, bc, G, A, dw, dv_new, BT)
-        return dict(h=h[0], dv_local=dvl, dh=dh[0], dv_new=dv_new, dh0=dh0, dq3=dq3, dk3=dk3, dw=dw, dG3=dG3,
+        return dict(h=h[0], dv_local=dvl, dh=dh[0], dv_new=dv_new, dh0=dh0, dq3=dq3, dk3=dk3, dG3=dG3, dw=dw,
                     dk=dk3 + dk4, dv=dv, dbeta=dbeta, dg=rb.chunk_cumsum_bwd(dG3 + dG4, BT))
 
     truth, ref = chain(F64), chain(torch.float32)
