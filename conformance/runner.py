@@ -369,9 +369,13 @@ def run_sharded(argv: list, jobs: int, progress: bool, deadline: Optional[float]
     return records
 
 
+OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")   # CUDA / torch / Triton, and cuBLAS's handle
+
+
 def _out_of_memory(r: dict) -> bool:
-    """A case that raised CUDA's (or Triton's) out-of-memory error."""
-    return r["check"] == "<exception>" and r["op"] != "<worker>" and "out of memory" in (r.get("detail") or "")
+    """A case that raised an out-of-memory error (OUT_OF_MEMORY: CUDA's, torch's, Triton's or cuBLAS's)."""
+    detail = r.get("detail") or ""
+    return r["check"] == "<exception>" and r["op"] != "<worker>" and any(m in detail for m in OUT_OF_MEMORY)
 
 
 def rerun_out_of_memory(records: list, argv: list, deadline: Optional[float] = None) -> list:

@@ -180,10 +180,14 @@ def test_out_of_memory_case_is_rerun_alone(tmp_path):
                check="<exception>", error=None, ref_error=None, ratio=None, passed=False,
                detail="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", seconds=None)
     other = dict(oom, case="dense-T63-silu-bias", check="y", passed=True, detail="")
+    cublas = dict(oom, case="T129-init-noact", detail="RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when "
+                                                        "calling `cublasCreate(handle)`")
     worker = dict(oom, op="<worker>", case="shard3.json", detail="worker exited 1: out of memory")
-    out = runner.rerun_out_of_memory([oom, other, worker], ["--quick", "--device", DEVICE])
-    rerun = [r for r in out if r["case"] == "T1-init"]
-    assert {r["check"] for r in rerun} == {"y", "final_state"}
-    assert {r["dtype"] for r in rerun} == {"float32"}
-    assert all(r["passed"] and "rerun alone" in r["detail"] for r in rerun)
-    assert other in out and worker in out and oom not in out
+    wrong = dict(oom, case="dense-T63-silu-bias", dtype="float16", detail="ValueError: x must be [B, T, D]")
+    out = runner.rerun_out_of_memory([oom, cublas, other, worker, wrong], ["--quick", "--device", DEVICE])
+    for case in ("T1-init", "T129-init-noact"):
+        rerun = [r for r in out if r["case"] == case]
+        assert {r["check"] for r in rerun} == {"y", "final_state"}, case
+        assert {r["dtype"] for r in rerun} == {"float32"}
+        assert all(r["passed"] and "rerun alone" in r["detail"] for r in rerun)
+    assert other in out and worker in out and wrong in out and oom not in out and cublas not in out

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks [--only prefill|decode] [--no-results]`` on a GPU."""

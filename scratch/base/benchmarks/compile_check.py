@@ -1,0 +1,131 @@
+"""Compile fast's backward kernels (and the forward kernels they recompute with) for sm_90 on a machine
+WITHOUT a GPU, and report each variant's shared memory, registers and spills.
+
+    python -m benchmarks.compile_check [bf16|fp16|fp32] [--shape small|bench|bench16] [--precision G/R[/16-bit]]
+
+A development aid, not a test: the Triton interpreter (the CPU path) neither compiles nor allocates, so
+it cannot see a GPU compile error (e.g. a runtime branch that changes a variable's shape), a config whose
+shared memory exceeds the 227 KB an H100/H200 block may use, or register spills. This script installs a
+stand-in Triton driver that reports an sm_90 target, makes every launch a compile-only warmup (nothing
+runs; outputs stay garbage), runs fast.chunk_bwd / fast.conv_bwd's host code on CPU tensors, and runs the
+bundled ptxas on each compiled kernel's PTX for the register and spill counts. It relies on Triton
+internals (``triton.runtime.driver.set_active``, ``JITFunction.run``): written against Triton 3.9; the GPU
+machine's Triton may allocate differently, so keep margins.
+
+Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fused gating at 64), plus the
+16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
+bench16 = the same with the 16-bit backward; forward = the prefill forward at Qwen3-Next's shape, B 1, B 4 and 16
+sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen3-Next's shape (float32
+state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8.
+
+COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
+broadcast of a scalar atomic's result).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
+    ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode", "forward"])
+    ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
+                    help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
+                         "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
+    ap.add_argument("--step", default="", metavar="KEY=INT,...",
+                    help="decode shape: step_config keys put over the pinned ones (bench_decode.launch_overrides)")
+    args = ap.parse_args(argv)
+    if "triton" in sys.modules or "fast" in sys.modules:
+        print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
+        return 2
+    compiled = []
+    from .sm90 import install_compile_only             # before fast / triton load: real compiles
+    install_compile_only(lambda name, kernel: compiled.append((name, kernel)))
+    import torch
+    import triton
+
+    import fast.chunk as fc
+    import fast.chunk_bwd as cb
+    import fast.conv_bwd as cvb
+    fc.state._num_sms = lambda device: 132                # H100 SXM / H200 (state_config's, in fast.chunk.state)
+    dt = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
+
+    def gdn(B, T, H, HV, BT, l2=False, gate=False, precision=None):
+        K = V = 128
+        q, k = torch.randn(B, T, H, K).to(dt), torch.randn(B, T, H, K).to(dt)
+        v, do = torch.randn(B, T, HV, V).to(dt), torch.randn(B, T, HV, V).to(dt)
+        g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV).to(dt)
+        A_log, dt_bias = (torch.rand(HV), torch.randn(HV)) if gate else (None, None)
+        cb.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, torch.randn(B, HV, K, V), None,
+                                      torch.randn(B, HV, K, V), None, l2, A_log, dt_bias, BT,
+                                      precision=precision)
+
+    if args.shape == "decode":
+        import fast.serving as fs
+        from benchmarks.bench_decode import launch_overrides, make_problem
+        fs.pdl_supported = lambda device: True                # the sm_90 variants (programmatic dependents)
+        step = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.step.split(",") if kv}
+        for N, k in ((1, 0), (8, 0), (16, 0), (8, 3)):
+            p = make_problem(N, k, torch.float32, "cpu")
+            args_ = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
+                     p["idx"])
+            with launch_overrides(step=step or None):
+                fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
+    elif args.shape == "forward":
+        # the prefill forward's kernels at Qwen3-Next's shape (H 16, HV 32, K = V = 128, BT 64): B = 1 (the unfused
+        # pass, kernel 4), B = 4 (the pass forms o) and 16 sequences (varlen, initial states)
+        K = V = 128
+        x = lambda *s: torch.randn(*s).to(dt)                   # noqa: E731
+        for B, N in ((1, None), (4, None), (1, 16)):
+            T = 128 if N is None else 16 * 64
+            cu = torch.arange(0, T + 1, T // N) if N else None
+            fc.chunk_gated_delta_rule_fwd(x(B, T, 16, K), x(B, T, 16, K), x(B, T, 32, V), -torch.rand(B, T, 32),
+                                          torch.rand(B, T, 32).to(dt), initial_state=torch.randn(N or B, 32, K, V),
+                                          output_final_state=True, cu_seqlens=cu, chunk_size=64)
+    elif args.shape == "small":
+        for BT in (16, 32, 64):
+            gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
+        if dt != torch.float32:
+            gdn(1, 128, 2, 4, 64, precision=(None, None))         # the 16-bit backward
+        x, w = torch.randn(1, 100, 256).to(dt), torch.randn(256, 4).to(dt)
+        cvb.causal_conv1d_bwd(x, w, torch.randn_like(x), torch.randn(256).to(dt), "silu",
+                              torch.randn(1, 256, 3).to(dt), None, torch.randn(1, 256, 3).to(dt))
+    else:
+        precision = (None, None) if args.shape == "bench16" else None
+        if args.precision:
+            from .grad_precision import _parse                 # after the stand-in driver is installed
+            precision = _parse(args.precision)
+        gdn(4, 128, 16, 32, 64, l2=True, precision=precision)
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bindir, n))), "ptxas")
+    seen = set()
+    for name, kernel in compiled:
+        if kernel is None or (name, kernel.hash) in seen:
+            continue
+        seen.add((name, kernel.hash))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(kernel.asm["ptx"])
+        if os.environ.get("COMPILE_CHECK_PTX"):                 # keep the PTX for reading
+            with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ptx"), "w") as g:
+                g.write(kernel.asm["ptx"])
+            if "ttgir" in kernel.asm:
+                with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ttgir"), "w") as g:
+                    g.write(kernel.asm["ttgir"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
+                if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]
+        os.unlink(f.name)
+        print(f"{name:28s} warps={kernel.metadata.num_warps:2d} smem={kernel.metadata.shared:7d} | "
+              + " | ".join(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

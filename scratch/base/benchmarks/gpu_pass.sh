@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
+# benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
+# are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|bench|extra|all|serving|pending|varlen|train]...   (default: all)
+#   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
+#   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
+#   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
+#     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
+#     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
+#   varlen (not in all): the varlen chunk forward without a host sync (cu_seqlens_cpu; kernels read the checked
+#     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
+#     (with and without cu_seqlens_cpu, fla beside both). First GPU run: sixth session of 2026-11-23 (H200).
+#   train (not in all): the backward's precision variants, measured (VARIANTS, default the alternatives to the
+#     bf16 default bf16x2/bf16x2/16-bit/forward of fast.chunk_bwd): the gradient matrix under each (full bf16
+#     families), fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op
+set -uo pipefail
+OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+steps=${*:-all}
+python3 - <<'PY'
+import torch, triton
+print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
+try:
+    import fla; print("fla", getattr(fla, "__version__", "?"))
+except Exception as e:
+    print("fla: not importable:", e)
+PY
+rc=0
+if [[ $steps == *all* || $steps == *tests* ]]; then
+  # H100, 16 cores (2026-11-23): the whole suite in ~200 s at -n 14; a per-test limit names a hang
+  per_test=""; python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${TEST_TIMEOUT:-150}"
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark $per_test \
+    -rfE --durations=20 tests 2>&1 | tee "$OUT/pytest.log" | tail -45; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *all* || $steps == *conformance* ]]; then
+  # H100 (2026-11-23): the full matrix (gradients and speculative decoding included) in 344 s at 15 workers;
+  # one float32 BT 64 gradient case ran out of memory there once (spill stacks reserved per process): 12
+  python3 -m conformance --device cuda --jobs ${CONFORMANCE_JOBS:-12} --timeout ${CONFORMANCE_TIMEOUT:-540} --json "$OUT/conformance-report.json" 2>"$OUT/conformance.err" | tee "$OUT/conformance.log" | tail -60
+  rc=$((rc | ${PIPESTATUS[0]})); tail -5 "$OUT/conformance.err"
+fi
+if [[ $steps == *all* || $steps == *bench* ]]; then
+  for only in prefill decode; do           # train runs in "extra" (bench_train, with its own time limit)
+    python3 -m benchmarks --only $only 2>&1 | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  done
+  python3 -m benchmarks.profile_decode 2>/dev/null | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *all* || $steps == *extra* ]]; then
+  for m in bench_model bench_graphs bench_train; do
+    [[ -f benchmarks/$m.py ]] || continue
+    limit=${BENCH_TIMEOUT:-240}; [[ $m == bench_train ]] && limit=${BENCH_TRAIN_TIMEOUT:-540}  # fla autotunes ~130 s
+    timeout $limit python3 -m benchmarks.$m 2>&1 | tee "$OUT/$m.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
+  done
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *serving* ]]; then
+  timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_serving_fast.py 2>&1 | tee "$OUT/pytest-serving.log" | tail -8
+  rc=$((rc | ${PIPESTATUS[0]}))
+  python3 -m conformance --device cuda --jobs 8 --ops gdn_decode,gdn_verify --timeout 200 \
+    --json "$OUT/conformance-serving.json" 2>"$OUT/conformance-serving.err" | tail -25; rc=$((rc | ${PIPESTATUS[0]}))
+  python3 -m benchmarks.bench_decode --sweep 2>&1 | tee "$OUT/bench-decode.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *pending* ]]; then
+  timeout 240 python3 -m benchmarks --only prefill 2>&1 | tee "$OUT/bench-prefill.log" | tail -20; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | tee "$OUT/host-overhead.log" | tail -20
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,2,4,8,16 2>&1 | grep "^|" | tee "$OUT/graphs.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
+  # the step / conv configs beside the pinned ones, per N (printed only)
+  timeout 240 python3 -m benchmarks.bench_graphs --only sweep --batches 1,2,4,8 --no-results 2>&1 | grep "^|" \
+    | tee "$OUT/graphs-sweep.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+fi
+if [[ $steps == *varlen* ]]; then
+  timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
+    tests/test_compile.py tests/test_model.py tests/test_fast_grad.py tests/test_capture.py \
+    -k "varlen or host or cu_seqlens or prefill or planner" 2>&1 | tee "$OUT/pytest-varlen.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 150 python3 -c "
+import benchmarks.bench_prefill as b, benchmarks.common as c
+for r in b.bench_chunk('cuda', c.matmul_tflops('cuda'), only='varlen'):
+    print(r)" 2>&1 | grep -v Warn | tee "$OUT/varlen-rows.log" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *train* ]]; then
+  variants=${VARIANTS:-bf16x2/bf16x2/16-bit/forward,tf32/tf32/16-bit/forward,bf16x2/tf32/16-bit/forward}
+  # cold compiles of the full bf16 families took > 200 s per variant in one process on an H100 (2026-11-23)
+  timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" --jobs 12 2>&1 \
+    | tee "$OUT/grad-precision.log" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
+  for v in ${variants//,/ }; do
+    timeout ${PROFILE_TIMEOUT:-150} python3 -m benchmarks.bench_train --only profile --beside "$v" --no-results 2>&1 \
+      | grep "^|" | tee -a "$OUT/train-profile.log" | head -14; rc=$((rc | ${PIPESTATUS[0]}))
+  done
+  timeout 300 python3 -m conformance --device cuda --jobs 12 --ops chunk_gated_delta_rule_grad --timeout 290 \
+    --json "$OUT/conformance-grad.json" 2>"$OUT/conformance-grad.err" | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+echo "gpu_pass rc=$rc"
+exit $rc

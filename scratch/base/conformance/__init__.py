@@ -1,0 +1,1 @@
+"""conformance: checks every fast op against its refgdn twin (``python -m conformance``)."""

@@ -1,0 +1,21 @@
+"""fast: the refgdn API in Triton kernels, plus the CUDA-graph serving path.
+
+Every op here has a refgdn twin with the same name and signature; `python -m conformance`
+checks each against it. On a machine without a GPU the kernels run in the Triton interpreter:
+``TRITON_INTERPRET=1`` is set here (before any kernel is defined) unless already set.
+"""
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .conv import causal_conv1d, causal_conv1d_update
+from .gating import gdn_gating, l2norm
+from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_verify
+from .chunk import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from . import library  # noqa: F401  (torch.library custom ops + autograd: torch.ops.fast.*)
+
+__all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
+           "gdn_gating", "l2norm", "GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize"]

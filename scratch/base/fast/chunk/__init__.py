@@ -1,0 +1,334 @@
+"""Triton prefill for the gated delta rule: the chunked WY/UT form in four kernels, plus a recurrent kernel.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   state: [N, HV, K, V] float32
+    S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+Value head h reads q/k head h // (HV // H) (GVA: q/k are never repeated). Varlen: B == 1 and
+cu_seqlens [N+1]; chunks never straddle sequences. Semantics, validation and dtypes are refgdn's
+(refgdn.delta_rule): o in v's dtype, final state float32.
+
+Modules, one per math step (named after refgdn.delta_rule's stages; not after the stage twins
+themselves, which keep their names as functions of this package):
+
+  common.py     constants, dot-precision tables, jit helpers shared by the kernels (and fast.chunk_bwd),
+                host helpers (``_blocks``, ``_cfg``, ``_Chunks``, ...)
+  wy.py         kernels 1 and 2 (chunk_cumsum, wy_repr, w_u), their configs, launchers and stage twins
+  state.py      kernel 3 (state_passing), its config, launcher and stage twin
+  output.py     kernel 4 (chunk_output), its config, launcher and stage twin
+  recurrent.py  the recurrent kernel and its config
+  pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4
+                (pipeline_segments: B = 1, 2 segments from 256 chunks, 4 from 512, on a GPU; bit-identical
+                to the one-pass forward)
+  __init__.py   the public ops below; every name of the former single module is re-exported here;
+                a dense call's checks and launches cached by its signature (fast.launch.LaunchPlan)
+
+The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequence):
+
+  1. ``chunk_kkt_inv_kernel``  grid (chunks * HV / HPP)    fully chunk-parallel, 1 warp, HPP value heads
+                                                           per program (2 for Qwen3-Next's GVA pairs)
+       g (or fused gating of raw a) -> G = chunk-local cumsum            (fp32, stored; fp32 inputs:
+           in fp64, with its rounding error Gl stored too, see below)
+       k -> l2norm(k) when asked (stored once per key head: kn [B, T, H, K], read by kernels 2-4)
+       K K^T (16x16 blocks, tl.dot; once per program, shared by its value heads), then per value head
+       L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j
+       A = (I + L)^-1: the 16x16 diagonal blocks by forward substitution or doubling (inv_method), the
+           off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
+           A stored in k's dtype (fp32 for fp32 inputs)
+  2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel (the backward's recompute; the
+                                                           forward with from_a=False)
+       w = A (beta exp(G) K),  u = A (beta V)                             (two [BT, BT] x [BT, *] dots)
+  3. ``chunk_state_kernel``    grid (cdiv(V, BV), N * HV)  sequential over the chunks of a sequence (varlen:
+                                                           the longest sequences' programs first)
+       h[c] = S (stored in k's dtype);  v_new = u - w S (stored);
+       S <- exp(G_last) S + K^T (exp(G_last - G) v_new)                   (S: fp32 [K, BV] in registers)
+       The forward skips kernel 2: the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta
+       (FROM_A), so w and u never go through HBM and v_new is rounded once (kernel 2's path rounds w and u, then
+       v_new). With many (sequence, head) pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage
+       twin state_output_wy): kernel 4's products on the chunk-start state and v_new it holds, so h and v_new
+       are never stored.
+  4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel (not run when fused into 3)
+       O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
+
+Kernels 1 and 2 are split (rather than one kernel holding k, L, A, w and u at once) so that each
+stays small: kernel 1 works on 16x16 blocks in a single warp (its reductions and layout changes
+never leave the warp); kernel 2 is two plain dots. The l2norm of k happens once, in kernel 1, so
+the sequential kernel 3 only loads and multiplies.
+
+fp32 inputs (PRECISE): exps are range-reduced (``_exp``), and every decay exp(G_i - G_j) is taken
+of (G_i - G_j) + (Gl_i - Gl_j): under strong gating |G| reaches ~1e3, where one fp32 ulp of G (6e-5)
+would dominate the decays' error (the refgdn oracle itself rounds G to fp32); with Gl the
+difference is as accurate as a difference of small numbers.
+
+HBM traffic per token and value head: read q, k (shared by the GVA group, mostly L2), v, g, beta;
+write/read A, w, u, v_new and G once each; h once per chunk.
+
+Tuning knobs are keyword arguments of the internal launchers and ``chunk_gated_delta_rule_fwd`` (never
+module state; benchmarks pass them; each value is its own compiled variant): ``configs`` (per-kernel
+BV / num_warps / num_stages over the pinned heuristics) and ``inv_method`` ("rows" / "doubling" for the
+16x16 diagonal inverses). Read-only constants: ``INV_PRECISION``, ``INV_DIAG_PRECISION`` and
+``FP32_PRECISION`` (tl.dot input precisions, see fast.chunk.common).
+
+``recurrent_kernel`` (grid (cdiv(V, BV), N * HV)) is the time loop with the state in registers:
+the twin of refgdn.recurrent_gated_delta_rule, handy for short T.
+
+Backward (training): fast.chunk_bwd's kernels, reached through autograd of the custom op
+torch.ops.fast.chunk_gated_delta_rule (fast.library); it recomputes kernels 1-3's outputs with the
+launchers of the step modules (``prec_of`` runs them on fp32 copies at a chosen dot precision), or takes
+kernel 1's from the forward where they are the same values (``keep_kkt``; fast.chunk_bwd.reuses_forward_kkt).
+
+Each refgdn stage (chunk_cumsum, wy_repr, w_u, state_passing, chunk_output) has a twin here of
+the same name and signature built from the same kernels (kernel 1 runs with constexpr switches),
+so each kernel is tested alone against refgdn.delta_rule's stage.
+
+Configs are pinned by small heuristics (``*_config`` in the step modules), never autotuned at run time: the
+prefill path must launch exactly the variants warmup compiled (DESIGN.md invariants 1 and 2) and
+autotune would re-run kernels. Dots keep 16-bit operands on the GPU (fp32 accumulate); fp32 inputs
+use IEEE fp32 dots (TF32 would exceed the conformance bound) and a range-reduced exp (``_exp``).
+In the Triton interpreter dot operands are cast to fp32 (bf16 dots are wrong there) and every
+kernel uses one config. float64 inputs run refgdn itself (the oracle is the float64 path; there
+are no float64 kernels).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import refgdn
+from refgdn.checks import check_gdn_inputs, one_host_read
+from refgdn.serving import tensor_signature
+
+from ..launch import LaunchPlan, PlanCache
+
+from ..utils import cdiv, next_pow2
+# every name of the former single module fast/chunk.py stays importable from fast.chunk
+from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECISION,  # noqa: F401
+                     L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
+                     _chunk_coords, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _is_fp64,
+                     _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
+                     _unit_last)
+from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
+                 _kk, _l_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
+                 chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, kkt_heads_per_program, w_u, w_u_config,
+                 wy_repr)
+from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses_output,  # noqa: F401
+                    state_output_wy, state_passing, state_passing_wy)
+from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
+from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
+from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
+
+
+# ============================================================================================
+# the public ops
+# ============================================================================================
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                           chunk_size=64, cu_seqlens_cpu=None):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    refgdn.chunk_gated_delta_rule's twin (and fla's chunk_gated_delta_rule's signature), in four
+    Triton kernels (module docstring). HV % H == 0 (value head h reads q/k head h // (HV // H)).
+    Varlen: B == 1 and cu_seqlens [N+1] (int; empty and length-1 sequences are fine). With A_log and
+    dt_bias [HV] given, `g` is the raw gate input a and g = -exp(A_log) softplus(a + dt_bias) is
+    computed in fp32 inside the cumsum. use_qk_l2norm_in_kernel normalises q, k rows in the kernels
+    (k once, in kernel 1). chunk_size: 16, 32 or 64. Inputs may be strided views (unit stride along
+    the head dim is preferred; other layouts are copied). q, k, v in fp16/bf16/fp32; float64 inputs
+    run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture): one
+    device->host copy, a sync, unless cu_seqlens_cpu (its values as a CPU tensor, fla's argument, vLLM's
+    query_start_loc_cpu) is given: then nothing waits for the GPU and the call's host work overlaps the
+    previous kernels. Either way the kernels read the checked values (uploaded with the chunk tables),
+    never cu_seqlens itself, so the segmentation follows the checked copy.
+
+    Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
+    custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
+    kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
+    """
+    # dense calls: a signature whose call passed the checks before skips them and launches through its plan
+    sig = None if cu_seqlens is not None or cu_seqlens_cpu is not None else _dense_signature(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
+        chunk_size)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
+                         cu_seqlens_cpu)       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
+        if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+            return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                                 cu_seqlens_cpu)
+        _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+    from .. import library                                               # registers the ops (no cycle at import)
+    if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        o, final, *_ = library.chunk_gated_delta_rule_op(
+            q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
+            bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
+        return o, (final if output_final_state else None)
+    if sig is None:
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+    if plan is None:
+        plan = LaunchPlan()
+        _PLANS.put(sig, plan)
+    with plan:
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, None,
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+
+
+# ============================================================================================
+# the eager forward's host path, cached by call signature
+# ============================================================================================
+
+# Dense signatures that passed check_gdn_inputs -> the LaunchPlan of their launches (fast.launch): a repeated call
+# skips the checks and launches each kernel through Triton's compiled launcher instead of JITFunction.run.
+# H100 host, B = 1, T = 4096, bf16 (2026-11-24): ~320 us of host time per call before, against ~257 us of device
+# time (a CUDA graph's replay), so the call was host-bound; fla's is ~600 us.
+_PLANS = PlanCache(64)
+
+
+def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
+                     dt_bias, chunk_size) -> Optional[tuple]:
+    """A hashable summary of everything check_gdn_inputs reads and the forward's launches depend on, for a call
+    without cu_seqlens, or None (the caller then checks in full and keeps no plan).
+
+    Two calls with equal signatures pass or fail the checks alike and launch the same kernels with the same
+    configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness
+    included), type(scale) (check_scale reads only the type; the value is passed per call), and the flags and
+    chunk_size with their types (anything but a bool flag: None). Recomputed on every call from the tensors, so
+    a tensor changed in place gives another signature. The check's value rules concern cu_seqlens only."""
+    if type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool:
+        return None
+    try:
+        ts = tensor_signature
+        return (ts(q), ts(k), ts(v), ts(g), ts(beta), ts(initial_state), ts(A_log), ts(dt_bias), type(scale),
+                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size)
+    except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
+        return None
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached signature (the next call of each checks in full). Tests and benchmarks."""
+    _PLANS.clear()
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                               chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
+                               keep_kkt: bool = False, from_a: bool = True,
+                               fuse_output: Optional[bool] = None, segments: Optional[int] = None):
+    """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
+    autograd: for callers that validated already (the public function, the custom op). Not float64.
+    configs, inv_method: benchmark knobs passed to the launchers (module docstring).
+    keep_kkt: also return kernel 1's outputs, (o, final, (A [B, T, HV, BT], G [B, T, HV] fp32, kn [B, T, H, K]
+    or None)): the custom op keeps them for a backward that would recompute exactly these (fast.chunk_bwd).
+    from_a: whether the state pass forms v_new from A (kernel 2 not run; the default): False runs kernel 2 first
+    and the pass reads w and u, as fla does (tests and benchmarks run both). Whole forward, H100, Triton 3.6, bf16,
+    Qwen3-Next shape (2026-11-24): as fast at B = 1 (T=16384 0.931-0.946 ms vs 0.941-0.949, T=65536 3.658-3.672
+    vs 3.659-3.665; an H200 run of 2026-11-24 had FROM_A 5 % slower there), 20 % faster in batches (B=4 T=4096
+    0.632 vs 0.772, H200), and more accurate: o's error against the float64 truth, B=1 T=4096, mean of 5 seeds,
+    max-norm / Frobenius, 6.40e-3 / 3.35e-3 against 6.89e-3 / 3.71e-3 for kernel 2's path (fla 0.6.0: 6.78e-3
+    / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped,
+    h and v_new never stored); None: fast.chunk.state.state_fuses_output's rule (tests run both). segments: how many
+    segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
+    for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule."""
+    _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if N == 1 and cu_seqlens is not None:
+        # one sequence: the checked cu_seqlens is [0, T], so this is the dense B = 1 call (no chunk tables to build,
+        # and a long sequence takes the pipelined forward; fast.keys lists the same kernels)
+        cu_seqlens = None
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
+    dev = q.device
+    ch = _Chunks(B, T, BT, cu_seqlens)
+    precise = _precise(v.dtype)
+    l2 = bool(use_qk_l2norm_in_kernel)
+
+    G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)           # chunk-local cumsum of g
+    Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
+    A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
+    kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
+    S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
+    if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
+        pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
+                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
+        return (o, final, (A, G, kn)) if keep_kkt else (o, final)
+    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False, store_g=True,
+                do_a=True, precise=precise, configs=configs, inv_method=inv_method)
+    if l2:
+        k = kn                                                           # kernels 2-4 read the normalised k
+
+    if fused:
+        h = v_new = None                                                 # never leave the pass
+        out = (q, o, scale, l2)
+    else:
+        h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)   # chunk-start states
+        v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        out = None
+    if from_a:
+        # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
+        _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
+                      wy=(A, v, beta), out=out)
+    else:
+        w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
+        u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
+        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out)
+    if not fused:
+        _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
+                       configs=configs)
+    if keep_kkt:
+        return o, final, (A, G, kn)
+    return o, final
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    refgdn.recurrent_gated_delta_rule's twin: one Triton program per (V-block, sequence, value head)
+    walks the tokens with the state in registers, all math in fp32. Same arguments as
+    chunk_gated_delta_rule (no chunk_size). float64 inputs run refgdn.
+    """
+    N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
+    if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return refgdn.recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias)
+    _check_fast_limits(q.shape[3], v.shape[3])
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if N * HV == 0:
+        return o, final
+    cfg = recurrent_config(K, V)
+    BV = cfg.pop("BV")
+    recurrent_kernel[(cdiv(V, BV), N * HV)](
+        q, k, v, g, beta, A_log, dt_bias, h0, o, final,
+        cu_seqlens, T, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV,
+        IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
+        USE_H0=h0 is not None, STORE_HT=final is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
+    return o, final

@@ -1,0 +1,309 @@
+"""Shared pieces of fast.chunk's kernels: constants, the tl.dot precision tables, the jit helpers
+that several kernels (and fast.chunk_bwd's) call, and the host helpers of every launcher.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   G, Gl: [B, T, HV] fp32
+    G_i - G_j = (G_i - G_j) + (Gl_i - Gl_j)        (``_gdiff``: the compensated decay exponent, PRECISE)
+
+Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_seq_head`` (a
+sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
+range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
+(tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
+head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``,
+``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
+"""
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import cdiv, next_pow2, varlen_chunk_tables
+
+
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+MAX_HEAD_DIM = 256
+CHUNK_SIZES = (16, 32, 64)
+# tl.dot input precisions (constexprs, so each value is its own compiled variant):
+#   FP32_PRECISION: dots on fp32 inputs. "ieee" is exact fp32 FMA (slow, spills on sm90: fp32 inputs are
+#     not the fast path); "tf32x3" would use tensor cores at ~fp32 accuracy.
+#   INV_PRECISION: the 16x16 fp32 products of the triangular inverse's off-diagonal blocks, per input
+#     dtype. A is stored in the input dtype before w = A (beta exp(G) K), so TF32 products (relative
+#     rounding 2^-11) are far below bf16's (2^-9); fp16 rounds like TF32, so it gets tf32x3 (~fp32);
+#     fp32 gets exact IEEE.
+FP32_PRECISION = "ieee"
+INV_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
+#   INV_DIAG_PRECISION: the products of the diagonal blocks' doubling (inv_method "doubling"): their
+#     4 levels compound the products' rounding, so bf16 gets tf32x3 there too (with tf32 the worst bf16
+#     final-state conformance ratio of the quick matrix rose from 0.69 with rows to 0.89; tf32x3 is the
+#     fp16 setting, conformance-checked on H200; its bf16 timing is not measured yet).
+INV_DIAG_PRECISION = MappingProxyType({torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"})
+# The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps of masked
+# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION), chosen by the launchers' inv_method argument. None: rows
+# on a GPU, doubling in the interpreter (4x cheaper there). Rows is the GPU default because it is the
+# variant whose bf16 conformance and tests passed on the H200; doubling measured faster (H200, K = 128,
+# BT = 64, bf16, 1 warp, tf32 products: 0.58 ms against rows' 0.75) but its tf32x3 setting for bf16 has
+# not run on a GPU yet. Both are direct (no series, no approximation); the tests run both.
+# Per-kernel config overrides (the launchers' ``configs`` argument, for benchmark sweeps) are merged over
+# the pinned heuristics: {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}} with keys
+# BV, num_warps, num_stages (BV for "state", "output"). Each distinct config is its own compiled variant.
+
+
+# ============================================================================================
+# shared jit helpers
+# ============================================================================================
+
+@triton.jit
+def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN: tl.constexpr):
+    """Global chunk index -> (batch row i_b [int64], chunk index within its sequence, bos, eos).
+
+    Tokens of the chunk are rows bos + i_t * BT + r (r < BT) of batch row i_b, valid while < eos.
+    Dense: chunk i_c = i_b * NT + i_t, bos = 0, eos = T. Varlen (B == 1): chunk_indices [NT_total, 2].
+    """
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        i_b = i_n * 0
+    else:
+        i_b = (i_c // NT).to(tl.int64)
+        i_t = i_c % NT
+        bos = 0
+        eos = T
+    return i_b, i_t, bos, eos
+
+
+@triton.jit
+def _seq_coords(i_n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
+    """Sequence index -> (batch row i_b [int64], bos, eos): its tokens are rows bos .. eos - 1 of batch
+    row i_b. Dense: i_b = i_n, bos = 0, eos = T. Varlen (B == 1): from cu_seqlens."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        i_b = (i_n * 0).to(tl.int64)
+    else:
+        bos = 0
+        eos = T
+        i_b = i_n.to(tl.int64)
+    return i_b, bos, eos
+
+
+@triton.jit
+def _seq_head(i_nh, seq_order, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A sequential pass's program index along its (sequence, value head) axis -> (sequence i_n, head i_h).
+    Dense: i_nh = i_n * HV + i_h. Varlen: the rank-th longest sequence, seq_order[rank] (varlen_chunk_tables'
+    order), so programs that walk the most chunks are dispatched first (heads of one sequence adjacent)."""
+    i_h = i_nh % HV
+    if IS_VARLEN:
+        i_n = tl.load(seq_order + i_nh // HV)
+    else:
+        i_n = i_nh // HV
+    return i_n, i_h
+
+
+@triton.jit
+def _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN: tl.constexpr):
+    """Sequence index -> the global index of its first chunk (int64; chunks of all sequences in order):
+    chunk_offsets[i_n] varlen, i_n NT dense."""
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * NT
+    return boc
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """exp(x) in fp32. PRECISE (fp32 inputs): range-reduced, a few ulp at any |x|; else tl.exp.
+
+    precision hazard: tl.exp lowers to ex2.approx(x * log2 e) with the product rounded first, which
+    costs a relative error ~|x| 2^-24 in the result (~1e-6 at |x| = 20): visible against an fp32
+    oracle under strong gating. PRECISE splits x = n ln2 + r exactly (Cody-Waite: ln2 = C1 + C2 with
+    C1 short enough that n C1 is exact; n = floor(x / ln2) keeps 2^n finite wherever exp(x) is),
+    takes exp2 of the small r log2 e only and builds 2^n from its bits. x < -87 (near the smallest
+    normal) returns 0; x > 88.72 overflows to inf as it should.
+    """
+    if PRECISE:
+        xc = tl.where(x < -87.0, -87.0, tl.where(x > 89.0, 89.0, x))
+        xc = tl.where(x == x, xc, 0.0)                                     # NaN: returned as is below
+        n = tl.floor(xc * 1.4426950408889634)                              # -126 <= n <= 128
+        r = (xc - n * 0.693359375) - n * -2.1219444005469057e-4          # x - n ln2, in ~[0, ln2)
+        two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)   # 2^n exactly (n >= -126)
+        y = tl.exp2(r * 1.4426950408889634) * two_n
+        return tl.where(x < -87.0, 0.0, tl.where(x == x, y, x))
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _gate(a, A_log_h, dt_bias_h, THRESHOLD: tl.constexpr, PRECISE: tl.constexpr):
+    """Fused gating in fp32: g = -exp(A_log) * softplus(a + dt_bias), softplus(x) = x for x > 20.
+
+    Below the threshold softplus is evaluated as max(x, 0) + log(1 + exp(-|x|)) (the same function;
+    exp never overflows and the log's argument stays in [1, 2])."""
+    x = a + dt_bias_h
+    sp = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + tl.log(1.0 + _exp(-tl.abs(x), PRECISE)))
+    return -_exp(A_log_h, PRECISE) * sp
+
+
+@triton.jit
+def _l2norm_rows(x, EPS: tl.constexpr):
+    """x: [M, BK] -> x / sqrt(sum(x^2) + eps) per row, computed in fp32, returned in x's dtype.
+    Masked-off columns were loaded as 0, so they do not count in the norm."""
+    xf = x.to(tl.float32)
+    return (xf * tl.rsqrt(tl.sum(xf * xf, 1) + EPS)[:, None]).to(x.dtype)
+
+
+@triton.jit
+def _trunc_tf32(x):
+    """fp32 -> the tf32 value tensor cores read (the low 13 mantissa bits dropped: truncation, the
+    conservative model). Interpreter only: it computes tl.dot in fp32 whatever input_precision says."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hi_lo(x, DT: tl.constexpr):
+    """fp32 x -> (hi, lo) in the 16-bit DT with hi + lo = x to about 16 mantissa bits (x - hi is exact in
+    fp32; lo rounds it once)."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dot_split(a, b, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ b in 16-bit dots (DT, bf16) with fp32 accumulation, each fp32 operand split into hi + lo in DT
+    (about 16 mantissa bits instead of tf32's 10): two dots when one operand is already 16-bit (and exact),
+    three when both are fp32 (hi hi + hi lo + lo hi), one when neither is."""
+    if a.dtype == tl.float32:
+        a_hi, a_lo = _hi_lo(a, DT)
+        if b.dtype == tl.float32:
+            b_hi, b_lo = _hi_lo(b, DT)
+            return (_dot(a_hi, b_hi, None, DOT_F32) + _dot(a_hi, b_lo, None, DOT_F32)
+                    + _dot(a_lo, b_hi, None, DOT_F32))
+        else:
+            return _dot(a_hi, b.to(DT), None, DOT_F32) + _dot(a_lo, b.to(DT), None, DOT_F32)
+    elif b.dtype == tl.float32:
+        b_hi, b_lo = _hi_lo(b, DT)
+        return _dot(a.to(DT), b_hi, None, DOT_F32) + _dot(a.to(DT), b_lo, None, DOT_F32)
+    else:
+        return _dot(a.to(DT), b.to(DT), None, DOT_F32)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """tl.dot with fp32 accumulation. PREC: input_precision for fp32 operands ("ieee", "tf32x3"), or
+    None for 16-bit operands (the default), or "bf16x2" (the backward's experimental recompute of bf16
+    inputs: _dot_split). DOT_F32 (interpreter only): cast operands to fp32 first, as bf16 dots are wrong
+    there (the interpreter ignores input_precision)."""
+    if PREC == "bf16x2":
+        return _dot_split(a, b, tl.bfloat16, DOT_F32)
+    else:
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            if PREC == "tf32":          # the interpreter computes fp32: model the tensor cores' tf32 operands
+                a = _trunc_tf32(a)
+                b = _trunc_tf32(b)
+        if PREC is None:
+            return tl.dot(a, b)
+        else:
+            return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _gdiff(Ga, Gla, Gb, Glb, PRECISE: tl.constexpr):
+    """G_a - G_b from (G, Gl) pairs: [Ma] x [Mb] -> [Ma, Mb] (the Gl terms only when PRECISE)."""
+    d = Ga[:, None] - Gb[None, :]
+    if PRECISE:
+        d = d + (Gla[:, None] - Glb[None, :])
+    return d
+
+
+# ============================================================================================
+# host helpers: configs, layouts, chunk bookkeeping
+# ============================================================================================
+
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (132, an H100 SXM / H200, for a non-CUDA device). Cached per device: the
+    forward's configs ask three times per call, and each property lookup is a torch.cuda call."""
+    return _sm_count(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(kind: str, index: Optional[int]) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(torch.device(kind, index)).multi_processor_count
+    return 132  # H100 SXM / H200
+
+
+def _blocks(K: int, V: int) -> Tuple[int, int]:
+    """Padded head dims: one power-of-two block each (>= 16, the smallest tl.dot size)."""
+    return max(16, next_pow2(K)), max(16, next_pow2(V))
+
+
+def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
+    """The pinned config `base` with the overrides configs[name] (benchmark sweeps) merged over it."""
+    return dict(base, **(configs or {}).get(name, {}))
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """Kernels address the last dim with unit stride; other dims may have any stride (slices are views)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _fp32_prec(dtype: torch.dtype):
+    """input_precision of the dots whose operands are in `dtype`: None (default) for 16-bit operands,
+    FP32_PRECISION for fp32 inputs (plain TF32 would fail fp32 conformance)."""
+    return FP32_PRECISION if dtype == torch.float32 else None
+
+
+def _upcast(prec_of) -> bool:
+    """Kernels 1-3's UPCAST for the backward's recompute (prec_of = (precision, dtype), None on the
+    forward): convert the 16-bit tiles to fp32 after the load, except under "bf16x2", whose dots split
+    fp32 operands themselves and want the 16-bit tiles as they are."""
+    return prec_of is not None and prec_of[0] != "bf16x2"
+
+
+def _precise(dtype: torch.dtype) -> bool:
+    """Range-reduced exp (``_exp``) for fp32 inputs; 16-bit inputs round far above tl.exp's error."""
+    return dtype == torch.float32
+
+
+def _contig(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return x.contiguous() if x is not None else None
+
+
+def _is_fp64(*ts) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in ts)
+
+
+def _check_fast_limits(K: int, V: int, chunk_size: Optional[int] = None) -> None:
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 16, 32 or 64 for fast's kernels, got {chunk_size!r}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM} for fast's kernels, got K={K}, V={V}")
+
+
+class _Chunks:
+    """Chunk bookkeeping: dense (NT per batch row) or varlen (host-built tables; eager prefill only)."""
+
+    def __init__(self, B: int, T: int, BT: int, cu_seqlens: Optional[torch.Tensor]):
+        self.varlen = cu_seqlens is not None
+        self.cu_seqlens = cu_seqlens
+        if self.varlen:
+            # [NT_total, 2] (sequence, chunk), [N+1] first global chunk of each, the checked offsets the kernels
+            # read in place of cu_seqlens and [N] the sequences longest first (the sequential passes' program
+            # order): one host read (none with cu_seqlens_cpu), one copy
+            tab = varlen_chunk_tables(cu_seqlens, BT)
+            self.indices, self.offsets, self.cu_seqlens, self.order = tab.indices, tab.offsets, tab.checked, tab.order
+            self.NT = 1                                               # unused
+            self.total = self.indices.shape[0]
+        else:
+            self.indices = self.offsets = self.order = None
+            self.NT = cdiv(T, BT)
+            self.total = B * self.NT

@@ -1,0 +1,165 @@
+"""Step 5 of the chunked forward (refgdn.delta_rule.chunk_output): kernel 4, fully chunk-parallel.
+
+    q, k: [B, T, H, K]   v_new: [B, T, HV, V]   h: [chunks, HV, K, V]   G: [B, T, HV]  -> o: [B, T, HV, V]
+    O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
+
+``chunk_output_kernel``: grid (chunks * HV * cdiv(V, BV)). Here too: its pinned config
+(``output_config``), launcher and the stage twin.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import refgdn
+from refgdn.checks import check_chunk_size
+
+from ..launch import launch
+from ..utils import cdiv, is_interpreting
+from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_coords, _Chunks, _dot, _exp,
+                     _fp32_prec, _gdiff, _is_fp64, _precise, _unit_last)
+
+
+# ============================================================================================
+# kernel 4: output (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_output_kernel(
+    q, k, v_new, h, G, Gl, o,
+    cu_seqlens, chunk_indices, T, NT, scale,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISE: tl.constexpr, EPS: tl.constexpr,
+):
+    """Per (chunk, value head, V-block):
+
+        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]
+
+    q, k: [B, T, H, K] (strided; k already normalised when asked); v_new, o: [B, T, HV, V],
+    G: [B, T, HV], h: [chunks, HV, K, V] (contiguous). grid = (chunks * HV * cdiv(V, BV),), V-block
+    fastest, then head (q, k shared by GVA heads and V-blocks hit L2). L2NORM normalises q (see
+    _output_block). PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    """
+    pid = tl.program_id(0)
+    i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
+    i_h = (pid // ((V + BV - 1) // BV)) % HV
+    i_c = pid // (((V + BV - 1) // BV) * HV)
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    i_hk = i_h // GROUP
+
+    b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                  mask=m_r[:, None] & m_k[None, :], other=0.0)
+    b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                  mask=m_r[:, None] & m_k[None, :], other=0.0)
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    else:
+        b_Gl = b_G
+    b_o = _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT, L2NORM, PREC, DOT_F32, PRECISE, EPS)
+    tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT: tl.constexpr, L2NORM: tl.constexpr,
+                  PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, EPS: tl.constexpr):
+    """One chunk's output block, fp32 [BT, BV] (kernel 4's math; also kernel 3's with OUTPUT):
+
+        O = scale [ exp(G) * (Q h) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]
+
+    b_q, b_k: [BT, BK] as loaded (16-bit on the GPU); b_h: [BK, BV] the chunk-start state as a dot operand;
+    b_vn: [BT, BV] v_new in o's dtype; b_G, b_Gl: [BT] (Gl: G's rounding error, used when PRECISE); m_r: [BT]
+    valid rows. L2NORM normalises q: both products are linear in q's rows, so the dots take q as loaded and the
+    rows are scaled by 1 / |q_i| in fp32 afterwards (no 16-bit rounding of the normalised q); exp(G) likewise
+    scales the rows of Q h after the dot."""
+    o_t = tl.arange(0, BT)
+    if L2NORM:
+        qf = b_q.to(tl.float32)
+        b_s = tl.rsqrt(tl.sum(qf * qf, 1) + EPS) * scale            # [BT] row scale: scale / |q_i|
+    else:
+        b_s = tl.zeros([BT], dtype=tl.float32) + scale
+    b_o = _dot(b_q, b_h, PREC, DOT_F32) * (_exp(b_G, PRECISE) * b_s)[:, None]    # inter-chunk: exp(G) <= 1
+    keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None]
+    # precision hazard: mask before exp (above the diagonal G_i - G_j >= 0 may overflow)
+    b_A = _dot(b_q, tl.trans(b_k), PREC, DOT_F32) * _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0),
+                                                         PRECISE)
+    b_A = tl.where(keep, b_A * b_s[:, None], 0.0)
+    return b_o + _dot(b_A.to(b_vn.dtype), b_vn, PREC, DOT_F32)           # intra-chunk
+
+
+# ============================================================================================
+# host side: pinned config, launcher, the stage twin chunk_output
+# ============================================================================================
+
+def output_config(K: int, V: int) -> dict:
+    """Kernel 4 (chunk_output_kernel): chunk-parallel, (chunks x HV x V-blocks) programs, plenty at any
+    T >= a few chunks. BV = V (up to 128) so Q K^T is computed once per (chunk, head); 4 warps (one
+    warpgroup) for the [BT, 128] fp32 accumulator next to the [BT, BT] attention block (measured on
+    H200 at K = V = 128: 4 warps beat 8)."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
+    BV = min(BVmax, 128 if BK <= 128 else 64)
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 128 else 8, num_stages=1)
+
+
+def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale: float, *, l2norm_q: bool,
+                   precise: bool, configs: Optional[dict] = None):
+    """Kernel 4. k: [B, T, H, K] (normalised already when asked); l2norm_q normalises q in the kernel;
+    Gl: G's rounding error or None (0)."""
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v_new.shape[2], v_new.shape[3]
+    if ch.total == 0 or HV == 0:
+        return
+    BK, _ = _blocks(K, V)
+    cfg = _cfg("output", output_config(K, V), configs)
+    BV = cfg.pop("BV")
+    if precise and Gl is None:
+        Gl = torch.zeros_like(G)
+    kw = dict(
+        HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        IS_VARLEN=ch.varlen, L2NORM=l2norm_q, PREC=_fp32_prec(q.dtype), DOT_F32=is_interpreting(),
+        PRECISE=precise, EPS=L2NORM_EPS, **cfg)
+    return launch(chunk_output_kernel, (ch.total * HV * cdiv(V, BV),), kw,
+        q, k, v_new, h, G, G if Gl is None else Gl, o,
+        ch.cu_seqlens, ch.indices, T, ch.NT, float(scale),
+        *q.stride()[:3], *k.stride()[:3])
+
+
+def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, G: torch.Tensor,
+                 scale: float, chunk_size: int, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Step 5. q, k: [B, T, H, K], v_new: [B, T, HV, V], h: [B, NC, HV, K, V], G: [B, T, HV] -> o: [B, T, HV, V]
+    (v_new.dtype).
+
+        O = scale * [ (Q * exp(G)) S_chunk_start + ((Q K^T) * exp(G_i - G_j) * tril) v_new ]   (kernel 4)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(q, k, v_new, h, G):
+        return refgdn.delta_rule.chunk_output(q, k, v_new, h, G, scale, chunk_size)
+    _check_fast_limits(q.shape[3], v_new.shape[3], chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    o = torch.empty(B, T, HV, V, dtype=v_new.dtype, device=q.device)
+    hh = h.reshape(-1, HV, K, V).contiguous()                       # [B, NC, HV, K, V] -> [(B NC), HV, K, V]
+    _launch_output(_unit_last(q), _unit_last(k), v_new.contiguous(), hh, G.float().contiguous(), None, o,
+                   _Chunks(B, T, chunk_size, cu_seqlens), T, chunk_size, float(scale), l2norm_q=False,
+                   precise=_precise(q.dtype))
+    return o

@@ -1,0 +1,99 @@
+"""The recurrent kernel: the time loop with the state in registers, handy for short T.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   h0, ht: [N, HV, K, V] fp32
+    S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+``recurrent_kernel`` (grid (cdiv(V, BV), N * HV)), the twin of refgdn.recurrent_gated_delta_rule, and its
+pinned config; the public function that launches it, ``recurrent_gated_delta_rule``, is in the package
+``fast.chunk``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..utils import is_interpreting, next_pow2
+from .common import _exp, _gate, _seq_coords
+
+
+# ============================================================================================
+# recurrent kernel: the time loop, state in registers
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T"])
+def recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, h0, o, ht,
+    cu_seqlens, T, scale,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (V-block, sequence, value head), for each token t in order (all in fp32):
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    q, k: [B, T, H, K], v: [B, T, HV, V], g, beta: [B, T, HV] (strided, unit last-dim stride for q, k, v);
+    h0, ht: [N, HV, K, V] fp32; o: [B, T, HV, V] contiguous. grid = (cdiv(V, BV), N * HV).
+    PRECISE (fp32 inputs): range-reduced exp (``_exp``).
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]
+    i_hk = i_h // GROUP
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+    if GATE:
+        A_log_h = tl.load(A_log + i_h).to(tl.float32)
+        dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
+
+    q_base = q + i_b * s_qb + i_hk * s_qh
+    k_base = k + i_b * s_kb + i_hk * s_kh
+    v_base = v + i_b * s_vb + i_h * s_vh
+    g_base = g + i_b * s_gb + i_h * s_gh
+    b_base = beta + i_b * s_bb + i_h * s_bh
+    for t in range(bos, eos):
+        t64 = (i_b * 0 + t).to(tl.int64)
+        b_q = tl.load(q_base + t64 * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
+        b_beta = tl.load(b_base + t64 * s_bt).to(tl.float32)
+        if GATE:
+            b_g = _gate(b_g, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + EPS)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + EPS)
+        b_h *= _exp(b_g, PRECISE)
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))           # beta (v - S^T k)
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], 0) * scale
+        tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+    if STORE_HT:
+        tl.store(ht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_h, mask=m_kv)
+
+
+# ============================================================================================
+# host side: pinned config
+# ============================================================================================
+
+def recurrent_config(K: int, V: int) -> dict:
+    """Recurrent kernel: state [BK, BV] fp32 in one warp's registers (<= 64 per thread), reductions over
+    K stay inside the warp. Interpreter: one V-block."""
+    BK = next_pow2(K)
+    if is_interpreting():
+        return dict(BV=min(next_pow2(V), 64), num_warps=4, num_stages=1)
+    BV = min(next_pow2(V), max(8, 2048 // BK))
+    return dict(BV=BV, num_warps=1, num_stages=1)

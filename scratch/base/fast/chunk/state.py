@@ -1,0 +1,345 @@
+"""Step 4 of the chunked forward (refgdn.delta_rule.state_passing): kernel 3, its one sequential pass.
+
+    k: [B, T, H, K]   w: [B, T, HV, K]   u: [B, T, HV, V]   G: [B, T, HV]   h0, ht: [N, HV, K, V] fp32
+    -> h: [chunks, HV, K, V] (chunk-start states), v_new: [B, T, HV, V]
+    h[c] = S ;  v_new = u - w S ;  S <- exp(G_last) S + K^T (exp(G_last - G) v_new)
+    OUTPUT (step 5 fused in, q: [B, T, H, K] -> o: [B, T, HV, V]; h and v_new then never leave the pass):
+    O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
+
+``chunk_state_kernel``: grid (cdiv(V, BV), N * HV), sequential over the chunks of a sequence with S fp32
+[K, BV] in registers. Here too: its pinned config (``state_config``), launcher and the stage twin.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import refgdn
+from refgdn.checks import check_chunk_size
+
+from ..launch import launch
+from ..utils import cdiv, is_interpreting
+from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
+                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
+from .output import _output_block
+
+
+# ============================================================================================
+# kernel 3: state passing (sequential over chunks, state in registers)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_state_kernel(
+    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o,
+    cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
+    FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
+    EPS: tl.constexpr = 1e-6,
+):
+    """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
+
+        h[c] = S ;   v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)
+
+    k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
+    u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
+    h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
+    V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head).
+    S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
+    to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
+    compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
+    computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). UPCAST (the backward's fp32
+    recompute): w and k tiles converted to fp32 after the load, so both dots keep S and v_new in fp32.
+
+    FROM_A (the forward): w and u are never formed. With w = A diag(beta exp(G)) K and u = A diag(beta) V
+    (kernel 2's definitions),  v_new = u - w S = A (beta (V - exp(G) (K S))):  one [BT, K] x [K, BV] dot with
+    k's tile (the tile the update reads anyway), the difference in fp32, then a [BT, BT] x [BT, BV] dot with A
+    (kernel 1's output, k's dtype), rounded to the dot dtype once, after the subtraction (u and w are rounded
+    before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
+    last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
+
+    OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
+    the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
+    o's dtype, as v_new would have been stored), so h and v_new are neither written nor read back (kernel 4 does
+    not run):  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]  (output._output_block,
+    kernel 4's own code). q: [B, T, H, K] (strided, unit last-dim stride), o: [B, T, HV, V] contiguous; L2NORM
+    normalises q's rows as kernel 4 does. Q S and Q K^T hang off the pass's
+    dependent chain (S -> v_new -> S), so they cost throughput, not latency: worth it where the pass is
+    throughput-bound (many (sequence, head) pairs), not at B = 1.
+    """
+    i_v = tl.program_id(0)
+    i_n, i_h = _seq_head(tl.program_id(1), seq_order, HV, IS_VARLEN)    # varlen: longest sequences first
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
+    n_chunks = tl.cdiv(eos - bos, BT)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]                       # [BK, BV] offsets in a [K, V] state
+
+    k_base = k + i_b * s_kb + (i_h // GROUP) * s_kh
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+
+    q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
+    v_base = v + i_b * s_vb + i_h * s_vh
+    b_base = beta + i_b * s_bb + i_h * s_bh
+    for i_t in range(0, n_chunks):
+        rows = bos + i_t * BT + o_t
+        m_r = rows < eos
+        m_rv = m_r[:, None] & m_v[None, :]
+        tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
+        h_c = h + ((boc + i_t) * HV + i_h) * K * V + kv_off         # this chunk's h[c]
+        b_G = tl.load(G + tok, mask=m_r, other=0.0)
+        b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                      mask=m_r[:, None] & m_k[None, :], other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+        if FROM_A:
+            b_A = tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0).to(b_k.dtype)
+            b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
+            b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
+            b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
+            if not OUTPUT:
+                tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A
+            b_r = (b_vr.to(tl.float32) - _exp(b_G, PRECISE)[:, None] * _dot(b_k, b_hc, PREC, DOT_F32)) \
+                * b_beta[:, None]
+            b_v = _dot(b_A, b_r.to(b_k.dtype), PREC, DOT_F32)                          # v_new = A r
+        else:
+            b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+            if UPCAST:
+                b_w = b_w.to(tl.float32)
+            b_hc = b_h.to(b_w.dtype)                                # chunk-start state as a dot operand
+            if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
+                b_hc = b_h
+            # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
+            if not OUTPUT:
+                tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
+            b_v = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+            b_v = b_v.to(tl.float32) - _dot(b_w, b_hc, PREC, DOT_F32)                # v_new = u - w S
+        if OUTPUT:
+            # step 5 on the chunk-start state b_hc (h[c] as kernel 4 reads it) and this chunk's v_new, rounded to
+            # o's dtype as kernel 4's path stores it
+            b_q = tl.load(q_base + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                          mask=m_r[:, None] & m_k[None, :], other=0.0)
+            if PRECISE:
+                b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+            else:
+                b_Gl = b_G
+            b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, m_r, scale, BT, L2NORM, PREC,
+                                DOT_F32, PRECISE, EPS)
+            tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
+        else:
+            tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
+
+        last = tl.minimum(eos - bos - i_t * BT, BT) - 1             # last valid row of the chunk
+        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        G_last = tl.load(G + i_last)
+        d_G = G_last - b_G                                          # [BT] G_last - G
+        if PRECISE:
+            d_G = d_G + (tl.load(Gl + i_last) - tl.load(Gl + tok, mask=m_r, other=0.0))
+
+        # precision hazard: mask before exp (padded rows' G is 0 and G_last - 0 may be > 0);
+        # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
+        b_v = b_v * tl.where(m_r, _exp(tl.where(m_r, d_G, 0.0), PRECISE), 0.0)[:, None]
+        b_h = b_h * _exp(G_last, PRECISE)
+        if PREC != "bf16x2":                  # (the split recompute keeps the decayed v_new in fp32)
+            b_v = b_v.to(b_k.dtype)
+        b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                               # + K^T (decayed v_new)
+
+    if STORE_HT:
+        tl.store(ht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_h, mask=m_kv)
+
+
+# ============================================================================================
+# host side: pinned config, launcher, the stage twin state_passing
+# ============================================================================================
+
+def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None,
+                 fused: bool = False) -> dict:
+    """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist, each walking all
+    chunks of its sequence, so BV trades parallelism (small BV: more programs fill the SMs) against redundant w/k
+    reads (every V-block program reloads the chunk's w and k; they mostly hit L2). num_stages=3 prefetches the
+    next chunks' w, u, k, G behind the current chunk's dots: with it the block takes ~119 KB of shared memory at
+    BT = 64, K = 128 (one block per SM; 2 stages ran 1.9x slower). BV 64 (four warps) from half a program per SM
+    on: H200, Triton 3.6, bf16, Qwen3-Next shape, state kernel alone (torch.profiler;
+    benchmarks.bench_prefill.state_sweep), B=2 T=8192 (128 programs at BV 64): 0.227 ms vs 0.335 at BV 32 (256
+    programs), B=4 T=4096: 0.229 vs 0.335, B=8 T=2048: 0.235 (either rule), varlen mix 0.495 (BV 64 either rule);
+    eight warps 0.27-0.28. Below that, B=1 (HV=32, V=128): BV=32 -> 128 programs for 132 SMs (T=16384: 0.331 ms;
+    BV 16 0.415; BV 64 in 8 warps 0.548). ncu (H200, B=1 T=16384): 150 registers, one warp per scheduler issuing
+    every ~4 cycles -- the pass is latency-bound per warp. Hand-prefetching u and G a chunk ahead (beside the
+    compiler's pipeline) bought nothing at B=1 and lost on the varlen mix (0.547 ms): not kept. Pinned, never
+    autotuned (DESIGN.md invariant 2). Interpreter: one V-block (fewest programs). bv64_programs: the program
+    count at BV 64 from which BV 64 is taken (default half the SMs; the backward's fp32 recompute keeps its own,
+    fast.chunk_bwd).
+
+    fused (the pass forms o too, OUTPUT: state_fuses_output): BV 64 from one program per SM, else BV 32; four warps,
+    two pipeline stages (the q tile joins the prefetched ones: three stages ran 1.6x slower). H100, Triton 3.6, bf16,
+    Qwen3-Next shape, whole forward (ms; benchmarks.bench_prefill.state_sweep, 2026-11-24): B=4 T=4096: BV 64 / 4
+    warps / 2 stages 0.584, 1 stage 0.577, 3 stages 0.843, 8 warps 0.914, BV 32 0.692, BV 128 / 8 warps 1.06-1.18;
+    B=2 T=8192: BV 32 0.695, BV 64 0.817-0.857; B=8, B=16 as B=4 (0.590, 0.595); varlen mix 1.508 (BV 32 1.869)."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
+    sms = _num_sms(device)
+    if fused:
+        BV = min(64 if N * HV * cdiv(V, 64) >= sms else 32, BVmax)
+        return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
+    if N * HV * cdiv(V, 64) >= (sms // 2 if bv64_programs is None else bv64_programs):
+        BV = 64
+    elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
+        BV = 32
+    else:
+        BV = 16
+    BV = min(BV, BVmax)
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
+
+
+def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+    """Whether the forward's state pass also forms o (the kernel's OUTPUT; kernel 4 does not run and h, v_new never
+    go through HBM): when the pass has enough (sequence, head) pairs for state_config's widest blocks (BV 64 from
+    half a program per SM). Q S and Q K^T double the pass's products, off its dependent chain: paid in throughput,
+    so a win where the pass has programs to spare and a loss at B = 1, where one program per SM walks its chunks
+    latency-bound. Whole forward, H100, Triton 3.6, bf16, Qwen3-Next shape, ms (kernel 4 / fused, each at its
+    pinned config; benchmarks.bench_prefill.state_sweep, 2026-11-24): B=2 T=8192 0.780 / 0.695; B=4 T=4096
+    0.708 / 0.584; B=8 T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens
+    2.05 / 1.51; but B=1 T=16384 0.949 / 1.037-1.108 and T=65536 3.66 / 4.04-4.26 (the pass alone 3.4 ms against
+    1.3 + kernel 4's 1.07; every BV and stage count tried: RESULTS.md, 20:20). The interpreter always fuses (the
+    CPU tests cover it)."""
+    if is_interpreting():
+        return True
+    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2
+
+
+def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
+                  prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
+                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None):
+    """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
+    wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
+    forward). out: (q, o, scale, l2norm_q): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
+    (then None) not. bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold);
+    cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs:
+    benchmark overrides, merged last."""
+    H, K = k.shape[2], k.shape[3]
+    if out is not None:
+        q, o, scale, l2norm_q = out
+        HV, V = o.shape[2], o.shape[3]
+        h = v_new = o                                   # (not written)
+    else:
+        q, o, scale, l2norm_q = k, v_new, 1.0, False    # (not read)
+        HV, V = v_new.shape[2], v_new.shape[3]
+    if N * HV == 0:
+        return
+    BK, _ = _blocks(K, V)
+    # pinned config, then the caller's adjustments, then benchmark overrides (a sweep sees what it set)
+    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs, fused=out is not None),
+                             **(cfg_over or {})), configs)
+    BV = cfg.pop("BV")
+    if precise and Gl is None:
+        Gl = torch.zeros_like(G)
+    if wy is not None:
+        A, v, beta = wy
+        w = u = v_new                                   # (not read)
+    else:
+        A, v, beta = v_new, v_new, G                    # (not read)
+    kw = dict(
+        HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
+        DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
+        OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
+    return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
+        ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
+        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3])
+
+
+def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,
+                  initial_state: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
+    """Step 4. k: [B, T, H, K], w: [B, T, HV, K], u: [B, T, HV, V], G: [B, T, HV], initial_state: [N, HV, K, V]
+    -> h: [B, NC, HV, K, V] (w.dtype; varlen: [1, total chunks, ...]), v_new: [B, T, HV, V] (u.dtype),
+    final_state: [N, HV, K, V] float32.
+
+        v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)      (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(k, w, u, G, initial_state):
+        return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+    return _state_twin(k, G, u.shape, w.dtype, u.dtype, chunk_size, initial_state, cu_seqlens,
+                       w.contiguous(), u.contiguous(), None)
+
+
+def state_output_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
+                    G: torch.Tensor, scale: float, chunk_size: int, initial_state: Optional[torch.Tensor] = None,
+                    cu_seqlens: Optional[torch.Tensor] = None):
+    """Steps 3, 4 and 5 in one pass (the forward's FROM_A + OUTPUT kernel). q, k: [B, T, H, K], v: [B, T, HV, V],
+    beta, G: [B, T, HV], A: [B, T, HV, BT] (wy_repr's), initial_state: [N, HV, K, V] -> (o [B, T, HV, V] in v's
+    dtype, final_state [N, HV, K, V] float32), as chunk_output(q, k, *state_passing_wy(...)[:2], G, scale) without
+    storing h or v_new:
+
+        v_new = A (beta (V - exp(G) (K S))) ;  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
+        S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)                                               (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(q, k, v, beta, A, G, initial_state):
+        w, u = refgdn.delta_rule.w_u(k, v, beta, A, G, chunk_size)
+        h, v_new, final = refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+        return refgdn.delta_rule.chunk_output(q, k, v_new, h, G, scale, chunk_size), final
+    _check_fast_limits(k.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=k.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(_unit_last(k), None, None, G.float().contiguous(), None, h0, None, None, final,
+                  _Chunks(B, T, chunk_size, cu_seqlens), N, T, chunk_size, precise=_precise(k.dtype),
+                  wy=(A.contiguous(), _unit_last(v), beta), out=(_unit_last(q), o, float(scale), False))
+    return o, final
+
+
+def _state_twin(k, G, v_shape, h_dtype, v_dtype, chunk_size, initial_state, cu_seqlens, w, u, wy):
+    """The stage twins' common part: outputs allocated, kernel 3 launched (from w, u or, with wy, from A)."""
+    _check_fast_limits(k.shape[3], v_shape[3], chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v_shape[2], v_shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    ch = _Chunks(B, T, chunk_size, cu_seqlens)
+    h = torch.empty(ch.total, HV, K, V, dtype=h_dtype, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=v_dtype, device=k.device)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch_state(_unit_last(k), w, u, G.float().contiguous(), None, h0, h, v_new, final, ch, N, T, chunk_size,
+                  precise=_precise(h_dtype), wy=wy)
+    NC = ch.NT if cu_seqlens is None else ch.total
+    return h.view(B if cu_seqlens is None else 1, NC, HV, K, V), v_new, final
+
+
+def state_passing_wy(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, G: torch.Tensor,
+                     chunk_size: int, initial_state: Optional[torch.Tensor] = None,
+                     cu_seqlens: Optional[torch.Tensor] = None):
+    """Steps 3 and 4 in one pass (the forward's FROM_A kernel). k: [B, T, H, K], v: [B, T, HV, V], beta, G:
+    [B, T, HV], A: [B, T, HV, BT] (wy_repr's), initial_state: [N, HV, K, V] -> (h [B, NC, HV, K, V] in k's dtype,
+    v_new [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32), as state_passing(k, *w_u(k, v, beta, A,
+    G), G) without forming w and u:
+
+        v_new = A (beta (V - exp(G) (K S))) ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)   (kernel 3)
+    """
+    check_chunk_size(chunk_size)
+    if _is_fp64(k, v, beta, A, G, initial_state):
+        w, u = refgdn.delta_rule.w_u(k, v, beta, A, G, chunk_size)
+        return refgdn.delta_rule.state_passing(k, w, u, G, chunk_size, initial_state)
+    return _state_twin(k, G, v.shape, k.dtype, v.dtype, chunk_size, initial_state, cu_seqlens, None, None,
+                       (A.contiguous(), _unit_last(v), beta))

@@ -1,0 +1,870 @@
+"""Triton backward of the chunked gated delta rule (fast.chunk's four forward kernels, run in reverse).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   do: [B, T, HV, V]   dht: [N, HV, K, V]
+    S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+What is saved and why: the forward (fast.library's autograd registration) saves its inputs (q, k, v,
+g, beta, initial_state and the gating parameters) and, where this backward would rerun kernel 1 exactly as
+the forward ran it (reuses_forward_kkt: bf16 by default), that kernel's outputs G, l2norm(k) and A (as fla
+keeps A and G): [B, T, HV] fp32 + [B, T, H, K] + [B, T, HV, BT] 16-bit, about 0.2 ms of kernel 1 saved at
+bench_train's shape. Everything else chunk-sized is cheap to
+recompute with the forward's own chunk-parallel kernels 1-2 (G, l2norm(k), A, w, u) and the chunk states
+h with the sequential kernel 3; storing h and v_new from the forward instead would hold
+NC * HV * K * V + T * HV * V per layer (h alone is K / BT = 2x the size of v at BT = 64, K = 128) across
+the whole model's forward, and the recompute costs about one forward without its output kernel.
+
+Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
+Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
+
+  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, u, h, v_new   fast.chunk kernels 1-3
+  1. ``bwd_dv_local_kernel``  grid (chunks * HV)      dv_local = scale ((Q K^T) M)^T dO      (chunk_dv_local)
+  2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
+         dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
+         dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
+  3. ``bwd_dqkwg_kernel``     grid (chunks * HV, K-blocks)  dq, dk, dw, dG through the     (chunk_bwd_dqkwg)
+         output and the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
+         as one partial sum per K-block, its intra-chunk part as rowsum(P) - colsum(P) with
+         P = ((dO v_new^T) M) * (Q K^T) off the diagonal
+  4. ``bwd_wy_kernel``        grid (chunks * HV)  through w = A Kb, u = A Vb, A = (I + L)^-1  (wy_bwd +
+         in two passes over K-blocks (before and after dL):
+         dk, dv, dbeta, dG; then dg = reverse chunk cumsum of dG and the fused-gating  chunk_cumsum_bwd +
+         backward (da, and per-token terms of dA_log, ddt_bias)                              gating_bwd)
+  5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
+     (torch): per-head sums of the gating parameters' gradients, casts of the others.
+
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE / RECOMPUTE_KKT below): for bf16
+inputs every fp32 operand of a product is split into bf16 hi + lo ("bf16x2": ~16 mantissa bits from 16-bit
+tensor-core dots) and kernel 1 is recomputed exactly as the forward ran it; for fp16 inputs the
+recompute runs in fp32 (tf32x3 products) on the exact fp32 values of 16-bit tiles:
+the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
+kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
+products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
+dv_new, dG) are fp32. The 16-bit variant (both precisions None) is faster and fails the conformance
+rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
+products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
+pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
+times from bench_train --sweep on an H100), never autotuned: these are training kernels but they share
+the forward's no-autotune rule.
+
+Where the time goes (H200, Triton 3.6, B=4 T=4096 H=16 HV=32 K=V=128 bf16, l2norm, BT 64; bench_train
+--only profile / profile_fla; benchmarks/RESULTS.md, sixth session of 2026-11-23): forward + backward 5.23 ms
+(fla 0.6.0 3.87 ms, guard bypassed, in the same run); per kernel (two profiling runs, same machine type),
+fast against fla's kernel for the same step (us): stage 3 1411 / 959, the WY backward 996 / 504, the
+reverse state pass 774 / 448, the state pass (forward and recompute) 611 / 411, kernel 1 (forward and
+recompute) 396 / 188, kernel 2 386 / 305, the output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm
+backward 191 / 517 (fla: a torch reduction and its l2norm kernel). fla's backward runs 16-bit products
+throughout; ours the precision above.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from refgdn.checks import one_host_read
+
+from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
+                    _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
+                    _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
+                    _trunc_tf32)
+from .gating import l2norm_into
+from .utils import cdiv, is_interpreting
+
+# Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
+# benchmarks/bench_train.py --sweep) are merged over the pinned heuristics below: {"dv_local": {...},
+# "dh": {...}, "dqkwg": {...}, "wy": {...}} with keys BV, num_warps, num_stages, and for the recompute
+# {"kkt": {...}, "w_u": {...}, "state": {...}} as in fast.chunk. Each distinct config is its own
+# compiled variant.
+# Precision of the backward, per input dtype (read-only defaults; chunk_gated_delta_rule_bwd's
+# ``precision`` argument replaces a row for benchmarks; each value its own compiled variant):
+#   GRAD_DOT_PRECISION: input_precision of the products that take a gradient operand (dS, dv_new, dw, ds,
+#     dL, ...). A string keeps them fp32 ("tf32": 10 mantissa bits; the 16-bit operand converts exactly)
+#     and stores dh, h and v_new in fp32; None rounds them to the input dtype for 16-bit dots.
+#   RECOMPUTE_PRECISION: the recompute (fast.chunk kernels 1-3) and the products of inputs run on fp32
+#     copies of q, k, v, beta at this input_precision; None: in the input dtype, like the forward.
+# Why: the backward rounds at a dozen places where refgdn (the oracle in the same precision) rounds once,
+# and dg (a reverse cumsum over up to BT tokens of differences of larger terms) and dA_log / ddt_bias (sums
+# over all tokens) amplify it. Worst conformance ratio over the quick gradient families, interpreter with
+# bf16 operands and tf32 modelled as truncation (fast.chunk._trunc_tf32; python -m
+# benchmarks.grad_precision --quick):
+#   bf16: None/None 2.24 (fails: ddt_bias with fused gating; dk 1.1-1.6 elsewhere), tf32/None 1.44
+#     (fails), None/tf32 1.12 (fails: a 2-ulp dk at the largest entry of a length-1 sequence), tf32/tf32 0.54
+#   fp16: None/None 0.68, tf32/None 1.16 (truncated tf32 is coarser than fp16), tf32x3/tf32x3 0.22
+# On an H100 at bench_train's error shape (B=1 T=1024 H=4 HV=8) the 16-bit variant passes (worst 0.57, dg;
+# fla 0.56, the default 0.32): the quick families' length-1 sequences, fused gating and strong decay are
+# what it fails.
+# fp32 inputs: IEEE products throughout.
+# bf16 default since the sixth session of 2026-11-23: ("bf16x2", "bf16x2", "16-bit", "forward"), the comments on
+# bf16x2 and KKT below (H200, Triton 3.6: full bf16 gradient families worst 0.759; fwd+bwd 5.34 ms at
+# bench_train's shape against 5.70 for the previous default's kernel 1 run the forward's way).
+GRAD_DOT_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16: "tf32x3", torch.float32: "ieee"})
+RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16: "tf32x3", torch.float32: None})
+# STORAGE of the recompute's chunk-local intermediates (normalised q / k, A, w, u, h, dh), per input dtype:
+# None keeps the recompute's dtype (fp32 with RECOMPUTE_PRECISION set); "16-bit" stores them in the
+# inputs' dtype while every kernel still computes on their (exactly converted) fp32 values: half the
+# bytes of the fp32 recompute. v_new stays fp32 (rounding it too failed: quick bf16 families, worst ratio
+# 1.24 on da with fused gating). Simulated in the interpreter by rounding each fp32 buffer in place after
+# the kernel that writes it: kn + qu + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54),
+# each alone <= 0.69; the implementation, with the interpreter's bf16 casts rounding to nearest as a GPU's
+# do (benchmarks.grad_precision --interpreter-rne): 0.84 (fp16 inputs: 0.52). Compiles for sm_90 (Triton
+# 3.9) at BT 16 / 32 / 64. The default for 16-bit inputs since the GPU gradient conformance matrix passed with
+# it (H100, Triton 3.6: 495 / 495 checks, bf16 and fp16): fwd+bwd 9.2 -> 7.2 ms at bench_train's shape.
+# Interpreter caveat for every bf16 figure above: Triton's interpreter casts fp32 -> bf16 by truncation
+# (a GPU rounds to nearest even), so in-kernel bf16 roundings err up to twice as much there, all toward
+# zero. With round-to-nearest the quick bf16 worst ratios read None/None 1.02, tf32/None 1.09, None/tf32
+# 0.85, tf32/tf32 0.32 (truncation: 2.24, 1.44, 1.12, 0.54). CI's quick matrix tests fp16 and fp32 only.
+# Experimental value "bf16x2" for the grad_dot and / or the recompute precision (bf16 inputs only; meant
+# for 16-bit storage, e.g. precision=("bf16x2", "bf16x2", "16-bit"), where the stored operands are exact):
+# every fp32 operand of a product split into bf16 hi + lo and multiplied by 16-bit dots (fast.chunk's
+# _dot_split: about 16 mantissa bits instead of tf32's 10; 16-bit tiles in shared memory; two or three
+# bf16 MMAs where tf32 takes one at half the bf16 rate). As the recompute precision, kernels 1-3 keep
+# their 16-bit tiles (no UPCAST; kernel 1 then runs the forward's way) and their fp32 operands (the state
+# S, the decayed v_new, beta exp(G) k, beta v) unrounded. Quick bf16 families with round-to-nearest, worst
+# ratio: bf16x2/tf32 0.841 (da; as tf32/tf32, the storage dominates), tf32/bf16x2 0.942, bf16x2/bf16x2
+# 0.906 (ddt_bias with fused gating; with fp32 storage instead of 16-bit: 0.437). Compiles for sm_90
+# (Triton 3.9, bench shape, bf16x2/bf16x2: the reverse state pass without spills at 148 KB of shared
+# memory, kernel 1 20 B of spills instead of 716, stage 3 776 B at the tf32 pins). On a GPU (H200, Triton
+# 3.6, benchmarks.grad_precision, the full bf16 gradient families): bf16x2/bf16x2/16-bit/forward worst
+# 0.759 (dg, no-init-K64-V96), fwd+bwd 5.342 ms at bench_train's shape; tf32/tf32/16-bit/forward worst
+# 0.764, 5.698 ms. Per kernel (bench_train --only profile --beside, same device): bf16x2/bf16x2/16-bit
+# against tf32/tf32/16-bit: kernel 1 682 -> 530 us, kernel 2 559 -> 388, the state pass 674 -> 619, stage
+# 1 282 -> 160, the reverse pass 816 -> 775, stage 3 1458 -> 1422, the WY backward 1005 -> 1089; all
+# kernels 5967 -> 5468 us. The bf16 default.
+RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "16-bit", torch.float32: None})
+# KKT: how the recompute's kernel 1 (G, l2norm(k), A) runs with 16-bit storage: "recompute" (fp32 products
+# of the fp32 normalised k at the recompute precision) or "forward" (experimental: exactly the forward's
+# kernel 1, 16-bit products of the rounded normalised k that the later kernels read anyway; the forward's
+# A, at the forward's cost: ~0.15 instead of ~0.55 ms at bench_train's shape, estimated from the profile).
+# Quick families, interpreter with round-to-nearest: bf16 worst 0.841 (the same da case as "recompute"),
+# fp16 0.476 (0.52 with "recompute"). Not run on a GPU. Kernel 2 (w, u) run the forward's way as well
+# fails: bf16 1.144 (dg, strided-slices family; its 16-bit products round beta exp(G) k before A's product).
+# On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
+# 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
+RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
+
+
+def reuses_forward_kkt(dtype: torch.dtype) -> bool:
+    """Whether the default backward for inputs of ``dtype`` runs kernel 1 exactly as the forward did (16-bit
+    storage, RECOMPUTE_KKT "forward"), so the forward's A, G and normalised k can be kept instead (fla keeps A
+    and G too): the custom op's forward returns them and its backward skips kernel 1 (~0.2 ms at bench_train's
+    shape; memory: A is [B, T, HV, BT] in the input dtype, G [B, T, HV] fp32, kn [B, T, H, K])."""
+    return RECOMPUTE_STORAGE.get(dtype) == "16-bit" and RECOMPUTE_KKT.get(dtype) == "forward"
+
+
+def _cfg(name: str, base: dict, configs: Optional[dict] = None) -> dict:
+    """The pinned config `base` with the overrides configs[name] (benchmark sweeps) merged over it."""
+    return dict(base, **(configs or {}).get(name, {}))
+
+
+@triton.jit
+def _gdot(a, b, DT: tl.constexpr, GPREC: tl.constexpr, EMU_TF32: tl.constexpr, PREC: tl.constexpr,
+          DOT_F32: tl.constexpr):
+    """A product with a gradient operand (fp32 in registers). GPREC None: both operands rounded to the
+    inputs' dtype DT (16-bit tensor-core dot); "bf16x2": each fp32 operand split into hi + lo in DT (bf16
+    only), 16-bit dots of the parts (two when one operand is already 16-bit and exact, three when both are
+    fp32: hi hi + hi lo + lo hi), about 16 mantissa bits per fp32 operand with 16-bit tiles in shared memory;
+    else fp32 operands at input_precision GPREC ("tf32": the gradient operand keeps 10 mantissa bits
+    instead of bf16's 7; "ieee" for fp32 inputs). EMU_TF32 (interpreter): truncate operands to tf32 first,
+    so CPU runs see the GPU's rounding."""
+    if GPREC is None:
+        return _dot(a.to(DT), b.to(DT), PREC, DOT_F32)
+    elif GPREC == "bf16x2":
+        return _dot_split(a, b, DT, DOT_F32)
+    else:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if EMU_TF32:
+            a = _trunc_tf32(a)
+            b = _trunc_tf32(b)
+        return tl.dot(a, b, input_precision=GPREC)
+
+
+@triton.jit
+def _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE: tl.constexpr):
+    """exp(G_L - G_i) per row [BT], 0 on rows past the sequence end (masked before exp: a padded row's
+    G is loaded as 0 and G_L - 0 may be > 0). On valid rows G_L - G_i <= 0 (G non-increasing)."""
+    d = G_last - b_G
+    if PRECISE:
+        d = d + (Gl_last - b_Gl)
+    return tl.where(m_r, _exp(tl.where(m_r, d, 0.0), PRECISE), 0.0)
+
+
+@triton.jit
+def _causal(b_G, b_Gl, keep, PRECISE: tl.constexpr):
+    """[BT, BT] exp(G_i - G_j) where keep, 0 elsewhere (mask before exp: discarded entries may be > 0)."""
+    return tl.where(keep, _exp(tl.where(keep, _gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE), 0.0), PRECISE), 0.0)
+
+
+# ============================================================================================
+# stage 1: dv_local = scale ((Q K^T) M)^T dO                         (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dv_local_kernel(
+    q, k, G, Gl, do, dv,
+    cu_seqlens, chunk_indices, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+):
+    """Per (chunk, value head): dv[j] = scale sum_{i >= j} (k_j . q_i) exp(G_i - G_j) dO[i].
+
+    q, k: [B, T, H, K] contiguous (normalised when asked); G, Gl: [B, T, HV] fp32; do: [B, T, HV, V];
+    dv: [B, T, HV, V] fp32. grid = (chunks * HV,), head fastest; V in blocks of BV inside.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    m_rk = m_r[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    b_Gl = b_G
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    # entry (j, i) = scale (k_j . q_i) exp(G_i - G_j) for i >= j: the transpose of the output's (i, j)
+    keep = (o_t[:, None] <= o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    d_ji = -_gdiff(b_G, b_Gl, b_G, b_Gl, PRECISE)                          # [j, i] = G_i - G_j
+    decay = tl.where(keep, _exp(tl.where(keep, d_ji, 0.0), PRECISE), 0.0)   # mask before exp
+    b_A = _dot(b_k, tl.trans(b_q), PREC, DOT_F32) * decay * scale
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_rv = m_r[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv = _gdot(b_A, b_do, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        tl.store(dv + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
+
+
+# ============================================================================================
+# stage 2: the reverse state pass (sequential over chunks, dS in registers)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dh_kernel(
+    q, k, w, G, Gl, do, dv_local, dht, dh, dv_new, dh0,
+    cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+):
+    """Per (V-block, sequence, value head), for each chunk c from the last to the first:
+
+        dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
+        dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new
+
+    q, k: [B, T, H, K] contiguous; w: [B, T, HV, K]; do: [B, T, HV, V]; dv_local, dv_new: [B, T, HV, V] fp32;
+    dht, dh0: [N, HV, K, V] fp32; dh: [chunks, HV, K, V] (k's dtype: a dot operand of stage 3, like the
+    forward's h). dh[c] is the gradient of the state at the END of chunk c. dS: fp32 [BK, BV] in registers.
+    """
+    i_v = tl.program_id(0)
+    i_n, i_h = _seq_head(tl.program_id(1), seq_order, HV, IS_VARLEN)    # varlen: longest sequences first
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    boc = _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]
+
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+    for i_r in range(0, n_chunks):
+        i_t = n_chunks - 1 - i_r
+        rows = bos + i_t * BT + o_t
+        m_r = rows < eos
+        m_rk = m_r[:, None] & m_k[None, :]
+        m_rv = m_r[:, None] & m_v[None, :]
+        tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+        qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+        b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        tl.store(dh + ((boc + i_t) * HV + i_h) * K * V + kv_off, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+
+        last = tl.minimum(eos - bos - i_t * BT, BT) - 1
+        i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+        b_G = tl.load(G + tok, mask=m_r, other=0.0)
+        G_last = tl.load(G + i_last)
+        if PRECISE:
+            b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+            Gl_last = tl.load(Gl + i_last)
+        else:
+            b_Gl = b_G
+            Gl_last = G_last
+        b_dv = tl.load(dv_local + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv += _gdot(b_k, b_dS, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
+                                                                           PRECISE)[:, None]
+        tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
+
+        b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        # exp(G) <= 1 on valid rows; padded rows have q = 0
+        b_qg = b_q.to(tl.float32) * (_exp(b_G, PRECISE) * scale)[:, None]
+        b_dS = b_dS * _exp(G_last, PRECISE)
+        b_dS += _gdot(tl.trans(b_qg), b_do, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dS -= _gdot(tl.trans(b_w), b_dv, b_w.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_dS, mask=m_kv)
+
+
+# ============================================================================================
+# stage 3: dq, dk, dw, dG through the output and the state update     (fully chunk-parallel)
+# ============================================================================================
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_dqkwg_kernel(
+    q, k, v_new, h, dh, G, Gl, do, dv_new, dq, dk, dw, dG,
+    cu_seqlens, chunk_indices, T, NT, scale, s_dG,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+):
+    """Per (chunk, value head, K-block of BKC), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
+
+        dq = scale [exp(G) dO h^T + ((dO v_new^T) M) K]
+        dk = scale ((dO v_new^T) M)^T Q + exp(G_L - G) v_new dh^T ;   dw = -dv_new h^T
+        dG = rowsum(Q dq) - rowsum(K dk) ;  dG_L += sum(K dk_state) + exp(G_L) <h, dh>
+           (intra-chunk part computed as rowsum(P) - colsum(P), P = scale ((dO v_new^T) M) (Q K^T), i > j)
+
+    q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; dv_new: fp32; h, dh: [chunks, HV, K, V];
+    dq, dk, dw: [B, T, HV, K] fp32 (per value head); dG: [NK, B, T, HV] fp32, one partial sum per K-block
+    (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
+    grid = (chunks * HV, NK): each program owns the K columns of its block, V in blocks of BV inside;
+    (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
+    """
+    pid = tl.program_id(0)
+    i_kb = tl.program_id(1)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_kb * BKC + tl.arange(0, BKC)
+    m_k = o_k < K
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    m_rk = m_r[:, None] & m_k[None, :]
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    h_base = (i_c.to(tl.int64) * HV + i_h) * K * V
+
+    b_dq = tl.zeros([BT, BKC], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BKC], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BKC], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BKC], dtype=tl.float32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_rv = m_r[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        # h and v_new are fp32 when GPREC is set (the backward's recompute stores them so), else 16-bit
+        b_dq += _gdot(b_do, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_ds += _gdot(b_do, tl.trans(b_vn), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dk += _gdot(b_vn, tl.trans(b_dh), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dw += _gdot(b_dv, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+
+    b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+    last = tl.minimum(eos - bos - i_t * BT, BT) - 1
+    i_last = (i_b * T + bos + i_t * BT + last).to(tl.int64) * HV + i_h
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    G_last = tl.load(G + i_last)
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+        Gl_last = tl.load(Gl + i_last)
+    else:
+        b_Gl = b_G
+        Gl_last = G_last
+    keep = (o_t[:, None] >= o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_ds = b_ds * _causal(b_G, b_Gl, keep, PRECISE) * scale                # (dO v_new^T) M scale
+    b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
+    b_dqi = b_dq * (b_eG * scale)[:, None]                                  # through the chunk-start state
+    b_dq = b_dqi + _gdot(b_ds, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+    b_dks = b_dk * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None]   # through the state update
+    b_dk = _gdot(tl.trans(b_ds), b_q, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32) + b_dks
+    # dG = rowsum(Q dq) - rowsum(K dk), with the intra-chunk part taken from P = ds * (Q K^T) directly:
+    # rowsum(P) - colsum(P). precision hazard: via Q dq - K dk the diagonal terms P_ii (large when the
+    # decay is strong) would cancel only up to rounding; here they are left out (they cancel exactly).
+    # Q K^T is this K-block's part of the product; P is linear in it, so the partials sum to the whole.
+    strict = (o_t[:, None] > o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_P = tl.where(strict, b_ds * _dot(b_q, tl.trans(b_k), PREC, DOT_F32), 0.0)
+    b_dG = (tl.sum(b_q.to(tl.float32) * b_dqi, 1) - tl.sum(b_k.to(tl.float32) * b_dks, 1)
+            + tl.sum(b_P, 1) - tl.sum(b_P, 0))
+    g_last = tl.sum(tl.sum(b_k.to(tl.float32) * b_dks, 1), 0) + _exp(G_last, PRECISE) * tl.sum(b_hdh, 0)
+    b_dG = tl.where(o_t == last, b_dG + g_last, b_dG)
+
+    out = tok[:, None] * K + o_k[None, :]
+    tl.store(dq + out, b_dq, mask=m_rk)
+    tl.store(dk + out, b_dk, mask=m_rk)
+    tl.store(dw + out, -b_dw, mask=m_rk)
+    tl.store(dG + i_kb.to(tl.int64) * s_dG + tok, b_dG, mask=m_r)
+
+
+# ============================================================================================
+# stage 4: the WY backward, then dg = reverse chunk cumsum of dG (+ fused gating)   (chunk-parallel)
+# ============================================================================================
+
+@triton.jit
+def _mm(a, b, P: tl.constexpr):
+    """fp32 product of the inverse's backward (input_precision P)."""
+    return tl.dot(a, b, input_precision=P)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def bwd_wy_kernel(
+    k, v, beta, g, A_log, dt_bias, G, Gl, A, dw, du, dk, dG,
+    dv, dbeta, dg, dA_log_t,
+    cu_seqlens, chunk_indices, T, NT, s_dG,
+    s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_gb, s_gt, s_gh,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, NKG: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISE: tl.constexpr, THRESHOLD: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+):
+    """Per (chunk, value head), through w = A Kb, u = A Vb (Kb = beta exp(G) K, Vb = beta V), A = (I + L)^-1:
+
+        dA = dw Kb^T + du Vb^T ;  dKb = A^T dw ;  dVb = A^T du ;  dL = -A^T dA A^T (strictly lower)
+        dk += beta exp(G) dKb + R K + R^T K   (R = dL beta_i exp(G_i - G_j)) ;  dv = beta dVb
+        dbeta = rowsum(dKb exp(G) K + dVb V + dL (K K^T) exp(G_i - G_j))
+        dG += rowsum(dKb Kb) + rowsum(P) - colsum(P)   (P = R (K K^T) = dL L)
+        dg_s = sum_{c >= s in the chunk} dG_c ;  GATE: da = dg dg/da, dA_log per token = dg g
+
+    k: [B, T, H, K] contiguous (normalised when asked); v, beta, g: strided; A: [B, T, HV, BT];
+    dw, dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; du = dv_new: fp32;
+    dG: [NKG, B, T, HV] fp32 (stage 3's partial sums, s_dG apart); dv: [B, T, HV, V] v's dtype;
+    dbeta, dg, dA_log_t: [B, T, HV] fp32.
+    Registers: K in blocks of BKC, V in blocks of BV, so only [BT, BT] blocks (dA, A^T, K K^T) and one
+    [BT, BKC] / [BT, BV] tile of each operand are live: two passes over K (before dL: dA, dKb's terms,
+    K K^T; after: dKb again, R K + R^T K), dk read and written once, in the second.
+    """
+    pid = tl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    rows = bos + i_t * BT + o_t
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
+    r64 = rows.to(tl.int64)
+
+    b_beta = tl.load(beta + i_b * s_bb + i_h * s_bh + r64 * s_bt, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + tok, mask=m_r, other=0.0)
+    b_Gl = b_G
+    if PRECISE:
+        b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
+    b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
+    b_bG = b_beta * b_eG
+    b_At = tl.trans(tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0)
+                    .to(k.dtype.element_ty))
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dG = tl.zeros([BT], dtype=tl.float32)
+    for i_p in tl.static_range(NKG):
+        b_dG += tl.load(dG + i_p * s_dG + tok, mask=m_r, other=0.0)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    # pass 1 over K: dA += dw Kb^T, dKb = A^T dw and its row-sum terms, K K^T (dk is not touched: pass 2
+    # recomputes dKb, one more read of dw instead of a second fp32 read + write of dk)
+    for i_k in range(0, BK // BKC):
+        o_k = i_k * BKC + tl.arange(0, BKC)
+        m_rk = m_r[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        b_dw = tl.load(dw + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_kf = b_k.to(tl.float32)
+        b_Kb = b_kf * b_bG[:, None]
+        b_dA += _gdot(b_dw, tl.trans(b_Kb), b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dbeta += tl.sum(b_dKb * b_kf * b_eG[:, None], 1)
+        b_dG += tl.sum(b_dKb * b_Kb, 1)
+        b_KK += _dot(b_k, tl.trans(b_k), PREC, DOT_F32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_rv = m_r[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + i_b * s_vb + i_h * s_vh + r64[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
+        b_du = tl.load(du + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        b_vf = b_v.to(tl.float32)
+        b_dA += _gdot(b_du, tl.trans(b_vf * b_beta[:, None]), b_At.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dVb = _gdot(b_At, b_du, b_At.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        tl.store(dv + tok[:, None] * V + o_v[None, :], (b_dVb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
+        b_dbeta += tl.sum(b_dVb * b_vf, 1)
+
+    # dL = -A^T dA A^T on the strictly lower triangle of valid rows and columns (fp32 products)
+    strict = (o_t[:, None] > o_t[None, :]) & m_r[:, None] & m_r[None, :]
+    b_Atf = b_At.to(tl.float32)
+    b_dL = -_mm(_mm(b_Atf, b_dA, INV_PREC), b_Atf, INV_PREC)
+    b_dL = tl.where(strict, b_dL, 0.0)
+    b_R = b_dL * _causal(b_G, b_Gl, strict, PRECISE)                         # dL exp(G_i - G_j)
+    b_dbeta += tl.sum(b_R * b_KK, 1)
+    b_R = b_R * b_beta[:, None]
+    b_P = b_R * b_KK                                                         # dL * L
+    b_dG += tl.sum(b_P, 1) - tl.sum(b_P, 0)
+    # pass 2 over K: dk += beta exp(G) dKb + R K + R^T K  (dKb = A^T dw again: the same dot as pass 1's)
+    for i_k in range(0, BK // BKC):
+        o_k = i_k * BKC + tl.arange(0, BKC)
+        m_rk = m_r[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
+        b_dw = tl.load(dw + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0) + b_dKb * b_bG[:, None]
+        b_dk += (_gdot(b_R, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+                 + _gdot(tl.trans(b_R), b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32))
+        tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
+
+    # dg: reverse cumsum inside the chunk (padded rows carry dG = 0)
+    b_dG = tl.where(m_r, b_dG, 0.0)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+    if GATE:
+        A_log_h = tl.load(A_log + i_h).to(tl.float32)
+        dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
+        b_a = tl.load(g + i_b * s_gb + i_h * s_gh + r64 * s_gt, mask=m_r, other=0.0).to(tl.float32)
+        b_x = b_a + dt_bias_h
+        # softplus'(x) = sigmoid(x) below the threshold, 1 above it; sigmoid = 1 / (1 + exp(-x)) with
+        # exp only of -|x| (no overflow)
+        e = _exp(-tl.abs(b_x), PRECISE)
+        sig = tl.where(b_x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        dsp = tl.where(b_x > THRESHOLD, 1.0, sig)
+        b_gate = _gate(b_a, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
+        tl.store(dA_log_t + tok, b_dg * b_gate, mask=m_r)
+        b_dg = b_dg * (-_exp(A_log_h, PRECISE)) * dsp
+    tl.store(dg + tok, b_dg, mask=m_r)
+    tl.store(dbeta + tok, b_dbeta, mask=m_r)
+
+
+# ============================================================================================
+# stage 5: q / k gradients per key head (GVA group sum, l2norm backward, cast)
+# ============================================================================================
+
+@triton.jit
+def bwd_qk_finish_kernel(
+    d_hv, x, out, n_rows,
+    H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    L2NORM: tl.constexpr, EPS: tl.constexpr,
+):
+    """Per block of BR rows (token, key head h): d = sum_j d_hv[token, h * GROUP + j] (the GVA group's value
+    heads); with L2NORM, through y = x / sqrt(sum(x^2) + eps):  dx = (d - y (y . d)) / sqrt(sum(x^2) + eps).
+
+    d_hv: [B, T, HV, K] fp32; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its dtype).
+    grid = (cdiv(B T H, BR),). All in fp32.
+    """
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = r < n_rows
+    o_k = tl.arange(0, BK)
+    m = m_r[:, None] & (o_k < K)[None, :]
+    r64 = r.to(tl.int64)
+    acc = tl.zeros([BR, BK], dtype=tl.float32)
+    for j in tl.static_range(GROUP):                 # row (token, h) -> value head rows (token, h G + j)
+        acc += tl.load(d_hv + (r64 * GROUP + j)[:, None] * K + o_k[None, :], mask=m, other=0.0)
+    if L2NORM:
+        xr = tl.load(x + r64[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        rs = tl.rsqrt(tl.sum(xr * xr, 1) + EPS)
+        y = xr * rs[:, None]
+        acc = (acc - y * tl.sum(y * acc, 1)[:, None]) * rs[:, None]
+    tl.store(out + r64[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
+
+
+# ============================================================================================
+# host side
+# ============================================================================================
+
+def dv_local_bwd_config(K: int, V: int) -> dict:
+    """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots."""
+    if is_interpreting():
+        return dict(BV=min(64, _blocks(K, V)[1]), num_warps=4, num_stages=1)
+    return dict(BV=min(128, _blocks(K, V)[1]), num_warps=4, num_stages=1)
+
+
+def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False,
+                  tf32_operands: bool = False, store16: bool = False) -> dict:
+    """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
+    programs (parallelism) against redundant q/k/w reads. num_stages 2 prefetches the next chunk's
+    q, k, w; with fp32 operands (fp32 recompute) 1: at BT = 64, K = 128, BV = 32 two stages took 226 KB
+    of shared memory (Triton 3.9, sm_90), at the 227 KB limit of an H100/H200 block."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():
+        return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
+    sms = _num_sms(device)
+    if N * HV * cdiv(V, 64) >= 2 * sms:
+        BV = 64
+    elif N * HV * cdiv(V, 32) >= (sms * 3) // 4:
+        BV = 32
+    else:
+        BV = 16
+    BV = min(BV, BVmax)
+    if fp32:                          # fp32 q, k, w tiles: 4 warps spilled (255 registers), 8 do not
+        # BV >= 32: BV = 16 at 8 warps with tf32x3 products (fp16 inputs) faults with an illegal memory
+        # access on an H100 (Triton 3.6, BT = 64, K = V = 128; BV 32 or 4 warps run and agree).
+        # tf32 operands (fp32 copies of 16-bit inputs): BV 64 once there is a program per SM: every
+        # V-block program reloads the chunk's fp32 q, k, w (H100, Triton 3.6, bench_train's shape
+        # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
+        # stages at BV 64 need 254 KB of shared memory, over the limit)
+        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms else max(BV, 32)
+        # 16-bit storage (q, k, w read as 16-bit tiles): two stages fit and prefetch the next chunk (H100,
+        # Triton 3.6, bench_train's shape: fwd+bwd 7.03 ms vs 7.17 with one stage)
+        return dict(BV=min(BV, BVmax), num_warps=8, num_stages=2 if store16 else 1)
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
+
+
+def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False) -> dict:
+    """Stage 3: per program a BKC-wide K-block (grid (chunks * HV, BK / BKC)): three [BT, BKC] and one
+    [BT, BT] fp32 accumulators, V in blocks of BV. Before the K split (one program per chunk, [BT, BK]
+    accumulators, 8 warps, BV 32) the kernel spilled 312 B per thread with serialised wgmma (sm_90,
+    Triton 3.9, bf16 with the fp32 recompute, K = V = 128, BT = 64); split at BKC 64, 8 warps: no spill
+    at BV 64 or 32 (4 warps: 408 / 520 B)."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():             # two K-blocks where K allows: CI runs the split
+        return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
+    return dict(BKC=min(64, BK), BV=min(32, BVmax), num_warps=4, num_stages=2 if tf32_operands else 1)
+
+
+def wy_bwd_config(K: int, V: int) -> dict:
+    """Stage 4: K in blocks of BKC, V in blocks of BV; live: three [BT, BT] fp32 blocks (dA, A^T, K K^T)
+    and one operand tile of each kind. sm_90, Triton 3.9, bench_train's shape (bf16, fp32 recompute):
+    8 warps BV 32 spill 4 B, BV 64 8 B, 4 warps BV 32 144 B (before the K blocks: 288 B at 8 warps)."""
+    BK, BVmax = _blocks(K, V)
+    if is_interpreting():             # two K-blocks where K allows: CI runs the split
+        return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
+    return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
+
+
+def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x: [B, T, H, K] -> l2norm over the last dim in dtype (fast.gating.l2norm's kernel: fp32 arithmetic,
+    refgdn.l2norm's; one pass where torch took six elementwise kernels, ~0.35 ms at bench_train's shape)."""
+    return l2norm_into(x, torch.empty(x.shape, dtype=dtype, device=x.device), L2NORM_EPS)
+
+
+def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: torch.dtype) -> torch.Tensor:
+    """d_hv: [B, T, HV, K] fp32 per value head, x: [B, T, H, K] (the raw q or k) -> [B, T, H, K] in dtype:
+    summed over each GVA group, through the l2norm when l2 (stage 5, one kernel pass)."""
+    B, T, HV, K = d_hv.shape
+    out = torch.empty(B, T, H, K, dtype=dtype, device=d_hv.device)
+    n_rows = B * T * H
+    if n_rows == 0:
+        return out
+    BR = 16 if is_interpreting() else 32
+    bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
+        d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
+        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
+    return out
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
+                               stages: Optional[dict] = None, *, configs: Optional[dict] = None,
+                               precision: Optional[tuple] = None, kkt: Optional[tuple] = None):
+    """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
+
+    q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
+    -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): each in its input's dtype (dh0 [N, HV, K, V],
+    None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
+    the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
+    stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
+    stages): h, v_new, dv_local, dh, dv_new, dh0 and stage 3's dq, dk, dw, dG (per value head), then dk (total
+    per value head), dv, dbeta, dg. Costs copies; None in normal use.
+    Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
+    precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
+    or a triple whose third item "16-bit" stores the recompute's chunk-local intermediates (normalised
+    q / k, A, w, u, h, dh) in the inputs' 16-bit dtype (v_new stays fp32) while every kernel still computes
+    on their fp32 values at the recompute / grad_dot precision (module comment STORAGE; the 16-bit default);
+    an optional fourth item, kernel 1's recompute: "recompute" (the default: fp32 products at the recompute
+    precision) or "forward" (experimental, 16-bit storage only: exactly the forward's kernel 1, 16-bit
+    products of the 16-bit normalised k, the same A the forward used, at the forward's cost).
+    kkt: (A, G, kn or None), kernel 1's outputs kept by the forward (chunk_gated_delta_rule_fwd's keep_kkt; the
+    custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
+    run the forward's way (those exact values); ignored otherwise.
+    """
+    _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    scale = K ** -0.5 if scale is None else float(scale)
+    dev, dt = q.device, q.dtype
+    l2 = bool(use_qk_l2norm_in_kernel)
+    A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
+    ch = _Chunks(B, T, BT, cu_seqlens)
+    precise = _precise(v.dtype)
+    dot_f32 = is_interpreting()
+    BK, _ = _blocks(K, V)
+    if precision is None:
+        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt], RECOMPUTE_KKT[dt])
+    gprec, rprec = precision[:2]
+    storage = precision[2] if len(precision) > 2 else None
+    if storage not in (None, "16-bit"):
+        raise ValueError(f"precision: storage must be None or '16-bit', got {storage!r}")
+    store16 = storage == "16-bit"
+    if store16 and (gprec is None or rprec is None or dt == torch.float32):
+        raise ValueError(f"precision: 16-bit storage needs a grad_dot and a recompute precision and 16-bit "
+                         f"inputs, got {precision} for {dt}")
+    kkt_mode = precision[3] if len(precision) > 3 else "recompute"
+    if kkt_mode not in ("recompute", "forward") or (kkt_mode == "forward" and not store16):
+        raise ValueError(f"precision: kernel 1's mode must be 'recompute', or 'forward' with 16-bit storage, "
+                         f"got {precision}")
+    if "bf16x2" in (gprec, rprec) and dt != torch.bfloat16:
+        raise ValueError(f"precision: 'bf16x2' needs bf16 inputs (its split operands are bf16), got {precision} "
+                         f"for {dt}")
+    beta_dtype = beta.dtype
+    if rprec is not None:
+        # recompute in fp32 (the 16-bit values convert exactly); every dot of the backward then takes
+        # fp32 operands at input_precision rprec. fp32 copies only where a kernel reads the raw 16-bit
+        # tensor as a dot operand: q and k without l2norm and without 16-bit storage. With l2norm, kernel 1
+        # converts its k tiles and writes the normalised k, and q is normalised below; with 16-bit storage
+        # the raw inputs are the stored values. v is read by kernel 2 (converts its tiles) and the WY
+        # backward (converts), beta by kernels that convert on load.
+        if not l2 and not store16:
+            q, k = q.float(), k.float()
+        cdt, prec, prec_of = torch.float32, rprec, (rprec, dt)
+    else:
+        cdt, prec, prec_of = dt, _fp32_prec(dt), None
+    k_in = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+
+    # ---- 0. recompute the forward's intermediates (kernels 1-3 of fast.chunk) --------------------
+    # precision hazard: the forward's 16-bit intermediates (A, w, u, h, v_new, l2norm(k)) each round at
+    # 2^-9 (bf16): with them dg failed the conformance rule (module constants above); RECOMPUTE_PRECISION
+    # recomputes them in fp32.
+    sdt = dt if store16 else cdt                                         # storage of A, kn, qu, w, u, h, dh
+    Gl = None
+    # fp32 k blocks in one warp spill (1.2 KB per thread at K = 128, sm_90, Triton 3.9; 2 warps: 0.5 KB)
+    fp32_gpu = cdt == torch.float32 and not is_interpreting()
+    # kkt_mode "forward": kernel 1 exactly as the forward ran it (16-bit k tiles normalised and rounded,
+    # 16-bit products, its pinned config), so A is the forward's and consistent with the stored kn
+    as_fwd = kkt_mode == "forward"
+    if as_fwd and kkt is not None and not precise and kkt[0].dtype == sdt and (kkt[2] is not None) == l2:
+        A, G, kn = kkt                       # the forward's kernel 1 outputs: what it would recompute, exactly
+    else:
+        G = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+        Gl = torch.empty_like(G) if precise else None
+        A = torch.empty(B, T, HV, BT, dtype=sdt, device=dev)
+        kn = torch.empty(B, T, H, K, dtype=sdt, device=dev) if l2 else None
+        _launch_kkt(k_in, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False,
+                    store_g=True, do_a=True, precise=precise, prec_of=None if as_fwd else prec_of,
+                    cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 and not as_fwd else None, configs=configs)
+    ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
+    qu = _l2norm_fwd(q, sdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
+    w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=sdt, device=dev)
+    _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
+    # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
+    # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
+    # fp32 registers) even when the rest is 16-bit.
+    hv_dt = cdt if gprec is None else torch.float32
+    state_dt = sdt if store16 else hv_dt                                 # h here, dh in stage 2
+    h = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
+    v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
+    # BT = 64, K = 128, BV = 32 that is 246 KB (Triton 3.9, sm_90), over the 227 KB an H100/H200 block
+    # may use: 2 stages for fp32 operands, and BV 64 once there is a program per SM (fewer reloads of the
+    # fp32 k and w tiles; H100, Triton 3.6, bench_train's shape: fwd+bwd 11.5 ms vs 11.9 at BV 32)
+    st_over = None
+    if fp32_gpu:
+        st_over = dict(num_stages=2)
+        if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64:
+            st_over.update(BV=64, num_warps=4)
+    # fp32 tiles: BV 64 from two programs per SM (the rule measured for this recompute; the forward takes
+    # BV 64 from half a program per SM)
+    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
+                  cfg_over=st_over, configs=configs, bv64_programs=2 * _num_sms(dev) if fp32_gpu else None)
+    del u
+
+    Glx = G if Gl is None else Gl
+    do = do.contiguous()
+    f32 = dict(dtype=torch.float32, device=dev)
+    dv_new = torch.empty(B, T, HV, V, **f32)
+    dh = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
+    dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
+    dq = torch.empty(B, T, HV, K, **f32)
+    dk = torch.empty(B, T, HV, K, **f32)
+    dw = torch.empty(B, T, HV, K, **f32)
+    dq_cfg = _cfg("dqkwg", dqkwg_bwd_config(K, V, tf32_operands=rprec is not None), configs)
+    NKG = BK // dq_cfg["BKC"]                                            # stage 3's K-blocks
+    dG = torch.empty(NKG, B, T, HV, **f32)                               # their partial sums of dG
+    dv = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    dbeta = torch.empty(B, T, HV, **f32)
+    dg = torch.empty(B, T, HV, **f32)
+    dA_log_t = torch.empty(B, T, HV, **f32) if A_log is not None else None
+    # 16-bit storage: the stages' own products of stored values (Q K^T, K K^T) take 16-bit operands, exact
+    # products of the stored values (PREC None); products with a gradient operand convert both to fp32
+    def grad_prec(gp):                   # _gdot's precision constexprs (tf32 truncation emulated when interpreting)
+        return dict(GPREC=gp, EMU_TF32=dot_f32 and gp == "tf32")
+    common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen,
+                  PREC=None if store16 else prec, DOT_F32=dot_f32, PRECISE=precise, **grad_prec(gprec))
+
+    if ch.total > 0 and HV > 0:
+        # ---- 1. dv_local --------------------------------------------------------------------------
+        dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
+        bwd_dv_local_kernel[(ch.total * HV,)](
+            qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
+            **common, **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
+        # ---- 2. reverse state pass ----------------------------------------------------------------
+        cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
+                                        store16=store16),
+                   configs)
+        BV = cfg.pop("BV")
+        dht_c = dht.float().contiguous() if dht is not None else None
+        bwd_dh_kernel[(cdiv(V, BV), N * HV)](
+            qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
+            scale,
+            **dict(common, BV=BV), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
+        # ---- 3. dq, dk, dw, dG ---------------------------------------------------------------------
+        bwd_dqkwg_kernel[(ch.total * HV, NKG)](
+            qu, ku, v_new, h, dh, G, Glx, do, dv_new, dq, dk, dw, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
+            B * T * HV, **common, **dq_cfg)
+        if stages is not None:
+            stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
+                          dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
+                          dk3=dk.clone(), dw=dw.clone(), dG3=dG.sum(0))
+        # ---- 4. WY backward, dg ---------------------------------------------------------------------
+        # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
+        # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
+        # full bf16 gradient families throughout (module comment), this mix lies between them
+        wy = dict(common, **grad_prec("tf32" if gprec == "bf16x2" else gprec))
+        bwd_wy_kernel[(ch.total * HV,)](
+            ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
+            dA_log_t if dA_log_t is not None else dg,
+            ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
+            **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
+            **_cfg("wy", wy_bwd_config(K, V), configs))
+    elif dh0 is not None:                                                # no tokens: dh0 = dht
+        dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+    if ch.total == 0:
+        for t in (dq, dk, dG, dbeta, dg, dv):
+            t.zero_()
+    if stages is not None:
+        stages.update(dk=dk.clone(), dv=dv.clone(), dbeta=dbeta.clone(), dg=dg.clone())
+
+    # ---- 5. per key head: sum over the GVA group, l2norm backward, cast (one pass each) -----------
+    dq = _qk_finish(dq, q, H, l2, dt)                                    # [B, T, (h j), K] -> [B, T, h, K]
+    dk = _qk_finish(dk, k, H, l2, dt)
+    dA_log = ddt_bias = None
+    if A_log is not None:
+        dA_log = dA_log_t.sum((0, 1)).to(A_log.dtype) if T > 0 else torch.zeros_like(A_log)
+        ddt_bias = dg.sum((0, 1)).to(dt_bias.dtype) if T > 0 else torch.zeros_like(dt_bias)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta_dtype), dh0, dA_log, ddt_bias)

@@ -1,0 +1,564 @@
+"""Triton kernels for the causal depthwise conv1d in front of q, k, v, and its one-token update.
+
+    y_t = act(bias + sum_{j=0}^{W-1} weight[:, j] * x_{t-W+1+j})        act: None or silu
+
+Prefill (``causal_conv1d``) is a pure streaming op: every input row is read once from HBM and
+every output row written once, so its speed limit is copy bandwidth. Two kernels:
+
+- W <= 4 (every GDN model): ``causal_conv1d_fwd_window_kernel``, a sliding window. A program owns
+  BD channels x BT rows of one sequence; it loads the W-1 halo rows before its block once (from x,
+  initial_state or zero), then walks its rows keeping the last W-1 inputs in registers, so each
+  x row is loaded exactly once (one coalesced [BD] vector load per row) and each y row stored
+  once. The walk is unrolled by 4 rows (4 independent loads in flight, then 4 outputs), with the
+  next 4 rows' loads issued before the current 4 outputs' math (register double buffering).
+  The per-element math is ~17 instructions (4 taps, silu with approximate ex2/rcp on the GPU,
+  bf16 unpack/pack): the kernel must stay under the issue budget of copy bandwidth.
+- W > 4: ``causal_conv1d_fwd_kernel``, the general tile kernel: each program owns a [BT, BD] tile
+  of y and reads its x tile W times, shifted by 0..W-1 rows (the shifted reads hit L1/L2).
+
+Varlen batches use a (row block -> sequence, block-within-sequence) table, so no block straddles
+two sequences.
+
+Configs are pinned by a small heuristic (``conv_fwd_config``), never autotuned at run time: the
+update kernel mutates state in place and runs inside CUDA graphs (DESIGN.md invariant 2), and the
+prefill kernel is bandwidth-bound with a flat optimum.
+
+Semantics, dtypes and validation are refgdn.conv's: compute in float32 (float64 when x, weight or
+the state is float64), y in x's dtype, states in initial_state's / conv_state's dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from refgdn.checks import check_conv_inputs, check_conv_update_inputs, one_host_read
+
+from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
+
+
+@triton.jit
+def _silu(y):
+    # silu(y) = y * sigmoid(y); sigmoid without overflow: exp only of -|y| <= 0, so e in (0, 1].
+    # One division: sigmoid(|y|) = 1 / (1 + e), sigmoid(-|y|) = e * sigmoid(|y|).
+    e = tl.exp(-tl.abs(y))
+    r = 1 / (1 + e)
+    return y * tl.where(y >= 0, r, e * r)
+
+
+# Widest kernel taps the sliding-window kernel handles (its window is W-1 <= 3 named registers).
+WINDOW_MAX_W = 4
+
+
+@triton.jit
+def _silu_fast_f32(y):
+    """silu(y) = y / (1 + 2^(-y log2 e)) in float32 with the GPU's approximate ex2 / rcp (2 MUFU ops,
+    ~2 ulp; the exact-division form costs ~3x the instructions and this kernel is issue-bound at
+    bf16 bandwidth). Overflow is benign: y << 0 gives 2^(+big) = inf, rcp(inf) = 0, y * 0 = -0 (the
+    limit); y >> 0 gives 2^(-big) = 0 (flushed), rcp(1) = 1, y. GPU only (inline PTX)."""
+    e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [y * -1.4426950408889634],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return y * r
+
+
+@triton.jit
+def _window_out(x0, p1, p2, p3, w0, w1, w2, w3, b,
+                W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_SILU: tl.constexpr):
+    """One output row from the newest input x0 = x_t and the window p_k = x_{t-k}:
+    y_t = act(bias + w0 x_t + w1 x_{t-1} + w2 x_{t-2} + w3 x_{t-3}), w_k = weight[:, W-1-k]; taps k >= W
+    are absent (constexpr), so their window registers are never read. FAST_SILU: float32 on a GPU."""
+    acc = x0 * w0
+    if W > 1:
+        acc += p1 * w1
+    if W > 2:
+        acc += p2 * w2
+    if W > 3:
+        acc += p3 * w3
+    if HAS_BIAS:
+        acc += b
+    if SILU:
+        if FAST_SILU:
+            acc = _silu_fast_f32(acc)
+        else:
+            acc = _silu(acc)
+    return acc
+
+
+@triton.jit
+def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, zero_d, stride_x_t, stride_s_w,
+                 W: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """Input row at position pos (int64 scalar, pos >= -(W-1)) as a [BD] vector in DT: x when
+    0 <= pos < L, initial_state column W-1+pos when pos < 0 (zero without a state), zero past L.
+    s_off: sequence n's offset in initial_state; p_x / p_s: per-channel offsets (o_d * stride_x_d,
+    o_d * stride_s_d); zero_d: int64 zeros [BD] (row conditions are vectors, see the kernel)."""
+    pos_d = pos + zero_d
+    b = tl.load(x_base + pos * stride_x_t + p_x, mask=m_d & (pos_d >= 0) & (pos_d < L), other=0).to(DT)
+    if HAS_INIT:
+        # masked where pos >= 0 (the column index would be out of range there): b + 0 is exact
+        b += tl.load(initial_state + s_off + (pos + (W - 1)) * stride_s_w + p_s,
+                     mask=m_d & (pos_d < 0), other=0).to(DT)
+    return b
+
+
+@triton.jit
+def _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d):
+    """Input rows r .. r+3 (r: int64 scalar) as four [BD] vectors in x's dtype. j_d: the block-local
+    index of row r and n_d: the block's row count, as int32 [BD] vectors; rows j >= n are masked
+    to 0. Four independent loads: all in flight at once."""
+    x0 = tl.load(x_base + r * stride_x_t + p_x, mask=m_d & (j_d < n_d), other=0)
+    x1 = tl.load(x_base + (r + 1) * stride_x_t + p_x, mask=m_d & (j_d + 1 < n_d), other=0)
+    x2 = tl.load(x_base + (r + 2) * stride_x_t + p_x, mask=m_d & (j_d + 2 < n_d), other=0)
+    x3 = tl.load(x_base + (r + 3) * stride_x_t + p_x, mask=m_d & (j_d + 3 < n_d), other=0)
+    return x0, x1, x2, x3
+
+
+@triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
+def causal_conv1d_fwd_window_kernel(
+    x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d,
+    stride_w_d, stride_w_w,
+    stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, FAST_SILU: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+):
+    """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous, for W <= 4; BT rows x BD channels per program.
+
+    grid = (cdiv(D, BD), row blocks, B): dense row blocks = cdiv(T, BT); varlen (B == 1) row blocks
+    = rows of tile_table [NT, 2] = (sequence n, block index within n). BT is a multiple of 4.
+
+        y_t = act(bias + sum_k w_k x_{t-k}),  window (p1, p2, p3) = (x_{t-1}, x_{t-2}, x_{t-3})
+
+    The window starts as the W-1 halo rows before the block (x, initial_state, or zero), then
+    slides: every row of the block is loaded once and every output stored once. Values are kept
+    in the compute dtype (float32, float64 with FP64): converting x to it is exact.
+    PREFETCH: double-buffer the 4-row loads (more bytes in flight per thread, +4 rows of registers).
+    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX).
+    """
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
+        i_tt = tl.load(tile_table + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        x_base = x + bos * stride_x_t                    # batch row 0
+        y_base = y + bos * D
+    else:
+        i_n = i_b.to(tl.int64)
+        i_tt = i_t.to(tl.int64)
+        L = T
+        x_base = x + i_n * stride_x_b
+        y_base = y + i_n * T * D
+    s_off = i_n * stride_s_n                             # initial_state is only touched with HAS_INIT
+    t0 = i_tt * BT                                       # first row of the block (int64: T * D may pass 2^31)
+
+    o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
+    m_d = o_d < D
+    p_x = o_d * stride_x_d
+    p_s = o_d * stride_s_d
+    # Row conditions are broadcast to [BD] vectors before they meet m_d: the compiler folds the
+    # add of zeros (a splat), and the Triton interpreter mis-types `vector & scalar` masks.
+    zero_d = tl.zeros([BD], dtype=tl.int64)
+
+    # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
+    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
+    w1 = tl.zeros([BD], dtype=DT)
+    w2 = tl.zeros([BD], dtype=DT)
+    w3 = tl.zeros([BD], dtype=DT)
+    p1 = tl.zeros([BD], dtype=DT)
+    p2 = tl.zeros([BD], dtype=DT)
+    p3 = tl.zeros([BD], dtype=DT)
+    if W > 1:
+        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
+        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 2:
+        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
+        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 3:
+        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
+        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if HAS_BIAS:
+        b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
+    else:
+        b = w0  # unused
+
+    # Walk the block 4 rows at a time: 4 independent loads in flight, then 4 outputs. Rows past the
+    # block's end or the sequence's end are masked (loaded as 0, never stored). i only offsets
+    # pointers and masks. PREFETCH: the loads of the next 4 rows are issued before the current 4
+    # outputs are computed (register double buffering), so loads stay in flight during the math.
+    # Row masks compare block-local int32 indices (pointers use int64 rows r).
+    zero_i = tl.zeros([BD], dtype=tl.int32)
+    n_d = tl.minimum((L - t0).to(tl.int32) + zero_i, BT)  # rows of this block inside the sequence
+    if PREFETCH:
+        n0, n1, n2, n3 = _window_load4(x_base, p_x, t0, stride_x_t, zero_i, n_d, m_d)
+    for i in range(0, BT, 4):
+        r = t0 + i                                       # int64 row of x0
+        j_d = zero_i + i                                 # its block-local index, [BD]
+        if PREFETCH:
+            x0, x1, x2, x3 = n0, n1, n2, n3
+            n0, n1, n2, n3 = _window_load4(x_base, p_x, r + 4, stride_x_t, j_d + 4, n_d, m_d)
+        else:
+            x0, x1, x2, x3 = _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d)
+        x0 = x0.to(DT)
+        x1 = x1.to(DT)
+        x2 = x2.to(DT)
+        x3 = x3.to(DT)
+        y0 = _window_out(x0, p1, p2, p3, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y1 = _window_out(x1, x0, p1, p2, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y2 = _window_out(x2, x1, x0, p1, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        y3 = _window_out(x3, x2, x1, x0, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        tl.store(y_base + r * D + o_d, y0.to(y.dtype.element_ty), mask=m_d & (j_d < n_d))
+        tl.store(y_base + (r + 1) * D + o_d, y1.to(y.dtype.element_ty), mask=m_d & (j_d + 1 < n_d))
+        tl.store(y_base + (r + 2) * D + o_d, y2.to(y.dtype.element_ty), mask=m_d & (j_d + 2 < n_d))
+        tl.store(y_base + (r + 3) * D + o_d, y3.to(y.dtype.element_ty), mask=m_d & (j_d + 3 < n_d))
+        p1, p2, p3 = x3, x2, x1
+
+
+@triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
+def causal_conv1d_fwd_kernel(
+    x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d,
+    stride_w_d, stride_w_w,
+    stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
+):
+    """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous; one [BT, BD] tile of y per program.
+
+    grid = (cdiv(D, BD), tiles, B): dense tiles = cdiv(T, BT); varlen (B == 1) tiles = rows of
+    tile_table [NT, 2] = (sequence n, tile index within n).
+    y_t = act(bias + sum_j w[:, j] * x_{t-W+1+j}), positions < 0 read initial_state[n, :, W-1+pos].
+    """
+    i_d = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
+        i_tt = tl.load(tile_table + i_t * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        x_base = x + bos * stride_x_t                    # batch row 0
+        y_base = y + bos * D
+    else:
+        i_n = i_b.to(tl.int64)
+        i_tt = i_t
+        L = T
+        x_base = x + i_n * stride_x_b
+        y_base = y + i_n * T * D
+
+    o_t = i_tt * BT + tl.arange(0, BT)                   # positions within the sequence, [BT]
+    o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
+    m_d = o_d < D
+    m_t = o_t < L
+    if FP64:
+        acc = tl.zeros([BT, BD], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+
+    for j in tl.static_range(W):
+        # source position of tap j; negative = before the sequence start (initial state or zero).
+        # Pointers for masked-off rows may point outside x: they are never dereferenced.
+        o_s = o_t + (j - (W - 1))
+        m_x = (m_t & (o_s >= 0))[:, None] & m_d[None, :]
+        b_x = tl.load(x_base + o_s.to(tl.int64)[:, None] * stride_x_t + o_d[None, :] * stride_x_d,
+                      mask=m_x, other=0).to(acc.dtype)
+        if HAS_INIT:
+            # o_s >= -(W-1) always (o_t >= 0, j >= 0): the state column W-1+o_s is in range.
+            m_s = (m_t & (o_s < 0))[:, None] & m_d[None, :]
+            b_s = tl.load(initial_state + i_n * stride_s_n + o_d[None, :] * stride_s_d
+                          + (o_s + (W - 1))[:, None] * stride_s_w, mask=m_s, other=0).to(acc.dtype)
+            b_x += b_s
+        b_w = tl.load(weight + o_d * stride_w_d + j * stride_w_w, mask=m_d, other=0).to(acc.dtype)
+        acc += b_x * b_w[None, :]
+
+    if HAS_BIAS:
+        acc += tl.load(bias + o_d, mask=m_d, other=0).to(acc.dtype)[None, :]
+    if SILU:
+        acc = _silu(acc)
+    tl.store(y_base + o_t.to(tl.int64)[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty),
+             mask=m_t[:, None] & m_d[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def causal_conv1d_final_state_kernel(
+    x, final_state, initial_state, cu_seqlens,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d,
+    stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BD: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """final_state[n, :, i] = x_{L-(W-1)+i} of sequence n (i < W-1, oldest first); positions < 0
+    come from initial_state[n, :, W-1+pos] (zero without one). final_state: [N, D, W-1] contiguous.
+    grid = (cdiv(D, BD), N). A pure copy: values are only rounded to final_state's dtype on store.
+    """
+    i_d = tl.program_id(0)
+    i_n = tl.program_id(1).to(tl.int64)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        x_base = x + bos * stride_x_t
+    else:
+        L = T
+        x_base = x + i_n * stride_x_b
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    for i in tl.static_range(W - 1):
+        # source position, broadcast to a [BD] vector so masks are plain vector masks
+        pos = tl.zeros([BD], dtype=tl.int32) + (L - (W - 1) + i)
+        b = tl.load(x_base + pos.to(tl.int64) * stride_x_t + o_d * stride_x_d, mask=m_d & (pos >= 0), other=0)
+        if HAS_INIT:
+            b_s = tl.load(initial_state + i_n * stride_s_n + o_d * stride_s_d + (pos + (W - 1)) * stride_s_w,
+                          mask=m_d & (pos < 0), other=0)
+            b = tl.where(pos >= 0, b.to(final_state.dtype.element_ty), b_s.to(final_state.dtype.element_ty))
+        tl.store(final_state + i_n * D * (W - 1) + o_d * (W - 1) + i, b.to(final_state.dtype.element_ty),
+                 mask=m_d)
+
+
+def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
+    """Pinned prefill config: a heuristic, never autotuned at run time. elem_size: bytes per
+    element of x (2 for bf16/fp16, the benchmarked case). Keys: BT (rows per program), BD
+    (channels per program), num_warps (the window kernel prefetches unless a config says not).
+
+    W <= 4, sliding-window kernel (GPU): 4 warps, 4 channels per thread (BD = 512: 8 B vectors
+    of bf16, 16 B of float32). Compiled for sm_90 that holds the kernel at 56 registers (9
+    programs = 36 warps per SM, ~36 KB of loads in flight per SM); 8 channels per thread (BD =
+    1024, 16 B vectors) needs ~128 registers (4 programs per SM) for the same bytes in flight.
+    BT = 16 rows: the (W-1)/BT = 19% halo re-read hits L2, and the shorter walk wins. Measured on
+    an H200 (Triton 3.6, T=16384, D=8192, bf16, silu; `fast.conv.sweep()`): BT=16 BD=512 4 warps
+    93.7% of a same-size copy, BT=32 91.0%, BT=64 90.8%. prefetch: next 4 rows' loads issued
+    before the current 4 rows' math.
+    W > 4, tile kernel (GPU): BD = 256 channels, BT = 32 rows, 8 warps.
+    Interpreter: small blocks, fewest programs.
+    """
+    if W <= WINDOW_MAX_W:
+        if is_interpreting():
+            return dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
+        BD = max(16, min(512, next_pow2(D)))
+        num_warps = max(1, min(4, BD // 128))
+        BT = max(4, min(16, next_pow2(T)))
+        return dict(BT=BT, BD=BD, num_warps=num_warps)
+    if is_interpreting():
+        return dict(BT=max(16, min(64, next_pow2(T))), BD=max(16, min(128, next_pow2(D))), num_warps=4)
+    BD = max(16, min(256, next_pow2(D)))
+    BT = max(16, min(32, next_pow2(T)))
+    return dict(BT=BT, BD=BD, num_warps=8 if BT * BD >= 8192 else 4)
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  activation: Optional[str] = None, initial_state: Optional[torch.Tensor] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                  cu_seqlens_cpu: Optional[torch.Tensor] = None):
+    """x: [B, T, D], weight: [D, W], bias: [D], initial_state: [N, D, W-1] -> (y [B, T, D], final_state [N, D, W-1])
+
+        y_t = act(bias + sum_{j=0}^{W-1} weight[:, j] * x_{t-W+1+j})      act: None or "silu"
+
+    Varlen: B == 1 and cu_seqlens [N+1]. Inputs before a sequence's start come from initial_state
+    (zeros when None). y in x.dtype; final_state (the last W-1 inputs of each sequence, oldest
+    first; None unless output_final_state) in initial_state's dtype if given, else x's.
+    refgdn.causal_conv1d's twin. cu_seqlens_cpu: as fast.chunk_gated_delta_rule's (its values, on the
+    CPU: no device->host read); the kernels read the checked offsets uploaded with the tile table.
+
+    Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
+    custom op torch.ops.fast.causal_conv1d (fast.library), whose backward is fast.conv_bwd's kernel:
+    gradients of x, weight, bias and initial_state (the final state's gradient included).
+    """
+    from . import library                                                # registers the ops (no cycle at import)
+    if library.wants_graph(x, weight, bias, initial_state):
+        check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
+        y, final = library.causal_conv1d_op(x, weight, bias, activation or "", initial_state, cu_seqlens)
+        return y, (final if output_final_state else None)
+    return causal_conv1d_with_config(x, weight, bias, activation, initial_state, output_final_state,
+                                     cu_seqlens, cu_seqlens_cpu)
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_state=None,
+                              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                              config: Optional[dict] = None):
+    """causal_conv1d with ``config`` overriding keys of the pinned config (for benchmark sweeps that
+    choose the pinned values; each config is a separate compilation):
+
+        BT: rows per program (a multiple of 4 for the window kernel), BD: channels per program (a
+        power of two), num_warps; optional: kernel = "window" (W <= 4 only, the default there) or
+        "tile" (any W, the default for W > 4); for the window kernel prefetch (bool, default True)
+        and fast_silu (bool: approximate ex2/rcp; default and only honoured for float32 compute on
+        CUDA); Triton's num_stages and maxnreg.
+    """
+    N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
+    B, T, D = x.shape
+    W = weight.shape[1]
+    fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    state_dtype = initial_state.dtype if initial_state is not None else x.dtype
+    final = torch.empty(N, D, W - 1, dtype=state_dtype, device=x.device) if output_final_state else None
+    if D == 0:
+        return y, final
+    config = dict(config or {})
+    cfg = dict(conv_fwd_config(T, D, W, x.element_size()), **config)
+    kernel = cfg.get("kernel", "window" if W <= WINDOW_MAX_W else "tile")
+    BT, BD = cfg["BT"], cfg["BD"]
+    if kernel not in ("window", "tile") or (kernel == "window" and (W > WINDOW_MAX_W or BT % 4)):
+        raise ValueError(f"config: kernel 'window' needs W <= {WINDOW_MAX_W} and BT % 4 == 0, 'tile' any W; "
+                         f"got kernel={kernel!r}, W={W}, BT={BT}")
+    s = initial_state.stride() if initial_state is not None else (0, 0, 0)
+    cu_checked = None
+    while True:
+        if cu_seqlens is not None:
+            # the lengths on the host (one read per call, none with cu_seqlens_cpu; eager prefill only, not
+            # for graph capture); the kernels read the checked offsets uploaded with the table
+            tab = varlen_chunk_tables(cu_seqlens, BT)
+            tile_table, cu_checked = tab.indices, tab.checked
+            n_tiles = tile_table.shape[0]
+        else:
+            tile_table = None
+            n_tiles = cdiv(T, BT)
+        if n_tiles <= 65535 or "BT" in config:      # grid axis 1 limit: grow a pinned BT to fit
+            break
+        BT *= 2
+    if n_tiles > 0:
+        grid = (cdiv(D, BD), n_tiles, B)
+        launch = dict(num_warps=cfg["num_warps"])
+        for key in ("num_stages", "maxnreg"):
+            if cfg.get(key) is not None:
+                launch[key] = cfg[key]
+        if kernel == "window":
+            fwd = causal_conv1d_fwd_window_kernel
+            # approximate-ex2/rcp silu: float32 compute on a GPU only (inline PTX)
+            gpu_f32 = x.is_cuda and not fp64 and not is_interpreting()
+            launch["FAST_SILU"] = bool(cfg.get("fast_silu", gpu_f32)) and gpu_f32
+            launch["PREFETCH"] = bool(cfg.get("prefetch", True))
+        else:
+            fwd = causal_conv1d_fwd_kernel
+        fwd[grid](
+            x, y, weight, bias, initial_state, cu_checked, tile_table,
+            T, D, *x.stride(), *weight.stride(), *s,
+            W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+            HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, **launch)
+    if output_final_state and W > 1 and N > 0:
+        BDs = max(16, min(256, next_pow2(D)))
+        causal_conv1d_final_state_kernel[(cdiv(D, BDs), N)](
+            x, final, initial_state, cu_checked, T, D, *x.stride(), *s,
+            W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+            num_warps=4)
+    return y, final
+
+
+@triton.jit
+def causal_conv1d_update_kernel(
+    x, conv_state, weight, bias, y, D,
+    stride_x_n, stride_x_d,
+    stride_s_n, stride_s_d, stride_s_w,
+    stride_w_d, stride_w_w,
+    W: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, FP64: tl.constexpr,
+):
+    """x: [N, D], conv_state: [N, D, W-1] (in place) -> y: [N, D] contiguous. grid = (cdiv(D, BD), N).
+
+        window = [conv_state, x];  y = act(bias + sum_j w[:, j] window[:, j]);  conv_state <- window[:, 1:]
+
+    In-place safety: every tensor here is a 1-D [BD] vector with one layout, so channel d's state
+    row is read and rewritten by the same thread, in program order (reads of column j+1 precede
+    the write of column j+1). No other program touches row (n, d).
+    """
+    i_d = tl.program_id(0)
+    i_n = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if FP64:
+        acc = tl.zeros([BD], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BD], dtype=tl.float32)
+    p_s = conv_state + i_n * stride_s_n + o_d * stride_s_d
+    b_x = tl.load(x + i_n * stride_x_n + o_d * stride_x_d, mask=m_d, other=0)
+    for j in tl.static_range(W - 1):
+        b_s = tl.load(p_s + j * stride_s_w, mask=m_d, other=0).to(acc.dtype)
+        acc += b_s * tl.load(weight + o_d * stride_w_d + j * stride_w_w, mask=m_d, other=0).to(acc.dtype)
+    acc += b_x.to(acc.dtype) * tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w,
+                                       mask=m_d, other=0).to(acc.dtype)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_d, mask=m_d, other=0).to(acc.dtype)
+    if SILU:
+        acc = _silu(acc)
+    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
+    # shift: drop the oldest column, append x (rounded to the state's dtype by the store)
+    if W > 2:
+        for j in tl.static_range(W - 2):
+            tl.store(p_s + j * stride_s_w, tl.load(p_s + (j + 1) * stride_s_w, mask=m_d, other=0), mask=m_d)
+    if W > 1:
+        tl.store(p_s + (W - 2) * stride_s_w, b_x.to(conv_state.dtype.element_ty), mask=m_d)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+    """x: [N, D], conv_state: [N, D, W-1] (oldest first, updated in place), weight: [D, W], bias: [D] -> y: [N, D]
+
+        window = [conv_state, x];  y = act(bias + sum_j weight[:, j] * window[:, j]);  conv_state <- window[:, 1:]
+
+    y in x.dtype; the appended state column is x rounded to conv_state's dtype. conv_state may be
+    any strided view (e.g. a slice of a slot cache). Pinned config: no autotune (in-place, graph-safe).
+    refgdn.causal_conv1d_update's twin.
+    """
+    check_conv_update_inputs(x, conv_state, weight, bias, activation)
+    N, D = x.shape
+    W = weight.shape[1]
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N == 0 or D == 0:
+        return y
+    fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
+    BD = max(16, min(256 if not is_interpreting() else 128, next_pow2(D)))
+    causal_conv1d_update_kernel[(cdiv(D, BD), N)](
+        x, conv_state, weight, bias, y, D, *x.stride(), *conv_state.stride(), *weight.stride(),
+        W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, FP64=fp64,
+        num_warps=4)
+    return y
+
+
+def sweep(T: int = 16384, D: int = 8192, W: int = 4, dtype=torch.bfloat16, configs=None) -> list:
+    """GPU helper for choosing the pinned prefill config (not used by the ops): time
+    causal_conv1d_with_config (silu, no bias/state) over ``configs`` (default: a window-kernel grid
+    over BD, num_warps, BT, prefetch) with triton.testing.do_bench; print and return rows of
+    (config, ms, GB/s, fraction of a same-size device copy). Run: python -c "import fast.conv as c; c.sweep()"
+    """
+    from triton.testing import do_bench
+
+    x = torch.randn(1, T, D, device="cuda").to(dtype)
+    w = (torch.randn(D, W, device="cuda") / 2).to(dtype)
+    nbytes = 2 * x.numel() * x.element_size() + w.numel() * w.element_size()   # read x + write y + weights
+    out = torch.empty_like(x)
+    copy_ms = do_bench(lambda: out.copy_(x))
+    if configs is None:
+        configs = [dict(BT=bt, BD=bd, num_warps=nw, prefetch=pf)
+                   for bd, nw in ((512, 4), (1024, 4), (1024, 8), (256, 2)) for bt in (16, 32, 64, 128, 256)
+                   for pf in (True, False)]
+        configs.append(conv_fwd_config(T, D, W, x.element_size()))
+    rows = []
+    for cfg in configs:
+        try:
+            ms = do_bench(lambda: causal_conv1d_with_config(x, w, None, "silu", config=cfg))
+            rows.append((cfg, ms, nbytes / ms / 1e6, copy_ms / ms))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+            rows.append((cfg, float("nan"), float("nan"), float("nan")))
+            print(f"{cfg}: {type(e).__name__}: {e}"[:200])
+    rows.sort(key=lambda r: (r[1] != r[1], r[1]))
+    print(f"copy of {x.numel() * x.element_size() / 1e6:.0f} MB: {copy_ms:.3f} ms "
+          f"({2 * x.numel() * x.element_size() / copy_ms / 1e6:.0f} GB/s); pinned {conv_fwd_config(T, D, W, 2)}")
+    for cfg, ms, gbs, frac in rows:
+        print(f"{ms:8.4f} ms {gbs:7.0f} GB/s {100 * frac:5.1f}% of copy  {cfg}")
+    return rows

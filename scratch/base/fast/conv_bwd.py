@@ -1,0 +1,290 @@
+"""Triton backward of the causal depthwise conv1d (refgdn.conv_bwd.causal_conv1d_bwd's twin).
+
+    x: [B, T, D]   weight: [D, W]   bias: [D]   initial_state: [N, D, W-1]   dy: [B, T, D]
+    y_t = act(bias + sum_{j} weight[:, j] x_{t-W+1+j})       dz = dy * act'(z) (z: the pre-activation)
+
+    dx_t = sum_{k=0}^{W-1} weight[:, W-1-k] dz_{t+k}   (+ dfinal where x_t is one of the last W-1 inputs)
+    dweight[:, j] = sum_t dz_t x_{t-W+1+j} ;  dbias = sum_t dz_t ;  dinitial_state: dx of positions < 0
+
+What is saved and why: the forward saves only its inputs (x, weight, bias, initial_state); z is
+recomputed here (W multiply-adds per element, from rows the tile reads anyway) instead of storing a
+[B, T, D] pre-activation.
+
+Two passes over tiles of BT rows x BD channels of one sequence:
+  1. ``conv_bwd_dz_kernel``: dz on the tile's rows (z recomputed once per element), stored to a
+     [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias
+     ([tiles, W, D] fp32, summed on the host: a deterministic reduction, no atomics);
+  2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2); the first tile of a
+     sequence also writes dinitial_state.
+Why two: dx_t needs dz at t .. t+W-1, and a Triton tile cannot shift its rows in registers; the earlier
+one-pass form recomputed dz W times per element (W^2 shifted x reads and W sigmoids per element: 3.2 ms
+against fla's ~1.0 ms at T = 16384, D = 8192 on an H100). The extra traffic is one fp32 write and read
+of dz. dx, dweight and dbias are bit-identical to the one-pass form's (same values, same order of sums).
+Pinned configs, no autotune.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from refgdn.checks import one_host_read
+
+from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
+
+
+@triton.jit
+def _sigmoid(z):
+    e = tl.exp(-tl.abs(z))                      # exp of -|z| <= 0 only: no overflow
+    r = 1 / (1 + e)
+    return tl.where(z >= 0, r, e * r)
+
+
+@triton.jit
+def _load_in(x_base, initial_state, s_off, pos, L, o_d, m_d, stride_x_t, stride_x_d, stride_s_d, stride_s_w,
+             W: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """Inputs at positions pos ([R] int64, any value) -> [R, BD] in DT: x for 0 <= pos < L,
+    initial_state column W-1+pos for -(W-1) <= pos < 0, zero elsewhere."""
+    m_x = (pos >= 0) & (pos < L)
+    b = tl.load(x_base + pos[:, None] * stride_x_t + o_d[None, :] * stride_x_d,
+                mask=m_x[:, None] & m_d[None, :], other=0).to(DT)
+    if HAS_INIT:
+        m_s = (pos < 0) & (pos >= -(W - 1))
+        b += tl.load(initial_state + s_off + (pos + (W - 1))[:, None] * stride_s_w + o_d[None, :] * stride_s_d,
+                     mask=m_s[:, None] & m_d[None, :], other=0).to(DT)
+    return b
+
+
+@triton.jit
+def _dz(x_base, dy_base, weight, bias, initial_state, s_off, rows, L, o_d, m_d,
+        stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
+        W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """dz at rows ([R] int64): dy * act'(z), zero outside [0, L)."""
+    m_r = (rows >= 0) & (rows < L)
+    b_dy = tl.load(dy_base + rows[:, None] * stride_dy_t + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
+                   other=0).to(DT)
+    if SILU:
+        z = tl.zeros(b_dy.shape, dtype=DT)
+        for j in tl.static_range(W):
+            wj = tl.load(weight + o_d * stride_w_d + j * stride_w_w, mask=m_d, other=0).to(DT)
+            z += wj[None, :] * _load_in(x_base, initial_state, s_off, rows - (W - 1) + j, L, o_d, m_d,
+                                        stride_x_t, stride_x_d, stride_s_d, stride_s_w, W, HAS_INIT, DT)
+        if HAS_BIAS:
+            z += tl.load(bias + o_d, mask=m_d, other=0).to(DT)[None, :]
+        s = _sigmoid(z)
+        b_dy = b_dy * (s * (1 + z * (1 - s)))                 # silu'(z)
+    return b_dy
+
+
+@triton.jit
+def _tile_coords(cu_seqlens, tile_table, i_t, i_b, T, stride_x_b, stride_x_t, stride_dy_b, stride_dy_t, D,
+                 IS_VARLEN: tl.constexpr):
+    """Tile i_t of batch row i_b (dense) or row i_t of tile_table (varlen) -> (sequence n, tile within it,
+    length L, x / dy offsets of its first token, offset of its first token in the contiguous [., T, D]
+    buffers dz and dx, partial-sum row)."""
+    if IS_VARLEN:
+        i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
+        i_tt = tl.load(tile_table + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        return i_n, i_tt, L, bos * stride_x_t, bos * stride_dy_t, bos * D, i_t.to(tl.int64)
+    else:
+        i_n = i_b.to(tl.int64)
+        return (i_n, i_t.to(tl.int64), (T + i_n * 0).to(tl.int64), i_n * stride_x_b, i_n * stride_dy_b,
+                i_n * T * D, i_n * tl.num_programs(1) + i_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def conv_bwd_dz_kernel(
+    x, dy, weight, bias, initial_state, cu_seqlens, tile_table,
+    dz, dw_part, db_part,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d, stride_dy_b, stride_dy_t,
+    stride_w_d, stride_w_w, stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    """Pass 1: dz = dy * act'(z) on this tile's rows (z recomputed from W shifted x rows), stored to dz,
+    and the tile's partial sums dweight[:, j] = sum_t dz_t x_{t-W+1+j}, dbias = sum_t dz_t.
+
+    grid = (cdiv(D, BD), tiles, B). x: [B, T, D] (any strides); dy: [B, T, D] (unit channel stride);
+    dz: [B, T, D] contiguous, compute dtype; dw_part: [B * tiles, W, D], db_part: [B * tiles, D]."""
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
+        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, stride_x_b, stride_x_t,
+        stride_dy_b, stride_dy_t, D, IS_VARLEN)
+    x_base = x + x_off
+    s_off = i_n * stride_s_n
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = i_tt * BT + tl.arange(0, BT).to(tl.int64)
+    m_r = rows < L
+    b_dz = _dz(x_base, dy + dy_off, weight, bias, initial_state, s_off, rows, L, o_d, m_d,
+               stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
+               W, SILU, HAS_BIAS, HAS_INIT, DT)                     # 0 on rows >= L
+    tl.store(dz + o_off + rows[:, None] * D + o_d[None, :], b_dz, mask=m_r[:, None] & m_d[None, :])
+    if HAS_BIAS:
+        tl.store(db_part + i_part * D + o_d, tl.sum(b_dz, 0), mask=m_d)
+    for j in tl.static_range(W):
+        xin = _load_in(x_base, initial_state, s_off, rows - (W - 1) + j, L, o_d, m_d,
+                       stride_x_t, stride_x_d, stride_s_d, stride_s_w, W, HAS_INIT, DT)
+        tl.store(dw_part + (i_part * W + j) * D + o_d, tl.sum(b_dz * xin, 0), mask=m_d)
+
+
+@triton.jit
+def _dx_rows(dz_base, weight, pos, L, D, o_d, m_d, stride_w_d, stride_w_w, W: tl.constexpr, DT: tl.constexpr):
+    """[R, BD]: sum_k weight[:, W-1-k] dz_{pos+k} at positions pos ([R] int64, any value; dz counts as 0
+    outside [0, L)), accumulated over k = 0 .. W-1 in order."""
+    acc = tl.zeros([pos.shape[0], o_d.shape[0]], dtype=DT)
+    for kk in tl.static_range(W):
+        r = pos + kk
+        m = (r >= 0) & (r < L)
+        b_dz = tl.load(dz_base + r[:, None] * D + o_d[None, :], mask=m[:, None] & m_d[None, :], other=0).to(DT)
+        wk = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
+        acc += wk[None, :] * b_dz
+    return acc
+
+
+@triton.jit
+def _dfinal_rows(acc, dfinal, i_n, pos, L, D, o_d, m_d, m_p, W: tl.constexpr, DT: tl.constexpr):
+    """acc + dfinal where x at pos is one of the last W-1 inputs: final_state[:, i] = x_{L-(W-1)+i}."""
+    col = pos - L + (W - 1)
+    m_f = m_p & (col >= 0)
+    return acc + tl.load(dfinal + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + col[:, None],
+                         mask=m_f[:, None] & m_d[None, :], other=0).to(DT)
+
+
+@triton.jit(do_not_specialize=["T"])
+def conv_bwd_dx_kernel(
+    dz, weight, dfinal, cu_seqlens, tile_table, dx, dinit,
+    T, D, stride_w_d, stride_w_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
+):
+    """Pass 2: dx_t = sum_k weight[:, W-1-k] dz_{t+k} (+ dfinal on the last W-1 inputs) on this tile's
+    rows; the first tile of a sequence also writes dinitial_state (positions -(W-1) .. -1).
+
+    grid = (cdiv(D, BD), tiles, B). dz: [B, T, D] contiguous (pass 1's); dx: [B, T, D] contiguous;
+    dfinal, dinit: [N, D, W-1] contiguous. BW = next_pow2(W - 1) rows for dinit."""
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
+        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, 0, 0, 0, 0, D, IS_VARLEN)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = i_tt * BT + tl.arange(0, BT).to(tl.int64)
+    m_r = rows < L
+    b_dx = _dx_rows(dz + o_off, weight, rows, L, D, o_d, m_d, stride_w_d, stride_w_w, W, DT)
+    if HAS_DFINAL:
+        b_dx = _dfinal_rows(b_dx, dfinal, i_n, rows, L, D, o_d, m_d, m_r, W, DT)
+    tl.store(dx + o_off + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=m_r[:, None] & m_d[None, :])
+    if HAS_INIT:
+        if i_tt == 0:
+            o_w = tl.arange(0, BW)
+            pos = o_w.to(tl.int64) - (W - 1)
+            m_p = o_w < W - 1
+            # (names distinct from the block above: a runtime branch may not change a variable's shape)
+            b_di = _dx_rows(dz + o_off, weight, pos, L, D, o_d, m_d, stride_w_d, stride_w_w, W, DT)
+            if HAS_DFINAL:                                # a sequence shorter than W-1 keeps initial inputs
+                b_di = _dfinal_rows(b_di, dfinal, i_n, pos, L, D, o_d, m_d, m_p, W, DT)
+            tl.store(dinit + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (pos + (W - 1))[:, None],
+                     b_di.to(dinit.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
+
+
+def conv_bwd_config(T: int, D: int) -> dict:
+    """Pinned tiles of the two passes: {"dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the
+    interpreter. The passes exchange dz through memory, so their tilings are independent (pass 1's BT
+    sets the number of dweight / dbias partial rows). Measured on an H100 (Triton 3.6, T = 16384, D = 8192,
+    W = 4, silu, bf16; bench_train --only conv_sweep, both passes): pass 1 at BT 64 x BD 128, 4 warps 1.34 ms
+    total (8 warps 2.08; BT 32 x BD 128 at 8 warps 2.29), pass 2 at BT 32 x BD 128, 4 warps (-0.15 ms
+    against 8 warps). Triton 3.9 (compiled for sm_90, not timed) spills pass 1 at this tile (2.4 KB per
+    thread: every element of a tile carries a 64-bit pointer); 8 warps do not spill there but ran slower
+    on Triton 3.6."""
+    if is_interpreting():
+        t = dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
+        return {"dz": t, "dx": dict(t)}
+    BD = max(16, min(128, next_pow2(D)))
+    return {"dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
+
+
+@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=None, cu_seqlens=None,
+                      dfinal=None, *, configs: Optional[dict] = None):
+    """x: [B, T, D], weight: [D, W], dy: [B, T, D], bias: [D], initial_state, dfinal: [N, D, W-1]
+    -> (dx [B, T, D] x.dtype, dweight [D, W] weight.dtype, dbias [D] or None, dinitial_state [N, D, W-1] or None).
+
+        dz = dy * act'(z) ;  dx_t = sum_k weight[:, W-1-k] dz_{t+k} ;  dweight[:, j] = sum_t dz_t x_{t-W+1+j} ;
+        dbias = sum_t dz_t
+
+    refgdn.conv_bwd.causal_conv1d_bwd's twin. Inputs are assumed validated (the forward did).
+    configs: benchmark overrides merged over conv_bwd_config's {"dz": {...}, "dx": {...}} (None in use).
+    """
+    B, T, D = x.shape
+    W = weight.shape[1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
+    cdt = torch.float64 if fp64 else torch.float32
+    base = conv_bwd_config(T, D)
+    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("dz", "dx")}
+    tables = {}
+
+    def tiles(BT):
+        """(tile_table or None, tile count, the offsets the kernels read) for tiles of BT rows (varlen: the
+        host read of cu_seqlens, one per call, and the checked copy uploaded with the table)."""
+        if BT not in tables:
+            if cu_seqlens is not None:
+                t = varlen_chunk_tables(cu_seqlens, BT)                  # host read (eager only)
+                tables[BT] = (t.indices, t.indices.shape[0], t.checked)
+            else:
+                tables[BT] = (None, cdiv(T, BT), None)
+        return tables[BT]
+
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
+    dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
+    table_z, n_z, cu_z = tiles(cfg["dz"]["BT"])
+    n_part = (B if cu_seqlens is None else 1) * n_z
+    dw_part = torch.zeros(n_part, W, D, dtype=cdt, device=x.device)
+    db_part = torch.zeros(n_part, D, dtype=cdt, device=x.device)
+    dinit = torch.zeros(N, D, W - 1, dtype=initial_state.dtype, device=x.device) if initial_state is not None else None
+    dfinal = dfinal.contiguous() if (dfinal is not None and W > 1) else None
+    s = initial_state.stride() if initial_state is not None else (0, 0, 0)
+    flags = dict(W=W, IS_VARLEN=cu_seqlens is not None, FP64=fp64, HAS_INIT=initial_state is not None)
+    Bg = B if cu_seqlens is None else 1
+    if n_z > 0 and D > 0:
+        c = cfg["dz"]
+        conv_bwd_dz_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
+            x, dy, weight, bias, initial_state, cu_z, table_z, dz, dw_part, db_part,
+            T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s,
+            BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+            num_warps=c["num_warps"], **flags)
+        c = cfg["dx"]
+        table_x, n_x, cu_x = tiles(c["BT"])
+        conv_bwd_dx_kernel[(cdiv(D, c["BD"]), n_x, Bg)](
+            dz, weight, dfinal, cu_x, table_x, dx, dinit if dinit is not None else dx,
+            T, D, *weight.stride(),
+            BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
+            num_warps=c["num_warps"], **flags)
+    if dinit is not None and n_z > 0 and cu_seqlens is not None:
+        # zero-length sequences own no tile: their initial state only reaches the final state (by the checked
+        # offsets, as the kernels)
+        empty = (cu_z[1:] == cu_z[:-1])
+        if dfinal is not None:
+            dinit[empty] = dfinal[empty].to(dinit.dtype)
+    elif dinit is not None and n_z == 0 and dfinal is not None:
+        dinit.copy_(dfinal)
+    dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)           # [W, D] -> [D, W]
+    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dweight, dbias, dinit

@@ -1,0 +1,365 @@
+"""Compile keys of every fast op: which Triton variants a call launches, as pure functions on the CPU.
+
+Each function here has the name and signature of the fast op it describes and returns the list of
+:class:`refgdn.capture.CompileKey` the op would launch for those arguments, in launch order, without
+launching anything or reading any tensor's values (meta tensors are fine: only shapes and dtypes
+are read). The constexprs come from the same config functions the launchers call
+(``fast.serving.step_config`` / ``conv_config``, ``fast.chunk``'s ``*_config`` and precision tables,
+``fast.conv.conv_fwd_config``), imported, never copied; the launcher's own glue (which kernel, which
+flags) is mirrored here and checked against the real launches: ``refgdn.capture.traced_ops(fast)``
+raises when a prediction and a launch differ, and tests/test_capture.py runs every op that way.
+
+    key = (kernel, constexprs, dtype of every tensor argument (None when passed None), launch options)
+
+Not in the key: Triton's integer-value specialisation (an int argument equal to 1 or divisible by
+16 compiles its own variant) and pointer alignment. For decode / verify / draft steps every such
+integer is fixed by the model geometry (D, head sizes, strides); prefill lengths T vary, so a
+server warms prefill at a length of each class (``prefill_lengths``). The GPU test counts Triton's
+real compilations to check the whole claim.
+
+``bt_rule(T)`` is the chunk-size rule of DESIGN.md: ``BT = min(64, max(16, next_pow2(T)))``
+(the bounds are fast.chunk.CHUNK_SIZES): three prefill variants, T = 16, 32, 64.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from refgdn.capture import CompileKey
+
+from . import chunk as _chunk
+from . import conv as _conv
+from . import serving as _serving
+from .utils import cdiv, is_interpreting, next_pow2
+
+__all__ = ["bt_rule", "prefill_lengths", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
+           "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm", "chunk_gated_delta_rule",
+           "recurrent_gated_delta_rule"]
+
+_I32 = torch.int32
+_F32 = torch.float32
+
+
+def _dt(t) -> Optional[torch.dtype]:
+    return None if t is None else t.dtype
+
+
+def bt_rule(T: int) -> int:
+    """Chunk size for a prefill of T tokens: BT = min(64, max(16, next_pow2(T))) over fast.chunk.CHUNK_SIZES."""
+    lo, hi = min(_chunk.CHUNK_SIZES), max(_chunk.CHUNK_SIZES)
+    return min(hi, max(lo, next_pow2(T)))
+
+
+def prefill_lengths(max_len: int) -> List[int]:
+    """Prefill lengths that launch every chunk-size variant of ``bt_rule`` up to ``max_len`` tokens,
+    each BT once at T = BT (a multiple of 16) and once at an odd length (Triton's divisibility classes)."""
+    out = set()
+    for bt in _chunk.CHUNK_SIZES:
+        lo = bt // 2 + 1 if bt > min(_chunk.CHUNK_SIZES) else 1
+        for T in (bt, lo + (lo % 2 == 0)):
+            if T <= max_len and bt_rule(T) == bt:
+                out.add(T)
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# serving: decode, verify, accept, materialize (fast.serving._launch)
+# ----------------------------------------------------------------------------------------------
+
+def _checked_kernels() -> bool:
+    """fast.serving with device-side value checks (an error buffer in the cache, issue 8)."""
+    return hasattr(_serving, "DUP_BLOCK")
+
+
+def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+               activation, mode: str, device=None) -> List[CompileKey]:
+    """device: where the call runs (default the cache's): whether the step kernel is the conv kernel's
+    programmatic dependent depends on it (fast.serving.pdl_supported)."""
+    H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
+    N = state_indices.shape[0]
+    if N == 0:
+        return []
+    varlen = cu_seqlens is not None
+    TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
+    cc = _serving.conv_config(D, W, N)
+    idx = state_indices.dtype
+    cu = cu_seqlens.dtype if varlen else idx
+    checked = _checked_kernels()
+    conv_c = dict(W=W, TCAP=TC, TMAX=TMAX, BD=cc["BD"], VARLEN=varlen, SILU=activation in ("silu", "swish"),
+                  HAS_BIAS=conv_bias is not None)
+    if checked:
+        conv_c.update(BN=_serving.DUP_BLOCK)
+    if W <= _conv.WINDOW_MAX_W:
+        conv_name = "conv_step_kernel"
+        conv_c.update(CWP=next_pow2(max(W - 1, W - 2 + TMAX)))
+    else:
+        conv_name = "conv_step_any_w_kernel"
+        conv_c.update(CW=cache.conv_state.shape[2], SP=next_pow2(W - 1 + TMAX))
+    conv_d = dict(x=mixed_qkv.dtype, weight=conv_weight.dtype, bias=(conv_bias if conv_bias is not None
+                                                                      else conv_weight).dtype,
+                  y=mixed_qkv.dtype, conv_state=cache.conv_state.dtype, meta=cache.pend_meta.dtype, snap=_I32,
+                  state_indices=idx, cu_seqlens=cu)
+    if checked:
+        conv_d.update(err=cache.err.dtype)
+    pdl_ok = checked and _serving.pdl_supported(torch.device(device) if device is not None
+                                                 else cache.ssm_state.device)
+    sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N, pdl_ok=pdl_ok)
+    step_c = dict(H=H, HV=HV, K=K, V=V, SK=cache.ssm_state.stride(2), BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"],
+                  VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=False)
+    step_d = dict(y=mixed_qkv.dtype, a=a.dtype, b=b.dtype, A_log=A_log.dtype, dt_bias=dt_bias.dtype,
+                  o=mixed_qkv.dtype, ssm=cache.ssm_state.dtype, pk=cache.pend_k.dtype, pv=cache.pend_v.dtype,
+                  pg=cache.pend_g.dtype, pbeta=cache.pend_beta.dtype, meta=cache.pend_meta.dtype, snap=_I32,
+                  state_indices=idx, cu_seqlens=cu)
+    step_o = dict(num_warps=sc["num_warps"])
+    if checked:        # the step kernel reads the request rows the conv kernel checked (snap), and the
+        del step_c["VARLEN"], step_d["cu_seqlens"]      # indices only for its early state read (PDL)
+        conv_c.update(PDL=bool(sc["pdl"]))
+        step_c.update(PDL=bool(sc["pdl"]))
+    else:
+        del step_c["PDL"]
+    conv_o = dict(num_warps=cc["num_warps"])
+    if sc["pdl"]:
+        conv_o.update(launch_pdl=True)
+        step_o.update(launch_pdl=True)
+    return [CompileKey.make(conv_name, conv_c, conv_d, conv_o),
+            CompileKey.make("gdn_step_kernel", step_c, step_d, step_o)]
+
+
+def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale=None,
+               activation="silu", check_values=False, *, device=None) -> List[CompileKey]:
+    """Keys of fast.gdn_decode: the conv step kernel (decode: TMAX = 1) and the step kernel. ``device``:
+    where the call runs (default the cache's; PDL on sm_90+ for small N)."""
+    return _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None,
+                      activation, "decode", device)
+
+
+def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+               scale=None, activation="silu", check_values=False, *, device=None) -> List[CompileKey]:
+    """Keys of fast.gdn_verify: both kernels in verify mode (TMAX = 1 + max_draft, KEEP_PENDING, VARLEN).
+    One variant per cache geometry, whatever the number of drafts k <= max_draft of the call (and per
+    PDL: N <= fast.serving.PDL_MAX_N on sm_90+)."""
+    return _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                      activation, "verify", device)
+
+
+def gdn_accept(cache, state_indices, num_accepted, check_values=False) -> List[CompileKey]:
+    """Keys of fast.gdn_accept: accept_kernel with BN = min(next_pow2(N), 1024) (N itself is not specialised)."""
+    N = state_indices.shape[0]
+    if N == 0:
+        return []
+    if _checked_kernels():       # one variant for every N (mirrors fast.serving.gdn_accept)
+        return [CompileKey.make("accept_kernel", dict(BN=_serving.ACCEPT_BLOCK, BC=32),
+                                dict(meta=cache.pend_meta.dtype, err=cache.err.dtype,
+                                     state_indices=state_indices.dtype, num_accepted=num_accepted.dtype),
+                                dict(num_warps=4))]
+    BN = min(next_pow2(N), 1024)
+    return [CompileKey.make("accept_kernel", dict(BN=BN),
+                            dict(meta=cache.pend_meta.dtype, state_indices=state_indices.dtype,
+                                 num_accepted=num_accepted.dtype), dict(num_warps=1))]
+
+
+def gdn_materialize(cache, state_indices, check_values=False, *, device=None) -> List[CompileKey]:
+    """Keys of fast.gdn_materialize: the step kernels with zero new tokens (float32 dummies, varlen)."""
+    N = state_indices.shape[0]
+    dev = torch.device("meta")
+    dummy = torch.empty(0, cache.D, dtype=cache.conv_state.dtype, device=dev)
+    ab = torch.empty(0, cache.HV, dtype=_F32, device=dev)
+    hv = torch.empty(cache.HV, dtype=_F32, device=dev)
+    w = torch.empty(cache.D, cache.W, dtype=_F32, device=dev)
+    cu = torch.empty(N + 1, dtype=_I32, device=dev)
+    return _step_keys(dummy, ab, ab, w, None, hv, hv, cache, state_indices, cu, None, "materialize", device)
+
+
+# ----------------------------------------------------------------------------------------------
+# conv (fast.conv)
+# ----------------------------------------------------------------------------------------------
+
+def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
+    """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
+    fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
+    call runs (default x's; CUDA float32 compute takes the approximate silu). (A pinned BT grows
+    when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
+    if D == 0:
+        return []
+    out = []
+    cfg = _conv.conv_fwd_config(T, D, W, x.element_size())
+    window = W <= _conv.WINDOW_MAX_W
+    if T > 0:
+        c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
+        if window:
+            on_cuda = (torch.device(device) if device is not None else x.device).type == "cuda"
+            gpu_f32 = on_cuda and not fp64 and not is_interpreting()
+            c.update(FAST_SILU=gpu_f32, PREFETCH=True)
+        d = dict(x=x.dtype, y=x.dtype, weight=weight.dtype, bias=_dt(bias), initial_state=_dt(initial_state),
+                 cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None)
+        opts = dict(num_warps=cfg["num_warps"])
+        out.append(CompileKey.make("causal_conv1d_fwd_window_kernel" if window else "causal_conv1d_fwd_kernel",
+                                   c, d, opts))
+    if output_final_state and W > 1 and N > 0:
+        state_dtype = initial_state.dtype if initial_state is not None else x.dtype
+        BDs = max(16, min(256, next_pow2(D)))        # mirrors fast.conv.causal_conv1d_with_config
+        out.append(CompileKey.make(
+            "causal_conv1d_final_state_kernel",
+            dict(W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None),
+            dict(x=x.dtype, final_state=state_dtype, initial_state=_dt(initial_state), cu_seqlens=_dt(cu_seqlens)),
+            dict(num_warps=4)))
+    return out
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None) -> List[CompileKey]:
+    """Keys of fast.causal_conv1d_update (one kernel; BD mirrors the launcher)."""
+    N, D = x.shape
+    if N == 0 or D == 0:
+        return []
+    W = weight.shape[1]
+    fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
+    BD = max(16, min(256 if not is_interpreting() else 128, next_pow2(D)))
+    return [CompileKey.make("causal_conv1d_update_kernel",
+                            dict(W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+                                 FP64=fp64),
+                            dict(x=x.dtype, conv_state=conv_state.dtype, weight=weight.dtype, bias=_dt(bias),
+                                 y=x.dtype),
+                            dict(num_warps=4))]
+
+
+# ----------------------------------------------------------------------------------------------
+# gating, l2norm (fast.gating)
+# ----------------------------------------------------------------------------------------------
+
+def gdn_gating(A_log, a, dt_bias, b) -> List[CompileKey]:
+    """Keys of fast.gdn_gating: BM depends on the row count M = a.numel() / HV (one variant per power of two)."""
+    from .gating import SOFTPLUS_THRESHOLD
+    if a.numel() == 0:
+        return []
+    HV = a.shape[-1]
+    M = a.numel() // HV
+    g_fp64 = any(t.dtype == torch.float64 for t in (A_log, a, dt_bias))
+    BH = min(next_pow2(HV), 64)
+    BM = max(1, min(next_pow2(M), 4096 // BH))
+    return [CompileKey.make("gdn_gating_kernel",
+                            dict(BM=BM, BH=BH, THRESHOLD=SOFTPLUS_THRESHOLD, G_FP64=g_fp64,
+                                 BETA_FP64=b.dtype == torch.float64),
+                            dict(A_log=A_log.dtype, a=a.dtype, dt_bias=dt_bias.dtype, b=b.dtype,
+                                 g=torch.float64 if g_fp64 else _F32, beta=b.dtype),
+                            dict(num_warps=4))]
+
+
+def l2norm(x, eps=1e-6) -> List[CompileKey]:
+    """Keys of fast.l2norm: BM depends on the row count (one variant per power of two)."""
+    if x.dim() == 0:
+        return l2norm(x.reshape(1), eps)
+    if x.numel() == 0:
+        return []
+    K = x.shape[-1]
+    M = x.numel() // K
+    BK = next_pow2(K)
+    BM = max(1, min(next_pow2(M), max(1, 4096 // BK)))
+    return [CompileKey.make("l2norm_kernel", dict(BM=BM, BK=BK, FP64=x.dtype == torch.float64),
+                            dict(x=x.dtype, y=x.dtype), dict(num_warps=4 if BK * BM <= 4096 else 8))]
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill (fast.chunk)
+# ----------------------------------------------------------------------------------------------
+
+def _fp64(*ts) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in ts)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                           chunk_size=64, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
+    """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
+    BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
+    refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
+    cu_seqlens_cpu changes no key (the kernels read a checked copy of cu_seqlens in its dtype)."""
+    if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return []
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    BT = chunk_size
+    varlen = cu_seqlens is not None and N != 1             # one sequence runs as the dense B = 1 call
+    cu_seqlens = cu_seqlens if varlen else None
+    precise = _chunk._precise(v.dtype)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    BK, _ = _chunk._blocks(K, V)
+    cu, tab = _dt(cu_seqlens), (_I32 if varlen else None)
+    total = T > 0 if varlen else B * cdiv(T, BT) > 0           # some chunk exists
+    interp = is_interpreting()
+    dev = device if device is not None else q.device
+    fused = _chunk.state_fuses_output(N, HV, K, V, dev)       # the state pass forms o too (kernel 4 not run)
+    out = []
+
+    def opts(cfg):
+        return {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")}
+
+    kdt = k.dtype
+    if total and HV:
+        out.append(CompileKey.make(
+            "chunk_kkt_inv_kernel",
+            dict(H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=_chunk._blocks(K, 16)[0], IS_VARLEN=varlen,
+                 GATE=A_log is not None, L2NORM=l2, LOAD_G=False, STORE_G=True, DO_A=True,
+                 HPP=_chunk.kkt_heads_per_program(HV // H),
+                 PREC=_chunk._fp32_prec(kdt), INV_PREC=_chunk.INV_PRECISION[kdt],
+                 INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(), DOT_F32=interp,
+                 UPCAST=False,
+                 PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS),
+            dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
+                 kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
+            opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
+    if N * HV:
+        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
+        # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
+        hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
+        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype)     # v_new from A (FROM_A)
+        qo = dict(q=q.dtype, o=v.dtype) if fused else dict(q=k.dtype, o=v.dtype)
+        out.append(CompileKey.make(
+            "chunk_state_kernel",
+            dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
+                 USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
+                 PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
+                 OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS),
+            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
+                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, **hv_new, **wy, **qo),
+            opts(cfg)))
+    if total and HV and not fused:
+        cfg = _chunk._cfg("output", _chunk.output_config(K, V))
+        out.append(CompileKey.make(
+            "chunk_output_kernel",
+            dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen, L2NORM=l2,
+                 PREC=_chunk._fp32_prec(q.dtype), DOT_F32=interp, PRECISE=precise, EPS=_chunk.L2NORM_EPS),
+            dict(q=q.dtype, k=k.dtype, v_new=v.dtype, h=k.dtype, G=_F32, Gl=_F32, o=v.dtype, cu_seqlens=cu,
+                 chunk_indices=tab),
+            opts(cfg)))
+    return out
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None,
+                               dt_bias=None) -> List[CompileKey]:
+    """Keys of fast.recurrent_gated_delta_rule: one kernel (float64 runs refgdn: no keys)."""
+    if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return []
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    if N * HV == 0:
+        return []
+    cfg = _chunk._cfg("recurrent", _chunk.recurrent_config(K, V))
+    return [CompileKey.make(
+        "recurrent_kernel",
+        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
+             GATE=A_log is not None, L2NORM=bool(use_qk_l2norm_in_kernel), USE_H0=initial_state is not None,
+             STORE_HT=bool(output_final_state), THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS,
+             PRECISE=_chunk._precise(v.dtype)),
+        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias),
+             h0=_dt(initial_state), o=v.dtype, ht=_F32 if output_final_state else None, cu_seqlens=_dt(cu_seqlens)),
+        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]

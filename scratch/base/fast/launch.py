@@ -1,0 +1,305 @@
+"""Re-launching a Triton kernel with a fixed call layout, without JITFunction.run's per-call host work.
+
+``kernel[grid](*args, **kw)`` costs 15-20 us of host time per launch on a server CPU (benchmarks/
+host_overhead.py --sm90): JITFunction.run binds every argument, computes each one's specialisation
+(dtype, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), builds the cache key,
+looks it up, re-checks every global the kernel reads, and only then calls the compiled kernel's C
+launcher. A decode step's launch plan (fast.serving._StepPlan) already fixes everything in that key
+except the pointers' alignment, so once a plan's first launch has gone through JITFunction.run,
+:class:`Relaunch` calls the same compiled kernel's launcher directly, after checking per call only
+what a plan does not fix:
+
+* every tensor argument is 16-byte aligned (as it was when the kernel was picked; the caching allocator
+  gives 512-byte aligned blocks, so a miss means a user view with an odd offset); tensors reach the
+  launcher as their addresses (ints), which spares its per-pointer data_ptr() call and driver query;
+* the integer arguments equal the first launch's (Triton specialises on them; the plan fixes them);
+* the current device is the first launch's (Triton's kernel cache is per device), and the stream is read
+  from Triton's driver per call, exactly as JITFunction.run reads it;
+* nothing is listening: no Triton launch hook (profilers), no wrapper installed over JITFunction.run
+  (refgdn.capture's launch recorder, which CUDA-graph capture relies on to see every launch).
+
+Any miss takes the ordinary ``kernel[grid](...)`` path (which also compiles a new variant if one is
+needed), so the result is the same kernel on the same arguments either way. Not followed after the first
+launch: Triton knobs that change compile options at run time (``knobs.runtime.debug``, instrumentation);
+set them before the first call (clear fast.serving's plans to pick them up later). Never used when the
+kernels run in the interpreter (``kernel[grid]`` returns no compiled kernel there). Floats are passed
+through (Triton does not specialise on them). The launcher's calling convention (grid, stream, function,
+packed metadata, launch metadata, enter / exit hooks, then every bound argument, constexprs included)
+is Triton's since 3.3; tests/test_launch.py checks it on the installed Triton, and the GPU tests run the
+ops both ways.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import operator
+import threading
+from typing import Any, Optional
+
+import torch
+
+from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
+
+__all__ = ["Carved", "LaunchPlan", "PlanCache", "Relaunch", "launch"]
+
+try:                                      # the launch path as it is when fast is imported (see _quiet)
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _triton_driver
+    from triton.runtime.jit import JITFunction as _JIT
+    _JIT_RUN = _JIT.run
+except Exception:  # noqa: BLE001 - no triton (or one without knobs: Triton < 3.4): Relaunch never reuses
+    _JIT_RUN = None
+
+
+def _driver():
+    """Triton's active driver (current device and stream, as JITFunction.run reads them)."""
+    return _triton_driver.active
+
+
+def _silent(hook) -> bool:
+    """A launch hook slot with nothing in it: None (Triton <= 3.8) or an empty HookChain (3.9)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
+def _quiet(fn) -> bool:
+    """No launch hook and no wrapper over the launch path: a direct launch skips nothing anyone observes."""
+    rt = _knobs.runtime
+    if not (_silent(rt.launch_enter_hook) and _silent(rt.launch_exit_hook)):
+        return False
+    if type(fn).run is not _JIT_RUN:      # refgdn.capture's recorder (or another tool) wraps the launch path
+        return False
+    return not _Hooks.active
+
+
+class Relaunch:
+    """``fn[grid](*args, **kw)`` with fixed grid and keyword arguments, the compiled launcher reused.
+
+    Call it with the kernel's positional arguments (``launch(*args)``; a :class:`Carved` region may stand
+    where the kernel takes a tensor, the same one in every call of the layout). The first call, and any call
+    whose arguments the checks of the module docstring do not clear, goes through ``fn[grid]``; the
+    others call the compiled kernel's launcher with the same arguments, each tensor replaced by its
+    address (``data_ptr()``), the constexpr keyword values appended in parameter order. One Relaunch
+    serves one call layout (the caller's plan): same kernel, grid, keyword arguments and tensor dtypes
+    and devices; what may vary per call is checked.
+
+    The caller guarantees that every tensor argument lives on the device of the first launch (fast.serving's
+    plans: the call's signature holds every tensor's device, and a plan serves one signature). Triton's own
+    launcher would catch a host tensor (its cuPointerGetAttribute query, a driver call per pointer);
+    an address passed as an int is used as it is.
+    """
+
+    __slots__ = ("fn", "grid", "kw", "reuse", "compiled", "device", "launcher", "head", "tail", "tensors", "ints",
+                 "int_values")
+
+    def __init__(self, fn, grid, kw: dict, reuse: bool = True):
+        """reuse=False: every call goes through ``fn[grid]`` (a launch layout used once: the ~10 us of
+        bookkeeping for a reuse would be wasted)."""
+        self.fn, self.kw, self.reuse = fn, dict(kw), reuse
+        g = tuple(grid) + (1, 1)
+        self.grid = (int(g[0]), int(g[1]), int(g[2]))
+        self.compiled = None
+
+    def __call__(self, *args) -> None:
+        c = self.compiled
+        if c is not None and _quiet(self.fn):
+            drv = _driver()
+            dev = drv.get_current_device()
+            # every tensor as its address: the launcher takes an int as the pointer itself, where a tensor
+            # costs a data_ptr() call and a cuPointerGetAttribute driver query each (the caller's signature
+            # has already pinned every tensor to this device: see the class docstring)
+            flat = list(args)
+            ptr_bits = 0
+            for i in self.tensors:
+                ptr = flat[i].data_ptr()
+                ptr_bits |= ptr
+                flat[i] = ptr
+            if dev == self.device and not ptr_bits & 15 and self.ints(args) == self.int_values:
+                # head: the compiled kernel's function handle and packed metadata, then no launch metadata
+                # and no hooks (_quiet found the hook slots empty: an empty HookChain would only be called,
+                # from C, to do nothing)
+                self.launcher(*self.grid, drv.get_current_stream(dev), *self.head, *flat, *self.tail)
+                return
+        args = tuple(a.tensor() if type(a) is Carved else a for a in args)
+        out = self.fn[self.grid](*args, **self.kw)
+        if self.reuse:
+            self._remember(out, args)
+
+    def _remember(self, compiled: Any, args: tuple) -> None:
+        """After an ordinary launch (``args``: Carved ones made tensors): keep its compiled kernel if every
+        later check can be made."""
+        self.compiled = None
+        if (compiled is None or _JIT_RUN is None
+                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+            return                                     # the interpreter, or an unknown Triton
+        try:
+            tail = _constexpr_tail(self.fn, len(args), tuple(self.kw.items()))
+        except TypeError:                              # an unhashable keyword value
+            return
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if tail is None or any(args[i].data_ptr() & 15 for i in tensors):
+            return                                     # an unaligned pointer picked its own variant
+        ints = [i for i, a in enumerate(args) if type(a) is int or type(a) is bool]
+        self.tensors = tuple(tensors)
+        self.ints = _getter(ints)
+        self.int_values = self.ints(args)
+        self.tail = tail
+        self.device = _driver().get_current_device()
+        self.launcher = compiled.run                   # the C launcher (loaded by the launch just made)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.compiled = compiled
+
+
+def _getter(idx: list):
+    """args -> tuple of args[i] for i in idx (a tuple for any length)."""
+    if not idx:
+        return lambda args: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*idx)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexpr_tail(fn, npos: int, kw_items: tuple) -> Optional[tuple]:
+    """The values of the parameters after the first npos, from the keyword arguments or their defaults,
+    in order (what JITFunction.run's binder appends to the positional arguments); None if one has
+    neither. Cached: gdn_materialize builds a plan per call."""
+    kw = dict(kw_items)
+    py = fn
+    while not inspect.isfunction(py):
+        py = getattr(py, "fn", None)
+        if py is None:
+            return None
+    out = []
+    for p in list(inspect.signature(py).parameters.values())[npos:]:
+        if p.name in kw:
+            out.append(kw[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return tuple(out)
+
+
+class Carved:
+    """A typed, contiguous region of a scratch allocation, passed to :class:`Relaunch` where a kernel takes a
+    tensor: several per-call scratch tensors from one ``torch.empty`` (each allocation costs ~3-7 us of host
+    time on a GPU server), without building a view per call. The compiled launcher needs only the address;
+    a tensor view is made only for a launch through JITFunction.run (it specialises on dtype and alignment).
+
+    base: a 1-D torch.uint8 tensor; offset: bytes from its start (a multiple of 16); dtype, shape: the region's.
+    """
+    __slots__ = ("base", "offset", "dtype", "shape")
+
+    def __init__(self, base: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple):
+        self.base, self.offset, self.dtype, self.shape = base, offset, dtype, shape
+
+    def data_ptr(self) -> int:
+        return self.base.data_ptr() + self.offset
+
+    def tensor(self) -> torch.Tensor:
+        """The region as a tensor (a view of base)."""
+        n = math.prod(self.shape) * self.dtype.itemsize
+        return self.base[self.offset:self.offset + n].view(self.dtype).view(self.shape)
+
+    @staticmethod
+    def nbytes(dtype: torch.dtype, shape: tuple) -> int:
+        """Bytes of a region, rounded up to 16 (so the next one starts aligned)."""
+        return -(-math.prod(shape) * dtype.itemsize // 16) * 16
+
+
+class LaunchPlan:
+    """The launches of one call layout of an op, in launch order, each a :class:`Relaunch`: the eager prefill's
+    three or four kernels (fast.chunk.chunk_gated_delta_rule keeps one per call signature).
+
+    Used as a context manager around the op's launchers, which launch through :func:`launch`: the i-th launch
+    of the block takes the plan's i-th Relaunch when it was made for the same kernel, grid and keyword
+    arguments (compared per call, so a plan can never launch a kernel other than the one asked for), else a
+    new Relaunch takes that place. What the comparison does not cover -- the tensors' dtypes, which pick the
+    compiled variant, and their devices -- the caller's signature pins: one plan serves calls whose every
+    input has the same metadata (the intermediates' dtypes follow from the inputs'). Integer arguments and
+    pointer alignment are checked by Relaunch itself on every launch.
+
+    The position in the plan lives in thread-local state, not in the plan: two threads may run one plan.
+    Blocks nest (the inner block's launches use the inner plan).
+    """
+    __slots__ = ("slots",)
+
+    def __init__(self):
+        self.slots: list = []      # [(fn, grid, kw, Relaunch)] in launch order
+
+    def __enter__(self) -> "LaunchPlan":
+        prev = getattr(_ACTIVE, "state", None)
+        _ACTIVE.state = [self, 0, prev]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.state = _ACTIVE.state[2]
+
+
+_ACTIVE = threading.local()      # .state: [plan, position, enclosing state] inside a LaunchPlan block
+
+
+def launch(fn, grid, kw: dict, *args) -> Any:
+    """``fn[grid](*args, **kw)``; inside a :class:`LaunchPlan` block, through the plan's Relaunch for this
+    launch's position (the compiled launcher reused: ~5-30 us less host time per launch than JITFunction.run,
+    by the host). Returns what ``fn[grid]`` returns outside a plan, None inside one."""
+    st = getattr(_ACTIVE, "state", None)
+    if st is None:
+        return fn[grid](*args, **kw)
+    plan, i = st[0], st[1]
+    st[1] = i + 1
+    slots = plan.slots
+    if i < len(slots):
+        f, g, k, r = slots[i]
+        if f is not fn or g != grid or k != kw:
+            r = Relaunch(fn, grid, kw)
+            slots[i] = (fn, grid, dict(kw), r)
+    else:
+        r = Relaunch(fn, grid, kw)
+        slots.append((fn, grid, dict(kw), r))
+    r(*args)
+    return None
+
+
+class PlanCache:
+    """What an op keeps per call signature (a LaunchPlan, a checked verdict), at most ``size`` entries: first
+    in, first out (a hit costs one hash and one compare of the key; an LRU's reordering would hash it again),
+    so a working set larger than the bound only costs full work on the calls that miss. Hits read without
+    the lock; inserts and evictions take it (two threads missing at once would evict the same key)."""
+    __slots__ = ("size", "entries", "lock")
+
+    def __init__(self, size: int = 64):
+        self.size, self.entries, self.lock = size, {}, threading.Lock()
+
+    def get(self, key):
+        """The value stored under key, or None (also for None and for an unhashable key)."""
+        if key is None:
+            return None
+        try:
+            return self.entries.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key, value) -> None:
+        """Store value under key (None or an unhashable key: nothing stored); the oldest entries go beyond size."""
+        if key is None:
+            return
+        with self.lock:
+            try:
+                self.entries[key] = value
+            except TypeError:
+                return
+            while len(self.entries) > self.size:
+                del self.entries[next(iter(self.entries))]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None

@@ -1,0 +1,105 @@
+"""Small helpers shared by the fast kernels: interpreter detection, sizes, varlen chunk tables.
+
+Nothing here launches a kernel. The varlen table builders read ``cu_seqlens`` on the host
+(one device->host copy per op, shared with its value check: refgdn.checks.one_host_read_scope),
+so they belong to eager prefill paths, never inside a CUDA-graph capture (DESIGN.md invariant 5);
+graph-captured paths must precompute their tables outside.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from refgdn.checks import host_offsets
+
+
+_INTERPRETING = None     # TRITON_INTERPRET as read by the first is_interpreting() call
+
+
+def is_interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Kernels use it to pick a single pinned config (the interpreter has no benchmarker) and to
+    cast ``tl.dot`` operands to float32 (bf16 dots are wrong in the interpreter). Read from the
+    environment once: Triton fixes the choice when a kernel is defined (fast sets the variable before
+    defining any), and the launchers ask several times per call.
+    """
+    global _INTERPRETING
+    if _INTERPRETING is None:
+        _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints."""
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class VarlenTables(NamedTuple):
+    """varlen_chunk_tables' result, on cu_seqlens' device. indices: [NT, 2] int32 (sequence n, chunk within n)
+    per global chunk; offsets: [N+1] int32, sequence n's first global chunk; checked: [N+1] in cu_seqlens'
+    dtype, the offsets the tables were built from (what kernels read in place of cu_seqlens); order: [N]
+    int32, the sequences longest first (by chunk count, ties in index order)."""
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    checked: torch.Tensor
+    order: torch.Tensor
+
+
+def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTables:
+    """cu_seqlens: [N+1] -> VarlenTables (indices [NT, 2], offsets [N+1], checked [N+1], order [N]), all on
+    cu_seqlens' device.
+
+    indices has one row per global chunk, ``(sequence n, chunk index within sequence n)``;
+    sequence n owns global chunks ``offsets[n] .. offsets[n+1]-1`` (none when empty): chunks
+    never straddle sequences, sequence n has ceil(len_n / chunk_size) of them. ``checked`` is a device copy
+    of the very values the tables were built from (and the op checked): kernels read it instead of
+    cu_seqlens, so what they index always agrees with the tables and the checks. ``order`` lists the
+    sequences by chunk count, longest first: the sequential passes (one program per sequence, head and V-block,
+    each walking its sequence's chunks) map their programs through it, so the GPU starts the longest walks
+    first and the short ones fill the tail (longest-processing-time-first scheduling) instead of a long
+    sequence starting late and running alone at the end. H200, Triton 3.6, bf16, Qwen3-Next shape, the 16-sequence
+    mix of benchmarks/bench_prefill.py (32760 tokens, 94 chunks in the longest): the forward's state pass 0.750 ->
+    0.676 ms, the whole call 1.082 -> 1.005 ms (results bit for bit the same).
+
+    Host work: cu_seqlens' values come from refgdn.checks.host_offsets (one read shared with the op's value
+    check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the four tables are
+    built with numpy into one buffer (each part 16-byte aligned) and copied to the device in one transfer,
+    from pinned memory without blocking on a GPU (a pageable copy would wait for every kernel queued
+    before it). No device kernel runs. Use outside CUDA-graph capture.
+    """
+    offs = np.asarray(host_offsets(cu_seqlens), dtype=np.int64)
+    counts = (np.diff(offs) + chunk_size - 1) // chunk_size                  # [N] chunks per sequence
+    offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    NT = int(offsets[-1])
+    seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)          # [NT]
+    within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
+    a16 = lambda n: -(-n // 4) * 4                                           # noqa: E731 - int32 words to 16 B
+    wide = cu_seqlens.dtype == torch.int64
+    o_ord = a16(offsets.size)                                                 # order start
+    head = a16(o_ord + counts.size)                                           # chunk_indices start
+    tail = a16(head + 2 * NT)                                                 # the checked offsets start
+    buf = np.zeros(tail + offs.size * (2 if wide else 1), dtype=np.int32)
+    buf[:offsets.size] = offsets
+    buf[o_ord:o_ord + counts.size] = np.argsort(-counts, kind="stable")
+    buf[head:head + 2 * NT:2] = seq
+    buf[head + 1:head + 2 * NT:2] = within
+    buf[tail:].view(np.int64 if wide else np.int32)[:] = offs
+    host = torch.from_numpy(buf)
+    if cu_seqlens.device.type == "cuda":
+        dev = host.pin_memory().to(cu_seqlens.device, non_blocking=True)   # the pinned block outlives the copy
+    else:
+        dev = host.to(cu_seqlens.device)
+    checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
+    return VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked,
+                        dev[o_ord:o_ord + counts.size])

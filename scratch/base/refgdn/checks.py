@@ -1,0 +1,293 @@
+"""Input validation shared by refgdn and fast.
+
+Every check raises ``ValueError`` naming the argument and what was expected, and runs before
+any tensor is read or written, so a rejected call leaves every state tensor byte-identical.
+fast calls the same functions, so both packages reject the same inputs with the same words.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+import threading
+from typing import List, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _need_tensor(name: str, t, ndim: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {_shape(t)}")
+
+
+def _need_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _need_shape(name: str, t: torch.Tensor, expected: Sequence[int], contract: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        want = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise ValueError(f"{name} must have shape {contract} = {want}, got {_shape(t)}")
+
+
+def _need_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
+
+
+def check_float_param(name: str, t, shape: Sequence[int], contract: str, device: torch.device) -> None:
+    """A floating tensor of exactly `shape` (described as `contract`, e.g. "[HV]") on `device`."""
+    _need_tensor(name, t, len(shape))
+    _need_shape(name, t, shape, contract)
+    _need_float(name, t)
+    _need_device(name, t, device)
+
+
+def check_scale(scale) -> None:
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise ValueError(f"scale must be a real number or None (default K ** -0.5), got {scale!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """chunk_size: a power of two >= 16."""
+    if (not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool)
+            or chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (16, 32, 64, ...), got {chunk_size!r}")
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str = "cu_seqlens") -> int:
+    """cu_seqlens: [N+1] int, starts at 0, non-decreasing, ends at T; only with B == 1. Returns N."""
+    _need_tensor(name, cu_seqlens, 1)
+    if cu_seqlens.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    _need_device(name, cu_seqlens, device)
+    if B != 1:
+        raise ValueError(f"{name} requires batch size B == 1 (varlen packs sequences along T), got B={B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must hold N+1 >= 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
+    if not torch.compiler.is_compiling():      # traced by torch.compile: the values are checked at run time,
+        check_cu_seqlens_values(cu_seqlens, T, name)     # inside fast's custom ops (fast/library.py)
+    return cu_seqlens.numel() - 1
+
+
+_HOST = threading.local()     # .memo: {id(tensor): (tensor, values)} while a one_host_read scope is open
+
+
+class one_host_read_scope:
+    """Inside the block, :func:`host_offsets` reads each cu_seqlens tensor's values to the host once:
+    the value check and the varlen tables of an op (and of the ops it calls) share one device->host copy,
+    one sync on a GPU, instead of one per reader. Nested blocks share the outer one; the values are
+    forgotten when the outermost block ends (never reused by a later call, which may have changed them).
+    A class rather than a generator context manager: every eager op call enters one (:func:`one_host_read`),
+    and this is the cheaper of the two on the host."""
+    __slots__ = ("outermost",)
+
+    def __enter__(self) -> None:
+        self.outermost = getattr(_HOST, "memo", None) is None
+        if self.outermost:
+            _HOST.memo = {}
+
+    def __exit__(self, *exc) -> None:
+        if self.outermost:
+            _HOST.memo = None
+
+
+def one_host_read(fn):
+    """Decorator: ``fn`` runs inside :func:`one_host_read_scope`."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with one_host_read_scope():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> List[int]:
+    """cu_seqlens' values as a list of ints: a host read (a sync on a GPU), once per tensor inside a
+    :func:`one_host_read_scope` (the list is shared: callers must not modify it)."""
+    memo = getattr(_HOST, "memo", None)
+    if memo is None:
+        return _read(cu_seqlens)
+    hit = memo.get(id(cu_seqlens))
+    if hit is None or hit[0] is not cu_seqlens:
+        hit = memo[id(cu_seqlens)] = (cu_seqlens, _read(cu_seqlens))
+    return hit[1]
+
+
+def provide_host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> None:
+    """Inside the current :func:`one_host_read_scope`, :func:`host_offsets` (cu_seqlens) answers with
+    cu_seqlens_cpu's values (a host copy the caller holds, fla's and vLLM's ``cu_seqlens_cpu`` /
+    ``query_start_loc_cpu``): no device->host read, no sync. Checked first (check_cu_seqlens_cpu); a no-op
+    outside a scope (the op then reads cu_seqlens itself)."""
+    memo = getattr(_HOST, "memo", None)
+    if memo is not None:
+        memo[id(cu_seqlens)] = (cu_seqlens, cu_seqlens_cpu.tolist())   # a CPU tensor: no sync
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, name: str = "cu_seqlens_cpu", of: str = "cu_seqlens") -> None:
+    """cu_seqlens_cpu: cu_seqlens' values on the host, [N+1] int32 or int64 on the CPU, with cu_seqlens.
+    Once checked, its values stand for cu_seqlens' in the current one_host_read scope (provide_host_offsets):
+    the value check and the chunk bookkeeping read them instead of the device tensor. name / of: the two
+    arguments' names in messages (the model says query_start_loc_cpu / meta.query_start_loc)."""
+    if cu_seqlens_cpu is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError(f"{name} is a host copy of {of}: give {of} too (or neither)")
+    _need_tensor(name, cu_seqlens_cpu, 1)
+    if cu_seqlens_cpu.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {cu_seqlens_cpu.dtype}")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU (a host copy of {of}), got "
+                         f"{cu_seqlens_cpu.device}")
+    if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+            and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
+        raise ValueError(f"{name} must have the shape of {of}, {_shape(cu_seqlens)}, got "
+                         f"{_shape(cu_seqlens_cpu)}")
+    if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():   # (traced: values at run time)
+        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
+
+
+def _read(cu_seqlens: torch.Tensor) -> List[int]:
+    """The device->host read itself (tests count the calls)."""
+    return cu_seqlens.tolist()
+
+
+def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> None:
+    """cu_seqlens' values: starts at 0, non-decreasing, ends at T. A host read (a sync on a GPU; shared
+    with the op's other readers inside a one_host_read_scope)."""
+    offsets = host_offsets(cu_seqlens)  # host read: validation only, before any work
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if offsets[-1] != T:
+        raise ValueError(f"{name} must end at T={T} (the packed length), got {offsets[-1]}")
+
+
+def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                     A_log=None, dt_bias=None, chunk_size=None, cu_seqlens_cpu=None) -> int:
+    """Validate the gated-delta-rule arguments; return N, the number of sequences.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g, beta: [B, T, HV];
+    initial_state: [N, HV, K, V]; cu_seqlens: [N+1] int with B == 1; A_log, dt_bias: [HV] (together);
+    cu_seqlens_cpu: cu_seqlens' host copy (inside a one_host_read scope its values are the ones checked
+    and read: check_cu_seqlens_cpu).
+    """
+    _need_tensor("q", q, 4)
+    _need_tensor("k", k, 4)
+    _need_tensor("v", v, 4)
+    B, T, H, K = q.shape
+    _need_shape("k", k, q.shape, "[B, T, H, K] (same as q)")
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a multiple of q/k's head count H={H} (GVA)")
+    if K == 0 or V == 0:
+        raise ValueError(f"head dims must be positive, got K={K} (q) and V={V} (v)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _need_float(name, t)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    device = q.device
+    _need_device("k", k, device)
+    _need_device("v", v, device)
+    for name, t in (("g", g), ("beta", beta)):
+        check_float_param(name, t, (B, T, HV), "[B, T, HV]", device)
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias must be given together (fused gating) or both left None")
+    if A_log is not None:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            check_float_param(name, t, (HV,), "[HV]", device)
+    check_scale(scale)
+    check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
+    if cu_seqlens is not None:
+        N = check_cu_seqlens(cu_seqlens, B, T, device)
+    else:
+        N = B
+    if initial_state is not None:
+        _need_tensor("initial_state", initial_state, 4)
+        _need_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+        _need_float("initial_state", initial_state)
+        _need_device("initial_state", initial_state, device)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    return N
+
+
+def check_activation(activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'silu' (alias 'swish'), got {activation!r}")
+
+
+def _check_weight_bias(weight, bias, D: int, device: torch.device) -> int:
+    _need_tensor("weight", weight, 2)
+    if weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [D, W] = [{D}, W] with W >= 1, got {_shape(weight)}")
+    _need_float("weight", weight)
+    _need_device("weight", weight, device)
+    if bias is not None:
+        check_float_param("bias", bias, (D,), "[D]", device)
+    return weight.shape[1]
+
+
+def check_conv_inputs(x, weight, bias=None, activation=None, initial_state=None, cu_seqlens=None,
+                      cu_seqlens_cpu=None) -> int:
+    """Validate causal_conv1d's arguments; return N, the number of sequences.
+
+    x: [B, T, D]; weight: [D, W]; bias: [D]; initial_state: [N, D, W-1]; cu_seqlens: [N+1] with B == 1;
+    cu_seqlens_cpu: its host copy (as check_gdn_inputs).
+    """
+    _need_tensor("x", x, 3)
+    _need_float("x", x)
+    B, T, D = x.shape
+    W = _check_weight_bias(weight, bias, D, x.device)
+    check_activation(activation)
+    check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
+    N = check_cu_seqlens(cu_seqlens, B, T, x.device) if cu_seqlens is not None else B
+    if initial_state is not None:
+        _need_tensor("initial_state", initial_state, 3)
+        _need_shape("initial_state", initial_state, (N, D, W - 1), "[N, D, W-1]")
+        _need_float("initial_state", initial_state)
+        _need_device("initial_state", initial_state, x.device)
+    return N
+
+
+def check_conv_update_inputs(x, conv_state, weight, bias=None, activation=None) -> None:
+    """Validate causal_conv1d_update: x: [N, D]; conv_state: [N, D, W-1]; weight: [D, W]; bias: [D]."""
+    _need_tensor("x", x, 2)
+    _need_float("x", x)
+    N, D = x.shape
+    W = _check_weight_bias(weight, bias, D, x.device)
+    check_activation(activation)
+    _need_tensor("conv_state", conv_state, 3)
+    _need_float("conv_state", conv_state)
+    _need_device("conv_state", conv_state, x.device)
+    if conv_state.shape[0] != N or conv_state.shape[1] != D:
+        raise ValueError(f"conv_state must have shape [N, D, W-1] = [{N}, {D}, {W - 1}], got {_shape(conv_state)}")
+    if conv_state.shape[2] != W - 1:
+        raise ValueError(f"conv_state's width must be W-1 = {W - 1} (weight is [D, W={W}]), "
+                         f"got shape {_shape(conv_state)}")
+
+
+def check_gating_inputs(A_log, a, dt_bias, b) -> None:
+    """Validate gdn_gating: A_log, dt_bias: [HV]; a, b: [..., HV] with the same shape."""
+    for name, t in (("A_log", A_log), ("a", a), ("dt_bias", dt_bias), ("b", b)):
+        _need_tensor(name, t)
+        _need_float(name, t)
+        _need_device(name, t, a.device if isinstance(a, torch.Tensor) else t.device)
+    if a.dim() < 1:
+        raise ValueError(f"a must have shape [..., HV], got {_shape(a)}")
+    HV = a.shape[-1]
+    _need_shape("b", b, a.shape, "[..., HV] (same as a)")
+    _need_shape("A_log", A_log, (HV,), "[HV]")
+    _need_shape("dt_bias", dt_bias, (HV,), "[HV]")

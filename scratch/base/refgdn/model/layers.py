@@ -1,0 +1,354 @@
+"""The model's layers, plain torch except the GDN core, which goes through the ops namespace.
+
+Token-major layout throughout: a step's tokens are packed as ``x: [T, hidden]`` (all requests of
+the step one after another, ``StepMetadata.query_start_loc`` says where each starts).
+
+Precision: norms, softmax, router and rotary are computed in float32 (float64 for a float64
+model: the truth runs) and cast back to the activation dtype, as Hugging Face's implementation does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .cache import KVCache, StepMetadata
+from .config import FULL, Qwen3NextConfig
+
+# tokens per block in the torch attention: bounds the [block, max_len, kv_heads, head_dim] gather
+ATTN_BLOCK = 256
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 tensors (truth runs), else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm (Qwen3-Next / Gemma): y = x / sqrt(mean(x^2) + eps) * (1 + weight).
+
+    x: [..., dim] -> [..., dim] in x.dtype; weight: [dim], initialised to 0 (identity scale).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x)
+        xf = x.to(dt)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(dt))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm, gated by z: y = weight * rmsnorm(x) * silu(z) (plain weight, initialised to 1).
+
+    x, z: [..., dim] -> [..., dim] in x.dtype. As HF: the normalised x is rounded to x.dtype before
+    the weight multiplies it; the gate is applied in float32.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x)
+        xf = x.to(dt)
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        y = self.weight * y
+        return (y.to(dt) * F.silu(z.to(dt))).to(x.dtype)
+
+
+class Conv1dWeight(nn.Module):
+    """Holds the depthwise conv weight under HF's name and shape: ``conv1d.weight [D, 1, W]`` (no bias)."""
+
+    def __init__(self, D: int, W: int, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(D, 1, W, dtype=dtype, device=device))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)).  x: [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, hidden: int, inter: int, dtype=None, device=None):
+        super().__init__()
+        f = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden, inter, **f)
+        self.up_proj = nn.Linear(hidden, inter, **f)
+        self.down_proj = nn.Linear(inter, hidden, **f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert.  x: [T, hidden] -> [T, hidden].
+
+        p = softmax(gate(x));  (w, e) = topk(p, k);  w /= sum(w) if norm_topk_prob
+        y = sum_j w_j expert_{e_j}(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+    Host-read free (capturable): every expert runs on every token, weighted by its routing weight
+    (0 where not routed). That costs num_experts / top_k times the routed FLOPs: fine for the
+    oracle and small expert counts, not a fast MoE.
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
+        super().__init__()
+        f = dict(dtype=dtype, device=device)
+        self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, **f)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, **f)
+                                     for _ in range(cfg.num_experts))
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, **f)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, **f)
+
+    def routing(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> combine weights [T, num_experts] in x.dtype (0 for experts not routed)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits.to(compute_dtype(x)), dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)              # [T, k]
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        return torch.zeros_like(logits).scatter(1, top_i, top_w.to(logits.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        combine = self.routing(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):                          # ascending, as HF accumulates
+            out = out + expert(x) * combine[:, e:e + 1]
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + shared
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary
+# ----------------------------------------------------------------------------------------------
+
+class Rotary(nn.Module):
+    """Partial rotary embedding (NeoX halves) on the first ``rotary_dim`` channels of each head.
+
+    inv_freq[i] = theta ** (-2i / rotary_dim), computed per call in the compute dtype on the positions'
+    device (a buffer would be rounded by ``model.to(bfloat16)``); cos/sin from the step's positions.
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, device=None):
+        super().__init__()
+        self.rotary_dim, self.theta = cfg.rotary_dim, float(cfg.rope_theta)
+
+    def inv_freq(self, dt: torch.dtype, device) -> torch.Tensor:
+        rot = self.rotary_dim
+        return 1.0 / (self.theta ** (torch.arange(0, rot, 2, dtype=dt, device=device) / rot))
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim], positions: [T] int -> [T, heads, head_dim] in x.dtype."""
+        dt = compute_dtype(x)
+        freqs = positions.to(dt)[:, None] * self.inv_freq(dt, x.device)     # [T, rot/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]                 # [T, 1, rot]
+        cos, sin = emb.cos(), emb.sin()
+        xf = x.to(dt)
+        xr, xp = xf[..., :self.rotary_dim], xf[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)      # rotate_half
+        return torch.cat([xr * cos + rotated * sin, xp], dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# token mixers
+# ----------------------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Gated softmax attention with q/k norms, partial rotary, GQA and a KV cache in slots.
+
+    x: [T, hidden] -> [T, hidden].  q_proj gives per head [q | gate] (head_dim each);
+    o = o_proj(softmax(q k^T / sqrt(head_dim)) v * sigmoid(gate)). Causal within each request: token
+    at position p sees the slot's KV rows 0..p (rows written earlier and by this step).
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
+        super().__init__()
+        f = dict(bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.nh, self.kvh, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd * 2, **f)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, **f)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, **f)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, **f)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, kv: KVCache, meta: StepMetadata, rotary: Rotary) -> torch.Tensor:
+        T = x.shape[0]
+        qg = rearrange(self.q_proj(x), "t (h c) -> t h c", h=self.nh)       # [T, nh, 2*hd]
+        q, gate = qg[..., :self.hd], qg[..., self.hd:]
+        q = rotary.apply(self.q_norm(q), meta.positions)                     # [T, nh, hd]
+        k = rotary.apply(self.k_norm(rearrange(self.k_proj(x), "t (h d) -> t h d", h=self.kvh)), meta.positions)
+        v = rearrange(self.v_proj(x), "t (h d) -> t h d", h=self.kvh)
+        # write this step's K/V first (padded tokens go to the scratch row), then attend
+        dest = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, kv.scratch_row).long()
+        kv.k.index_copy_(0, dest, k.to(kv.k.dtype))
+        kv.v.index_copy_(0, dest, v.to(kv.v.dtype))
+        o = torch.cat([self._attend(q[s:s + ATTN_BLOCK], meta.token_slots[s:s + ATTN_BLOCK],
+                                    meta.positions[s:s + ATTN_BLOCK], kv, meta.attn_window or kv.max_len)
+                       for s in range(0, T, ATTN_BLOCK)] or [q.new_zeros(0, self.nh, self.hd)])
+        o = rearrange(o, "t h d -> t (h d)") * torch.sigmoid(rearrange(gate, "t h d -> t (h d)"))
+        return self.o_proj(o)
+
+    def _attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                window: int) -> torch.Tensor:
+        """q: [t, nh, hd], slots, positions: [t] -> [t, nh, hd] in q.dtype (torch paged attention over the
+        first ``window`` KV rows of each token's slot; rows past the token's position are masked)."""
+        dt = compute_dtype(q)
+        G = self.nh // self.kvh
+        rows = slots.clamp(min=0).long()
+        keys = kv.k_cache[rows, :window].to(dt)                              # [t, L, kvh, hd]
+        vals = kv.v_cache[rows, :window].to(dt)
+        qg = rearrange(q.to(dt), "t (h g) d -> t h g d", g=G)                # head h*G+j reads kv head h
+        scores = torch.einsum("thgd,tlhd->thgl", qg, keys) * self.hd ** -0.5
+        visible = torch.arange(window, device=q.device)[None, :] <= positions[:, None].long()      # [t, L]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        o = torch.einsum("thgl,tlhd->thgd", p, vals)
+        return rearrange(o, "t h g d -> t (h g) d").to(q.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The GDN token mixer (Qwen3-Next ``linear_attn``), its core through the ops namespace.
+
+    x: [T, hidden] -> [T, hidden].  H = linear_num_key_heads, HV = linear_num_value_heads, G = HV / H.
+    in_proj_qkvz gives, per q/k head h, [q_h (K) | k_h (K) | v (G*V) | z (G*V)]; in_proj_ba gives per
+    h [b (G) | a (G)] (value head h*G + j). mixed_qkv = [q | k | v] (D = 2HK + HV V) goes through
+    the causal conv (silu), then q, k -> l2norm, g = -exp(A_log) softplus(a + dt_bias),
+    beta = sigmoid(b), the gated delta rule, the gated RMSNorm with z, and out_proj.
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
+        super().__init__()
+        f = dict(dtype=dtype, device=device)
+        self.H, self.HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.K, self.V, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.G = self.HV // self.H
+        self.D = cfg.conv_dim
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.H * self.K + 2 * self.HV * self.V, bias=False, **f)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.HV, bias=False, **f)
+        self.conv1d = Conv1dWeight(self.D, self.W, **f)
+        self.A_log = nn.Parameter(torch.zeros(self.HV, **f))
+        self.dt_bias = nn.Parameter(torch.ones(self.HV, **f))
+        self.norm = GatedRMSNorm(self.V, cfg.rms_norm_eps, **f)
+        self.out_proj = nn.Linear(self.HV * self.V, cfg.hidden_size, bias=False, **f)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """[D, W] (the ops' layout) as a view of conv1d.weight [D, 1, W]."""
+        return self.conv1d.weight[:, 0, :]
+
+    def project(self, x: torch.Tensor):
+        """x: [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b, a [T, HV] (HF's head-interleaved split)."""
+        H, K, V, G = self.H, self.K, self.V, self.G
+        qkvz = rearrange(self.in_proj_qkvz(x), "t (h c) -> t h c", h=H)      # c = 2K + 2GV
+        q, k, v, z = torch.split(qkvz, [K, K, G * V, G * V], dim=-1)
+        ba = rearrange(self.in_proj_ba(x), "t (h c) -> t h c", h=H)          # c = 2G
+        b, a = torch.split(ba, [G, G], dim=-1)
+        mixed = torch.cat([rearrange(q, "t h k -> t (h k)"), rearrange(k, "t h k -> t (h k)"),
+                           rearrange(v, "t h (g v) -> t (h g v)", g=G)], dim=-1)   # [T, D]
+        z = rearrange(z, "t h (g v) -> t (h g) v", g=G)
+        b = rearrange(b, "t h g -> t (h g)")
+        a = rearrange(a, "t h g -> t (h g)")
+        return mixed, z, b.contiguous(), a.contiguous()
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z: [T, HV, V] -> out_proj(gated_norm(o, z)) [T, hidden]."""
+        y = self.norm(o, z.to(o.dtype))
+        return self.out_proj(rearrange(y, "t h v -> t (h v)"))
+
+    def forward(self, x: torch.Tensor, ops, gdn_cache, meta: StepMetadata, mode: str,
+                kv_lens_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """mode: "prefill" (chunked form, varlen), "decode" (ops.gdn_decode) or "verify" (ops.gdn_verify).
+
+        Prefill reads a slot's state iff kv_lens_buf[slot] > 0 (the request continues), after
+        committing its pending tokens (ops.gdn_materialize), and writes the final ssm / conv state.
+        """
+        mixed, z, b, a = self.project(x)
+        if mode == "prefill":
+            o = self._prefill(mixed, a, b, ops, gdn_cache, meta, kv_lens_buf)
+        elif mode == "decode":
+            o = ops.gdn_decode(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
+                               meta.state_indices)
+        elif mode == "verify":
+            o = ops.gdn_verify(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
+                               meta.state_indices, meta.query_start_loc)
+        else:
+            raise ValueError(f"mode must be 'prefill', 'decode' or 'verify', got {mode!r}")
+        return self.output(o, z)
+
+    def _prefill(self, mixed, a, b, ops, gc, meta: StepMetadata, kv_lens_buf) -> torch.Tensor:
+        H, K, V, HV, W = self.H, self.K, self.V, self.HV, self.W
+        si = meta.state_indices
+        scratch = gc.num_slots - 1                                           # the cache's extra slot
+        safe = torch.where(si >= 0, si, scratch).long()                      # [N]
+        ops.gdn_materialize(gc, meta.state_indices)                          # pending tokens -> committed
+        cont = kv_lens_buf[safe] > 0                                         # [N] continuing requests
+        h0 = torch.where(cont[:, None, None, None], gc.ssm_state[safe], 0)   # [N, HV, K, V]
+        c0 = torch.where(cont[:, None, None], gc.conv_state[safe, :, :W - 1], 0).contiguous()   # [N, D, W-1]
+        y, conv_final = ops.causal_conv1d(mixed[None], self.conv_weight, None, "silu", initial_state=c0,
+                                          output_final_state=True, cu_seqlens=meta.query_start_loc)
+        y = y[0]
+        q = rearrange(y[:, :H * K], "t (h k) -> t h k", h=H)
+        k = rearrange(y[:, H * K:2 * H * K], "t (h k) -> t h k", h=H)
+        v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
+        beta = torch.sigmoid(b.to(compute_dtype(b)))                         # float32 (float64), as serving
+        o, final = ops.chunk_gated_delta_rule(q[None], k[None], v[None], a[None], beta[None],
+                                              initial_state=h0, output_final_state=True,
+                                              cu_seqlens=meta.query_start_loc, use_qk_l2norm_in_kernel=True,
+                                              A_log=self.A_log, dt_bias=self.dt_bias)
+        # write the final states (padded rows land in the scratch slot)
+        gc.ssm_state.index_copy_(0, safe, final.to(gc.ssm_state.dtype))
+        gc.conv_state[safe, :, :W - 1] = conv_final.to(gc.conv_state.dtype)
+        return o[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# decoder layer and MTP head
+# ----------------------------------------------------------------------------------------------
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h = x + mixer(norm(x));  out = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: Qwen3NextConfig, layer_type: str, mlp_index: int, dtype=None, device=None):
+        super().__init__()
+        f = dict(dtype=dtype, device=device)
+        self.layer_type = layer_type
+        if layer_type == FULL:
+            self.self_attn = Attention(cfg, **f)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, **f)
+        if cfg.is_moe_layer(mlp_index):
+            self.mlp = SparseMoeBlock(cfg, **f)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **f)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPHead(nn.Module):
+    """Qwen3-Next's multi-token-prediction head (``mtp.*``).
+
+    x = fc([pre_fc_norm_embedding(embed(tok)); pre_fc_norm_hidden(h)]), one full-attention decoder
+    layer with its own KV cache, then ``norm``; logits through the target's lm_head.
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
+        super().__init__()
+        f = dict(dtype=dtype, device=device)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False, **f)
+        self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, FULL, i, **f) for i in range(cfg.num_nextn_predict_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
