@@ -1,1 +1,0 @@
-"""Benchmarks: ``python -m benchmarks [--only prefill|decode] [--no-results]`` on a GPU."""

@@ -1,1 +1,0 @@
-"""conformance: checks every fast op against its refgdn twin (``python -m conformance``)."""
