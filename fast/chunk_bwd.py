@@ -55,12 +55,12 @@ reverse state pass 774 / 448, the state pass (forward and recompute) 611 / 411, 
 recompute) 396 / 188, kernel 2 386 / 305, the output 257 / 256, stage 1 159 / 121, the GVA sums and l2norm
 backward 191 / 517 (fla: a torch reduction and its l2norm kernel). fla's backward runs 16-bit products
 throughout; ours the precision above.
-Stage 3b (2026-11-25, H100, Triton 3.6, same shape, bench_train's timing and per-kernel profile in one process
-each): dw = -dv_new h^T moved out of stage 3 into its own kernel. Stage 3 1552 -> 1099 us (its spills 776 ->
-96 B per thread, one fp32 tile fewer to load per V-block), stage 3b 301 us (805 MB at ~2.7 TB/s: near the copy
-ceiling), the WY backward 981 -> 964 us ((R + R^T) K as one product); forward + backward 5.28 -> 5.13 ms (fla
-4.42 in the same call). Tried and slower: dw formed inside the WY kernel, K whole (8 warps: 736 B of spills,
-the WY kernel 1.8 ms) or per K-block in both passes (dw's small products recomputed: 1.7 ms).
+Stage 3b (2026-11-25, H100, Triton 3.6, same shape; benchmarks/RESULTS.md, 00:23): dw = -dv_new h^T moved out
+of stage 3 into its own kernel. Stage 3 1552 -> 1110 us (its spills 776 -> 96 B per thread, one fp32 tile fewer
+to load per V-block), stage 3b 267 us (805 MB at 3.0 TB/s: the copy ceiling), the WY backward 981 -> 973 us
+((R + R^T) K as one product); forward + backward 5.30 -> 5.07 ms (fla 4.43 in the same call). Tried and slower
+(A/B in one call): dw formed inside the WY kernel, K whole (8 warps: 736 B of spills, the WY kernel 1.8 ms) or
+per K-block in both passes (dw's small products recomputed: 1.7 ms).
 """
 from __future__ import annotations
 
@@ -744,8 +744,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     None without initial_state; dA_log, ddt_bias [HV], None without fused gating; with fused gating dg is
     the gradient of the raw gate input a). Inputs are assumed validated (the forward did) and not float64.
     stages: a dict to receive each stage's outputs (tests compare them with refgdn.delta_rule_bwd's
-    stages): h, v_new, dv_local, dh, dv_new, dh0, stage 3's dq, dk, dG (per value head) and 3b's dw, then dk (total
-    per value head), dv, dbeta, dg. Costs copies; None in normal use.
+    stages): h, v_new, dv_local, dh, dv_new, dh0, stage 3's dq, dk, dG (per value head) and 3b's dw, then dk
+    (total per value head), dv, dbeta, dg. Costs copies; None in normal use.
     Benchmark knobs (None in normal use): configs, per-stage config overrides (module comment);
     precision, a (grad_dot, recompute) pair replacing (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt]),
     or a triple whose third item "16-bit" stores the recompute's chunk-local intermediates (normalised
