@@ -30,10 +30,19 @@ DEFAULT_VARIANTS = {"bfloat16": "None/None,tf32/None,None/tf32,tf32/tf32,tf32/tf
 
 
 def _parse(v: str):
-    """"grad_dot/recompute[/16-bit[/forward]]" -> the precision tuple of
-    fast.chunk_bwd.chunk_gated_delta_rule_bwd (storage None when not given)."""
-    parts = [None if x == "None" else x for x in v.split("/")]
-    return tuple(parts) if len(parts) >= 3 else (parts[0], parts[1], None)
+    """"grad_dot/recompute[/16-bit[/forward[/stage:prec+stage:prec]]]" -> the precision tuple of
+    fast.chunk_bwd.chunk_gated_delta_rule_bwd (storage None when not given; the fifth field: per-stage grad_dot
+    precisions, e.g. "dh:None+dw:None", fast.chunk_bwd.STAGE_GRAD_DOT)."""
+    parts = v.split("/")
+    stages = {}
+    if len(parts) > 4:
+        for item in parts[4].split("+"):
+            name, prec = item.split(":")
+            stages[name] = None if prec == "None" else prec
+        parts = parts[:4]
+    parts = [None if x == "None" else x for x in parts]
+    head = tuple(parts) if len(parts) >= 3 else (parts[0], parts[1], None)
+    return head + (stages,) if stages else head
 
 
 def _patched(dt: torch.dtype, pair):
@@ -42,8 +51,9 @@ def _patched(dt: torch.dtype, pair):
     r = MappingProxyType({**cb.RECOMPUTE_PRECISION, dt: pair[1]})
     st = MappingProxyType({**cb.RECOMPUTE_STORAGE, dt: pair[2]})
     kk = MappingProxyType({**cb.RECOMPUTE_KKT, dt: pair[3] if len(pair) > 3 else "recompute"})
+    sg = MappingProxyType({**cb.STAGE_GRAD_DOT, dt: MappingProxyType(pair[4] if len(pair) > 4 else {})})
     return mock.patch.multiple(cb, GRAD_DOT_PRECISION=g, RECOMPUTE_PRECISION=r, RECOMPUTE_STORAGE=st,
-                               RECOMPUTE_KKT=kk)
+                               RECOMPUTE_KKT=kk, STAGE_GRAD_DOT=sg)
 
 
 def interpreter_bf16_round_to_nearest() -> None:

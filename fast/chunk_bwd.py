@@ -33,9 +33,10 @@ Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch),
   5. ``bwd_qk_finish_kernel``: q/k gradients summed over each GVA group, through the l2norm, cast; host
      (torch): per-head sums of the gating parameters' gradients, casts of the others.
 
-Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE / RECOMPUTE_KKT below): for bf16
-inputs every fp32 operand of a product is split into bf16 hi + lo ("bf16x2": ~16 mantissa bits from 16-bit
-tensor-core dots) and kernel 1 is recomputed exactly as the forward ran it; for fp16 inputs the
+Precision (GRAD_DOT_PRECISION / RECOMPUTE_PRECISION / RECOMPUTE_STORAGE / RECOMPUTE_KKT / STAGE_GRAD_DOT
+below): for bf16 inputs every fp32 operand of a product in the recompute and in stage 3 is split into bf16 hi +
+lo ("bf16x2": ~16 mantissa bits from 16-bit tensor-core dots), the other stages' products with a gradient
+operand are 16-bit (STAGE_GRAD_DOT), and kernel 1 is recomputed exactly as the forward ran it; for fp16 inputs the
 recompute runs in fp32 (tf32x3 products) on the exact fp32 values of 16-bit tiles:
 the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
 kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
@@ -151,6 +152,18 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
 # 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
+# STAGE_GRAD_DOT: per input dtype, a stage's own GRAD_DOT precision where it differs from the dtype's ({stage
+# name as in ``configs``: precision}; "wy" replaces the WY backward's own rule; benchmarks.grad_precision's
+# variant field 5). bf16 since 2026-11-25: 16-bit products with a gradient operand everywhere but stage 3 (the
+# recompute keeps bf16x2). Which stage needs the precision, quick bf16 families in the interpreter with
+# round-to-nearest casts (worst ratio; the default before 0.902): stage 3 (dqkwg) alone at 16-bit 1.314 (fails),
+# dh 0.870, dw 0.893, dv_local 0.847, wy 0.971, these four together 0.762. On a GPU (H100, Triton 3.6, the full
+# bf16 gradient families, benchmarks.grad_precision; fwd+bwd at bench_train's shape in the same process, kernel 1
+# rerun): the previous default worst 0.764 (dg, no-init-K64-V96), 5.171 ms; dh, dw, dv_local 16-bit 0.764,
+# 5.008 ms; and the WY backward too 0.761, 4.898 ms (this default).
+STAGE_GRAD_DOT = MappingProxyType({
+    torch.bfloat16: MappingProxyType({"dv_local": None, "dh": None, "dw": None, "wy": None}),
+    torch.float16: MappingProxyType({}), torch.float32: MappingProxyType({})})
 
 
 def reuses_forward_kkt(dtype: torch.dtype) -> bool:
@@ -753,7 +766,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     on their fp32 values at the recompute / grad_dot precision (module comment STORAGE; the 16-bit default);
     an optional fourth item, kernel 1's recompute: "recompute" (the default: fp32 products at the recompute
     precision) or "forward" (experimental, 16-bit storage only: exactly the forward's kernel 1, 16-bit
-    products of the 16-bit normalised k, the same A the forward used, at the forward's cost).
+    products of the 16-bit normalised k, the same A the forward used, at the forward's cost); an optional
+    fifth, {stage: grad_dot precision} for stages whose products with a gradient operand differ (dv_local, dh,
+    dqkwg, dw, wy; module comment STAGE_GRAD_DOT).
     kkt: (A, G, kn or None), kernel 1's outputs kept by the forward (chunk_gated_delta_rule_fwd's keep_kkt; the
     custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
     run the forward's way (those exact values); ignored otherwise.
@@ -772,8 +787,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dot_f32 = is_interpreting()
     BK, _ = _blocks(K, V)
     if precision is None:
-        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt], RECOMPUTE_KKT[dt])
+        precision = (GRAD_DOT_PRECISION[dt], RECOMPUTE_PRECISION[dt], RECOMPUTE_STORAGE[dt], RECOMPUTE_KKT[dt],
+                     STAGE_GRAD_DOT[dt])
     gprec, rprec = precision[:2]
+    stage_gprec = dict(precision[4]) if len(precision) > 4 and precision[4] else {}
+    unknown = set(stage_gprec) - {"dv_local", "dh", "dqkwg", "dw", "wy"}
+    if unknown or ("bf16x2" in stage_gprec.values() and dt != torch.bfloat16):
+        raise ValueError(f"precision: per-stage grad_dot precisions are for dv_local, dh, dqkwg, dw, wy (bf16x2 for "
+                         f"bf16 inputs only), got {stage_gprec} for {dt}")
     storage = precision[2] if len(precision) > 2 else None
     if storage not in (None, "16-bit"):
         raise ValueError(f"precision: storage must be None or '16-bit', got {storage!r}")
@@ -876,12 +897,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     common = dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen,
                   PREC=None if store16 else prec, DOT_F32=dot_f32, PRECISE=precise, **grad_prec(gprec))
 
+    def stage(name, default=gprec):      # common, with the stage's own grad_dot precision where one is given
+        return dict(common, **grad_prec(stage_gprec.get(name, default)))
+
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
         dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **common, **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
+            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
         # ---- 2. reverse state pass ----------------------------------------------------------------
         cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
                                         store16=store16),
@@ -891,11 +915,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
             qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
             scale,
-            **dict(common, BV=BV), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
+            **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         bwd_dqkwg_kernel[(ch.total * HV, NKG)](
             qu, ku, v_new, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            B * T * HV, **common, **dq_cfg)
+            B * T * HV, **stage("dqkwg"), **dq_cfg)
         if stages is not None:
             stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
@@ -903,7 +927,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------
         bwd_dw_kernel[(ch.total * HV,)](
             h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(gprec),
+            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(stage_gprec.get("dw", gprec)),
             **_cfg("dw", dw_bwd_config(K, V), configs))
         if stages is not None:
             stages.update(dw=dw.clone())
@@ -911,7 +935,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
         # full bf16 gradient families throughout (module comment), this mix lies between them
-        wy = dict(common, **grad_prec("tf32" if gprec == "bf16x2" else gprec))
+        wy = stage("wy", "tf32" if gprec == "bf16x2" else gprec)
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
