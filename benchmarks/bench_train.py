@@ -144,7 +144,7 @@ def timing_rows(device: str) -> tuple:
                      note=err or "target <= 3x fwd"))
     if fb_ms and fwd_ms:
         rows.append(dict(case="fast bwd (difference)", ms=fb_ms - fwd_ms, **{"x fwd": (fb_ms - fwd_ms) / fwd_ms},
-                         note="recompute + 4 backward kernels + GVA sums"))
+                         note="recompute + 5 backward kernels + GVA sums"))
     fb16, err = _bench(_fwd_bwd(_sixteen_bit_call, leaves, do), leaves)
     rows.append(dict(case="fast fwd+bwd, 16-bit backward", ms=fb16,
                      **{"x fwd": fb16 / fwd_ms if fb16 and fwd_ms else None},
