@@ -160,7 +160,10 @@ RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "rec
 # dh 0.870, dw 0.893, dv_local 0.847, wy 0.971, these four together 0.762. On a GPU (H100, Triton 3.6, the full
 # bf16 gradient families, benchmarks.grad_precision; fwd+bwd at bench_train's shape in the same process, kernel 1
 # rerun): the previous default worst 0.764 (dg, no-init-K64-V96), 5.171 ms; dh, dw, dv_local 16-bit 0.764,
-# 5.008 ms; and the WY backward too 0.761, 4.898 ms (this default).
+# 5.008 ms; and the WY backward too 0.761, 4.898 ms (this default). Stage 3's own products, quick families with
+# round-to-nearest on top of this default: "dqkwg_post" (ds K and ds^T Q, after the loop over V) at 16-bit 0.762
+# (passes; not yet run on a GPU, so not the default); the loop's products with v_new (do v_new^T, v_new dh^T) at
+# 16-bit 1.174 (fails: ddt_bias with fused gating).
 STAGE_GRAD_DOT = MappingProxyType({
     torch.bfloat16: MappingProxyType({"dv_local": None, "dh": None, "dw": None, "wy": None}),
     torch.float16: MappingProxyType({}), torch.float32: MappingProxyType({})})
@@ -354,7 +357,7 @@ def bwd_dqkwg_kernel(
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
-    GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+    GPREC: tl.constexpr, EMU_TF32: tl.constexpr, GPREC_POST: tl.constexpr, EMU_POST: tl.constexpr,
 ):
     """Per (chunk, value head, K-block of BKC), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
 
@@ -420,9 +423,10 @@ def bwd_dqkwg_kernel(
     b_ds = b_ds * _causal(b_G, b_Gl, keep, PRECISE) * scale                # (dO v_new^T) M scale
     b_eG = tl.where(m_r, _exp(b_G, PRECISE), 0.0)
     b_dqi = b_dq * (b_eG * scale)[:, None]                                  # through the chunk-start state
-    b_dq = b_dqi + _gdot(b_ds, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+    # GPREC_POST: the precision of ds's products with K and Q (STAGE_GRAD_DOT's "dqkwg_post"; GPREC by default)
+    b_dq = b_dqi + _gdot(b_ds, b_k, b_k.dtype, GPREC_POST, EMU_POST, PREC, DOT_F32)
     b_dks = b_dk * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None]   # through the state update
-    b_dk = _gdot(tl.trans(b_ds), b_q, b_q.dtype, GPREC, EMU_TF32, PREC, DOT_F32) + b_dks
+    b_dk = _gdot(tl.trans(b_ds), b_q, b_q.dtype, GPREC_POST, EMU_POST, PREC, DOT_F32) + b_dks
     # dG = rowsum(Q dq) - rowsum(K dk), with the intra-chunk part taken from P = ds * (Q K^T) directly:
     # rowsum(P) - colsum(P). precision hazard: via Q dq - K dk the diagonal terms P_ii (large when the
     # decay is strong) would cancel only up to rounding; here they are left out (they cancel exactly).
@@ -768,7 +772,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     precision) or "forward" (experimental, 16-bit storage only: exactly the forward's kernel 1, 16-bit
     products of the 16-bit normalised k, the same A the forward used, at the forward's cost); an optional
     fifth, {stage: grad_dot precision} for stages whose products with a gradient operand differ (dv_local, dh,
-    dqkwg, dw, wy; module comment STAGE_GRAD_DOT).
+    dqkwg, dqkwg_post: stage 3's products of ds with K and Q, dw, wy; module comment STAGE_GRAD_DOT).
     kkt: (A, G, kn or None), kernel 1's outputs kept by the forward (chunk_gated_delta_rule_fwd's keep_kkt; the
     custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
     run the forward's way (those exact values); ignored otherwise.
@@ -791,10 +795,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                      STAGE_GRAD_DOT[dt])
     gprec, rprec = precision[:2]
     stage_gprec = dict(precision[4]) if len(precision) > 4 and precision[4] else {}
-    unknown = set(stage_gprec) - {"dv_local", "dh", "dqkwg", "dw", "wy"}
+    unknown = set(stage_gprec) - {"dv_local", "dh", "dqkwg", "dqkwg_post", "dw", "wy"}
     if unknown or ("bf16x2" in stage_gprec.values() and dt != torch.bfloat16):
-        raise ValueError(f"precision: per-stage grad_dot precisions are for dv_local, dh, dqkwg, dw, wy (bf16x2 for "
-                         f"bf16 inputs only), got {stage_gprec} for {dt}")
+        raise ValueError(f"precision: per-stage grad_dot precisions are for dv_local, dh, dqkwg, dqkwg_post, dw, wy "
+                         f"(bf16x2 for bf16 inputs only), got {stage_gprec} for {dt}")
     storage = precision[2] if len(precision) > 2 else None
     if storage not in (None, "16-bit"):
         raise ValueError(f"precision: storage must be None or '16-bit', got {storage!r}")
@@ -917,9 +921,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             scale,
             **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
+        post = stage_gprec.get("dqkwg_post", stage_gprec.get("dqkwg", gprec))      # ds K, ds^T Q
         bwd_dqkwg_kernel[(ch.total * HV, NKG)](
             qu, ku, v_new, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            B * T * HV, **stage("dqkwg"), **dq_cfg)
+            B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32")
         if stages is not None:
             stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
