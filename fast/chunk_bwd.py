@@ -74,7 +74,7 @@ import triton.language as tl
 
 from refgdn.checks import one_host_read
 
-from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_coords,
+from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _check_fast_limits, _chunk_rows,
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
                     _trunc_tf32)
@@ -242,12 +242,10 @@ def bwd_dv_local_kernel(
     pid = tl.program_id(0)
     i_c = pid // HV
     i_h = pid % HV
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
+                                                     IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    rows = bos + i_t * BT + o_t
-    m_r = rows < eos
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
     qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
     m_rk = m_r[:, None] & (o_k < K)[None, :]
     b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -377,14 +375,12 @@ def bwd_dqkwg_kernel(
     i_kb = tl.program_id(1)
     i_c = pid // HV
     i_h = pid % HV
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
+                                                     IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = i_kb * BKC + tl.arange(0, BKC)
     m_k = o_k < K
-    rows = bos + i_t * BT + o_t
-    m_r = rows < eos
     m_rk = m_r[:, None] & m_k[None, :]
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
     qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
     h_base = (i_c.to(tl.int64) * HV + i_h) * K * V
 
@@ -469,13 +465,9 @@ def bwd_dw_kernel(
     pid = tl.program_id(0)
     i_c = pid // HV
     i_h = pid % HV
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    o_t = tl.arange(0, BT)
+    _, _, _, _, _, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT, IS_VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    rows = bos + i_t * BT + o_t
-    m_r = rows < eos
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
     h_base = (i_c.to(tl.int64) * HV + i_h) * K * V
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
@@ -528,11 +520,9 @@ def bwd_wy_kernel(
     pid = tl.program_id(0)
     i_c = pid // HV
     i_h = pid % HV
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
+                                                     IS_VARLEN)
     o_t = tl.arange(0, BT)
-    rows = bos + i_t * BT + o_t
-    m_r = rows < eos
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
     qk_off = ((i_b * T + rows).to(tl.int64) * H + i_h // GROUP) * K
     r64 = rows.to(tl.int64)
 

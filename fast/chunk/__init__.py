@@ -104,8 +104,8 @@ from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
 from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECISION,  # noqa: F401
                      L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
-                     _chunk_coords, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _is_fp64,
-                     _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
+                     _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff,
+                     _is_fp64, _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
                      _unit_last)
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
                  _kk, _l_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,

@@ -4,7 +4,8 @@ that several kernels (and fast.chunk_bwd's) call, and the host helpers of every 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   G, Gl: [B, T, HV] fp32
     G_i - G_j = (G_i - G_j) + (Gl_i - Gl_j)        (``_gdiff``: the compensated decay exponent, PRECISE)
 
-Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_seq_head`` (a
+Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_chunk_rows`` (and the
+chunk's rows, their mask and flat (token, head) index, for the chunk-parallel kernels), ``_seq_head`` (a
 sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
 (tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
@@ -76,6 +77,18 @@ def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN: tl.constexpr
         bos = 0
         eos = T
     return i_b, i_t, bos, eos
+
+
+@triton.jit
+def _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """Chunk i_c's token rows for value head i_h: (i_b, i_t, bos, eos as _chunk_coords's; rows [BT]; m_r [BT],
+    the row lies inside its sequence; tok [BT] int64, the flat (token, value head) index of [B, T, HV, ...])."""
+    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    rows = bos + i_t * BT + tl.arange(0, BT)
+    m_r = rows < eos
+    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    return i_b, i_t, bos, eos, rows, m_r, tok
 
 
 @triton.jit

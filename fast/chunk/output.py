@@ -19,7 +19,7 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting
-from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_coords, _Chunks, _dot, _exp,
+from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
                      _fp32_prec, _gdiff, _is_fp64, _precise, _unit_last)
 
 
@@ -50,15 +50,13 @@ def chunk_output_kernel(
     i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
     i_h = (pid // ((V + BV - 1) // BV)) % HV
     i_c = pid // (((V + BV - 1) // BV) * HV)
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
+                                                     IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    rows = bos + i_t * BT + o_t
-    m_r = rows < eos
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
     i_hk = i_h // GROUP
 
     b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],

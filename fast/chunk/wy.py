@@ -26,8 +26,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
-                     _check_fast_limits, _chunk_coords, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate, _gdiff,
-                     _is_fp64, _l2norm_rows, _precise, _unit_last, _upcast)
+                     _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
+                     _gdiff, _is_fp64, _l2norm_rows, _precise, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -373,10 +373,8 @@ def chunk_w_u_kernel(
     pid = tl.program_id(0)
     i_c = pid // HV
     i_h = pid % HV
-    i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    rows = bos + i_t * BT + tl.arange(0, BT)
-    m_r = rows < eos
-    tok = (i_b * T + rows).to(tl.int64) * HV + i_h
+    i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
+                                                     IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_rk = m_r[:, None] & (o_k < K)[None, :]
