@@ -41,7 +41,8 @@ recompute runs in fp32 (tf32x3 products) on the exact fp32 values of 16-bit tile
 the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
 kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
 products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
-dv_new, dG) are fp32. The 16-bit variant (both precisions None) is faster and fails the conformance
+dv_new, dG) are fp32, except dw and dv_new where every product that reads them is 16-bit (the bf16
+default: stored rounded, exactly what those products would round them to). The 16-bit variant (both precisions None) is faster and fails the conformance
 rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
 products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
 pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
@@ -286,7 +287,8 @@ def bwd_dh_kernel(
         dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
         dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new
 
-    q, k: [B, T, H, K] contiguous; w: [B, T, HV, K]; do: [B, T, HV, V]; dv_local, dv_new: [B, T, HV, V] fp32;
+    q, k: [B, T, H, K] contiguous; w: [B, T, HV, K]; do: [B, T, HV, V]; dv_local: [B, T, HV, V] fp32; dv_new:
+    [B, T, HV, V] fp32, or the inputs' dtype where its readers round it to that anyway (dv_new_dtype);
     dht, dh0: [N, HV, K, V] fp32; dh: [chunks, HV, K, V] (k's dtype: a dot operand of stage 3, like the
     forward's h). dh[c] is the gradient of the state at the END of chunk c. dS: fp32 [BK, BV] in registers.
     """
@@ -330,7 +332,7 @@ def bwd_dh_kernel(
         b_dv = tl.load(dv_local + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_dv += _gdot(b_k, b_dS, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
                                                                            PRECISE)[:, None]
-        tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv, mask=m_rv)
+        tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv.to(dv_new.dtype.element_ty), mask=m_rv)
 
         b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
         b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
@@ -456,7 +458,8 @@ def bwd_dw_kernel(
 
         dw = -dv_new h^T
 
-    h: [chunks, HV, K, V]; dv_new: [B, T, HV, V] fp32; dw: [B, T, HV, K] fp32; ref: any tensor in the inputs'
+    h: [chunks, HV, K, V]; dv_new: [B, T, HV, V]; dw: [B, T, HV, K] (each fp32 or 16-bit: dv_new_dtype,
+    dw_dtype); ref: any tensor in the inputs'
     dtype (its dtype only: the 16-bit dtype of the products, as stage 3's). grid = (chunks * HV,); K whole,
     V in blocks of BV. Its own kernel rather than a fourth accumulator of stage 3: there it cost registers
     (stage 3 spilled 776 B per thread with it, 96 without; sm_90, bench_train's shape) and a second read of
@@ -476,7 +479,7 @@ def bwd_dw_kernel(
         b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
         b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dw += _gdot(b_dv, tl.trans(b_h), ref.dtype.element_ty, GPREC, EMU_TF32, PREC, DOT_F32)
-    tl.store(dw + tok[:, None] * K + o_k[None, :], -b_dw, mask=m_r[:, None] & m_k[None, :])
+    tl.store(dw + tok[:, None] * K + o_k[None, :], (-b_dw).to(dw.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
 
 
 # ============================================================================================
@@ -510,7 +513,8 @@ def bwd_wy_kernel(
         dg_s = sum_{c >= s in the chunk} dG_c ;  GATE: da = dg dg/da, dA_log per token = dg g
 
     k: [B, T, H, K] contiguous (normalised when asked); v, beta, g: strided; A: [B, T, HV, BT];
-    dw, dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; du = dv_new: fp32;
+    dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; dw: [B, T, HV, K], du = dv_new:
+    [B, T, HV, V], fp32 or (dw_dtype, dv_new_dtype) 16-bit when this kernel's products round them anyway;
     dG: [NKG, B, T, HV] fp32 (stage 3's partial sums, s_dG apart); dv: [B, T, HV, V] v's dtype;
     dbeta, dg, dA_log_t: [B, T, HV] fp32.
     Registers: K in blocks of BKC, V in blocks of BV, so only [BT, BT] blocks (dA, A^T, K K^T) and one
@@ -871,12 +875,21 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     Glx = G if Gl is None else Gl
     do = do.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
-    dv_new = torch.empty(B, T, HV, V, **f32)
+    # dv_new and dw are read only as operands of stage 3b's / stage 4's products (and stage 2's own, on its
+    # registers). Where those products are 16-bit (bf16 default: STAGE_GRAD_DOT dw, wy None) they round the
+    # operand to the inputs' dtype on load, so storing the rounded value instead is exact, bit for bit, and
+    # halves the bytes (the same round-to-nearest cast, in the writer instead of the reader; bench_train's shape,
+    # bf16: 2 x 0.27 GB less written and 0.8 GB less read).
+    wy_gprec = stage_gprec.get("wy", "tf32" if gprec == "bf16x2" else gprec)
+    rounds = sdt == dt != torch.float32                  # the products' 16-bit dtype is the inputs' (k, A stored in dt)
+    dw_dt = dt if rounds and wy_gprec is None else torch.float32
+    dvn_dt = dt if rounds and wy_gprec is None and stage_gprec.get("dw", gprec) is None else torch.float32
+    dv_new = torch.empty(B, T, HV, V, dtype=dvn_dt, device=dev)
     dh = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
     dq = torch.empty(B, T, HV, K, **f32)
     dk = torch.empty(B, T, HV, K, **f32)
-    dw = torch.empty(B, T, HV, K, **f32)
+    dw = torch.empty(B, T, HV, K, dtype=dw_dt, device=dev)
     dq_cfg = _cfg("dqkwg", dqkwg_bwd_config(K, V, tf32_operands=rprec is not None), configs)
     NKG = BK // dq_cfg["BKC"]                                            # stage 3's K-blocks
     dG = torch.empty(NKG, B, T, HV, **f32)                               # their partial sums of dG
@@ -896,7 +909,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
 
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
-        dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
+        # stage 2 reads dv_local (fp32), then overwrites it with dv_new where that is fp32 too
+        dv_local = dv_new if stages is None and dvn_dt == torch.float32 else torch.empty(B, T, HV, V, **f32)
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
@@ -930,7 +944,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
         # full bf16 gradient families throughout (module comment), this mix lies between them
-        wy = stage("wy", "tf32" if gprec == "bf16x2" else gprec)
+        wy = stage("wy", wy_gprec)
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
