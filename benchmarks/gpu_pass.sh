@@ -12,8 +12,8 @@
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
 #     (with and without cu_seqlens_cpu, fla beside both). First GPU run: sixth session of 2026-11-23 (H200).
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the bf16 default of
-#     fast.chunk_bwd, bf16x2/bf16x2/16-bit/forward with STAGE_GRAD_DOT's dh:None+dw:None+dv_local:None+wy:None,
-#     and the candidate that adds dqkwg_post:None): the gradient matrix under each (full bf16 families),
+#     fast.chunk_bwd, bf16x2/bf16x2/16-bit/forward with STAGE_GRAD_DOT's
+#     dh:None+dw:None+dv_local:None+wy:None+dqkwg_post:None): the gradient matrix under each (full bf16 families),
 #     fwd+bwd time and a per-kernel profile beside the default; then the gradient conformance op
 set -uo pipefail
 OUT=${OUT:-./gpu-pass-out}; mkdir -p "$OUT"
@@ -90,8 +90,8 @@ for r in b.bench_chunk('cuda', c.matmul_tflops('cuda'), only='varlen'):
     print(r)" 2>&1 | grep -v Warn | tee "$OUT/varlen-rows.log" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *train* ]]; then
-  bf16=bf16x2/bf16x2/16-bit/forward/dh:None+dw:None+dv_local:None+wy:None
-  variants=${VARIANTS:-$bf16,$bf16+dqkwg_post:None}
+  bf16=bf16x2/bf16x2/16-bit/forward/dh:None+dw:None+dv_local:None+wy:None+dqkwg_post:None
+  variants=${VARIANTS:-$bf16}
   # cold compiles of the full bf16 families took > 200 s per variant in one process on an H100 (2026-11-23)
   timeout ${GRAD_PRECISION_TIMEOUT:-500} python3 -m benchmarks.grad_precision --variants "$variants" --jobs 12 2>&1 \
     | tee "$OUT/grad-precision.log" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))

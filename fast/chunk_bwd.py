@@ -155,18 +155,20 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
 # STAGE_GRAD_DOT: per input dtype, a stage's own GRAD_DOT precision where it differs from the dtype's ({stage
 # name as in ``configs``: precision}; "wy" replaces the WY backward's own rule; benchmarks.grad_precision's
-# variant field 5). bf16 since 2026-11-25: 16-bit products with a gradient operand everywhere but stage 3 (the
-# recompute keeps bf16x2). Which stage needs the precision, quick bf16 families in the interpreter with
+# variant field 5). bf16 since 2026-11-25: 16-bit products with a gradient operand everywhere but stage 3's loop
+# over V (the recompute keeps bf16x2). Which stage needs the precision, quick bf16 families in the interpreter with
 # round-to-nearest casts (worst ratio; the default before 0.902): stage 3 (dqkwg) alone at 16-bit 1.314 (fails),
 # dh 0.870, dw 0.893, dv_local 0.847, wy 0.971, these four together 0.762. On a GPU (H100, Triton 3.6, the full
 # bf16 gradient families, benchmarks.grad_precision; fwd+bwd at bench_train's shape in the same process, kernel 1
 # rerun): the previous default worst 0.764 (dg, no-init-K64-V96), 5.171 ms; dh, dw, dv_local 16-bit 0.764,
 # 5.008 ms; and the WY backward too 0.761, 4.898 ms (this default). Stage 3's own products, quick families with
-# round-to-nearest on top of this default: "dqkwg_post" (ds K and ds^T Q, after the loop over V) at 16-bit 0.762
-# (passes; not yet run on a GPU, so not the default); the loop's products with v_new (do v_new^T, v_new dh^T) at
-# 16-bit 1.174 (fails: ddt_bias with fused gating).
+# round-to-nearest on top of the four: "dqkwg_post" (ds K and ds^T Q, after the loop over V) at 16-bit 0.762
+# (passes); the loop's products with v_new (do v_new^T, v_new dh^T) at 16-bit 1.174 (fails: ddt_bias with fused
+# gating). dqkwg_post on a GPU (H100, Triton 3.6, 2026-11-25, full bf16 gradient families): worst 0.761 (the
+# same dg case as without it), stage 3 1122 -> 1032 us, fwd+bwd 4.904 -> 4.838 ms in one process. The default since
+# then.
 STAGE_GRAD_DOT = MappingProxyType({
-    torch.bfloat16: MappingProxyType({"dv_local": None, "dh": None, "dw": None, "wy": None}),
+    torch.bfloat16: MappingProxyType({"dv_local": None, "dh": None, "dw": None, "wy": None, "dqkwg_post": None}),
     torch.float16: MappingProxyType({}), torch.float32: MappingProxyType({})})
 
 
