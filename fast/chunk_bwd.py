@@ -714,14 +714,19 @@ def dw_bwd_config(K: int, V: int) -> dict:
     return dict(BV=min(64, BVmax), num_warps=4 if BK <= 128 else 8, num_stages=2)
 
 
-def wy_bwd_config(K: int, V: int) -> dict:
+def wy_bwd_config(K: int, V: int, sixteen_bit: bool = False) -> dict:
     """Stage 4: K in blocks of BKC, V in blocks of BV; live: three [BT, BT] fp32 blocks (dA, A^T, K K^T)
     and one operand tile of each kind. sm_90, Triton 3.9, bench_train's shape (bf16, fp32 recompute):
-    8 warps BV 32 spill 4 B, BV 64 8 B, 4 warps BV 32 144 B (before the K blocks: 288 B at 8 warps)."""
+    8 warps BV 32 spill 4 B, BV 64 8 B, 4 warps BV 32 144 B (before the K blocks: 288 B at 8 warps).
+    sixteen_bit (its products with a gradient operand are 16-bit: dw and dv_new arrive 16-bit; the bf16
+    default): BV 64, no spills at the bench shape, and fwd+bwd 5.33 ms against 5.38-5.39 at BV 32 (H100,
+    Triton 3.6, bench_train --sweep wy, 2026-11-25; 8 warps 5.89-6.04, two stages no better, BKC 64 faulted:
+    bench_train's sweep comment). With fp32 or tf32 products BV 64 spills more (sm_90, Triton 3.9, small
+    shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32 there."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
+    return dict(BKC=min(32, BK), BV=min(64 if sixteen_bit else 32, BVmax), num_warps=4, num_stages=1)
 
 
 def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -952,7 +957,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
             **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
-            **_cfg("wy", wy_bwd_config(K, V), configs))
+            **_cfg("wy", wy_bwd_config(K, V, sixteen_bit=wy_gprec is None), configs))
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:
