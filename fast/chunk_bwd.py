@@ -153,6 +153,14 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
 # 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
+# QK_GRAD_STORAGE: how the per-value-head dq and dk (stage 3's dq, stage 4's total dk; stage 5 sums them over the
+# GVA group, through the l2norm, and casts) are stored, per input dtype: None fp32; "16-bit" the inputs' dtype, a
+# rounding before the group sum and the l2norm backward as well as the one after (precision hazard: that backward
+# is a projection, d - y (y . d), which cancels where d is near y; the rounding is relative to d, not to the
+# result). Half the bytes: bench_train's shape, 0.27 GB less written and 0.27 GB less read. Quick bf16 families
+# in the interpreter with round-to-nearest casts (the bf16 default beside it): worst ratio 0.876 either way (ddt_bias,
+# fused gating); dk's worst 0.635 (varlen-empty-len1), where every family's worst was <= 0.331 before.
+QK_GRAD_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: None, torch.float32: None})
 # STAGE_GRAD_DOT: per input dtype, a stage's own GRAD_DOT precision where it differs from the dtype's ({stage
 # name as in ``configs``: precision}; "wy" replaces the WY backward's own rule; benchmarks.grad_precision's
 # variant field 5). bf16 since 2026-11-25: 16-bit products with a gradient operand everywhere but stage 3's loop
@@ -371,7 +379,8 @@ def bwd_dqkwg_kernel(
     (dw = -dv_new h^T, the gradient through v_new = u - w h, is bwd_dw_kernel's.)
 
     q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; h, dh: [chunks, HV, K, V];
-    dq, dk: [B, T, HV, K] fp32 (per value head); dG: [NK, B, T, HV] fp32, one partial sum per K-block
+    dq: [B, T, HV, K] fp32 or 16-bit (host: QK_GRAD_STORAGE), dk: [B, T, HV, K] fp32 (per value head);
+    dG: [NK, B, T, HV] fp32, one partial sum per K-block
     (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
     grid = (chunks * HV, NK): each program owns the K columns of its block, V in blocks of BV inside;
     (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
@@ -440,7 +449,7 @@ def bwd_dqkwg_kernel(
     b_dG = tl.where(o_t == last, b_dG + g_last, b_dG)
 
     out = tok[:, None] * K + o_k[None, :]
-    tl.store(dq + out, b_dq, mask=m_rk)
+    tl.store(dq + out, b_dq.to(dq.dtype.element_ty), mask=m_rk)
     tl.store(dk + out, b_dk, mask=m_rk)
     tl.store(dG + i_kb.to(tl.int64) * s_dG + tok, b_dG, mask=m_r)
 
@@ -497,7 +506,7 @@ def _mm(a, b, P: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def bwd_wy_kernel(
-    k, v, beta, g, A_log, dt_bias, G, Gl, A, dw, du, dk, dG,
+    k, v, beta, g, A_log, dt_bias, G, Gl, A, dw, du, dk, dk_out, dG,
     dv, dbeta, dg, dA_log_t,
     cu_seqlens, chunk_indices, T, NT, s_dG,
     s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_gb, s_gt, s_gh,
@@ -516,7 +525,8 @@ def bwd_wy_kernel(
         dg_s = sum_{c >= s in the chunk} dG_c ;  GATE: da = dg dg/da, dA_log per token = dg g
 
     k: [B, T, H, K] contiguous (normalised when asked); v, beta, g: strided; A: [B, T, HV, BT];
-    dk (in: stage 3's, out: the total per value head): [B, T, HV, K] fp32; dw: [B, T, HV, K], du = dv_new:
+    dk: [B, T, HV, K] fp32, stage 3's; dk_out: the total per value head, [B, T, HV, K] fp32 (may be dk itself)
+    or 16-bit (host: QK_GRAD_STORAGE); dw: [B, T, HV, K], du = dv_new:
     [B, T, HV, V], fp32 or 16-bit when this kernel's products round them anyway (host: dw_dt, dvn_dt);
     dG: [NKG, B, T, HV] fp32 (stage 3's partial sums, s_dG apart); dv: [B, T, HV, V] v's dtype;
     dbeta, dg, dA_log_t: [B, T, HV] fp32.
@@ -595,7 +605,7 @@ def bwd_wy_kernel(
         b_dKb = _gdot(b_At, b_dw, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_dk = tl.load(dk + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0) + b_dKb * b_bG[:, None]
         b_dk += _gdot(b_Rs, b_k, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
-        tl.store(dk + tok[:, None] * K + o_k[None, :], b_dk, mask=m_rk)
+        tl.store(dk_out + tok[:, None] * K + o_k[None, :], b_dk.to(dk_out.dtype.element_ty), mask=m_rk)
 
     # dg: reverse cumsum inside the chunk (padded rows carry dG = 0)
     b_dG = tl.where(m_r, b_dG, 0.0)
@@ -630,7 +640,7 @@ def bwd_qk_finish_kernel(
     """Per block of BR rows (token, key head h): d = sum_j d_hv[token, h * GROUP + j] (the GVA group's value
     heads); with L2NORM, through y = x / sqrt(sum(x^2) + eps):  dx = (d - y (y . d)) / sqrt(sum(x^2) + eps).
 
-    d_hv: [B, T, HV, K] fp32; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its dtype).
+    d_hv: [B, T, HV, K] fp32 or 16-bit; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its dtype).
     grid = (cdiv(B T H, BR),). All in fp32.
     """
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -640,7 +650,7 @@ def bwd_qk_finish_kernel(
     r64 = r.to(tl.int64)
     acc = tl.zeros([BR, BK], dtype=tl.float32)
     for j in tl.static_range(GROUP):                 # row (token, h) -> value head rows (token, h G + j)
-        acc += tl.load(d_hv + (r64 * GROUP + j)[:, None] * K + o_k[None, :], mask=m, other=0.0)
+        acc += tl.load(d_hv + (r64 * GROUP + j)[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     if L2NORM:
         xr = tl.load(x + r64[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
         rs = tl.rsqrt(tl.sum(xr * xr, 1) + EPS)
@@ -901,8 +911,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dv_new = torch.empty(B, T, HV, V, dtype=dvn_dt, device=dev)
     dh = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
-    dq = torch.empty(B, T, HV, K, **f32)
-    dk = torch.empty(B, T, HV, K, **f32)
+    qk_dt = dt if QK_GRAD_STORAGE.get(dt) == "16-bit" else torch.float32
+    dq = torch.empty(B, T, HV, K, dtype=qk_dt, device=dev)
+    dk = torch.empty(B, T, HV, K, **f32)                                 # stage 3's; stage 4 adds to it
+    dk_tot = dk if qk_dt == torch.float32 else torch.empty(B, T, HV, K, dtype=qk_dt, device=dev)
     dw = torch.empty(B, T, HV, K, dtype=dw_dt, device=dev)
     dq_cfg = _cfg("dqkwg", dqkwg_bwd_config(K, V, tf32_operands=rprec is not None), configs)
     NKG = BK // dq_cfg["BKC"]                                            # stage 3's K-blocks
@@ -959,7 +971,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # full bf16 gradient families throughout (module comment), this mix lies between them
         wy = stage("wy", wy_gprec)
         bwd_wy_kernel[(ch.total * HV,)](
-            ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dG, dv, dbeta, dg,
+            ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dk_tot, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
             **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
@@ -967,14 +979,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:
-        for t in (dq, dk, dG, dbeta, dg, dv):
+        for t in (dq, dk_tot, dG, dbeta, dg, dv):
             t.zero_()
     if stages is not None:
-        stages.update(dk=dk.clone(), dv=dv.clone(), dbeta=dbeta.clone(), dg=dg.clone())
+        stages.update(dk=dk_tot.clone(), dv=dv.clone(), dbeta=dbeta.clone(), dg=dg.clone())
 
     # ---- 5. per key head: sum over the GVA group, l2norm backward, cast (one pass each) -----------
     dq = _qk_finish(dq, q, H, l2, dt)                                    # [B, T, (h j), K] -> [B, T, h, K]
-    dk = _qk_finish(dk, k, H, l2, dt)
+    dk = _qk_finish(dk_tot, k, H, l2, dt)
     dA_log = ddt_bias = None
     if A_log is not None:
         dA_log = dA_log_t.sum((0, 1)).to(A_log.dtype) if T > 0 else torch.zeros_like(A_log)
