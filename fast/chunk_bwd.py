@@ -42,7 +42,8 @@ the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 1
 kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
 products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
 dv_new, dG) are fp32, except dw and dv_new where every product that reads them is 16-bit (the bf16
-default: stored rounded, exactly what those products would round them to). The 16-bit variant (both precisions None) is faster and fails the conformance
+default: stored rounded, exactly what those products would round them to), dv_local with them, and dq / dk
+per value head for bf16 (QK_GRAD_STORAGE). The 16-bit variant (both precisions None) is faster and fails the conformance
 rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
 products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
 pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
@@ -63,6 +64,15 @@ to load per V-block), stage 3b 267 us (805 MB at 3.0 TB/s: the copy ceiling), th
 ((R + R^T) K as one product); forward + backward 5.30 -> 5.07 ms (fla 4.43 in the same call). Tried and slower
 (A/B in one call): dw formed inside the WY kernel, K whole (8 warps: 736 B of spills, the WY kernel 1.8 ms) or
 per K-block in both passes (dw's small products recomputed: 1.7 ms).
+Bytes (2026-11-25, H100, Triton 3.6, same shape; benchmarks/RESULTS.md, 01:45 to 02:34): the gradient buffers that
+every reader rounds anyway (dv_new, dw) and those whose extra rounding the conformance rule allows (dv_local; dq
+and dk per value head: QK_GRAD_STORAGE) are stored 16-bit for bf16; stage 3's products of ds are 16-bit
+(STAGE_GRAD_DOT dqkwg_post); the WY backward runs BV 64; the custom op no longer zero-fills its kept outputs'
+gradients. Per kernel at 53767e8: stage 3 1032 us, the state pass (forward and recompute) 951, the WY backward
+674, the reverse pass 477, kernel 2 (recompute) 264, stage 3b 178, stage 5 176, stage 1 170, kernel 1 167;
+forward + backward 4.90 -> 4.13 ms, fla 4.44 in the same process. Tried and slower: stage 3 with one program per
+key head walking its value heads (dq summed over the group in the kernel): half the programs, 552 B of spills per
+thread, stage 3 1036 -> 1890 us.
 """
 from __future__ import annotations
 
