@@ -70,9 +70,9 @@ and dk per value head: QK_GRAD_STORAGE) are stored 16-bit for bf16; stage 3's pr
 (STAGE_GRAD_DOT dqkwg_post); the WY backward runs BV 64; the custom op no longer zero-fills its kept outputs'
 gradients. Per kernel at 53767e8: stage 3 1032 us, the state pass (forward and recompute) 951, the WY backward
 674, the reverse pass 477, kernel 2 (recompute) 264, stage 3b 178, stage 5 176, stage 1 170, kernel 1 167;
-forward + backward 4.90 -> 4.13 ms, fla 4.44 in the same process. Tried and slower: stage 3 with one program per
-key head walking its value heads (dq summed over the group in the kernel): half the programs, 552 B of spills per
-thread, stage 3 1036 -> 1890 us.
+forward + backward (custom op) 4.79 -> 4.13 ms, fla 4.44 in the same process as the latter. Tried and slower:
+stage 3 with one program per key head walking its value heads (dq summed over the group in the kernel): half the
+programs, 552 B of spills per thread, stage 3 1036 -> 1890 us.
 """
 from __future__ import annotations
 
