@@ -741,8 +741,9 @@ def wy_bwd_config(K: int, V: int, sixteen_bit: bool = False) -> dict:
     8 warps BV 32 spill 4 B, BV 64 8 B, 4 warps BV 32 144 B (before the K blocks: 288 B at 8 warps).
     sixteen_bit (its products with a gradient operand are 16-bit: dw and dv_new arrive 16-bit; the bf16
     default): BV 64, no spills at the bench shape, and fwd+bwd 5.33 ms against 5.38-5.39 at BV 32 (H100,
-    Triton 3.6, bench_train --sweep wy, 2026-11-25; 8 warps 5.89-6.04, two stages no better, BKC 64 faulted:
-    bench_train's sweep comment). With fp32 or tf32 products BV 64 spills more (sm_90, Triton 3.9, small
+    Triton 3.6, bench_train --sweep wy, 2026-11-25 01:55, on a tree with a slower stage-3 variant that was not
+    kept, this WY kernel; 8 warps 5.89-6.04, two stages no better, BKC 64 faulted: bench_train's sweep comment;
+    the WY kernel then took 714 us against 781 in the next profiles, with dv_local's storage change beside it). With fp32 or tf32 products BV 64 spills more (sm_90, Triton 3.9, small
     shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32 there."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
