@@ -167,6 +167,7 @@ def run_all(cases: list, device: str, progress: bool = True, stream=None, sink=N
         if bar:
             bar.update(i, label, failed)
         recs = run_case(c, device)
+        _release_cached_memory(device)
         failed += sum(not r["passed"] for r in recs)
         records.extend(recs)
         if sink is not None:
@@ -175,6 +176,16 @@ def run_all(cases: list, device: str, progress: bool = True, stream=None, sink=N
         bar.update(len(cases), "done", failed)
         bar.close()
     return records
+
+
+def _release_cached_memory(device: str) -> None:
+    """Give the blocks torch's caching allocator keeps after a case back to the device. Workers share one GPU: a
+    worker's cache from its largest case (the float64 truth's autograd) is memory another worker's Triton launch or
+    cuBLAS handle cannot get, which torch's own retry-after-freeing never sees (H100, 12 workers, 2026-11-25: a
+    float32 gradient case failed with Triton's "out of memory" and passed alone). Not yet measured on a GPU."""
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
 
 
 def _timeout_record(detail: str) -> dict:
