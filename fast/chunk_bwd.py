@@ -43,8 +43,8 @@ kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UP
 products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
 dv_new, dG) are fp32, except dw and dv_new where every product that reads them is 16-bit (the bf16
 default: stored rounded, exactly what those products would round them to), dv_local with them, and dq / dk
-per value head for bf16 (QK_GRAD_STORAGE). The 16-bit variant (both precisions None) is faster and fails the conformance
-rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
+per value head for bf16 (QK_GRAD_STORAGE). The 16-bit variant (both precisions None) is faster and fails the
+conformance rule in bf16 (numbers below; benchmarks/grad_precision.py measures each pair). fp32 inputs: IEEE
 products. The products A^T dA A^T of the inverse's backward run in fp32 (INV_PRECISION). Configs are
 pinned (``*_bwd_config``: shared memory and spills from sm_90 compiles, benchmarks/compile_check.py;
 times from bench_train --sweep on an H100), never autotuned: these are training kernels but they share
@@ -351,8 +351,8 @@ def bwd_dh_kernel(
             b_Gl = b_G
             Gl_last = G_last
         b_dv = tl.load(dv_local + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0).to(tl.float32)
-        b_dv += _gdot(b_k, b_dS, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32) * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r,
-                                                                           PRECISE)[:, None]
+        b_dv += (_gdot(b_k, b_dS, b_k.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+                 * _row_decay(b_G, b_Gl, G_last, Gl_last, m_r, PRECISE)[:, None])
         tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dv.to(dv_new.dtype.element_ty), mask=m_rv)
 
         b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -481,11 +481,10 @@ def bwd_dw_kernel(
         dw = -dv_new h^T
 
     h: [chunks, HV, K, V]; dv_new: [B, T, HV, V]; dw: [B, T, HV, K] (each fp32 or 16-bit, host: dvn_dt,
-    dw_dt); ref: any tensor in the inputs'
-    dtype (its dtype only: the 16-bit dtype of the products, as stage 3's). grid = (chunks * HV,); K whole,
-    V in blocks of BV. Its own kernel rather than a fourth accumulator of stage 3: there it cost registers
-    (stage 3 spilled 776 B per thread with it, 96 without; sm_90, bench_train's shape) and a second read of
-    dv_new per K-block program.
+    dw_dt); ref: any tensor in the inputs' dtype (its dtype only: the 16-bit dtype of the products, as stage
+    3's). grid = (chunks * HV,); K whole, V in blocks of BV. Its own kernel rather than a fourth accumulator
+    of stage 3: there it cost registers (stage 3 spilled 776 B per thread with it, 96 without; sm_90,
+    bench_train's shape) and a second read of dv_new per K-block program.
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -501,7 +500,8 @@ def bwd_dw_kernel(
         b_dv = tl.load(dv_new + tok[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
         b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dw += _gdot(b_dv, tl.trans(b_h), ref.dtype.element_ty, GPREC, EMU_TF32, PREC, DOT_F32)
-    tl.store(dw + tok[:, None] * K + o_k[None, :], (-b_dw).to(dw.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
+    tl.store(dw + tok[:, None] * K + o_k[None, :], (-b_dw).to(dw.dtype.element_ty),
+             mask=m_r[:, None] & m_k[None, :])
 
 
 # ============================================================================================
@@ -650,7 +650,8 @@ def bwd_qk_finish_kernel(
     """Per block of BR rows (token, key head h): d = sum_j d_hv[token, h * GROUP + j] (the GVA group's value
     heads); with L2NORM, through y = x / sqrt(sum(x^2) + eps):  dx = (d - y (y . d)) / sqrt(sum(x^2) + eps).
 
-    d_hv: [B, T, HV, K] fp32 or 16-bit; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its dtype).
+    d_hv: [B, T, HV, K] fp32 or 16-bit; x: [B, T, H, K] contiguous (the raw q or k); out: [B, T, H, K] (its
+    dtype).
     grid = (cdiv(B T H, BR),). All in fp32.
     """
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -743,8 +744,8 @@ def wy_bwd_config(K: int, V: int, sixteen_bit: bool = False) -> dict:
     default): BV 64, no spills at the bench shape, and fwd+bwd 5.33 ms against 5.38-5.39 at BV 32 (H100,
     Triton 3.6, bench_train --sweep wy, 2026-11-25 01:55, on a tree with a slower stage-3 variant that was not
     kept, this WY kernel; 8 warps 5.89-6.04, two stages no better, BKC 64 faulted: bench_train's sweep comment;
-    the WY kernel then took 714 us against 781 in the next profiles, with dv_local's storage change beside it). With fp32 or tf32 products BV 64 spills more (sm_90, Triton 3.9, small
-    shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32 there."""
+    the WY kernel then took 714 us against 781 in the next profiles). With fp32 or tf32 products BV 64 spills
+    more (sm_90, Triton 3.9, small shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
@@ -916,9 +917,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # --interpreter-rne), the default's worst ratio: 0.762 with dv_local fp32, 0.876 stored bf16 (ddt_bias,
     # fused gating).
     wy_gprec = stage_gprec.get("wy", "tf32" if gprec == "bf16x2" else gprec)
-    rounds = sdt == dt != torch.float32                  # the products' 16-bit dtype is the inputs' (k, A stored in dt)
+    dw_gprec = stage_gprec.get("dw", gprec)
+    rounds = sdt == dt != torch.float32                  # the products' 16-bit dtype is the inputs' (k, A in dt)
     dw_dt = dt if rounds and wy_gprec is None else torch.float32
-    dvn_dt = dt if rounds and wy_gprec is None and stage_gprec.get("dw", gprec) is None else torch.float32
+    dvn_dt = dt if rounds and wy_gprec is None and dw_gprec is None else torch.float32
     dv_new = torch.empty(B, T, HV, V, dtype=dvn_dt, device=dev)
     dh = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
     dh0 = torch.empty(N, HV, K, V, **f32) if initial_state is not None else None
@@ -972,7 +974,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------
         bwd_dw_kernel[(ch.total * HV,)](
             h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(stage_gprec.get("dw", gprec)),
+            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(dw_gprec),
             **_cfg("dw", dw_bwd_config(K, V), configs))
         if stages is not None:
             stages.update(dw=dw.clone())

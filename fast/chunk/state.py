@@ -51,11 +51,12 @@ def chunk_state_kernel(
     u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
     h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
     V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head).
-    S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Both dots take 16-bit operands (S rounded to w's dtype, the decayed v_new
-    to k's) with fp32 accumulation. Only loads that do not depend on S are issued per chunk, so the
-    compiler's software pipeline (num_stages) prefetches the next chunk's w, u, k, G while this one
-    computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). UPCAST (the backward's fp32
-    recompute): w and k tiles converted to fp32 after the load, so both dots keep S and v_new in fp32.
+    S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Both dots take 16-bit
+    operands (S rounded to w's dtype, the decayed v_new to k's) with fp32 accumulation. Only loads that do
+    not depend on S are issued per chunk, so the compiler's software pipeline (num_stages) prefetches the next
+    chunk's w, u, k, G while this one computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    UPCAST (the backward's fp32 recompute): w and k tiles converted to fp32 after the load, so both dots keep
+    S and v_new in fp32.
 
     FROM_A (the forward): w and u are never formed. With w = A diag(beta exp(G)) K and u = A diag(beta) V
     (kernel 2's definitions),  v_new = u - w S = A (beta (V - exp(G) (K S))):  one [BT, K] x [K, BV] dot with
