@@ -43,8 +43,9 @@ program), so the state's traffic would fill the conv's time: slower at every N, 
 N = 8 12.4 -> 14.1 us (H200), 14.8 -> 16.6-17.7 (H100); N = 4 +0.4-1.1 us; N = 1 within noise.
 
 Small batches (N <= PDL_MAX_N, sm_90+): the step is latency-bound (one request's state is 2 MB at
-Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the conv kernel waits for its
-predecessor at its top and then lets the step kernel start, whose programs read their state blocks
+Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the conv kernel loads what its
+predecessor cannot be writing (without drafts: the slot, its window and taps), waits for it, and then lets
+the step kernel start, whose programs read their state blocks
 (and, for decode, a and b) while the conv runs and wait (``gdc_wait``) only before the conv's outputs.
 Per layer of a 32-layer CUDA graph (H100): N = 1 5.1-5.4 us against 6.8 without PDL (fla's fused
 recurrent alone, without conv and gating: 5.2). Eager, a cached call signature launches through
@@ -355,9 +356,30 @@ def _earliest_other(state_indices, slot, i_n, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
-                    TCAP: tl.constexpr, TMAX: tl.constexpr, VARLEN: tl.constexpr, BN: tl.constexpr):
-    """The value rules of one request of a step (refgdn.serving.step_faults, on the device).
+def _row_slot(state_indices, i_n, N, checks, BN: tl.constexpr):
+    """Request i_n's raw slot (state_indices[i_n]) and its duplicate key (_earliest_other; 2N when ``checks``
+    is 0): the part of a row's verdict that reads state_indices only, which no launch of a step writes (so a
+    conv kernel may load it before its ``gdc_wait``)."""
+    raw = tl.load(state_indices + i_n).to(tl.int64)
+    other = raw * 0 + 2 * N
+    if checks != 0:
+        other = _earliest_other(state_indices, raw, i_n, N, BN)
+    return raw, other
+
+
+@triton.jit
+def _safe_slot(raw, S):
+    """A raw slot index -> (in_range, real, slot): slot is raw where it is a real slot of [0, S), else 0."""
+    in_range = raw < S                                # any negative index: a padded row
+    real = in_range & (raw >= 0)
+    return in_range, real, tl.where(real, raw, 0)
+
+
+@triton.jit
+def _step_row_check(meta, cu_seqlens, i_n, N, T, S, checks, raw, other,
+                    TCAP: tl.constexpr, TMAX: tl.constexpr, VARLEN: tl.constexpr):
+    """The value rules of one request of a step (refgdn.serving.step_faults, on the device). raw, other:
+    from _row_slot (the request's state_indices entry and its duplicate scan).
 
     Returns (slot, ok, live, bos, L, count, word, code, value, extra):
       slot   a safe slot address (the request's slot when it is a real one, else 0)
@@ -369,10 +391,7 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
     ``checks`` == 0 skips the duplicate scan and the global offset loads: for benchmarks/bench_decode's
     cost measurement only (a runtime int, so both run the one compiled variant; never 0 in serving).
     """
-    raw = tl.load(state_indices + i_n).to(tl.int64)
-    in_range = raw < S                                # any negative index: a padded row
-    real = in_range & (raw >= 0)
-    slot = tl.where(real, raw, 0)
+    in_range, real, slot = _safe_slot(raw, S)
     count = tl.load(meta + slot * 2, mask=real, other=0)
     word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
     c0 = raw * 0
@@ -387,9 +406,6 @@ def _step_row_check(meta, state_indices, cu_seqlens, i_n, N, T, S, checks,
         bos = c0 + i_n
         eos = bos + 1
     L = eos - bos
-    other = raw * 0 + 2 * N
-    if checks != 0:
-        other = _earliest_other(state_indices, raw, i_n, N, BN)
     dup = real & (other < 2 * N)
     code, value, extra = _step_code(raw, in_range, real, i_n, N, T, bos, eos, other, word, S, TCAP, VARLEN)
     # token rows: every offset of the call sane (else no row is trusted), this one's span in [0, T]
@@ -422,8 +438,14 @@ def _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, first
 @triton.jit
 def _conv_pdl_enter():
     """The conv kernels' start as the previous kernel's programmatic dependent: wait for it (and, by its own
-    wait, everything before it) before reading anything; then let the step kernel start: before its
-    gdc_wait it reads only state_indices and the ssm state, which the conv kernels do not write."""
+    wait, everything before it) before reading anything it may write; then let the step kernel start: before
+    its gdc_wait it reads only state_indices and the ssm state, which the conv kernels do not write.
+
+    What may still run when a conv program starts: only a step kernel (the only kernel that lets its dependents
+    start early: conv_step_kernel's dependent is always its own call's step kernel), and that one only after its
+    own wait, so everything launched before it is complete. A step kernel writes the ssm state, the pending
+    inputs, pend_meta and o; conv_step_kernel without drafts reads state_indices, its window and its taps before
+    calling this (see there)."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
@@ -432,8 +454,37 @@ def _conv_pdl_enter():
 def _own_slot(state_indices, i_n, S):
     """Request i_n's slot read before its verdict is known (PDL's early state read): state_indices[i_n]
     where it is a real slot, else 0 -- a safe address whatever the value."""
-    raw = tl.load(state_indices + i_n).to(tl.int64)
-    return tl.where((raw >= 0) & (raw < S), raw, 0)
+    in_range, real, slot = _safe_slot(tl.load(state_indices + i_n).to(tl.int64), S)
+    return slot
+
+
+@triton.jit
+def _window_taps(p_c, p_w, bias, o_d, off, m_win, m_d, stride_c_w, stride_w_w, W: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """The committed window (columns off .. off+W-2 of the slot's channels at p_c) and the taps (weight
+    columns at p_w, bias) as float32 [BD] registers: (r0, r1, r2, w0, w1, w2, w3, bias). Register m holds window
+    column W-4+m; columns < 0 do not exist (zeros, as their taps)."""
+    zero = tl.zeros(o_d.shape, dtype=tl.float32)
+    r0 = zero
+    r1 = zero
+    r2 = zero
+    w0 = zero
+    w1 = zero
+    w2 = zero
+    b_bias = zero
+    if W >= 4:
+        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if W >= 3:
+        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if W >= 2:
+        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
+        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    return r0, r1, r2, w0, w1, w2, w3, b_bias
 
 
 @triton.jit(do_not_specialize=["N", "T", "S", "checks"])   # one variant for every batch size, token count, ...
@@ -458,18 +509,44 @@ def conv_step_kernel(
     Every column is a [BD] vector (channels across threads), so the taps are per-thread FMAs.
 
     Latency: the first min(TMAX, 4) tokens' inputs are loaded before any is used, each later one 4
-    tokens ahead. (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the
-    window's reads need not wait for the count, measured slower on an H200: the column extraction
-    and layout changes cost more than the dependent load.)
+    tokens ahead. PDL without drafts (TCAP = 1: the window starts at column 0): the slot's state_indices entry,
+    its duplicate scan, the window and the taps load before ``gdc_wait`` (nothing a step kernel writes:
+    _conv_pdl_enter), so after it one round trip is left (pend_meta and the new inputs) instead of two, before
+    the step kernel's state reads fill the memory system. Per layer of a 32-layer graph (2026-11-25, float32
+    state; benchmarks/bench_graphs.per_layer_us, two processes each): H200 N = 1 4.37 -> 3.99 us, N = 2 5.58 ->
+    5.39, N = 4 8.18 -> 7.76, N = 8 12.40 -> 12.28; H100 N = 1 4.55 -> 4.24, N = 4 9.50 -> 9.15, N = 8 14.74 ->
+    14.80 (within noise). An in-kernel %globaltimer trace at N = 8 (H100): the conv's last program ends 1.5 us
+    after its wait instead of 8.8, but the step kernel's wait still returns ~8.8 us in (likely: the conv's stores
+    queue behind the step's 16.8 MB of early state reads); a release / acquire flag per request in place of the
+    wait passed just as late, and the step's state reads moved after its wait were slower (15.5 us).
+    (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the window's reads need not
+    wait for the count, measured slower on an H200: the column extraction and layout changes cost more than
+    the dependent load.)
     """
-    if PDL:
-        _conv_pdl_enter()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
+    p_w = weight + o_d * stride_w_d
+    if PDL and TCAP == 1:
+        # no drafts: the window starts at column 0 whatever the count, so the window, the taps and the
+        # slot's checks that read state_indices only load before the wait: the launch this one may overlap
+        # is a step kernel (the only kernels that let a dependent start early), which writes none of them
+        # (and everything before it is complete: it lets dependents start only after its own wait). After
+        # the wait one round trip is left (the slot's pend_meta and the new inputs, side by side) instead
+        # of two, while the step kernel's state reads fill the memory system.
+        raw, other = _row_slot(state_indices, i_n, N, checks, BN)
+        in_range, real, slot = _safe_slot(raw, S)
+        r0, r1, r2, w0, w1, w2, w3, b_bias = _window_taps(
+            conv_state + slot * stride_c_n + o_d.to(tl.int64) * stride_c_d, p_w, bias, o_d, 0, m_d, m_d,
+            stride_c_w, stride_w_w, W, HAS_BIAS)
+        _conv_pdl_enter()
+    else:
+        if PDL:
+            _conv_pdl_enter()
+        raw, other = _row_slot(state_indices, i_n, N, checks, BN)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
-        meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
+        meta, cu_seqlens, i_n, N, T, S, checks, raw, other, TCAP, TMAX, VARLEN)
     _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
                  bos, L, code, value, extra, TCAP, VARLEN)
     m_dv = m_d & _as_block(valid, o_d)              # channels of a request that writes (real, no fault)
@@ -498,27 +575,9 @@ def conv_step_kernel(
         m_win = m_dv
     drop = tl.minimum(L, 1)
 
-    p_w = weight + o_d * stride_w_d
-    # register m holds window column W-4+m (relative to off); columns < 0 do not exist (zeros)
-    zero = tl.zeros([BD], dtype=tl.float32)
-    r0 = zero
-    r1 = zero
-    r2 = zero
-    w0 = zero
-    w1 = zero
-    w2 = zero
-    if W >= 4:
-        r0 = tl.load(p_c + (off + (W - 4)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
-        w0 = tl.load(p_w + (W - 4) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-    if W >= 3:
-        r1 = tl.load(p_c + (off + (W - 3)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
-        w1 = tl.load(p_w + (W - 3) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-    if W >= 2:
-        r2 = tl.load(p_c + (off + (W - 2)) * stride_c_w, mask=m_win, other=0).to(tl.float32)
-        w2 = tl.load(p_w + (W - 2) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-    w3 = tl.load(p_w + (W - 1) * stride_w_w, mask=m_d, other=0).to(tl.float32)
-    if HAS_BIAS:
-        b_bias = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    if not (PDL and TCAP == 1):                       # (else loaded before the wait, above)
+        r0, r1, r2, w0, w1, w2, w3, b_bias = _window_taps(p_c, p_w, bias, o_d, off, m_win, m_d, stride_c_w,
+                                                          stride_w_w, W, HAS_BIAS)
     # the new window: columns c < keep hold the kept window (old columns off + drop + c), columns
     # keep <= c < keep + L the raw inputs of the new tokens (in the cache's dtype: lossless)
     keep = W - 1 - drop
@@ -597,8 +656,9 @@ def conv_step_any_w_kernel(
         _conv_pdl_enter()
     i_d = tl.program_id(0)
     i_n = tl.program_id(1)
+    raw, other = _row_slot(state_indices, i_n, N, checks, BN)
     slot, valid, live, bos, L, count, bank, code, value, extra = _step_row_check(
-        meta, state_indices, cu_seqlens, i_n, N, T, S, checks, TCAP, TMAX, VARLEN, BN)
+        meta, cu_seqlens, i_n, N, T, S, checks, raw, other, TCAP, TMAX, VARLEN)
     _publish_row(snap, err, meta, state_indices, cu_seqlens, i_n, N, T, S, i_d == 0, slot, valid, count, bank,
                  bos, L, code, value, extra, TCAP, VARLEN)
     count = tl.minimum(tl.maximum(count, 0), TCAP)   # memory safety for corrupt metadata
