@@ -217,8 +217,13 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     requests (None: large). override: as step_config's.
 
     Up to four requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step kernel's
-    wait). Five to PDL_MAX_N (the step kernel starts beside the conv): 64 channels in one warp, so the conv's
-    many small programs leave the SMs to the step kernel's early state reads. Per layer of a 32-layer graph
+    wait). Five to PDL_MAX_N (the step kernel starts beside the conv): 128 channels in two warps. Per layer of a
+    32-layer graph (H200, Triton 3.6, 2026-11-25, after the conv's window and taps moved before its wait; two
+    runs each): N = 8 BD 128 two warps 11.56-11.65 us, BD 256 two warps 11.67-11.73, BD 128 one warp 11.81,
+    BD 64 one warp (the rule before) 12.07-12.19, BD 256 / 512 in one / two warps 14.1-14.6; N = 6 BD 128 two
+    warps 10.23, BD 256 four warps 10.05-10.17, BD 64 one warp 10.73-10.81; N <= 4 BD 256 two warps stays
+    within 0.1 us of the best. Before that change BD 64 in one warp was best at N = 8 (its many small
+    programs left the SMs to the step kernel's early state reads): per layer of a 32-layer graph
     (H100, float32 state, step config pinned; benchmarks/bench_graphs.py --only sweep, 2026-11-23): N = 8 BD 64
     one warp 17.0 us, BD 256 two warps 17.7, BD 256 four warps 18.0-18.2; N = 1 5.0 vs 4.9-5.2 (within the
     run-to-run spread). Per layer of a 32-layer graph (H200, Triton 3.6, first session of 2026-11-24, each figure
@@ -231,7 +236,7 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     elif N is not None and N <= 4:
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=2)
     elif N is not None and N <= PDL_MAX_N:
-        cfg = dict(BD=min(next_pow2(D), 64), num_warps=1)
+        cfg = dict(BD=min(next_pow2(D), 128), num_warps=2)
     else:
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=4)
     if override:
