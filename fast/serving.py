@@ -216,14 +216,16 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     """Pinned launch config of the conv step kernels: BD channels per program, num_warps. N: the number of
     requests (None: large). override: as step_config's.
 
-    Up to four requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step kernel's
-    wait). Five to PDL_MAX_N (the step kernel starts beside the conv): 128 channels in two warps. Per layer of a
-    32-layer graph (H200, Triton 3.6, 2026-11-25, after the conv's window and taps moved before its wait; two
-    runs each): N = 8 BD 128 two warps 11.56-11.65 us, BD 256 two warps 11.67-11.73, BD 128 one warp 11.81,
-    BD 64 one warp (the rule before) 12.07-12.19, BD 256 / 512 in one / two warps 14.1-14.6; N = 6 BD 128 two
-    warps 10.23, BD 256 four warps 10.05-10.17, BD 64 one warp 10.73-10.81; N <= 4 BD 256 two warps stays
-    within 0.1 us of the best. Before that change BD 64 in one warp was best at N = 8 (its many small
-    programs left the SMs to the step kernel's early state reads): per layer of a 32-layer graph
+    Up to PDL_MAX_N requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step
+    kernel's wait). Per layer of a 32-layer graph (Triton 3.6, 2026-11-25, after the conv's window and taps moved
+    before its wait; two runs each, us): H200 N = 8 BD 256 two warps 11.67-11.73, BD 128 two warps 11.56-11.65,
+    BD 128 one warp 11.81, BD 64 one warp (the rule for 5..8 before) 12.07-12.19, BD 256 / 512 in one / two warps
+    14.1-14.6; N = 6 BD 256 two warps 10.20-10.30, BD 128 two warps 10.23, BD 256 four warps 10.05-10.17, BD 64
+    one warp 10.73-10.81; N <= 4 BD 256 two warps within 0.1 us of the best. H100 N = 8 BD 256 two warps
+    14.23-14.25, BD 128 two warps 14.21-14.22, BD 64 one warp 14.83-14.84; N = 6 12.65-12.67 vs 13.08-13.13 /
+    13.32-13.33; N = 5 11.03-11.05 vs 11.39-11.40 / 11.44-11.46. Before that change BD 64 in one warp was best
+    at N = 5..8 (its many small programs left the SMs to the step kernel's early state reads): per layer of a
+    32-layer graph
     (H100, float32 state, step config pinned; benchmarks/bench_graphs.py --only sweep, 2026-11-23): N = 8 BD 64
     one warp 17.0 us, BD 256 two warps 17.7, BD 256 four warps 18.0-18.2; N = 1 5.0 vs 4.9-5.2 (within the
     run-to-run spread). Per layer of a 32-layer graph (H200, Triton 3.6, first session of 2026-11-24, each figure
@@ -233,10 +235,8 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     """
     if is_interpreting():
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=1)
-    elif N is not None and N <= 4:
-        cfg = dict(BD=min(next_pow2(D), 256), num_warps=2)
     elif N is not None and N <= PDL_MAX_N:
-        cfg = dict(BD=min(next_pow2(D), 128), num_warps=2)
+        cfg = dict(BD=min(next_pow2(D), 256), num_warps=2)
     else:
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=4)
     if override:
