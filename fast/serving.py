@@ -47,8 +47,10 @@ Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the con
 predecessor cannot be writing (without drafts: the slot, its window and taps), waits for it, and then lets
 the step kernel start, whose programs read their state blocks
 (and, for decode, a and b) while the conv runs and wait (``gdc_wait``) only before the conv's outputs.
-Per layer of a 32-layer CUDA graph (H100): N = 1 5.1-5.4 us against 6.8 without PDL (fla's fused
-recurrent alone, without conv and gating: 5.2). Eager, a cached call signature launches through
+Per layer of a 32-layer CUDA graph (H100, 2026-11-23): N = 1 5.1-5.4 us against 6.8 without PDL (fla's fused
+recurrent alone, without conv and gating: 5.2). With the conv's window and taps loaded before its wait (H200,
+2026-11-25): N = 1 3.99 us, N = 8 11.6-11.7 (fla's fused recurrent alone 4.91 / 14.0; a bare read + write of
+the N = 8 state 9.88). Eager, a cached call signature launches through
 :class:`fast.launch.Relaunch` (the compiled kernels' launcher, without JITFunction.run's per-call work).
 
 Why the snapshot: every program of a slot must see the same verdict and ``(count, bank)``, and programs of one
