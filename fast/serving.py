@@ -448,11 +448,11 @@ def _conv_pdl_enter():
     wait, everything before it) before reading anything it may write; then let the step kernel start: before
     its gdc_wait it reads only state_indices and the ssm state, which the conv kernels do not write.
 
-    What may still run when a conv program starts: only a step kernel (the only kernel that lets its dependents
-    start early: conv_step_kernel's dependent is always its own call's step kernel), and that one only after its
-    own wait, so everything launched before it is complete. A step kernel writes the ssm state, the pending
-    inputs, pend_meta and o; conv_step_kernel without drafts reads state_indices, its window and its taps before
-    calling this (see there)."""
+    What may still run when a conv program starts: only a step kernel. Only the conv and step kernels let a
+    dependent start early, a conv kernel's dependent is always its own call's step kernel, and a step kernel lets
+    the next launch start only after its own wait, so everything launched before that step kernel is complete. A
+    step kernel writes the ssm state, the pending inputs, pend_meta and o; conv_step_kernel without drafts reads
+    state_indices, its window and its taps before calling this (see there)."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
