@@ -532,6 +532,65 @@ def test_fault_codes_are_numbered_in_priority_order():
     assert faults[0][0] == rs.E_SLOT_RANGE and faults[1][0] == rs.E_AWAITING
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and CUDA graphs exist on a GPU only")
+def test_pdl_back_to_back_decodes_without_drafts_are_bit_identical():
+    """Decode steps on one cache without drafts (TCAP = 1), launched back to back with nothing between them, as
+    programmatic dependents (small N on sm_90+): each conv kernel reads its slot, window and taps before its
+    gdc_wait while the previous step kernel may still run. Outputs, every cache tensor and the recorded fault
+    are the bits of the same steps without PDL, eagerly and replayed from one CUDA graph of all the steps. The
+    steps reuse slots from one step to the next (the window a conv reads early is the one the previous call's
+    conv wrote), mix batch sizes 1..8, and hold a padded row and a duplicate slot (a fault: writes nothing).
+    Qwen3-Next's head shape, so a step kernel runs long enough for the next launch to start beside it. (It did not
+    catch a conv that lets its step start before its own wait, on an H200 in three runs: that race did not show.)"""
+    H, HV, K, V, W = 16, 32, 128, 128, 4
+    D = 2 * H * K + HV * V
+    dev = "cuda"
+    base = make_cache(10, H, HV, K, V, W, 0, seed=50)
+    layer = _to(make_layer(H, HV, K, V, W, seed=51), torch.bfloat16, dev)
+    lay = _args(layer)
+    plan = [[3], [3, 1], [1, 3, 0, -1], [0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0], [2, 2, 5], [5], [5, 9]]
+    idxs = [torch.tensor(sl, dtype=torch.int32, device=dev) for sl in plan]
+    toks = [tuple(t.to(dev) for t in make_tokens(len(sl), HV, D, seed=300 + i, dtype=torch.bfloat16))
+            for i, sl in enumerate(plan)]
+
+    def steps(cache):
+        return [fs.gdn_decode(*toks[i], *lay, cache, idxs[i]) for i in range(len(plan))]
+
+    def fresh():
+        return cast_cache(base, torch.float32, torch.bfloat16).to(device=dev)
+
+    def snapshot(outs, cache):
+        torch.cuda.synchronize()
+        return [o.clone() for o in outs] + [t.clone() for t in cache.tensors()]
+
+    orig = fs.step_config
+    fs.step_config = functools.partial(orig, override=dict(pdl=False))
+    try:
+        fs.clear_plan_cache()
+        cache = fresh()
+        ref = snapshot(steps(cache), cache)
+    finally:
+        fs.step_config = orig
+        fs.clear_plan_cache()
+    assert int(ref[-1][0]) == rs.E_SLOT_DUP, "the duplicate slot must have recorded its fault"
+    cache = fresh()
+    got = snapshot(steps(cache), cache)                    # eager, PDL where pinned
+    for u, v in zip(ref, got):
+        assert torch.equal(u, v)
+    cache = fresh()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = steps(cache)
+    for t, t0 in zip(cache.tensors(), fresh().tensors()):   # capture ran nothing: start from the base contents
+        t.copy_(t0)
+    g.replay()
+    got = snapshot(outs, cache)
+    for u, v in zip(ref, got):
+        assert torch.equal(u, v)
+    assert fs.step_config(K, V, torch.float32, HV, "decode", 8, pdl_ok=fs.pdl_supported(torch.device(dev)))[
+        "pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and reused launchers exist on a GPU only")
 def test_pdl_and_relaunch_are_bit_identical():
     """The step kernel as the conv kernel's programmatic dependent (step_config's pdl, on for small N on
