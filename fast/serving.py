@@ -525,7 +525,8 @@ def conv_step_kernel(
     14.80 (within noise). An in-kernel %globaltimer trace at N = 8 (H100): the conv's last program ends 1.5 us
     after its wait instead of 8.8, but the step kernel's wait still returns ~8.8 us in (likely: the conv's stores
     queue behind the step's 16.8 MB of early state reads); a release / acquire flag per request in place of the
-    wait passed just as late, and the step's state reads moved after its wait were slower (15.5 us).
+    wait passed just as late, the step's state reads moved after its wait were slower (15.5 us), and so were its
+    early reads as L2 prefetches or as a TMA load (H200 N = 8 12.1 vs 11.6-11.8; RESULTS.md, 2026-11-25).
     (Loading all of a slot's columns as a [BD, CW] block with the metadata, so the window's reads need not
     wait for the count, measured slower on an H200: the column extraction and layout changes cost more than
     the dependent load.)
