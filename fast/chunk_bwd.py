@@ -185,6 +185,7 @@ QK_GRAD_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: Non
 # gating). dqkwg_post on a GPU (H100, Triton 3.6, 2026-11-25, full bf16 gradient families): worst 0.761 (the
 # same dg case as without it), stage 3 1122 -> 1032 us, fwd+bwd 4.904 -> 4.838 ms in one process. The default since
 # then.
+STAGE_GRAD_DOTS = ("dv_local", "dh", "dqkwg", "dqkwg_post", "dw", "wy")   # the stages STAGE_GRAD_DOT may name
 STAGE_GRAD_DOT = MappingProxyType({
     torch.bfloat16: MappingProxyType({"dv_local": None, "dh": None, "dw": None, "wy": None, "dqkwg_post": None}),
     torch.float16: MappingProxyType({}), torch.float32: MappingProxyType({})})
@@ -819,9 +820,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                      STAGE_GRAD_DOT[dt])
     gprec, rprec = precision[:2]
     stage_gprec = dict(precision[4]) if len(precision) > 4 and precision[4] else {}
-    unknown = set(stage_gprec) - {"dv_local", "dh", "dqkwg", "dqkwg_post", "dw", "wy"}
-    if unknown or ("bf16x2" in stage_gprec.values() and dt != torch.bfloat16):
-        raise ValueError(f"precision: per-stage grad_dot precisions are for dv_local, dh, dqkwg, dqkwg_post, dw, wy "
+    if set(stage_gprec) - set(STAGE_GRAD_DOTS) or ("bf16x2" in stage_gprec.values() and dt != torch.bfloat16):
+        raise ValueError(f"precision: per-stage grad_dot precisions are for {', '.join(STAGE_GRAD_DOTS)} "
                          f"(bf16x2 for bf16 inputs only), got {stage_gprec} for {dt}")
     storage = precision[2] if len(precision) > 2 else None
     if storage not in (None, "16-bit"):
@@ -982,7 +982,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # bf16x2 gradient products everywhere else; tf32 here, the one kernel the split made slower (H200,
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
         # full bf16 gradient families throughout (module comment), this mix lies between them
-        wy = stage("wy", wy_gprec)
+        wy = dict(common, **grad_prec(wy_gprec))
         bwd_wy_kernel[(ch.total * HV,)](
             ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dk_tot, dG, dv, dbeta, dg,
             dA_log_t if dA_log_t is not None else dg,
