@@ -8,7 +8,8 @@
 #   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
 #     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
 #     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
-#   varlen (not in all): the varlen chunk forward without a host sync (cu_seqlens_cpu; kernels read the checked
+#   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
+#     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
 #     (with and without cu_seqlens_cpu, fla beside both). First GPU run: sixth session of 2026-11-23 (H200).
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the bf16 default of

@@ -27,6 +27,7 @@ from typing import List, Optional
 import torch
 
 from refgdn.capture import CompileKey
+from refgdn.checks import host_offsets_known
 
 from . import chunk as _chunk
 from . import conv as _conv
@@ -275,11 +276,17 @@ def _fp64(*ts) -> bool:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
+                           chunk_size=64, cu_seqlens_cpu=None, *, device=None,
+                           offsets_known: Optional[bool] = None) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
-    cu_seqlens_cpu changes no key (the kernels read a checked copy of cu_seqlens in its dtype)."""
+    cu_seqlens_cpu changes no other key (the kernels read a checked copy of cu_seqlens in its dtype).
+    offsets_known: whether the host holds cu_seqlens' values when the op runs (cu_seqlens_cpu given, or read
+    earlier in the same one_host_read scope, as the model's prefill does through its conv); None: cu_seqlens_cpu
+    is given or they are known in the current scope. Varlen with N >= 2 without them, and without autograd or
+    torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
+    (chunk_table_kernel: fast.chunk's offsets_unchecked)."""
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -302,6 +309,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")}
 
     kdt = k.dtype
+    if offsets_known is None:
+        offsets_known = cu_seqlens_cpu is not None or (varlen and host_offsets_known(cu_seqlens))
+    from . import library as _library                     # (imports fast.chunk: not at module level)
+    if varlen and not offsets_known and not _library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        out.append(CompileKey.make("chunk_table_kernel", dict(BT=BT, BN=_chunk.CHUNK_TABLE_BLOCK),
+                                   dict(cu_seqlens=cu, safe_cu=cu, first=torch.int64, indices=_I32),
+                                   dict(num_warps=4)))
     if total and HV:
         out.append(CompileKey.make(
             "chunk_kkt_inv_kernel",

@@ -1345,7 +1345,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         out += keys.causal_conv1d(e(1, T, D), conv_w, None, "silu", e(N, D, W - 1), True, cu, device=dev)
         out += keys.chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV),
                                            e(1, T, HV, dtype=cdt), None, e(N, HV, K, V, dtype=cfg.state_dtype),
-                                           True, cu, True, A_log, dt_bias, rule(T), device=dev)
+                                           True, cu, True, A_log, dt_bias, rule(T), device=dev,
+                                           offsets_known=True)   # the conv read them first (one scope)
         return out
 
     for desc in cfg.descriptors():

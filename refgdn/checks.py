@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import numbers
 import threading
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -65,8 +65,10 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a power of two >= 16 (16, 32, 64, ...), got {chunk_size!r}")
 
 
-def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str = "cu_seqlens") -> int:
-    """cu_seqlens: [N+1] int, starts at 0, non-decreasing, ends at T; only with B == 1. Returns N."""
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str = "cu_seqlens",
+                     values: bool = True) -> int:
+    """cu_seqlens: [N+1] int, starts at 0, non-decreasing, ends at T; only with B == 1. Returns N.
+    values=False: the value rules are left to the caller (check_cu_seqlens_values, before any result is used)."""
     _need_tensor(name, cu_seqlens, 1)
     if cu_seqlens.dtype not in INT_DTYPES:
         raise ValueError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
@@ -75,8 +77,8 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device, name: str
         raise ValueError(f"{name} requires batch size B == 1 (varlen packs sequences along T), got B={B}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold N+1 >= 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
-    if not torch.compiler.is_compiling():      # traced by torch.compile: the values are checked at run time,
-        check_cu_seqlens_values(cu_seqlens, T, name)     # inside fast's custom ops (fast/library.py)
+    if values and not torch.compiler.is_compiling():   # traced by torch.compile: the values are checked at run
+        check_cu_seqlens_values(cu_seqlens, T, name)     # time, inside fast's custom ops (fast/library.py)
     return cu_seqlens.numel() - 1
 
 
@@ -121,6 +123,37 @@ def host_offsets(cu_seqlens: torch.Tensor) -> List[int]:
     if hit is None or hit[0] is not cu_seqlens:
         hit = memo[id(cu_seqlens)] = (cu_seqlens, _read(cu_seqlens))
     return hit[1]
+
+
+def host_offsets_known(cu_seqlens: torch.Tensor) -> bool:
+    """Whether :func:`host_offsets` (cu_seqlens) would answer without reading the device: its values were read
+    or provided (cu_seqlens_cpu) earlier in the current :func:`one_host_read_scope`."""
+    memo = getattr(_HOST, "memo", None)
+    hit = None if memo is None else memo.get(id(cu_seqlens))
+    return hit is not None and hit[0] is cu_seqlens
+
+
+def host_offsets_later(cu_seqlens: torch.Tensor) -> Callable[[], List[int]]:
+    """:func:`host_offsets` in two halves: the device->host copy is queued now, and the returned function waits
+    for it and returns the values (remembered in the current scope as host_offsets' are). So kernels queued
+    between the two halves run while the host waits, instead of after its read. On a CUDA device the copy goes
+    to pinned memory without blocking and an event marks its end; elsewhere (or when the values are known
+    already) the read happens at the wait. Still one read per tensor and scope (the same _read)."""
+    if cu_seqlens.device.type != "cuda" or host_offsets_known(cu_seqlens):
+        return lambda: host_offsets(cu_seqlens)
+    pinned = torch.empty(cu_seqlens.shape, dtype=cu_seqlens.dtype, pin_memory=True)
+    pinned.copy_(cu_seqlens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> List[int]:
+        done.synchronize()                  # the copy (and whatever ran before it on the stream) is complete
+        values = _read(pinned)              # host memory: no device access
+        memo = getattr(_HOST, "memo", None)
+        if memo is not None:
+            memo[id(cu_seqlens)] = (cu_seqlens, values)
+        return values
+    return wait
 
 
 def provide_host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> None:
@@ -174,13 +207,14 @@ def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> Non
 
 
 def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
-                     A_log=None, dt_bias=None, chunk_size=None, cu_seqlens_cpu=None) -> int:
+                     A_log=None, dt_bias=None, chunk_size=None, cu_seqlens_cpu=None, offset_values: bool = True) -> int:
     """Validate the gated-delta-rule arguments; return N, the number of sequences.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g, beta: [B, T, HV];
     initial_state: [N, HV, K, V]; cu_seqlens: [N+1] int with B == 1; A_log, dt_bias: [HV] (together);
     cu_seqlens_cpu: cu_seqlens' host copy (inside a one_host_read scope its values are the ones checked
-    and read: check_cu_seqlens_cpu).
+    and read: check_cu_seqlens_cpu). offset_values=False: cu_seqlens' value rules are the caller's to run
+    (check_cu_seqlens_values) before any result is used or any caller state is written.
     """
     _need_tensor("q", q, 4)
     _need_tensor("k", k, 4)
@@ -211,7 +245,7 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     check_scale(scale)
     check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
     if cu_seqlens is not None:
-        N = check_cu_seqlens(cu_seqlens, B, T, device)
+        N = check_cu_seqlens(cu_seqlens, B, T, device, values=offset_values)
     else:
         N = B
     if initial_state is not None:

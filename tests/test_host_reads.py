@@ -54,6 +54,34 @@ def test_varlen_tables_match_definition(offs, BT, dtype):
     assert order.data_ptr() % 16 == 0 and order.is_contiguous()
 
 
+@pytest.mark.parametrize("offs, T", [
+    pytest.param([0, 5, 5, 70, 71, 200], 200, id="valid"), pytest.param([0, 0, 0], 0, id="only-empty"),
+    pytest.param([0, 64, 128], 128, id="whole-chunks"), pytest.param([0, 1, 2, 3, 4, 5], 5, id="ones"),
+    pytest.param([5, -3, 1000, 2], 20, id="bad-out-of-range"), pytest.param([0, 10, 5, 20], 20, id="bad-decreasing"),
+    pytest.param([0, 2 ** 30, 0, 20], 20, id="bad-far")])
+@pytest.mark.parametrize("BT", [16, 64])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64")])
+def test_device_chunk_table_matches_definition(offs, T, BT, dtype):
+    """Kernel 1's chunk table built on the device before the offsets are checked (fast.chunk.common._Chunks.unchecked):
+    the definition applied to the offsets clamped to [0, T] (a negative length has no chunk), cut at the table's
+    cdiv(T, BT) + N rows, then rows without a chunk (-1, 0). For valid offsets that is the host table and the offsets
+    themselves; for any offsets every row's chunk lies inside its clamped sequence, so inside [0, T)."""
+    from fast.chunk.common import _Chunks
+    cu = torch.tensor(offs, dtype=dtype, device=DEVICE)
+    ch = _Chunks.unchecked(T, BT, cu)
+    clamped = [min(max(c, 0), T) for c in offs]
+    want = []
+    for n, (a, b) in enumerate(zip(clamped, clamped[1:])):
+        want += [[n, c] for c in range(-(-max(b - a, 0) // BT))]
+    rows = -(-T // BT) + len(offs) - 1
+    want = (want + [[-1, 0]] * rows)[:rows]
+    assert ch.total == rows and ch.indices.dtype == torch.int32 and ch.indices.tolist() == want
+    assert ch.cu_seqlens.dtype == dtype and ch.cu_seqlens.tolist() == clamped
+    for n, c in want:
+        if n >= 0:
+            assert 0 <= clamped[n] + c * BT < clamped[n + 1] <= T
+
+
 def _varlen_problem(lens, H=1, HV=2, K=16, V=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     T = sum(lens)
@@ -130,6 +158,32 @@ def test_cu_seqlens_cpu_spares_the_read_and_is_what_the_kernels_see(reads):
     o_host, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=stale.cpu(), chunk_size=16)
     o_dev, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=stale, chunk_size=16)
     assert torch.equal(o_host, o_dev)
+
+
+def test_values_checked_behind_kernel_1(reads, monkeypatch):
+    """Varlen without cu_seqlens' values on the host (fast.chunk's offsets_unchecked): kernel 1 runs on the
+    device-built table while the host reads (once) and checks the values; the same bits as with the host copy
+    (the host tables for every kernel). Bad values raise the check's error, and nothing is returned."""
+    from fast.chunk.common import _Chunks
+    built = []
+    real = _Chunks.unchecked.__func__
+    monkeypatch.setattr(_Chunks, "unchecked", classmethod(lambda cls, *a: built.append(a) or real(cls, *a)))
+    q, k, v, g, beta, cu = _varlen_problem([3, 0, 17, 9, 40])
+    h0 = torch.randn(5, 2, 16, 16, device=DEVICE)
+    kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, chunk_size=16, output_final_state=True, initial_state=h0)
+    reads.clear()
+    got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert len(built) == 1 and len(reads) == 1
+    want = fast.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens_cpu=cu.cpu(), **kw)
+    assert len(built) == 1 and len(reads) == 1, "with the host copy: host tables only, no read"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    T = q.shape[1]
+    for bad, match in (([0, 3, 3, 20, 29, T + 1], "must end at T="), ([0, 3, 2, 20, 29, T], "non-decreasing"),
+                       ([1, 3, 3, 20, 29, T], "must start at 0")):
+        with pytest.raises(ValueError, match=match):
+            fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor(bad, dtype=cu.dtype,
+                                                                                                device=DEVICE)))
+    assert len(built) == 4
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -95,18 +95,19 @@ from typing import Optional
 import torch
 
 import refgdn
-from refgdn.checks import check_gdn_inputs, one_host_read
+from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
+                           one_host_read)
 from refgdn.serving import tensor_signature
 
 from ..launch import LaunchPlan, PlanCache
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
-from .common import (CHUNK_SIZES, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECISION,  # noqa: F401
+from .common import (CHUNK_SIZES, CHUNK_TABLE_BLOCK, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECISION,  # noqa: F401
                      L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
                      _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff,
                      _is_fp64, _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
-                     _unit_last)
+                     _unit_last, chunk_table_kernel)
 from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _k_block,  # noqa: F401
                  _kk, _l_block, _launch_kkt, _launch_w_u, _mm32, _row_step, _store_a, _wy_repr, chunk_cumsum,
                  chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, kkt_heads_per_program, w_u, w_u_config,
@@ -153,23 +154,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
         chunk_size)
     plan = _PLANS.get(sig)
+    behind = False
     if plan is None:
+        behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
         check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
-                         cu_seqlens_cpu)       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
-        if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
+                         cu_seqlens_cpu,       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
+                         offset_values=not behind)
+        if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):         # (refgdn checks the values itself)
             return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                  cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
                                                  cu_seqlens_cpu)
         _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
-    if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
+    if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):     # (the op checks the values)
         o, final, *_ = library.chunk_gated_delta_rule_op(
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, (final if output_final_state else None)
     if sig is None:
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                          offsets_unchecked=behind)
     if plan is None:
         plan = LaunchPlan()
         _PLANS.put(sig, plan)
@@ -214,12 +219,21 @@ def clear_plan_cache() -> None:
     _PLANS.clear()
 
 
+def _check_behind(cu_seqlens, cu_seqlens_cpu) -> bool:
+    """Whether the call checks cu_seqlens' values behind kernel 1 (chunk_gated_delta_rule_fwd's
+    offsets_unchecked): varlen with at least two sequences whose values the host does not hold yet (no
+    cu_seqlens_cpu, not read earlier in the scope, e.g. by the model's conv). Read inside the op's scope."""
+    return (cu_seqlens_cpu is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+            and cu_seqlens.numel() > 2 and not host_offsets_known(cu_seqlens))
+
+
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
                                keep_kkt: bool = False, from_a: bool = True,
-                               fuse_output: Optional[bool] = None, segments: Optional[int] = None):
+                               fuse_output: Optional[bool] = None, segments: Optional[int] = None,
+                               offsets_unchecked: bool = False):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -234,7 +248,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped,
     h and v_new never stored); None: fast.chunk.state.state_fuses_output's rule (tests run both). segments: how many
     segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
-    for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule."""
+    for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule.
+    offsets_unchecked (the public function: varlen, N >= 2, no host copy of cu_seqlens): its values are not
+    checked yet. Their device->host copy is queued first, kernel 1 runs on a chunk table built on the device from
+    them (clamped: common._Chunks.unchecked), and only then does the host wait for the copy, check the values
+    (check_cu_seqlens_values: the same ValueError, raised before the state pass; kernel 1 wrote only this call's
+    scratch) and build the tables of the state pass. So kernel 1 runs while the host reads and works, where the
+    device idled before."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -248,7 +268,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     dev = q.device
-    ch = _Chunks(B, T, BT, cu_seqlens)
+    behind = offsets_unchecked and cu_seqlens is not None
+    if behind:
+        offsets = host_offsets_later(cu_seqlens)                          # the copy queued before kernel 1
+    else:
+        ch = _Chunks(B, T, BT, cu_seqlens)
     precise = _precise(v.dtype)
     l2 = bool(use_qk_l2norm_in_kernel)
 
@@ -265,8 +289,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
-    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch, T, HV, BT, l2norm=l2, load_g=False, store_g=True,
-                do_a=True, precise=precise, configs=configs, inv_method=inv_method)
+    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
+                T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
+                inv_method=inv_method)
+    if behind:
+        offsets()                                                        # host: wait for the copy (kernel 1 runs)
+        check_cu_seqlens_values(cu_seqlens, T)                           # raises before the state pass
+        ch = _Chunks(B, T, BT, cu_seqlens)                               # from the values just read
     if l2:
         k = kn                                                           # kernels 2-4 read the normalised k
 

@@ -302,8 +302,62 @@ def _check_fast_limits(K: int, V: int, chunk_size: Optional[int] = None) -> None
         raise ValueError(f"head dims must be <= {MAX_HEAD_DIM} for fast's kernels, got K={K}, V={V}")
 
 
+@triton.jit(do_not_specialize=["N", "T", "rows", "steps"])
+def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, N, T, rows, steps, BT: tl.constexpr, BN: tl.constexpr):
+    """One program: varlen_chunk_tables' chunk table built on the device from offsets nobody has checked yet.
+
+    cu_seqlens: [N+1] int (any values)  ->  safe_cu: [N+1] (its dtype), each offset clamped to [0, T];
+    first: [N+1] int64, first[n] = sum_{m<n} ceil(max(safe_cu[m+1] - safe_cu[m], 0) / BT);
+    indices: [rows, 2] int32, row r < first[N]: (n, r - first[n]) for the n with first[n] <= r < first[n+1];
+    rows past first[N]: (-1, 0), no chunk (chunk_kkt_inv_kernel's programs for them return at once).
+
+    For valid offsets (0 = cu[0] <= ... <= cu[N] = T) safe_cu == cu_seqlens and the first first[N] rows are
+    the host table's (tests/test_host_reads.py). For any values nothing is read or written outside the
+    tensors, and a kernel that walks a row's chunk over safe_cu stays inside [0, T): counts are >= 0, so first
+    is non-decreasing and each row's chunk lies inside its sequence's clamped span (int64: no overflow).
+    Why: chunk_gated_delta_rule runs kernel 1 on this table while the host waits for the offsets' values
+    (fast.chunk.chunk_gated_delta_rule_fwd, offsets_unchecked); its outputs are scratch until the host check
+    passes. Phases: 1. clamp; 2. counts and their prefix sum, BN sequences at a time; 3. each row's
+    sequence by binary search over first (``steps`` = bit length of N - 1 halvings).
+    """
+    o = tl.arange(0, BN)
+    for s in range(0, N + 1, BN):                                  # 1. clamp
+        m = s + o <= N
+        c = tl.load(cu_seqlens + s + o, mask=m, other=0)
+        tl.store(safe_cu + s + o, tl.minimum(tl.maximum(c, 0), T).to(c.dtype), mask=m)
+    tl.debug_barrier()                                             # the block's stores, visible to all its threads
+    run = tl.sum(tl.zeros((BN,), dtype=tl.int64), 0)
+    tl.store(first, run)
+    for s in range(0, N, BN):                                      # 2. chunks per sequence, prefix sums
+        m = s + o < N
+        bos = tl.load(safe_cu + s + o, mask=m, other=0).to(tl.int64)
+        eos = tl.load(safe_cu + s + o + 1, mask=m, other=0).to(tl.int64)
+        cnt = tl.where(m, (tl.maximum(eos - bos, 0) + BT - 1) // BT, 0)
+        tl.store(first + s + o + 1, run + tl.cumsum(cnt, 0), mask=m)
+        run += tl.sum(cnt, 0)
+    tl.debug_barrier()
+    for r0 in range(0, rows, BN):                                  # 3. row -> (sequence, chunk within it)
+        r = (r0 + o).to(tl.int64)
+        lo = tl.zeros((BN,), dtype=tl.int64)                       # the last n in [0, N) with first[n] <= r
+        hi = lo + N - 1
+        for _ in range(steps):
+            mid = (lo + hi + 1) // 2
+            up = tl.load(first + mid) <= r
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid - 1)
+        live = r < run
+        within = r - tl.load(first + lo)
+        m = r0 + o < rows
+        tl.store(indices + r * 2, tl.where(live, lo, -1).to(tl.int32), mask=m)
+        tl.store(indices + r * 2 + 1, tl.where(live, within, 0).to(tl.int32), mask=m)
+
+
+CHUNK_TABLE_BLOCK = 1024     # chunk_table_kernel's BN (one compiled variant for every N and T)
+
+
 class _Chunks:
-    """Chunk bookkeeping: dense (NT per batch row) or varlen (host-built tables; eager prefill only)."""
+    """Chunk bookkeeping: dense (NT per batch row) or varlen (host-built tables; eager prefill only), or
+    varlen from unchecked offsets (``_Chunks.unchecked``: a device-built table for kernel 1 only)."""
 
     def __init__(self, B: int, T: int, BT: int, cu_seqlens: Optional[torch.Tensor]):
         self.varlen = cu_seqlens is not None
@@ -320,3 +374,24 @@ class _Chunks:
             self.indices = self.offsets = self.order = None
             self.NT = cdiv(T, BT)
             self.total = B * self.NT
+
+    @classmethod
+    def unchecked(cls, T: int, BT: int, cu_seqlens: torch.Tensor) -> "_Chunks":
+        """Varlen bookkeeping for kernel 1 before cu_seqlens' values are checked (no host read): one launch of
+        chunk_table_kernel. ``total`` is an upper bound on the chunk count, cdiv(T, BT) + N (for valid offsets
+        sum_n ceil(len_n / BT) <= sum_n (len_n / BT + 1)); its extra rows hold no chunk. ``cu_seqlens`` is the
+        clamped copy the table was built from (kernel 1 reads it). No offsets or order: the state pass and
+        kernel 4 use the host tables built after the check."""
+        self = cls.__new__(cls)
+        N = cu_seqlens.numel() - 1
+        self.varlen, self.NT = True, 1
+        self.total = cdiv(T, BT) + N
+        dev = cu_seqlens.device
+        self.cu_seqlens = torch.empty_like(cu_seqlens)
+        self.indices = torch.empty(self.total, 2, dtype=torch.int32, device=dev)
+        self.offsets = self.order = None
+        first = torch.empty(N + 1, dtype=torch.int64, device=dev)
+        # one program, launched once per call (never autotuned; not specialised on its integers)
+        chunk_table_kernel[(1,)](cu_seqlens, self.cu_seqlens, first, self.indices, N, T, self.total,
+                                 max(N - 1, 1).bit_length(), BT=BT, BN=CHUNK_TABLE_BLOCK, num_warps=4)
+        return self

@@ -211,6 +211,9 @@ def chunk_kkt_inv_kernel(
     pid = tl.program_id(0)
     i_c = pid // (HV // HPP)
     i_h0 = (pid % (HV // HPP)) * HPP                             # the program's first value head
+    if IS_VARLEN:
+        if tl.load(chunk_indices + i_c * 2) < 0:                 # a row of a device-built table past its last
+            return                                               # chunk (common._Chunks.unchecked): no chunk
     i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = bos + i_t * BT
     o_c = tl.arange(0, 16)
