@@ -295,6 +295,30 @@ def test_repeated_calls_launch_through_the_signature_plan():
     fc.clear_plan_cache()
 
 
+def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan():
+    """Varlen without cu_seqlens' host values (kernel 1 on the device-built table, the values checked behind it):
+    a repeated signature skips the shape checks and launches through its LaunchPlan (the table kernel first), the
+    same bits as the plain forward with the host copy; the values are still checked on every call."""
+    fc.clear_plan_cache()
+    (q, k, v, g, beta, h0), _ = _inputs(1, 40, 1, 2, 16, 16, torch.float32, init=True, N=3)
+    cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32, device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16, cu_seqlens=cu)
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    for _ in range(3):
+        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fc._PLANS.entries) == 1
+    plan = next(iter(fc._PLANS.entries.values()))
+    fused = fc.state_fuses_output(3, 2, 16, 16, q.device)
+    assert [s[0].__name__ for s in plan.slots] == ["chunk_table_kernel", "chunk_kkt_inv_kernel",
+                                                   "chunk_state_kernel"] + ([] if fused else ["chunk_output_kernel"])
+    with pytest.raises(ValueError, match="non-decreasing"):                  # the same signature, bad values
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor([0, 9, 7, 40],
+                                                                                          dtype=torch.int32, device=DEV)))
+    assert len(fc._PLANS.entries) == 1
+    fc.clear_plan_cache()
+
+
 @pytest.mark.parametrize("NT,S,BT,T", [(1024, 4, 64, 65536), (600, 4, 64, 38390), (7, 3, 16, 100), (3, 8, 64, 130)],
                          ids=["even", "tail", "small", "more-segments-than-chunks"])
 def test_pipeline_segment_bounds(NT, S, BT, T):

@@ -308,5 +308,23 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             assert [n for n, _ in slow] == want, slow
             assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
             same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, h0) if t is not None})
+        # varlen, the offsets checked behind kernel 1: the device chunk table's launch first, all through the plan
+        q, k, v, gg, beta, _ = inputs(1, 2, 4, False)
+        cu = torch.tensor([0, 20, 20, 64], dtype=torch.int32)
+        call = lambda: fast.chunk_gated_delta_rule(q, k, v, gg, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        JITFunction.run = compile_only
+        fl._JIT_RUN = compile_only
+        call()
+        JITFunction.run = counting_run
+        fl._JIT_RUN = counting_run
+        fc.clear_plan_cache()
+        runs.clear(); calls.clear()
+        call()
+        slow, n_slow = list(calls), len(runs); calls.clear()
+        call()
+        want = ["chunk_table_kernel", "chunk_kkt_inv_kernel", "chunk_state_kernel", "chunk_output_kernel"]
+        assert [n for n, _ in slow] == want, slow
+        assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))
+        same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, cu)})
         print("OK")
     """)

@@ -142,21 +142,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture): one
     device->host copy, a sync, unless cu_seqlens_cpu (its values as a CPU tensor, fla's argument, vLLM's
     query_start_loc_cpu) is given: then nothing waits for the GPU and the call's host work overlaps the
-    previous kernels. Either way the kernels read the checked values (uploaded with the chunk tables),
-    never cu_seqlens itself, so the segmentation follows the checked copy.
+    previous kernels. Without it (N >= 2) the copy is queued first and kernel 1 runs on a chunk table built
+    on the device from the offsets (clamped to [0, T]) while the host waits for them, checks them (the
+    ValueError comes before the state pass) and builds the other kernels' tables: the device does not idle
+    through the host's read and work (chunk_gated_delta_rule_fwd's offsets_unchecked). The state pass and
+    the output read the checked values (uploaded with the chunk tables), never cu_seqlens itself, so the
+    segmentation follows the checked copy (kernel 1's too: for offsets that pass the check the two agree).
 
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
     """
-    # dense calls: a signature whose call passed the checks before skips them and launches through its plan
-    sig = None if cu_seqlens is not None or cu_seqlens_cpu is not None else _dense_signature(
+    # dense calls, and varlen ones whose values are checked behind kernel 1: a signature whose call passed the
+    # checks before skips them (their value rules concern cu_seqlens only, which the forward then checks on every
+    # call) and launches through its plan (every grid and integer argument follows from the shapes then)
+    behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
+    sig = None if (cu_seqlens is not None and not behind) or cu_seqlens_cpu is not None else _dense_signature(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
-        chunk_size)
+        chunk_size, cu_seqlens)
     plan = _PLANS.get(sig)
-    behind = False
     if plan is None:
-        behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
         check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
                          cu_seqlens_cpu,       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
                          offset_values=not behind)
@@ -179,8 +184,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         plan = LaunchPlan()
         _PLANS.put(sig, plan)
     with plan:
-        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, None,
-                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size)
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                          offsets_unchecked=behind)
 
 
 # ============================================================================================
@@ -195,9 +201,11 @@ _PLANS = PlanCache(64)
 
 
 def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
-                     dt_bias, chunk_size) -> Optional[tuple]:
+                     dt_bias, chunk_size, cu_seqlens=None) -> Optional[tuple]:
     """A hashable summary of everything check_gdn_inputs reads and the forward's launches depend on, for a call
-    without cu_seqlens, or None (the caller then checks in full and keeps no plan).
+    without cu_seqlens or one whose offsets are checked behind kernel 1 (cu_seqlens' metadata then joins the
+    signature; its values are checked by the forward on every call), or None (the caller then checks in full
+    and keeps no plan).
 
     Two calls with equal signatures pass or fail the checks alike and launch the same kernels with the same
     configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness
@@ -209,7 +217,7 @@ def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state,
     try:
         ts = tensor_signature
         return (ts(q), ts(k), ts(v), ts(g), ts(beta), ts(initial_state), ts(A_log), ts(dt_bias), type(scale),
-                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size)
+                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size, ts(cu_seqlens))
     except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
         return None
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import cdiv, next_pow2, varlen_chunk_tables
 
 
@@ -392,6 +393,6 @@ class _Chunks:
         self.offsets = self.order = None
         first = torch.empty(N + 1, dtype=torch.int64, device=dev)
         # one program, launched once per call (never autotuned; not specialised on its integers)
-        chunk_table_kernel[(1,)](cu_seqlens, self.cu_seqlens, first, self.indices, N, T, self.total,
-                                 max(N - 1, 1).bit_length(), BT=BT, BN=CHUNK_TABLE_BLOCK, num_warps=4)
+        launch(chunk_table_kernel, (1,), dict(BT=BT, BN=CHUNK_TABLE_BLOCK, num_warps=4),
+               cu_seqlens, self.cu_seqlens, first, self.indices, N, T, self.total, max(N - 1, 1).bit_length())
         return self
