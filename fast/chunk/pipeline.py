@@ -153,3 +153,63 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
     # caller's stream is behind all of the side stream's work, so the intermediates (allocated on the caller's
     # stream, freed when this returns) need no record_stream
     output(segs[-1], done[-1])
+
+
+def batch_groups(B: int, N: int, fused: bool, device: torch.device) -> int:
+    """How many groups of sequences the forward of a dense batch pipelines (1: none): 2 for B >= 2 when the state
+    pass forms o (``fused``), on a CUDA device. Why: the fused pass holds one program per SM (its pipeline stages
+    take ~115 KB of shared memory) and walks its chunks latency-bound, while kernel 1 is chunk-parallel and needs
+    little per program; queued one after the other the pass waits for all of kernel 1. In two groups (the second
+    half of the batch's kernel 1 runs beside the first half's pass) most of that wait is hidden. Measured: see
+    batch_pipelined_forward."""
+    if B < 2 or N != B or not fused or is_interpreting() or device.type != "cuda":
+        return 1
+    return 2
+
+
+def batch_pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], final: Optional[torch.Tensor],
+                            A_log, dt_bias, G, Gl, A, kn, o, BT: int, groups: int, *, l2: bool, precise: bool,
+                            configs: Optional[dict] = None, inv_method: Optional[str] = None) -> None:
+    """Kernels 1 and 3 (the fused pass: v_new from A, o formed in the pass) of chunk_gated_delta_rule_fwd for a
+    dense batch, pipelined over ``groups`` groups of whole sequences on two streams:
+
+        caller's stream:  K1 (0) >r0   K1 (1) >r1   ...   <d[G-1]
+        state stream:     <r0 K3 (0)   <r1 K3 (1) >d1 ...
+
+    Inputs and buffers as the forward's ([B, T, ...]; h0, final: [B, HV, K, V] or None); each group's tensors are
+    views along the batch dim. Every sequence's arithmetic is the one-pass forward's (the pass runs at the whole
+    call's BV, state_config of B sequences), so the results are bit for bit the same. The caller's stream waits for
+    the last pass before it goes on (the intermediates' stream-ordered reuse stays safe, as in pipelined_forward).
+    """
+    from .state import state_config
+    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    dev = q.device
+    bv = state_config(B, HV, K, V, dev, fused=True)["BV"]           # the whole call's pass config
+    configs = dict(configs or {})
+    configs["state"] = dict({"BV": bv}, **configs.get("state", {}))
+    cuts = [round(i * B / groups) for i in range(groups + 1)]
+    main = torch.cuda.current_stream(dev)
+    side = _state_stream(dev)
+    side.wait_stream(main)                                               # the inputs, produced before the call
+    kk = kn if l2 else k
+    pick = lambda x, sl: None if x is None else x[sl]                    # noqa: E731
+    done = None
+    for b0, b1 in zip(cuts, cuts[1:]):
+        if b1 <= b0:
+            continue
+        sl, n = slice(b0, b1), b1 - b0
+        ch = _Chunks(n, T, BT, None)
+        _launch_kkt(k[sl], g[sl], beta[sl], A_log, dt_bias, G[sl], pick(Gl, sl), A[sl], pick(kn, sl), ch, T, HV, BT,
+                    l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
+                    inv_method=inv_method)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            _launch_state(kk[sl], None, None, G[sl], pick(Gl, sl), pick(h0, sl), None, None, pick(final, sl), ch, n,
+                          T, BT, precise=precise, configs=configs, wy=(A[sl], v[sl], beta[sl]),
+                          out=(q[sl], o[sl], scale, l2))
+            done = torch.cuda.Event()
+            done.record(side)
+    if done is not None:
+        main.wait_event(done)                                            # the last pass follows every earlier one
