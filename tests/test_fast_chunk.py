@@ -319,26 +319,6 @@ def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan(
     fc.clear_plan_cache()
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="the batch pipeline runs on a CUDA device only (two streams)")
-@pytest.mark.parametrize("B, groups, dtype, l2, init, gate", [
-    pytest.param(4, 2, torch.bfloat16, True, True, True, id="B4-g2-bf16-l2-gate"),
-    pytest.param(3, 2, torch.float32, False, True, False, id="B3-g2-fp32"),
-    pytest.param(5, 3, torch.float16, True, False, False, id="B5-g3-fp16-l2")])
-def test_batch_pipelined_forward_is_bit_identical(B, groups, dtype, l2, init, gate):
-    """A dense batch's fused forward pipelined over groups of sequences (fast.chunk.pipeline.batch_pipelined_forward:
-    each group's state pass on a side stream beside the next group's kernel 1) gives the one-pass forward's results
-    bit for bit: o, the final state and kernel 1's kept outputs (with fused gating: G of the raw gate)."""
-    (q, k, v, g, beta, h0), _ = _inputs(B, 200, 2, 4, 64, 32, dtype, init=True)
-    h0 = h0 if init else None
-    gk = dict(A_log=torch.randn(4, device=DEV), dt_bias=torch.randn(4, device=DEV)) if gate else {}
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, keep_kkt=True, fuse_output=True,
-              **gk)
-    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, groups=1, **kw)
-    got = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, groups=groups, **kw)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[2], want[2]))
-
-
 @pytest.mark.parametrize("NT,S,BT,T", [(1024, 4, 64, 65536), (600, 4, 64, 38390), (7, 3, 16, 100), (3, 8, 64, 130)],
                          ids=["even", "tail", "small", "more-segments-than-chunks"])
 def test_pipeline_segment_bounds(NT, S, BT, T):

@@ -116,7 +116,7 @@ from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses
                     state_output_wy, state_passing, state_passing_wy)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
-from .pipeline import batch_groups, batch_pipelined_forward, pipeline_segments, pipelined_forward  # noqa: F401
+from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
 
 
 # ============================================================================================
@@ -241,7 +241,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
-                               offsets_unchecked: bool = False, groups: Optional[int] = None):
+                               offsets_unchecked: bool = False):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -262,8 +262,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     them (clamped: common._Chunks.unchecked), and only then does the host wait for the copy, check the values
     (check_cu_seqlens_values: the same ValueError, raised before the state pass; kernel 1 wrote only this call's
     scratch) and build the tables of the state pass. So kernel 1 runs while the host reads and works, where the
-    device idled before. groups: how many groups of sequences a dense batch's fused forward is pipelined over
-    (fast.chunk.pipeline.batch_pipelined_forward; 1: not pipelined); None: batch_groups' rule."""
+    device idled before."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -297,11 +296,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
-        return (o, final, (A, G, kn)) if keep_kkt else (o, final)
-    R = batch_groups(B, N, fused, dev) if groups is None else groups
-    if R > 1 and B > 1 and cu_seqlens is None and fused and from_a and dev.type == "cuda":
-        batch_pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, R, l2=l2,
-                                precise=precise, configs=configs, inv_method=inv_method)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
