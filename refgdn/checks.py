@@ -142,9 +142,9 @@ def host_offsets_later(cu_seqlens: torch.Tensor) -> Callable[[], List[int]]:
     if cu_seqlens.device.type != "cuda" or host_offsets_known(cu_seqlens):
         return lambda: host_offsets(cu_seqlens)
     pinned = torch.empty(cu_seqlens.shape, dtype=cu_seqlens.dtype, pin_memory=True)
-    pinned.copy_(cu_seqlens, non_blocking=True)
+    pinned.copy_(cu_seqlens, non_blocking=True)         # on the current stream of cu_seqlens' device
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(cu_seqlens.device))
 
     def wait() -> List[int]:
         done.synchronize()                  # the copy (and whatever ran before it on the stream) is complete
