@@ -263,6 +263,18 @@ def test_no_final_state_and_default_scale():
     assert s is None and torch.equal(o, o2)
 
 
+def _repeats_through_one_plan(q, k, v, g, beta, kw) -> tuple:
+    """Three calls of fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw) on an empty plan cache, each bit for bit
+    the plain forward's results, leave one plan: (those results, the plan's kernels in launch order)."""
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    for _ in range(3):
+        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fc._PLANS.entries) == 1
+    plan = next(iter(fc._PLANS.entries.values()))
+    return want, [s[0].__name__ for s in plan.slots]
+
+
 def test_repeated_calls_launch_through_the_signature_plan():
     """A dense call whose signature passed the checks before skips them and launches through the signature's
     LaunchPlan (fast.launch; on a GPU each kernel's compiled launcher is reused): the same results as the plain
@@ -270,15 +282,9 @@ def test_repeated_calls_launch_through_the_signature_plan():
     fc.clear_plan_cache()
     (q, k, v, g, beta, h0), _ = _inputs(2, 40, 1, 2, 16, 16, torch.float32, init=True)
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
-    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
-    for _ in range(3):
-        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert len(fc._PLANS.entries) == 1
-    plan = next(iter(fc._PLANS.entries.values()))
+    want, kernels = _repeats_through_one_plan(q, k, v, g, beta, kw)
     fused = fc.state_fuses_output(2, 2, 16, 16, q.device)                  # (always in the interpreter)
-    assert [s[0].__name__ for s in plan.slots] == ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + (
-        [] if fused else ["chunk_output_kernel"])
+    assert kernels == ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + ([] if fused else ["chunk_output_kernel"])
     o1, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.25)   # the scale's value
     o2, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.5)    # is passed per call
     assert len(fc._PLANS.entries) == 2 and not torch.equal(o1, o2)
@@ -303,15 +309,10 @@ def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan(
     (q, k, v, g, beta, h0), _ = _inputs(1, 40, 1, 2, 16, 16, torch.float32, init=True, N=3)
     cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32, device=DEV)
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16, cu_seqlens=cu)
-    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
-    for _ in range(3):
-        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert len(fc._PLANS.entries) == 1
-    plan = next(iter(fc._PLANS.entries.values()))
+    _, kernels = _repeats_through_one_plan(q, k, v, g, beta, kw)
     fused = fc.state_fuses_output(3, 2, 16, 16, q.device)
-    assert [s[0].__name__ for s in plan.slots] == ["chunk_table_kernel", "chunk_kkt_inv_kernel",
-                                                   "chunk_state_kernel"] + ([] if fused else ["chunk_output_kernel"])
+    assert kernels == ["chunk_table_kernel", "chunk_kkt_inv_kernel", "chunk_state_kernel"] + (
+        [] if fused else ["chunk_output_kernel"])
     with pytest.raises(ValueError, match="non-decreasing"):                  # the same signature, bad values
         fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor([0, 9, 7, 40],
                                                                                           dtype=torch.int32, device=DEV)))
