@@ -49,6 +49,11 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
   4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel (not run when fused into 3)
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
+Varlen chunk tables: built on the host from cu_seqlens' checked values and uploaded with them. Without a host copy
+(cu_seqlens_cpu) kernel 1 does not wait for the host's read: ``chunk_table_kernel`` builds its table on the device
+from the offsets clamped to [0, T] (rows past the last chunk: no chunk), while the host reads, checks and builds the
+others' (chunk_gated_delta_rule_fwd's offsets_unchecked).
+
 Kernels 1 and 2 are split (rather than one kernel holding k, L, A, w and u at once) so that each
 stays small: kernel 1 works on 16x16 blocks in a single warp (its reductions and layout changes
 never leave the warp); kernel 2 is two plain dots. The l2norm of k happens once, in kernel 1, so
