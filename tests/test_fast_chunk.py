@@ -419,10 +419,10 @@ def test_chunk_equals_recurrent_fp32():
 
 # ------------------------------------------------------------------------------------ stages, one kernel each
 
-def _stage_inputs(bt, T=None, seed=0, gate="mid"):
-    """Dense stage inputs (T a multiple of bt, as refgdn's stages need): float32 and float64 copies."""
+def _stage_inputs(bt, T=None, seed=0, gate="mid", dtype=torch.float32):
+    """Dense stage inputs (T a multiple of bt, as refgdn's stages need): rounded to dtype and float64 copies."""
     T = T or 2 * bt
-    low, hi = _inputs(2, T, 1, 2, 24, 20, torch.float32, seed=seed, gate=gate, init=True)
+    low, hi = _inputs(2, T, 1, 2, 24, 20, dtype, seed=seed, gate=gate, init=True)
     return low, hi
 
 
@@ -518,22 +518,34 @@ def test_chunk_forward_both_state_paths(from_a, fuse_output, dtype):
     _compare_op("varlen", fwd(16), _ref_chunk(16), low, hi, dtype, cu_seqlens=cu)
 
 
+_STAGE_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")] + (
+    [pytest.param(torch.bfloat16, id="bf16")] if DEV == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", _STAGE_DTYPES)
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("bt", [16, 32, 64])
-def test_stage_state_output(bt, varlen):
+def test_stage_state_output(bt, varlen, dtype):
     """Kernel 3 with steps 3-5 in it (state_output_wy: v_new from A and o in the pass, the forward's FROM_A +
-    OUTPUT) against refgdn's w_u, state_passing and chunk_output; varlen: against refgdn per sequence."""
-    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 5)
+    OUTPUT) against refgdn's w_u, state_passing and chunk_output; varlen: against refgdn per sequence. In 16-bit
+    precisions too (the forward's fused path, whose 16-bit products and roundings only run there): the refgdn side
+    runs on the same rounded inputs in that precision as refgdn's ops do (fp32 compute, o rounded), and A is
+    rounded to the inputs' dtype on fast's side, as the forward stores it."""
+    low, hi = _stage_inputs(bt, T=3 * bt, seed=bt + 5, dtype=dtype)
 
     def run(x, op, cu=None):
         q, k, v, g, beta, h0 = x
+        low_dt = q.dtype
+        if op is None and low_dt in (torch.float16, torch.bfloat16):   # refgdn in that precision: fp32 compute
+            q, k, v = q.float(), k.float(), v.float()
         G = dr.chunk_cumsum(g, bt)
         A = dr.wy_repr(k, beta, G, bt)
         if op is not None:
+            A = A.to(k.dtype)                                  # (the forward stores A in k's dtype)
             return op(q, k, v, beta, A, G, 0.3, bt, h0 if cu is None else h0[:1].expand(2, -1, -1, -1), cu)
         w, u = dr.w_u(k, v, beta, A, G, bt)
         h, vn, s = dr.state_passing(k, w, u, G, bt, h0)
-        return dr.chunk_output(q, k, vn, h, G, 0.3, bt), s
+        return dr.chunk_output(q, k, vn, h, G, 0.3, bt).to(low_dt), s
 
     if not varlen:
         (o, s), (o_r, s_r), (o_t, s_t) = run(low, fc.state_output_wy), run(low, None), run(hi, None)
@@ -556,7 +568,7 @@ def test_stage_state_output(bt, varlen):
             return torch.cat(outs, 0), torch.cat(states, 0)
         (o_r, s_r), (o_t, s_t) = per_seq(lo), per_seq([t.double() for t in lo])
     _conform("o", o, o_r, o_t)
-    _conform("final_state", s, s_r, s_t)
+    _conform("final_state", s, s_r, s_t, dtype=dtype)                # (the floor of the inputs' precision)
 
 
 @pytest.mark.parametrize("bt", [16, 64])
