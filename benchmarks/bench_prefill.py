@@ -351,6 +351,68 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
+INVERSE_VARIANTS = (("rows", None), ("doubling", None), ("doubling", "tf32"))
+
+
+def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), variants=INVERSE_VARIANTS, iters: int = 5,
+                  seeds=(1, 2, 3)) -> list:
+    """Kernel 1's triangular inverse, its diagonal 16x16 blocks by forward substitution ("rows", the GPU default) or
+    by doubling (its products at fast.chunk.common.INV_DIAG_PRECISION's setting, tf32x3 for bf16, or at the precision
+    given: the launchers' configs {"kkt": {"INV_DIAG_PREC": ...}}). Per case and variant: kernel 1's device time
+    (torch.profiler), the whole forward's time (do_bench), and the forward's error against the float64 truth (refgdn
+    in float64 on the same rounded inputs, an initial state per sequence), mean over ``seeds`` of max |x - t| / max |t|
+    for o and the final state (error_rows' measure). (16, None): the varlen mix (varlen_lengths). Run:
+    python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.inverse_sweep('cuda')]"."""
+    import refgdn
+    from fast.chunk import chunk_gated_delta_rule_fwd
+
+    def rel(x, t) -> float:
+        return ((x.double() - t).abs().max() / t.abs().max()).item()
+
+    rows = []
+    for B, T in cases:
+        kw = dict(chunk_size=CHUNK, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        name = f"B={B} T={T}"
+        if T is None:
+            lens = varlen_lengths()
+            T, name = sum(lens), f"varlen {len(lens)} seqs {sum(lens)} tok"
+            kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                                            device=device)
+            B = 1
+        errs: dict = {}
+        for seed in seeds:
+            q, k, v, g, beta, S0 = gdn_inputs(T, device, N=len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else B,
+                                              B=B, seed=seed)
+            truth = None
+            if B * T <= 32768:                          # the float64 truth of the long row costs too much memory
+                truth = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                                      initial_state=S0.double(), **kw)
+            for method, prec in variants:
+                over = {"kkt": {"INV_DIAG_PREC": prec}} if prec else None
+
+                def fwd():
+                    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=S0, configs=over,
+                                                      inv_method=method, **kw)
+                key = f"{method}" + (f", {prec}" if prec else (", tf32x3 (bf16 default)" if method == "doubling"
+                                                                   else ""))
+                e = errs.setdefault(key, dict(kkt=[], fwd=[], o=[], st=[]))
+                if truth is not None:
+                    o, st = fwd()[:2]
+                    e["o"].append(rel(o, truth[0]))
+                    e["st"].append(rel(st, truth[1]))
+                if seed == seeds[0]:
+                    e["kkt"].append(next((ms for n, ms, _ in _kernel_times(fwd, iters) if n == "chunk_kkt_inv_kernel"),
+                                         float("nan")))
+                    e["fwd"].append(common.bench(fwd))
+            del q, k, v, g, beta, S0, truth
+            torch.cuda.empty_cache()
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        for key, e in errs.items():
+            rows.append({"case": name, "inverse": key, "kernel 1 ms": mean(e["kkt"]), "forward ms": mean(e["fwd"]),
+                         "o err (max rel)": mean(e["o"]), "state err (max rel)": mean(e["st"])})
+    return rows
+
+
 def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens: Optional[list] = None) -> list:
     """Per-kernel device time of one chunk forward at T (fast, and fla when installed): torch.profiler.
     seq_lens: the varlen case instead (T = their sum, cu_seqlens, an initial state per sequence)."""

@@ -184,6 +184,17 @@ def _gdn_families(quick: bool) -> dict:
         "fused-gating": dict(base, T=500, fused=True),
         "no-init": dict(base, T=500, init=False),
         "K64-V96": dict(base, T=300, K=64, V=96),
+        # Qwen3-Next's head counts (16 key / 32 value heads), so the chunk forward takes the paths its benchmark
+        # rows take on a 132-SM GPU (H100 SXM, H200; fast.chunk.state.state_config / state_fuses_output /
+        # fast.chunk.pipeline.pipeline_segments): o formed in the state pass at BV 64 (B = 4: 256 programs) and at
+        # BV 32 (B = 2: 128), the varlen mix likewise (16 sequences), and one sequence long enough to be pipelined
+        # over two segments on two streams (T = 16384: 256 chunks at BT 64)
+        "qwen3next-B4-bv64": dict(base, B=4, T=300, H=16, HV=32, l2=True),
+        "qwen3next-B2-bv32-gating": dict(base, B=2, T=200, H=16, HV=32, fused=True),
+        "qwen3next-varlen16": dict(base, B=1, T=1200, H=16, HV=32, l2=True,
+                                   cu=[0, 1, 65, 128, 200, 263, 264, 400, 527, 600, 700, 777, 900, 960, 1023, 1100,
+                                       1200]),
+        "T16384-pipelined": dict(base, B=1, T=16384, H=1, HV=2),
     }
 
 

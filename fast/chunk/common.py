@@ -52,7 +52,8 @@ INV_DIAG_PRECISION = MappingProxyType({torch.bfloat16: "tf32x3", torch.float16: 
 # not run on a GPU yet. Both are direct (no series, no approximation); the tests run both.
 # Per-kernel config overrides (the launchers' ``configs`` argument, for benchmark sweeps) are merged over
 # the pinned heuristics: {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}} with keys
-# BV, num_warps, num_stages (BV for "state", "output"). Each distinct config is its own compiled variant.
+# BV, num_warps, num_stages (BV for "state", "output"; for "kkt" also HPP and INV_DIAG_PREC, the doubling's
+# product precision). Each distinct config is its own compiled variant.
 
 
 # ============================================================================================

@@ -472,13 +472,15 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         return
     cfg = _cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs)
     HPP = cfg.pop("HPP", kkt_heads_per_program(HV // H, do_a))          # a benchmark may set it (1: unshared)
+    # the doubling's product precision (a benchmark may set it: benchmarks.bench_prefill.inverse_sweep)
+    inv_diag_prec = cfg.pop("INV_DIAG_PREC", INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]])
     kw = dict(
         H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=BK,
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
         LOAD_G=load_g, STORE_G=store_g, DO_A=do_a, HPP=HPP,
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
         INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
-        INV_DIAG_PREC=INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]],
+        INV_DIAG_PREC=inv_diag_prec,
         INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **cfg)
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
