@@ -351,14 +351,14 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
-INVERSE_VARIANTS = (("rows", None), ("doubling", None), ("doubling", "tf32"))
+INVERSE_VARIANTS = (("rows", None), ("doubling", "tf32x3"), ("doubling", "tf32"))
 
 
 def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), variants=INVERSE_VARIANTS, iters: int = 5,
                   seeds=(1, 2, 3)) -> list:
-    """Kernel 1's triangular inverse, its diagonal 16x16 blocks by forward substitution ("rows", the GPU default) or
-    by doubling (its products at fast.chunk.common.INV_DIAG_PRECISION's setting, tf32x3 for bf16, or at the precision
-    given: the launchers' configs {"kkt": {"INV_DIAG_PREC": ...}}). Per case and variant: kernel 1's device time
+    """Kernel 1's triangular inverse, its diagonal 16x16 blocks by forward substitution ("rows") or by doubling (its
+    products at the precision given, through the launchers' configs {"kkt": {"INV_DIAG_PREC": ...}}; None: the
+    dtype's fast.chunk.common.INV_DIAG_PRECISION). Per case and variant: kernel 1's device time
     (torch.profiler), the whole forward's time (do_bench), and the forward's error against the float64 truth (refgdn
     in float64 on the same rounded inputs, an initial state per sequence), mean over ``seeds`` of max |x - t| / max |t|
     for o and the final state (error_rows' measure). (16, None): the varlen mix (varlen_lengths). Run:
@@ -393,8 +393,7 @@ def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), varian
                 def fwd():
                     return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=S0, configs=over,
                                                       inv_method=method, **kw)
-                key = f"{method}" + (f", {prec}" if prec else (", tf32x3 (bf16 default)" if method == "doubling"
-                                                                   else ""))
+                key = method + (f", {prec} products" if prec else "")
                 e = errs.setdefault(key, dict(kkt=[], fwd=[], o=[], st=[]))
                 if truth is not None:
                     o, st = fwd()[:2]

@@ -323,7 +323,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  GATE=A_log is not None, L2NORM=l2, LOAD_G=False, STORE_G=True, DO_A=True,
                  HPP=_chunk.kkt_heads_per_program(HV // H),
                  PREC=_chunk._fp32_prec(kdt), INV_PREC=_chunk.INV_PRECISION[kdt],
-                 INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(), DOT_F32=interp,
+                 INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(None, kdt), DOT_F32=interp,
                  UPCAST=False,
                  PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS),
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,

@@ -39,17 +39,20 @@ CHUNK_SIZES = (16, 32, 64)
 #     fp32 gets exact IEEE.
 FP32_PRECISION = "ieee"
 INV_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
-#   INV_DIAG_PRECISION: the products of the diagonal blocks' doubling (inv_method "doubling"): their
-#     4 levels compound the products' rounding, so bf16 gets tf32x3 there too (with tf32 the worst bf16
-#     final-state conformance ratio of the quick matrix rose from 0.69 with rows to 0.89; tf32x3 is the
-#     fp16 setting, conformance-checked on H200; its bf16 timing is not measured yet).
-INV_DIAG_PRECISION = MappingProxyType({torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"})
-# The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps of masked
-# reductions, exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION), chosen by the launchers' inv_method argument. None: rows
-# on a GPU, doubling in the interpreter (4x cheaper there). Rows is the GPU default because it is the
-# variant whose bf16 conformance and tests passed on the H200; doubling measured faster (H200, K = 128,
-# BT = 64, bf16, 1 warp, tf32 products: 0.58 ms against rows' 0.75) but its tf32x3 setting for bf16 has
-# not run on a GPU yet. Both are direct (no series, no approximation); the tests run both.
+#   INV_DIAG_PRECISION: the products of the diagonal blocks' doubling (inv_method "doubling"): their 4 levels
+#     compound the products' rounding. bf16: tf32, the same setting as INV_PRECISION's (A is stored in bf16, whose
+#     rounding, 2^-9, is above four tf32 roundings of 2^-11). fp16 rounds like tf32, so it gets tf32x3 (~fp32).
+INV_DIAG_PRECISION = MappingProxyType({torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"})
+# The 16x16 diagonal blocks of (I + L)^-1: "rows" (forward substitution, 15 dependent steps of masked reductions,
+# exact fp32) or "doubling" (4 levels of two 16x16 dots at INV_DIAG_PRECISION), chosen by the launchers' inv_method
+# argument. Default (fast.chunk.wy._inv_rows): doubling for bf16 on a GPU and in the interpreter (4x cheaper
+# there), rows for fp16 and fp32 on a GPU, where doubling's tf32x3 / IEEE products cost more than the rows' 15 steps.
+# Kernel 1 alone and the whole forward (H200, Triton 3.6, bf16, Qwen3-Next shape, l2norm in the kernel, ms;
+# benchmarks.bench_prefill.inverse_sweep, 2026-11-26): B=4 T=4096 rows 0.156 / 0.646, doubling with tf32 products
+# 0.119 / 0.610, with tf32x3 0.315 / 0.804; B=1 T=65536 0.906 / 3.117, 0.684 / 2.966, 1.699 / 3.575; the 16-sequence
+# varlen mix 0.314 / 1.495, 0.222 / 1.325, 0.617 / 2.017. The forward's error against the float64 truth (max
+# relative, mean of 3 seeds), rows vs tf32 doubling: B=4 T=4096 o 5.668e-3 both, final state 3.614e-3 / 3.616e-3;
+# varlen o 6.274e-3 both, state 3.940e-3 / 3.871e-3. Both are direct (no series, no approximation); the tests run both.
 # Per-kernel config overrides (the launchers' ``configs`` argument, for benchmark sweeps) are merged over
 # the pinned heuristics: {"kkt": {...}, "w_u": {...}, "state": {...}, "output": {...}} with keys
 # BV, num_warps, num_stages (BV for "state", "output"; for "kkt" also HPP and INV_DIAG_PREC, the doubling's

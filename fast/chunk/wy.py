@@ -448,12 +448,15 @@ def kkt_heads_per_program(GROUP: int, do_a: bool = True) -> int:
     return 2 if do_a and GROUP % 2 == 0 else 1
 
 
-def _inv_rows(inv_method: Optional[str] = None) -> bool:
-    """Diagonal-block inverse method: inv_method, by default rows on a GPU, doubling when interpreting
-    (module comment)."""
+def _inv_rows(inv_method: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether kernel 1 inverts the diagonal blocks by rows (else by doubling): inv_method, by default doubling when
+    interpreting and, on a GPU, for bf16 (dtype: the one whose INV_DIAG_PRECISION applies), rows for the others
+    (fast.chunk.common's comment on the inverse: measured there)."""
     if inv_method not in (None, "rows", "doubling"):
         raise ValueError(f"inv_method must be None, 'rows' or 'doubling', got {inv_method!r}")
-    return (inv_method or ("doubling" if is_interpreting() else "rows")) == "rows"
+    if inv_method is None:
+        inv_method = "doubling" if is_interpreting() or dtype == torch.bfloat16 else "rows"
+    return inv_method == "rows"
 
 
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
@@ -473,15 +476,16 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     cfg = _cfg("kkt", dict(kkt_config(K), **(cfg_over or {})), configs)
     HPP = cfg.pop("HPP", kkt_heads_per_program(HV // H, do_a))          # a benchmark may set it (1: unshared)
     # the doubling's product precision (a benchmark may set it: benchmarks.bench_prefill.inverse_sweep)
-    inv_diag_prec = cfg.pop("INV_DIAG_PREC", INV_DIAG_PRECISION[k.dtype if prec_of is None else prec_of[1]])
+    pdt = k.dtype if prec_of is None else prec_of[1]                    # the dtype whose inverse settings apply
+    inv_diag_prec = cfg.pop("INV_DIAG_PREC", INV_DIAG_PRECISION[pdt])
     kw = dict(
         H=H, HV=HV, GROUP=HV // H, K=K, BT=BT, BK=BK,
         IS_VARLEN=ch.varlen, GATE=A_log is not None, L2NORM=l2norm,
         LOAD_G=load_g, STORE_G=store_g, DO_A=do_a, HPP=HPP,
         PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0],
-        INV_PREC=INV_PRECISION[k.dtype if prec_of is None else prec_of[1]],
+        INV_PREC=INV_PRECISION[pdt],
         INV_DIAG_PREC=inv_diag_prec,
-        INV_ROWS=_inv_rows(inv_method), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
+        INV_ROWS=_inv_rows(inv_method, pdt), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **cfg)
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
         k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
