@@ -98,6 +98,11 @@ def _gdn_grad_families(quick: bool) -> dict:
         "strided-slices": dict(base, T=300, strided=True),
         "qk-l2norm-fused-gating": dict(base, T=300, l2=True, fused=True),
         "no-init-K64-V96": dict(base, T=200, K=64, V=96, init=False),
+        # Qwen3-Next's head counts (16 key / 32 value heads, qk-l2norm), so the backward's sequential passes take
+        # the configs bench_train's rows take on a 132-SM GPU (fast.chunk_bwd.dh_bwd_config and the recompute's
+        # state pass): BV 32 at B = 4 (256 (sequence, head, 64-column) programs), BV 64 at B = 8 (512)
+        "qwen3next-B4-bv32": dict(base, B=4, T=192, H=16, HV=32, l2=True),
+        "qwen3next-B8-bv64": dict(base, B=8, T=130, H=16, HV=32, l2=True),
     }
     return {k: (v, CHUNK_SIZES) for k, v in fams.items()}
 
