@@ -419,8 +419,9 @@ def kkt_config(K: int) -> dict:
     One warp at K <= 128: the 16x16 blocks of L and A are small, and in one warp the layout changes
     between the 16x16 dots (and the row substitution's reductions) never leave the warp (H200,
     K = 128, BT = 64, bf16, rows inverse: 1 warp 0.76 ms, 2 warps 1.24, 4 warps 2.1; doubling with tf32
-    products: 1 warp 0.58, 2 warps 0.98); 2 warps for the [16, 256] k blocks at K = 256 (register
-    pressure)."""
+    products: 1 warp 0.58, 2 warps 0.98; with doubling, the bf16 default since 2026-11-26, at B=4 T=4096: 1 warp
+    0.119, 2 warps 0.178, 4 warps 0.301; RESULTS.md, "Prefill and decode experiments of 2026-11-26"); 2 warps for
+    the [16, 256] k blocks at K = 256 (register pressure)."""
     BK, _ = _blocks(K, 16)
     if is_interpreting():
         return dict(num_warps=4, num_stages=1)
