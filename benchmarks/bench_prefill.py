@@ -351,14 +351,18 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
-INVERSE_VARIANTS = (("rows", None), ("doubling", "tf32x3"), ("doubling", "tf32"))
+INVERSE_VARIANTS = (("rows", None), ("doubling", dict(INV_DIAG_PREC="tf32x3")), ("doubling", dict(INV_DIAG_PREC="tf32")))
+# kernel 1's launch configs beside the pinned one (1 warp, HPP 2 at Qwen3-Next's GVA), for the bf16 default (doubling)
+KKT_CONFIG_VARIANTS = (("doubling", None), ("doubling", dict(num_warps=2)), ("doubling", dict(num_warps=4)),
+                       ("doubling", dict(HPP=1)), ("doubling", dict(HPP=1, num_warps=2)))
 
 
 def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), variants=INVERSE_VARIANTS, iters: int = 5,
                   seeds=(1, 2, 3)) -> list:
     """Kernel 1's triangular inverse, its diagonal 16x16 blocks by forward substitution ("rows") or by doubling (its
-    products at the precision given, through the launchers' configs {"kkt": {"INV_DIAG_PREC": ...}}; None: the
-    dtype's fast.chunk.common.INV_DIAG_PRECISION). Per case and variant: kernel 1's device time
+    products at the precision given, through the launchers' configs {"kkt": {"INV_DIAG_PREC": ...}}; by default the
+    dtype's fast.chunk.common.INV_DIAG_PRECISION). variants: (inv_method, kernel 1 config keys over the pinned ones or
+    None); KKT_CONFIG_VARIANTS sweeps kernel 1's warps and heads per program instead. Per case and variant: kernel 1's device time
     (torch.profiler), the whole forward's time (do_bench), and the forward's error against the float64 truth (refgdn
     in float64 on the same rounded inputs, an initial state per sequence), mean over ``seeds`` of max |x - t| / max |t|
     for o and the final state (error_rows' measure). (16, None): the varlen mix (varlen_lengths). Run:
@@ -387,13 +391,13 @@ def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), varian
             if B * T <= 32768:                          # the float64 truth of the long row costs too much memory
                 truth = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                                       initial_state=S0.double(), **kw)
-            for method, prec in variants:
-                over = {"kkt": {"INV_DIAG_PREC": prec}} if prec else None
+            for method, kcfg in variants:
+                over = {"kkt": dict(kcfg)} if kcfg else None
 
                 def fwd():
                     return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=S0, configs=over,
                                                       inv_method=method, **kw)
-                key = method + (f", {prec} products" if prec else "")
+                key = method + (", " + ", ".join(f"{a}={b}" for a, b in kcfg.items()) if kcfg else ", pinned")
                 e = errs.setdefault(key, dict(kkt=[], fwd=[], o=[], st=[]))
                 if truth is not None:
                     o, st = fwd()[:2]
