@@ -31,9 +31,9 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        k -> l2norm(k) when asked (stored once per key head: kn [B, T, H, K], read by kernels 2-4)
        K K^T (16x16 blocks, tl.dot; once per program, shared by its value heads), then per value head
        L_ij = beta_i (k_i . k_j) exp(G_i - G_j), i > j
-       A = (I + L)^-1: the 16x16 diagonal blocks by doubling (bf16; fp16 / fp32 on a GPU: forward substitution;
-           inv_method chooses), the
-           off-diagonal blocks by block forward substitution (16^3 fp32 dots, INV_PRECISION);
+       A = (I + L)^-1: the 16x16 diagonal blocks by doubling (bf16; fp16 / fp32 on a GPU: forward
+           substitution; inv_method chooses), the off-diagonal blocks by block forward substitution (16^3
+           fp32 dots, INV_PRECISION);
            A stored in k's dtype (fp32 for fp32 inputs)
   2. ``chunk_w_u_kernel``      grid (chunks * HV)          fully chunk-parallel (the backward's recompute; the
                                                            forward with from_a=False)
