@@ -340,7 +340,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen,
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
-                 OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS),
+                 OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
+                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused)),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, **hv_new, **wy, **qo),
             opts(cfg)))

@@ -119,7 +119,7 @@ from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _
                  chunk_kkt_inv_kernel, chunk_w_u_kernel, kkt_config, kkt_heads_per_program, w_u, w_u_config,
                  wy_repr)
 from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses_output,  # noqa: F401
-                    state_output_wy, state_passing, state_passing_wy)
+                    state_output_wy, state_passing, state_passing_wy, state_prefetch_beta)
 from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401

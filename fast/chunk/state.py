@@ -41,7 +41,7 @@ def chunk_state_kernel(
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
-    EPS: tl.constexpr = 1e-6,
+    EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -64,6 +64,10 @@ def chunk_state_kernel(
     (kernel 1's output, k's dtype), rounded to the dot dtype once, after the subtraction (u and w are rounded
     before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
     last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
+
+    PREFETCH_BETA (FROM_A; state_prefetch_beta): beta's rows, HV elements apart, are too narrow for the
+    compiler's asynchronous copies, so their load would wait in every chunk: the next chunk's beta is loaded one
+    chunk ahead instead.
 
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
@@ -96,6 +100,9 @@ def chunk_state_kernel(
     q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
     v_base = v + i_b * s_vb + i_h * s_vh
     b_base = beta + i_b * s_bb + i_h * s_bh
+    if FROM_A and PREFETCH_BETA:
+        # beta one chunk ahead (docstring): the first chunk's here, the next chunk's rows in each (masked at the end)
+        b_beta_next = tl.load(b_base + (bos + o_t).to(tl.int64) * s_bt, mask=bos + o_t < eos, other=0.0)
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
         m_r = rows < eos
@@ -109,7 +116,11 @@ def chunk_state_kernel(
             b_k = b_k.to(tl.float32)
         if FROM_A:
             b_A = tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0).to(b_k.dtype)
-            b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
+            if PREFETCH_BETA:
+                b_beta = b_beta_next.to(tl.float32)
+                b_beta_next = tl.load(b_base + (rows + BT).to(tl.int64) * s_bt, mask=rows + BT < eos, other=0.0)
+            else:
+                b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
             b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
             if not OUTPUT:
@@ -208,6 +219,20 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
+def state_prefetch_beta(N: int, HV: int, V: int, BV: int, device: torch.device, fused: bool) -> bool:
+    """Whether the FROM_A pass loads beta one chunk ahead (the kernel's PREFETCH_BETA): where each program walks
+    its chunks latency-bound, i.e. the unfused pass (one program per SM or fewer) and the fused one while its
+    programs fit one wave (two blocks per SM: 255 registers and 115 KB of shared memory each, cuOccupancy on an
+    H200). With more programs the pass is throughput-bound and the extra live registers (spills 300 -> 352 B per
+    thread, ptxas sm_90) cost more than the wait. H200, Triton 3.6, bf16, Qwen3-Next shape, outputs bit for bit
+    equal, device ms (torch.profiler) without / with: B=4 T=4096 (256 fused programs) 0.505 / 0.486; B=1 T=16384
+    0.769 / 0.688, T=65536 2.898 / 2.633 (the state pass alone 2.54 / 2.19); the 16-sequence varlen mix (1024
+    fused programs) 0.864 / 0.879 (RESULTS.md, 2026-11-26). The interpreter: always (the CPU tests run it)."""
+    if is_interpreting() or not fused:
+        return True
+    return N * HV * cdiv(V, BV) <= 2 * _num_sms(device)
+
+
 def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
     """Whether the forward's state pass also forms o (the kernel's OUTPUT; kernel 4 does not run and h, v_new never
     go through HBM): when the pass has enough (sequence, head) pairs for state_config's widest blocks (BV 64 from
@@ -248,6 +273,9 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs, fused=out is not None),
                              **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
+    prefetch = cfg.pop("PREFETCH_BETA", None)           # (a benchmark may set it)
+    if prefetch is None:
+        prefetch = state_prefetch_beta(N, HV, V, BV, k.device, out is not None)
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
     if wy is not None:
@@ -261,6 +289,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
         OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
+    if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
+        kw["PREFETCH_BETA"] = bool(prefetch)
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
         ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
