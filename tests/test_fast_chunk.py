@@ -518,6 +518,26 @@ def test_chunk_forward_both_state_paths(from_a, fuse_output, dtype):
     _compare_op("varlen", fwd(16), _ref_chunk(16), low, hi, dtype, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("fuse_output", [True, False], ids=["o-in-pass", "o-kernel"])
+def test_state_pass_beta_ahead_is_bit_identical(fuse_output):
+    """The state pass that forms v_new from A, with beta loaded one chunk ahead (PREFETCH_BETA: where the pass is
+    latency-bound, fast.chunk.state.state_prefetch_beta) or in its own chunk (the GPU's fused pass beyond one wave):
+    the same bits, dense (odd T: a partial last chunk) and varlen (empty, one-token and multi-chunk sequences)."""
+    def both(q, k, v, g, beta, h0, **kw):
+        return [fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              chunk_size=16, fuse_output=fuse_output,
+                                              configs={"state": {"PREFETCH_BETA": ahead}}, **kw)[:2]
+                for ahead in (False, True)]
+    low, _ = _inputs(2, 77, 1, 2, 32, 24, torch.float16, seed=41, init=True)
+    (o0, s0), (o1, s1) = both(*low)
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+    lens = [0, 1, 45, 70]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+    low, _ = _inputs(1, sum(lens), 2, 4, 16, 16, torch.float16, seed=42, init=True, N=len(lens))
+    (o0, s0), (o1, s1) = both(*low, cu_seqlens=cu)
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+
+
 _STAGE_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")] + (
     [pytest.param(torch.bfloat16, id="bf16")] if DEV == "cuda" else [])
 
