@@ -70,6 +70,17 @@ def varlen_lengths() -> list:
     return lens
 
 
+def cu_seqlens_of(lens: list, device: str) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as an int64 tensor on device: the offsets of sequences of these lengths."""
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
+
+
+def rel_errors(x: torch.Tensor, truth: torch.Tensor) -> tuple:
+    """(max |x - truth| / max |truth|, ||x - truth|| / ||truth||): x against its float64 truth."""
+    d = x.double() - truth
+    return (d.abs().max() / truth.abs().max()).item(), (d.norm() / truth.norm()).item()
+
+
 def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0, B: int = 1):
     """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B, T, ...]; S0 [N, HV, K, V] if N."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -151,7 +162,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
         q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
         kw = dict(initial_state=S0, output_final_state=True)
         if seq_lens:
-            cu = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
+            cu = cu_seqlens_of(seq_lens, device)
             kw["cu_seqlens"] = cu
             if host_copy:
                 kw["cu_seqlens_cpu"] = cu.cpu()
@@ -370,23 +381,17 @@ def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), varian
     import refgdn
     from fast.chunk import chunk_gated_delta_rule_fwd
 
-    def rel(x, t) -> float:
-        return ((x.double() - t).abs().max() / t.abs().max()).item()
-
     rows = []
     for B, T in cases:
         kw = dict(chunk_size=CHUNK, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        name = f"B={B} T={T}"
+        name, N = f"B={B} T={T}", B
         if T is None:
             lens = varlen_lengths()
-            T, name = sum(lens), f"varlen {len(lens)} seqs {sum(lens)} tok"
-            kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                                            device=device)
-            B = 1
+            B, N, T, name = 1, len(lens), sum(lens), f"varlen {len(lens)} seqs {sum(lens)} tok"
+            kw["cu_seqlens"] = cu_seqlens_of(lens, device)
         errs: dict = {}
         for seed in seeds:
-            q, k, v, g, beta, S0 = gdn_inputs(T, device, N=len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else B,
-                                              B=B, seed=seed)
+            q, k, v, g, beta, S0 = gdn_inputs(T, device, N=N, B=B, seed=seed)
             truth = None
             if B * T <= 32768:                          # the float64 truth of the long row costs too much memory
                 truth = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
@@ -401,8 +406,8 @@ def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), varian
                 e = errs.setdefault(key, dict(kkt=[], fwd=[], o=[], st=[]))
                 if truth is not None:
                     o, st = fwd()[:2]
-                    e["o"].append(rel(o, truth[0]))
-                    e["st"].append(rel(st, truth[1]))
+                    e["o"].append(rel_errors(o, truth[0])[0])
+                    e["st"].append(rel_errors(st, truth[1])[0])
                 if seed == seeds[0]:
                     e["kkt"].append(next((ms for n, ms, _ in _kernel_times(fwd, iters) if n == "chunk_kkt_inv_kernel"),
                                          float("nan")))
@@ -422,8 +427,7 @@ def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens
     kw = dict(output_final_state=True)
     if seq_lens:
         T = sum(seq_lens)
-        kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int64,
-                                        device=device)
+        kw["cu_seqlens"] = cu_seqlens_of(seq_lens, device)
     q, k, v, g, beta, S0 = gdn_inputs(T, device, len(seq_lens) if seq_lens else None)
     if S0 is not None:
         kw["initial_state"] = S0
@@ -490,10 +494,6 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
     from fast.chunk import chunk_gated_delta_rule_fwd
     from fast.chunk.state import state_fuses_output
 
-    def errs(x, t) -> tuple:
-        d = x.double() - t
-        return (d.abs().max() / t.abs().max()).item(), (d.norm() / t.norm()).item()
-
     fla = common.try_import_fla()
     rows = []
     for B, T in cases:
@@ -510,12 +510,12 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
                 path = ("v_new from A, " if from_a else "kernel 2 (w, u), ") + (
                     "o in the state pass" if fused else "kernel 4")
                 acc.setdefault(("fast" + (" (rule)" if from_a and fused == rule else ""), path), []).append(
-                    errs(o, o_t) + errs(st, s_t))
+                    rel_errors(o, o_t) + rel_errors(st, s_t))
             if fla is not None and fla.chunk_gated_delta_rule is not None:
                 call, note = common.call_fla_gdn(fla.chunk_gated_delta_rule, q, k, v, g, beta, initial_state=S0,
                                                  output_final_state=True)
                 o, st = call()
-                acc.setdefault(("fla 0.6.0", note or "-"), []).append(errs(o, o_t) + errs(st, s_t))
+                acc.setdefault(("fla 0.6.0", note or "-"), []).append(rel_errors(o, o_t) + rel_errors(st, s_t))
             del q, k, v, g, beta, S0, o_t, s_t
             torch.cuda.empty_cache()
         for (impl, path), per_seed in acc.items():

@@ -274,8 +274,6 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                              **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
     prefetch = cfg.pop("PREFETCH_BETA", None)           # (a benchmark may set it)
-    if prefetch is None:
-        prefetch = state_prefetch_beta(N, HV, V, BV, k.device, out is not None)
     if precise and Gl is None:
         Gl = torch.zeros_like(G)
     if wy is not None:
@@ -290,7 +288,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
         OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
-        kw["PREFETCH_BETA"] = bool(prefetch)
+        kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None) if prefetch is None
+                               else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
         ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
