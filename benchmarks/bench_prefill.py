@@ -362,6 +362,67 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
+# the state pass's chunk size: (B, T, fused), chunk sizes, and per chunk size the configs beside the pinned one
+CHUNK_PROBE_CASES = ((1, 16384, False), (4, 4096, True))
+CHUNK_PROBE_BTS = (32, 64, 128)
+CHUNK_PROBE_CONFIGS = {128: (dict(BV=32, num_warps=4, num_stages=2), dict(BV=32, num_warps=8, num_stages=2),
+                             dict(BV=16, num_warps=4, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
+                             dict(BV=64, num_warps=8, num_stages=2))}
+
+
+def chunk_size_probe(device: str, cases=CHUNK_PROBE_CASES, bts=CHUNK_PROBE_BTS, configs=CHUNK_PROBE_CONFIGS,
+                     iters: int = 5) -> list:
+    """A timing probe, not a forward: kernel 3 (the FROM_A state pass, fused with the output or not) alone at chunk
+    sizes the library does not offer (128), to learn how its time scales with the chunk. At B = 1 the pass walks
+    T / BT chunks one after another, latency-bound: if a chunk's latency grows less than its size, larger chunks
+    shorten the chain. The inputs are shaped as the forward's (A: a random unit lower-triangular [BT, BT] block per
+    chunk, not the inverse of anything; G: a chunk-local cumsum of g), so the outputs mean nothing; only the time is
+    read. Per row: the state kernel's device ms (torch.profiler) and per chunk (us), or the error a config raised
+    (e.g. shared memory). Run: python -c "import benchmarks.bench_prefill as b; [print(r) for r in
+    b.chunk_size_probe('cuda')]"."""
+    from fast.chunk.common import _Chunks
+    from fast.chunk.state import _launch_state, state_config
+
+    rows = []
+    for B, T, fused in cases:
+        q, k, v, g, beta, _ = gdn_inputs(T, device, B=B)
+        for BT in bts:
+            NT = T // BT
+            G = g.view(B, NT, BT, HV).cumsum(2).view(B, T, HV).contiguous()           # chunk-local cumsum
+            gen = torch.Generator(device=device).manual_seed(1)
+            A = (0.05 * torch.randn(B, T, HV, BT, device=device, generator=gen)).view(B, NT, BT, HV, BT)
+            A = (torch.tril(A.transpose(2, 3), -1) + torch.eye(BT, device=device)).transpose(2, 3)
+            A = A.reshape(B, T, HV, BT).to(DTYPE).contiguous()
+            ch = _Chunks(B, T, BT, None)
+            ht = torch.empty(B, HV, K, V, device=device)
+            if fused:
+                o = torch.empty(B, T, HV, V, dtype=DTYPE, device=device)
+                h = v_new = None
+                out = (q, o, K ** -0.5, True)
+            else:
+                h = torch.empty(ch.total, HV, K, V, dtype=DTYPE, device=device)
+                v_new = torch.empty(B, T, HV, V, dtype=DTYPE, device=device)
+                out = None
+            pinned = state_config(B, HV, K, V, q.device, fused=fused)
+            for cfg in configs.get(BT, (None,)):
+                def call():
+                    _launch_state(k, None, None, G, None, None, h, v_new, ht, ch, B, T, BT, precise=False,
+                                  wy=(A, v, beta), out=out, configs={"state": cfg} if cfg else None)
+                try:
+                    ms = next(t for name, t, _ in _kernel_times(call, iters) if name == "chunk_state_kernel")
+                    note = ""
+                except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                    ms, note = None, f"{type(e).__name__}: {e}"[:120]
+                rows.append(dict(case=f"B={B} T={T}", fused=fused, BT=BT,
+                                 config=f"pinned {pinned}" if cfg is None else str(cfg), **{
+                                     "state ms": ms, "us per chunk": ms * 1e3 / NT if ms else None}, note=note))
+                print(rows[-1], flush=True)
+            del G, A, h, v_new
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
+    return rows
+
+
 INVERSE_VARIANTS = (("rows", None), ("doubling", dict(INV_DIAG_PREC="tf32x3")), ("doubling", dict(INV_DIAG_PREC="tf32")))
 # kernel 1's launch configs beside the pinned one (1 warp, HPP 2 at Qwen3-Next's GVA), for the bf16 default (doubling)
 KKT_CONFIG_VARIANTS = (("doubling", None), ("doubling", dict(num_warps=2)), ("doubling", dict(num_warps=4)),
