@@ -343,19 +343,24 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")
-@pytest.mark.parametrize("T,segments,dtype,l2,init,from_a", [
-    pytest.param(4096, 4, torch.bfloat16, False, True, True, id="T4096-s4-bf16"),
-    pytest.param(1000, 3, torch.bfloat16, True, False, False, id="T1000-s3-bf16-l2-kernel2"),
-    pytest.param(777, 5, torch.float32, True, True, True, id="T777-s5-fp32-l2"),
-    pytest.param(130, 8, torch.float16, False, True, False, id="T130-s8-fp16-kernel2")])
-def test_pipelined_forward_is_bit_identical(T, segments, dtype, l2, init, from_a):
+@pytest.mark.parametrize("T,segments,dtype,l2,init,from_a,knobs", [
+    pytest.param(4096, 4, torch.bfloat16, False, True, True, None, id="T4096-s4-bf16"),
+    pytest.param(4096, 4, torch.bfloat16, True, True, True, dict(ahead=4, weights=(1, 2, 2, 1)),
+                 id="T4096-s4-bf16-l2-all-ahead-tapered"),
+    pytest.param(1000, 3, torch.bfloat16, True, False, False, None, id="T1000-s3-bf16-l2-kernel2"),
+    pytest.param(1000, 3, torch.bfloat16, False, False, True, dict(ahead=2, weights=(3, 1, 2)),
+                 id="T1000-s3-bf16-ahead2-uneven"),
+    pytest.param(777, 5, torch.float32, True, True, True, None, id="T777-s5-fp32-l2"),
+    pytest.param(130, 8, torch.float16, False, True, False, None, id="T130-s8-fp16-kernel2")])
+def test_pipelined_forward_is_bit_identical(T, segments, dtype, l2, init, from_a, knobs):
     """One sequence's forward pipelined over segments (fast.chunk.pipeline: the state pass on a side stream, segment
     by segment, beside the chunk-parallel kernels) gives the one-pass forward's results bit for bit: o, the final
-    state and kernel 1's kept outputs. Also inside a CUDA graph, replayed twice on new inputs."""
+    state and kernel 1's kept outputs, also with the pipeline's knobs (kernel 1 queued further ahead, uneven
+    segments). Also inside a CUDA graph, replayed twice on new inputs."""
     (q, k, v, g, beta, h0), _ = _inputs(1, T, 2, 4, 64, 32, dtype, init=True)
     h0 = h0 if init else None
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, from_a=from_a, keep_kkt=True,
-              fuse_output=False)
+              fuse_output=False, configs={"pipeline": knobs} if knobs else None)
     want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segments=1, **kw)
     got = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segments=segments, **kw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -77,9 +77,13 @@ def _state_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _bounds(NT: int, S: int, BT: int, T: int) -> List[tuple]:
-    """[(first chunk, end chunk, first token, end token)] of S segments of nearly equal whole chunks."""
-    cuts = [round(s * NT / S) for s in range(S + 1)]
+def _bounds(NT: int, S: int, BT: int, T: int, weights: Optional[tuple] = None) -> List[tuple]:
+    """[(first chunk, end chunk, first token, end token)] of S segments of whole chunks: nearly equal, or with lengths
+    in the proportions ``weights`` (S of them; a benchmark knob)."""
+    wsum = [0.0]
+    for x in (weights or (1.0,) * S):
+        wsum.append(wsum[-1] + x)
+    cuts = [round(c * NT / wsum[-1]) for c in wsum]
     return [(c0, c1, c0 * BT, min(c1 * BT, T)) for c0, c1 in zip(cuts, cuts[1:]) if c1 > c0]
 
 
@@ -113,7 +117,8 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
     if not from_a:
         w = torch.empty(1, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(1, T, HV, V, dtype=v.dtype, device=dev)
-    parts = _bounds(NT, segments, BT, T)
+    knobs = (configs or {}).get("pipeline", {})                         # benchmark knobs: ahead, weights
+    parts = _bounds(NT, segments, BT, T, knobs.get("weights"))
     # the state handed from segment to segment (fp32, as the pass holds it); the last one is the call's final
     carry = [h0] + [torch.empty(1, HV, K, V, dtype=torch.float32, device=dev) for _ in parts[1:]] + [final]
     main = torch.cuda.current_stream(dev)
@@ -144,11 +149,15 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
                        configs=configs)
 
     segs = [_Segment(b, BT, q, k, kk, v, g, beta, G, Gl, A, kn, w, u, v_new, o, h) for b in parts]
+    # how many segments' kernel 1 the caller's stream queues ahead of a segment's kernel 4 (a benchmark may set it)
+    ahead = knobs.get("ahead", 1)
     side.wait_stream(main)                                               # the inputs, produced before the call
-    done = [consume(0, segs[0], produce(segs[0]))]
-    for i in range(1, len(segs)):
-        done.append(consume(i, segs[i], produce(segs[i])))
-        output(segs[i - 1], done[i - 1])
+    done = []
+    for i in range(len(segs)):
+        while len(done) < min(len(segs), i + 1 + ahead):                 # kernels 1 (and 3) up to segment i + ahead
+            done.append(consume(len(done), segs[len(done)], produce(segs[len(done)])))
+        if i < len(segs) - 1:
+            output(segs[i], done[i])
     # the last kernel 4 waits for the last pass, which follows every earlier one on the side stream: from here the
     # caller's stream is behind all of the side stream's work, so the intermediates (allocated on the caller's
     # stream, freed when this returns) need no record_stream
