@@ -423,17 +423,21 @@ def chunk_size_probe(device: str, cases=CHUNK_PROBE_CASES, bts=CHUNK_PROBE_BTS, 
     return rows
 
 
-# (segments, pipeline knobs) beside the rule's choice: kernel 1 queued 1 or all segments ahead, equal or tapered cuts
-PIPELINE_VARIANTS = ((1, None), (2, None), (2, dict(ahead=2)), (4, None), (4, dict(ahead=4)),
-                     (4, dict(ahead=4, weights=(1, 2, 2, 1))), (8, dict(ahead=8)),
-                     (8, dict(ahead=8, weights=(1, 2, 2, 2, 2, 2, 2, 1))))
+# (segments, configs) beside the rule's choice: kernel 1 queued 1 or all segments ahead, equal or tapered cuts
+PIPELINE_VARIANTS = ((1, None), (2, None), (2, {"pipeline": dict(ahead=2)}), (4, None), (4, {"pipeline": dict(ahead=4)}),
+                     (4, {"pipeline": dict(ahead=4, weights=(1, 2, 2, 1))}), (8, {"pipeline": dict(ahead=8)}),
+                     (8, {"pipeline": dict(ahead=8, weights=(1, 2, 2, 2, 2, 2, 2, 1))}))
+# the kernels' configs inside the rule's pipeline: the state pass's shared memory (stages) against kernel 4's
+PIPELINE_CONFIG_VARIANTS = ((None, None), (None, {"state": dict(num_stages=2)}), (None, {"output": dict(num_warps=8)}),
+                            (None, {"output": dict(BV=64)}), (None, {"state": dict(num_stages=2), "output": dict(BV=64)}))
 
 
 def pipeline_sweep(device: str, Ts=(16384, 65536), variants=PIPELINE_VARIANTS) -> list:
-    """The B = 1 forward pipelined over segments (fast.chunk.pipeline) by segment count and the pipeline's benchmark
-    knobs (configs={"pipeline": {"ahead": segments whose kernel 1 the caller's stream queues before a kernel 4,
-    "weights": relative segment lengths}}). Per row: the device time (the call replayed from a CUDA graph, do_bench)
-    and the eager time (do_bench, host included), ms; "rule" marks pipeline_segments' choice. Run:
+    """The B = 1 forward pipelined over segments (fast.chunk.pipeline) by segment count (None: the rule's) and configs:
+    the pipeline's benchmark knobs (configs={"pipeline": {"ahead": segments whose kernel 1 the caller's stream queues
+    before a kernel 4, "weights": relative segment lengths}}) or the kernels' (PIPELINE_CONFIG_VARIANTS). Per row:
+    the device time (the call replayed from a CUDA graph, do_bench) and the eager time (do_bench, host included), ms;
+    "rule" marks pipeline_segments' choice. Run:
     python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.pipeline_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd, pipeline_segments
 
@@ -442,16 +446,15 @@ def pipeline_sweep(device: str, Ts=(16384, 65536), variants=PIPELINE_VARIANTS) -
     for T in Ts:
         q, k, v, g, beta, _ = gdn_inputs(T, device)
         rule = pipeline_segments(1, T, CHUNK, q.device, False)
-        for S, knobs in variants:
+        for S, cfgs in variants:
             def fwd():
                 return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True, segments=S,
-                                                  configs={"pipeline": knobs} if knobs else None)
+                                                  use_qk_l2norm_in_kernel=True, segments=S, configs=cfgs)
             replay = graphed(fwd)
             dev = common.bench(replay) if replay is not None else float("nan")
-            rows.append(dict(case=f"B=1 T={T}", segments=S, knobs=str(knobs or {}), **{
+            rows.append(dict(case=f"B=1 T={T}", segments=S or rule, configs=str(cfgs or {}), **{
                 "device ms": dev, "eager ms": common.bench(fwd)},
-                note="rule" if S == rule and not knobs else ""))
+                note="rule" if S in (None, rule) and not cfgs else ""))
             print(rows[-1], flush=True)
             del replay
         del q, k, v, g, beta
