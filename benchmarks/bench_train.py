@@ -267,36 +267,24 @@ def sweep_rows(device: str, stages=None) -> list:
     return rows
 
 
-def conv_sweep_rows(device: str, passes=(2, 1)) -> list:
-    """fast conv1d backward (fast.conv_bwd) over tile configs at the conv row's shape: the two-pass form (one pass
-    varied at a time) and the one-kernel form (conv_bwd_config's "passes": 1, its "one" tiles); GB/s from the
-    bytes the two passes must move (read x, dy; write dz fp32; read dz; write dx: 12 bytes per element at bf16),
-    for either form, so the column compares them. "same bits": the one-kernel form's dx, dweight equal the
-    pinned two-pass form's."""
+def conv_sweep_rows(device: str) -> list:
+    """fast conv1d backward (both passes, fast.conv_bwd) over per-pass tile configs at the conv row's shape,
+    one pass varied at a time; GB/s from the bytes the two passes must move (read x, dy; write dz fp32;
+    read dz; write dx: 12 bytes per element at bf16)."""
     from fast import conv_bwd as cvb
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
     w = (torch.randn(CONV_D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
     dy = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
     nbytes = 12 * CONV_T * CONV_D
-    grid = []
-    if 2 in passes:
-        grid += [(p, dict(BT=bt, BD=bd, num_warps=nw)) for p in ("dz", "dx") for bt in (32, 64, 128)
-                 for bd in (64, 128, 256) for nw in (4, 8)]
-    if 1 in passes:
-        grid += [("one", dict(BT=bt, BD=bd, num_warps=nw)) for bt in (16, 32, 64) for bd in (64, 128, 256)
-                 for nw in (4, 8)]
+    grid = [(p, dict(BT=bt, BD=bd, num_warps=nw)) for p in ("dz", "dx") for bt in (32, 64, 128)
+            for bd in (64, 128, 256) for nw in (4, 8)]
     rows = []
-    ref = cvb.causal_conv1d_bwd(x, w, dy, None, "silu", configs={"passes": 2})
     for pas, cfg in [(None, {})] + grid:
-        over = None if pas is None else {pas: cfg, "passes": 1 if pas == "one" else 2}
-        ms, err = _bench(lambda: cvb.causal_conv1d_bwd(x, w, dy, None, "silu", configs=over))
-        same = "-"
-        if pas == "one" and ms:
-            got = cvb.causal_conv1d_bwd(x, w, dy, None, "silu", configs=over)
-            same = all(torch.equal(a, b) for a, b in zip(got[:2], ref[:2]))
+        ms, err = _bench(lambda: cvb.causal_conv1d_bwd(x, w, dy, None, "silu",
+                                                       configs={pas: cfg} if pas else None))
         rows.append({"pass": pas or "pinned", "config": str(cfg), "ms": ms,
-                     "GB/s": nbytes / ms / 1e6 if ms else None, "same bits": same, "note": err})
+                     "GB/s": nbytes / ms / 1e6 if ms else None, "note": err})
     return rows
 
 

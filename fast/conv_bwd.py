@@ -10,20 +10,16 @@ What is saved and why: the forward saves only its inputs (x, weight, bias, initi
 recomputed here (W multiply-adds per element, from rows the tile reads anyway) instead of storing a
 [B, T, D] pre-activation.
 
-One kernel over tiles of BT rows x BD channels of one sequence (``conv_bwd_kernel``, the default):
-dz on the tile's rows and on the BW = next_pow2(W-1) rows after it (the halo: the next tile's first rows,
-recomputed), the tile's partial sums of dweight and dbias ([tiles, W, D] fp32, summed on the host: a
-deterministic reduction, no atomics), then dx from dz shifted in registers (``tl.gather``: a Triton tile
-cannot shift its rows in place); the first tile of a sequence also writes dinitial_state. dz never goes
-through memory: no [B, T, D] fp32 temporary (twice x's bytes at bf16).
-
-The two-pass form (conv_bwd_config's "passes": 2; tests and benchmarks run it) splits that at dz:
+Two passes over tiles of BT rows x BD channels of one sequence:
   1. ``conv_bwd_dz_kernel``: dz on the tile's rows (z recomputed once per element), stored to a
-     [B, T, D] buffer in the compute dtype (fp32), and the partial sums;
-  2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2), and dinitial_state.
-Both forms give the same bits (same dz values, same order of sums; tests/test_fast_grad.py). The form
-before them recomputed dz W times per element (W^2 shifted x reads and W sigmoids per element: 3.2 ms
-against fla's ~1.0 ms at T = 16384, D = 8192 on an H100).
+     [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias
+     ([tiles, W, D] fp32, summed on the host: a deterministic reduction, no atomics);
+  2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2); the first tile of a
+     sequence also writes dinitial_state.
+Why two: dx_t needs dz at t .. t+W-1, and a Triton tile cannot shift its rows in registers; the earlier
+one-pass form recomputed dz W times per element (W^2 shifted x reads and W sigmoids per element: 3.2 ms
+against fla's ~1.0 ms at T = 16384, D = 8192 on an H100). The extra traffic is one fp32 write and read
+of dz. dx, dweight and dbias are bit-identical to the one-pass form's (same values, same order of sums).
 Pinned configs, no autotune.
 """
 from __future__ import annotations
@@ -206,106 +202,20 @@ def conv_bwd_dx_kernel(
                      b_di.to(dinit.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
 
 
-@triton.jit
-def _shifted(b_main, b_halo, k: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-             BW: tl.constexpr):
-    """[R, BD]: rows i + k (i < R; k may be negative) of the tile's dz b_main [BT, BD] (local rows) continued by
-    the halo b_halo [BW, BD] (the next BW rows), 0 before the tile. A Triton tile cannot shift its rows in
-    place: tl.gather does it, in registers."""
-    r = tl.arange(0, R)[:, None] + k + tl.zeros([R, BD], dtype=tl.int32)       # [R, BD] source row
-    main = tl.gather(b_main, tl.minimum(tl.maximum(r, 0), BT - 1), 0)
-    halo = tl.gather(b_halo, tl.minimum(tl.maximum(r - BT, 0), BW - 1), 0)
-    out = tl.where(r < BT, main, halo)
-    if k < 0:
-        out = tl.where(r < 0, 0.0, out)
-    return out
-
-
-@triton.jit(do_not_specialize=["T"])
-def conv_bwd_kernel(
-    x, dy, weight, bias, initial_state, dfinal, cu_seqlens, tile_table,
-    dx, dinit, dw_part, db_part,
-    T, D,
-    stride_x_b, stride_x_t, stride_x_d, stride_dy_b, stride_dy_t,
-    stride_w_d, stride_w_w, stride_s_n, stride_s_d, stride_s_w,
-    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
-):
-    """Both passes in one (conv_bwd_config's "passes": 1): dz on the tile's rows and on the BW rows after it (the
-    halo, recomputed here instead of read back), the tile's dweight / dbias partial sums (pass 1's), then
-    dx_t = sum_k weight[:, W-1-k] dz_{t+k} from dz shifted in registers (pass 2's sum, same order), dfinal on the
-    last W-1 inputs and, on a sequence's first tile, dinitial_state. dz never goes through memory.
-
-    grid = (cdiv(D, BD), tiles, B); arguments as the two passes' (dx, dinit, dfinal: contiguous)."""
-    if FP64:
-        DT: tl.constexpr = tl.float64
-    else:
-        DT: tl.constexpr = tl.float32
-    i_d = tl.program_id(0)
-    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
-        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, stride_x_b, stride_x_t,
-        stride_dy_b, stride_dy_t, D, IS_VARLEN)
-    x_base = x + x_off
-    s_off = i_n * stride_s_n
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    rows = i_tt * BT + tl.arange(0, BT).to(tl.int64)
-    m_r = rows < L
-    b_dz = _dz(x_base, dy + dy_off, weight, bias, initial_state, s_off, rows, L, o_d, m_d,
-               stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
-               W, SILU, HAS_BIAS, HAS_INIT, DT)                     # 0 on rows >= L
-    if HAS_BIAS:
-        tl.store(db_part + i_part * D + o_d, tl.sum(b_dz, 0), mask=m_d)
-    for j in tl.static_range(W):
-        xin = _load_in(x_base, initial_state, s_off, rows - (W - 1) + j, L, o_d, m_d,
-                       stride_x_t, stride_x_d, stride_s_d, stride_s_w, W, HAS_INIT, DT)
-        tl.store(dw_part + (i_part * W + j) * D + o_d, tl.sum(b_dz * xin, 0), mask=m_d)
-    # the halo: dz of the next BW rows (the next tile's first rows, or 0 past the sequence's end)
-    b_halo = _dz(x_base, dy + dy_off, weight, bias, initial_state, s_off, i_tt * BT + BT + tl.arange(0, BW).to(tl.int64),
-                 L, o_d, m_d, stride_x_t, stride_x_d, stride_dy_t, stride_w_d, stride_w_w, stride_s_d, stride_s_w,
-                 W, SILU, HAS_BIAS, HAS_INIT, DT)
-    b_dx = tl.zeros([BT, BD], dtype=DT)
-    for kk in tl.static_range(W):
-        wk = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
-        b_dx += wk[None, :] * _shifted(b_dz, b_halo, kk, BT, BT, BD, BW)
-    if HAS_DFINAL:
-        b_dx = _dfinal_rows(b_dx, dfinal, i_n, rows, L, D, o_d, m_d, m_r, W, DT)
-    tl.store(dx + o_off + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
-             mask=m_r[:, None] & m_d[None, :])
-    if HAS_INIT:
-        if i_tt == 0:
-            o_w = tl.arange(0, BW)
-            pos = o_w.to(tl.int64) - (W - 1)
-            m_p = o_w < W - 1
-            b_di = tl.zeros([BW, BD], dtype=DT)
-            for kk in tl.static_range(W):
-                wk = tl.load(weight + o_d * stride_w_d + (W - 1 - kk) * stride_w_w, mask=m_d, other=0).to(DT)
-                # rows p - (W-1) + kk of dz (p: the BW initial-state rows; before row 0: 0)
-                b_di += wk[None, :] * _shifted(b_dz, b_halo, kk - (W - 1), BW, BT, BD, BW)
-            if HAS_DFINAL:                                # a sequence shorter than W-1 keeps initial inputs
-                b_di = _dfinal_rows(b_di, dfinal, i_n, pos, L, D, o_d, m_d, m_p, W, DT)
-            tl.store(dinit + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (pos + (W - 1))[:, None],
-                     b_di.to(dinit.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
-
-
 def conv_bwd_config(T: int, D: int) -> dict:
-    """Pinned forms and tiles: {"passes": 1 or 2, "one": {BT, BD, num_warps} (the one-kernel form), "dz": {...},
-    "dx": {...} (the two-pass form's passes)}; small tiles in the interpreter. BT sets the number of dweight /
-    dbias partial rows (the one kernel's, or pass 1's). One kernel, H200, Triton 3.6, T = 16384, D = 8192, W = 4,
-    silu, bf16 (bench_train.conv_sweep_rows, 2026-11-26): BT 64 x BD 128, 4 warps 1.144 ms against the two-pass
-    form's pinned 1.149 (the same bits); BT 32 1.32-1.46, BT 16 1.88-3.5, 8 warps 1.32-1.69, BD 256 1.68-12.4.
-    So the one kernel is as fast, without the fp32 dz temporary: pinned. Two passes, H100, Triton 3.6, same
-    shape (bench_train --only conv_sweep): pass 1 at BT 64 x BD 128, 4 warps 1.34 ms total (8 warps 2.08;
-    BT 32 x BD 128 at 8 warps 2.29), pass 2 at BT 32 x BD 128, 4 warps (-0.15 ms against 8 warps).
-    Triton 3.9 (compiled for sm_90, not timed) spills pass 1 at this tile (2.4 KB per thread: every element
-    of a tile carries a 64-bit pointer); 8 warps do not spill there but ran slower on Triton 3.6."""
+    """Pinned tiles of the two passes: {"dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the
+    interpreter. The passes exchange dz through memory, so their tilings are independent (pass 1's BT
+    sets the number of dweight / dbias partial rows). Measured on an H100 (Triton 3.6, T = 16384, D = 8192,
+    W = 4, silu, bf16; bench_train --only conv_sweep, both passes): pass 1 at BT 64 x BD 128, 4 warps 1.34 ms
+    total (8 warps 2.08; BT 32 x BD 128 at 8 warps 2.29), pass 2 at BT 32 x BD 128, 4 warps (-0.15 ms
+    against 8 warps). Triton 3.9 (compiled for sm_90, not timed) spills pass 1 at this tile (2.4 KB per
+    thread: every element of a tile carries a 64-bit pointer); 8 warps do not spill there but ran slower
+    on Triton 3.6."""
     if is_interpreting():
         t = dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
-        return {"passes": 1, "one": t, "dz": dict(t), "dx": dict(t)}
+        return {"dz": t, "dx": dict(t)}
     BD = max(16, min(128, next_pow2(D)))
-    return {"passes": 1, "one": dict(BT=64, BD=BD, num_warps=4),
-            "dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
+    return {"dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
 
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
@@ -318,8 +228,7 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
         dbias = sum_t dz_t
 
     refgdn.conv_bwd.causal_conv1d_bwd's twin. Inputs are assumed validated (the forward did).
-    configs: benchmark overrides merged over conv_bwd_config's ({"passes": 1 or 2, "one": {...}, "dz": {...},
-    "dx": {...}}; None in use).
+    configs: benchmark overrides merged over conv_bwd_config's {"dz": {...}, "dx": {...}} (None in use).
     """
     B, T, D = x.shape
     W = weight.shape[1]
@@ -327,10 +236,7 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
     cdt = torch.float64 if fp64 else torch.float32
     base = conv_bwd_config(T, D)
-    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("dz", "dx", "one")}
-    passes = (configs or {}).get("passes", base["passes"])
-    if passes == 1:
-        cfg["dz"] = cfg["one"]                   # one kernel: its tiles are pass 1's (the partial sums' rows)
+    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("dz", "dx")}
     tables = {}
 
     def tiles(BT):
@@ -346,8 +252,8 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
 
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    # two passes: dz in the compute dtype between them, so dx rounds once (the one kernel keeps it in registers)
-    dz = torch.empty(B, T, D, dtype=cdt, device=x.device) if passes == 2 else None
+    # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
+    dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
     table_z, n_z, cu_z = tiles(cfg["dz"]["BT"])
     n_part = (B if cu_seqlens is None else 1) * n_z
     dw_part = torch.zeros(n_part, W, D, dtype=cdt, device=x.device)
@@ -357,15 +263,7 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
     flags = dict(W=W, IS_VARLEN=cu_seqlens is not None, FP64=fp64, HAS_INIT=initial_state is not None)
     Bg = B if cu_seqlens is None else 1
-    if n_z > 0 and D > 0 and passes == 1:
-        c = cfg["one"]
-        conv_bwd_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
-            x, dy, weight, bias, initial_state, dfinal, cu_z, table_z, dx, dinit if dinit is not None else dx,
-            dw_part, db_part,
-            T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s,
-            BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), SILU=activation in ("silu", "swish"),
-            HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, num_warps=c["num_warps"], **flags)
-    elif n_z > 0 and D > 0:
+    if n_z > 0 and D > 0:
         c = cfg["dz"]
         conv_bwd_dz_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
             x, dy, weight, bias, initial_state, cu_z, table_z, dz, dw_part, db_part,

@@ -220,37 +220,9 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
     want = rcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin)
     dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     got = fcb.causal_conv1d_bwd(*map(dev, (x, w, dy, b)), "silu", dev(s0), dev(cut), dev(dfin),
-                                configs={"passes": 2, "dz": tiles[0], "dx": tiles[1]})
+                                configs={"dz": tiles[0], "dx": tiles[1]})
     for g, ref in zip(got, want):
         close(g.cpu(), ref)
-
-
-@pytest.mark.parametrize("W,act,cu,tile,dt", [
-    pytest.param(4, "silu", None, (8, 16), torch.float32, id="W4-silu-dense-fp32"),
-    pytest.param(4, "silu", [0, 0, 1, 2, 9, 30], (4, 32), torch.float32, id="W4-silu-varlen-empty-short-fp32"),
-    pytest.param(3, None, [0, 5, 30], (8, 16), torch.float64, id="W3-varlen-fp64"),
-    pytest.param(2, "silu", None, (4, 16), torch.float32, id="W2-silu-dense-tile4"),
-    pytest.param(4, "silu", [0, 2, 3, 30], (4, 16), torch.bfloat16, id="W4-silu-varlen-bf16-seq-shorter-than-W"),
-])
-def test_fast_conv_bwd_one_kernel_equals_two_passes(W, act, cu, tile, dt):
-    """The one-kernel backward (dz of the tile and its halo in registers, dx from rows shifted by tl.gather) gives the
-    two-pass form's bits at the same tile: dx, dweight, dbias, dinitial_state (with dfinal), dense and varlen, a
-    sequence shorter than W - 1 and an empty one, tiles smaller than the taps' reach into the next tile."""
-    from fast import conv_bwd as fcb
-    gen = torch.Generator().manual_seed(9)
-    B = 2 if cu is None else 1
-    T, D = 30, 40
-    N = B if cu is None else len(cu) - 1
-    r = lambda *s: torch.randn(*s, generator=gen).to(dt).to(DEV)  # noqa: E731
-    x, w, b, s0, dfin, dy = r(B, T, D), r(D, W), r(D), r(N, D, W - 1), r(N, D, W - 1), r(B, T, D)
-    cut = None if cu is None else torch.tensor(cu, device=DEV)
-    BT, BD = tile
-    two = fcb.causal_conv1d_bwd(x, w, dy, b, act, s0, cut, dfin,
-                                configs={"passes": 2, "dz": dict(BT=BT, BD=BD), "dx": dict(BT=BT, BD=BD)})
-    one = fcb.causal_conv1d_bwd(x, w, dy, b, act, s0, cut, dfin, configs={"passes": 1, "one": dict(BT=BT, BD=BD)})
-    for got, want in zip(one, two):
-        assert torch.equal(got, want)
-    assert fcb.conv_bwd_config(T, D)["passes"] == 1                     # the default is the one kernel
 
 
 # ----------------------------------------------------------------------------------------------
