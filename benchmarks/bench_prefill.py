@@ -143,8 +143,10 @@ def _bench_or_error(fn: Callable, warm: bool = False) -> tuple:
 # sections
 # ----------------------------------------------------------------------------------------------
 
-def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) -> list:
-    """The chunk rows (fast, fla, the refgdn oracle at the first T); only: the cases whose name contains it."""
+def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, l2norm: bool = False) -> list:
+    """The chunk rows (fast, fla, the refgdn oracle at the first T); only: the cases whose name contains it.
+    l2norm: both called with use_qk_l2norm_in_kernel=True (how vLLM runs Qwen3-Next; the issue's baseline table
+    names it), the case names marked "l2norm"; by default q and k come normalised and neither normalises."""
     rows = []
     fast_chunk = _fast("chunk_gated_delta_rule")
     fla = common.try_import_fla()
@@ -157,10 +159,14 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None) 
     # the same with cu_seqlens' host copy passed to both (fla's cu_seqlens_cpu; vLLM has query_start_loc_cpu):
     # no device->host read per call, so the host work overlaps the GPU
     cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init, cu_seqlens_cpu", VARLEN_TOTAL, lens, 1, True))
+    if l2norm:
+        cases = [(name + ", l2norm", *rest) for name, *rest in cases]
     for i, (name, T, seq_lens, B, host_copy) in enumerate([c for c in cases if only is None or only in c[0]]):
         N = len(seq_lens) if seq_lens else None
         q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
         kw = dict(initial_state=S0, output_final_state=True)
+        if l2norm:
+            kw["use_qk_l2norm_in_kernel"] = True
         if seq_lens:
             cu = cu_seqlens_of(seq_lens, device)
             kw["cu_seqlens"] = cu
