@@ -12,6 +12,7 @@ Two steps, since the device machine gets the working tree but not necessarily th
     python -m benchmarks.ab_tree run [--l2norm]        # on the GPU machine: the table
 
 ``ab_base/`` is what ``prepare`` writes; delete it when done (it is not ignored, so that a device run carries it).
+Use a process of its own: importing the second copy registers fast's torch.library ops again under the same names.
 """
 from __future__ import annotations
 

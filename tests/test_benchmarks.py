@@ -43,27 +43,35 @@ def test_busy_ms_random_two_streams():
 def test_ab_tree_puts_a_revision_beside_this_tree(tmp_path):
     """benchmarks.ab_tree: a committed revision's fast/ extracted beside this tree's imports as its own package
     (its kernels separate objects), and at HEAD both give the same bits on the same inputs (interpreter, tiny shape).
-    A revision that is not a commit fails at extraction."""
+    A revision that is not a commit fails at extraction. In a subprocess: the second copy of fast registers its
+    torch.library ops again under the same names, which must not reach this test process."""
     import os
     import subprocess
-
-    import torch
-
-    import fast
-    from benchmarks import ab_tree
-    from tests.helpers import gdn_inputs
+    import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    ab_tree.prepare("HEAD", repo=repo, dest=str(tmp_path / "ab"))
-    base, rev = ab_tree.load_base(str(tmp_path / "ab"))
-    assert rev.startswith("HEAD ") and base.__name__ == "fast_base"
-    assert base.chunk.chunk_state_kernel is not fast.chunk.chunk_state_kernel
-    q, k, v, g, beta = gdn_inputs(1, 40, 2, 4, 16, 16, seed=3, dtype=torch.float32, device="cpu")
-    kw = dict(chunk_size=16, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    a = base.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
-    b = fast.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    with pytest.raises(subprocess.CalledProcessError):
-        ab_tree.prepare("no-such-revision-xyz", repo=repo, dest=str(tmp_path / "bad"))
+    dest = str(tmp_path / "ab")
+    code = f"""
+import subprocess, torch
+import fast
+from benchmarks import ab_tree
+from tests.helpers import gdn_inputs
+ab_tree.prepare("HEAD", repo={repo!r}, dest={dest!r})
+base, rev = ab_tree.load_base({dest!r})
+assert rev.startswith("HEAD ") and base.__name__ == "fast_base", rev
+assert base.chunk.chunk_state_kernel is not fast.chunk.chunk_state_kernel
+q, k, v, g, beta = gdn_inputs(1, 40, 2, 4, 16, 16, seed=3, dtype=torch.float32, device="cpu")
+kw = dict(chunk_size=16, output_final_state=True, use_qk_l2norm_in_kernel=True)
+a = base.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+b = fast.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+try:
+    ab_tree.prepare("no-such-revision-xyz", repo={repo!r}, dest={dest!r} + "-bad")
+except subprocess.CalledProcessError:
+    print("AB-OK")
+"""
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "AB-OK" in r.stdout, (r.stdout + r.stderr)[-2000:]
