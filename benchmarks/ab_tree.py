@@ -29,25 +29,24 @@ import torch
 
 BASE_DIR = "ab_base"          # relative to the repository root
 BASE_NAME = "fast_base"
-CASES = ("B=4 T=4096", "varlen16", "B=1 T=16384")
+CASES = {"B=4 T=4096": (4, 4096), "varlen16": (1, None), "B=1 T=16384": (1, 16384)}   # name: (B, T or varlen)
 
 
 def prepare(rev: str, repo: str = ".", dest: str = BASE_DIR) -> str:
     """Extract revision ``rev``'s ``fast/`` (of the git repository ``repo``) as ``<dest>/fast_base/``; returns that
     path. ``dest`` is emptied first."""
-    out = dest
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
     with tempfile.TemporaryDirectory() as tmp:
         tar = os.path.join(tmp, "fast.tar")
         subprocess.run(["git", "-C", repo, "archive", "-o", tar, rev, "fast"], check=True)
         with tarfile.open(tar) as t:
             t.extractall(tmp)
-        shutil.move(os.path.join(tmp, "fast"), os.path.join(out, BASE_NAME))
-    with open(os.path.join(out, "REVISION"), "w") as f:
+        shutil.move(os.path.join(tmp, "fast"), os.path.join(dest, BASE_NAME))
+    with open(os.path.join(dest, "REVISION"), "w") as f:
         rev_id = subprocess.run(["git", "-C", repo, "rev-parse", "--short", rev], capture_output=True, text=True)
         f.write(f"{rev} {rev_id.stdout.strip()}\n")
-    return os.path.join(out, BASE_NAME)
+    return os.path.join(dest, BASE_NAME)
 
 
 def load_base(dest: str = BASE_DIR):
@@ -61,16 +60,13 @@ def load_base(dest: str = BASE_DIR):
         return importlib.import_module(BASE_NAME), f.read().strip()
 
 
-def case_inputs(name: str, device: str):
-    """(q, k, v, g, beta, keyword arguments) of one of CASES, as the prefill table builds them."""
-    from .bench_prefill import cu_seqlens_of, gdn_inputs, varlen_lengths
-    if name == "varlen16":
-        lens = varlen_lengths()
-        q, k, v, g, beta, S0 = gdn_inputs(sum(lens), device, N=len(lens))
-        return q, k, v, g, beta, dict(initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens_of(lens, device))
-    B, T = (int(x.split("=")[1]) for x in name.split())
-    q, k, v, g, beta, S0 = gdn_inputs(T, device, N=B, B=B)
-    return q, k, v, g, beta, dict(initial_state=S0, output_final_state=True)
+def case_inputs(name: str, device: str, l2norm: bool = False):
+    """(q, k, v, g, beta, keyword arguments) of one of CASES, as the prefill table builds its case
+    (bench_prefill.chunk_case_inputs; T None: its 16-sequence varlen mix)."""
+    from .bench_prefill import VARLEN_TOTAL, chunk_case_inputs, varlen_lengths
+    B, T = CASES[name]
+    lens = None if T else varlen_lengths()
+    return chunk_case_inputs(T or VARLEN_TOTAL, lens, B, device, l2norm=l2norm)
 
 
 def run(cases=CASES, l2norm: bool = False, reps: int = 2, device: str = "cuda") -> list:
@@ -83,12 +79,12 @@ def run(cases=CASES, l2norm: bool = False, reps: int = 2, device: str = "cuda") 
     trees = (("base " + rev, base.chunk.chunk_gated_delta_rule_fwd), ("this tree", fast.chunk.chunk_gated_delta_rule_fwd))
     rows = []
     for name in cases:
-        q, k, v, g, beta, kw = case_inputs(name, device)
+        q, k, v, g, beta, kw = case_inputs(name, device, l2norm)
         outs = {}
         for _ in range(reps):
             for tag, fwd in trees:
                 def fn():
-                    return fwd(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=l2norm, **kw)
+                    return fwd(q, k, v, g, beta, chunk_size=64, **kw)
                 outs.setdefault(tag, fn()[0].float())
                 replay = graphed(fn) if "cu_seqlens" not in kw else None
                 rows.append(dict(case=name + (", l2norm" if l2norm else ""), tree=tag,
@@ -112,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("rev")
     r = sub.add_parser("run", help="time both trees' forwards in this process (GPU)")
     r.add_argument("--l2norm", action="store_true", help="use_qk_l2norm_in_kernel=True in both")
-    r.add_argument("--cases", default=",".join(CASES))
+    r.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(prepare(args.rev))

@@ -81,6 +81,24 @@ def rel_errors(x: torch.Tensor, truth: torch.Tensor) -> tuple:
     return (d.abs().max() / truth.abs().max()).item(), (d.norm() / truth.norm()).item()
 
 
+def chunk_case_inputs(T: int, seq_lens: Optional[list], B: int, device: str, host_copy: bool = False,
+                      l2norm: bool = False) -> tuple:
+    """(q, k, v, g, beta, keyword arguments) of one chunk-table case: B sequences of T tokens (dense, no initial
+    state) or the sequences seq_lens (varlen, an initial state each; host_copy: cu_seqlens_cpu too); the final state
+    written; l2norm: use_qk_l2norm_in_kernel=True."""
+    N = len(seq_lens) if seq_lens else None
+    q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
+    kw = dict(initial_state=S0, output_final_state=True)
+    if l2norm:
+        kw["use_qk_l2norm_in_kernel"] = True
+    if seq_lens:
+        cu = cu_seqlens_of(seq_lens, device)
+        kw["cu_seqlens"] = cu
+        if host_copy:
+            kw["cu_seqlens_cpu"] = cu.cpu()
+    return q, k, v, g, beta, kw
+
+
 def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0, B: int = 1):
     """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B, T, ...]; S0 [N, HV, K, V] if N."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -162,16 +180,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
     if l2norm:
         cases = [(name + ", l2norm", *rest) for name, *rest in cases]
     for i, (name, T, seq_lens, B, host_copy) in enumerate([c for c in cases if only is None or only in c[0]]):
-        N = len(seq_lens) if seq_lens else None
-        q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
-        kw = dict(initial_state=S0, output_final_state=True)
-        if l2norm:
-            kw["use_qk_l2norm_in_kernel"] = True
-        if seq_lens:
-            cu = cu_seqlens_of(seq_lens, device)
-            kw["cu_seqlens"] = cu
-            if host_copy:
-                kw["cu_seqlens_cpu"] = cu.cpu()
+        q, k, v, g, beta, kw = chunk_case_inputs(T, seq_lens, B, device, host_copy, l2norm)
         notes = []
         ms = dev_ms = None
         if fast_chunk is not None:

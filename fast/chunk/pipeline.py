@@ -22,6 +22,7 @@ capture. Every segment's tensors are views of the whole call's buffers: at B = 1
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import List, Optional
 
@@ -80,10 +81,8 @@ def _state_stream(device: torch.device) -> torch.cuda.Stream:
 def _bounds(NT: int, S: int, BT: int, T: int, weights: Optional[tuple] = None) -> List[tuple]:
     """[(first chunk, end chunk, first token, end token)] of S segments of whole chunks: nearly equal, or with lengths
     in the proportions ``weights`` (S of them; a benchmark knob)."""
-    wsum = [0.0]
-    for x in (weights or (1.0,) * S):
-        wsum.append(wsum[-1] + x)
-    cuts = [round(c * NT / wsum[-1]) for c in wsum]
+    ends = list(itertools.accumulate(weights or (1.0,) * S, initial=0.0))
+    cuts = [round(c * NT / ends[-1]) for c in ends]
     return [(c0, c1, c0 * BT, min(c1 * BT, T)) for c0, c1 in zip(cuts, cuts[1:]) if c1 > c0]
 
 
@@ -152,13 +151,11 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
     # how many segments' kernel 1 the caller's stream queues ahead of a segment's kernel 4 (a benchmark may set it)
     ahead = knobs.get("ahead", 1)
     side.wait_stream(main)                                               # the inputs, produced before the call
-    done = []
-    for i in range(len(segs)):
-        while len(done) < min(len(segs), i + 1 + ahead):                 # kernels 1 (and 3) up to segment i + ahead
-            done.append(consume(len(done), segs[len(done)], produce(segs[len(done)])))
-        if i < len(segs) - 1:
-            output(segs[i], done[i])
-    # the last kernel 4 waits for the last pass, which follows every earlier one on the side stream: from here the
+    # the last kernel 4 waits for the last pass, which follows every earlier one on the side stream: from there the
     # caller's stream is behind all of the side stream's work, so the intermediates (allocated on the caller's
     # stream, freed when this returns) need no record_stream
-    output(segs[-1], done[-1])
+    done = []
+    for i in range(len(segs)):
+        for j in range(len(done), min(len(segs), i + 1 + ahead)):       # kernels 1 (and 3) up to segment i + ahead
+            done.append(consume(j, segs[j], produce(segs[j])))
+        output(segs[i], done[i])
