@@ -207,7 +207,7 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
         if T == CHUNK_TS[0] and B == 1 and not seq_lens:
             rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
             print(_progress(rows[-1]), file=sys.stderr)
-        del q, k, v, g, beta, S0
+        del q, k, v, g, beta, kw
         torch.cuda.empty_cache()
     return rows
 
