@@ -275,7 +275,9 @@ def device_ms(fn, iters: int = 5) -> float:
     """Device time of one call of fn, in ms: how long the device had a kernel (or copy) of it running, torch.profiler,
     mean over ``iters`` calls: the union of the kernels' [start, end) intervals (busy_ms), so kernels that run at
     once (the B=1 pipeline's two streams) count once. Idle gaps between kernels (the host's share of a host-bound
-    call) do not count."""
+    call) do not count. None without CUDA (nothing to profile)."""
+    if not torch.cuda.is_available():
+        return None
     return busy_ms(_kernel_spans(_profile(fn, iters))) / iters
 
 
@@ -667,7 +669,7 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
             bound = "-" if dev != dev else "host" if host > dev * 1e3 else "device"
             rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
                          "device us": dev * 1e3, "bound by": bound})
-        del q, k, v, g, beta, S0
+        del q, k, v, g, beta, kw
         torch.cuda.empty_cache()
     return rows
 

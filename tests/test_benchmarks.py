@@ -75,3 +75,22 @@ except subprocess.CalledProcessError:
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "AB-OK" in r.stdout, (r.stdout + r.stderr)[-2000:]
+
+
+@pytest.mark.parametrize("l2norm", [pytest.param(False, id="normalised-inputs"), pytest.param(True, id="l2norm")])
+def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
+    """bench_chunk end to end on CPU (fast through the interpreter) at a tiny shape: every case gets a row with
+    fast's time and no error note. A name error in the table's own code (a case after the first) fails here."""
+    import benchmarks.bench_prefill as bp
+    for name, value in dict(H=1, HV=2, K=16, V=16, CHUNK=16, CHUNK_TS=(32,), BATCHED=(2, 32),
+                            VARLEN_LENS=(5, 16, 1, None), VARLEN_TOTAL=40).items():
+        monkeypatch.setattr(bp, name, value)
+    monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
+    monkeypatch.setattr(bp, "bench_refgdn", lambda *a: bp._row("refgdn", 1, 1.0))     # the oracle's row: not timed here
+    monkeypatch.setattr(bp, "varlen_lengths", lambda: [5, 16, 1, 18])
+    rows = bp.bench_chunk("cpu", 1.0, l2norm=l2norm)
+    fast_rows = [r for r in rows if r["case"] != "refgdn"]
+    assert len(fast_rows) == 4                                   # T=32, B=2, varlen, varlen with cu_seqlens_cpu
+    assert all(("l2norm" in r["case"]) == l2norm for r in fast_rows)
+    for r in fast_rows:
+        assert r["ms"] is not None and r["ms"] > 0 and "fast:" not in r["note"], r
