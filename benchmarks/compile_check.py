@@ -78,15 +78,16 @@ def main(argv=None) -> int:
                 fs.gdn_decode(*args_) if k == 0 else fs.gdn_verify(*args_, p["cu"])
     elif args.shape == "forward":
         # the prefill forward's kernels at Qwen3-Next's shape (H 16, HV 32, K = V = 128, BT 64): B = 1 (the unfused
-        # pass, kernel 4), B = 4 (the pass forms o) and 16 sequences (varlen, initial states)
+        # pass, kernel 4), B = 4 (the pass forms o) and 16 sequences (varlen, initial states); B = 1 and 4 with l2norm
         K = V = 128
         x = lambda *s: torch.randn(*s).to(dt)                   # noqa: E731
-        for B, N in ((1, None), (4, None), (1, 16)):
+        for B, N, l2 in ((1, None, False), (4, None, False), (1, 16, False), (1, None, True), (4, None, True)):
             T = 128 if N is None else 16 * 64
             cu = torch.arange(0, T + 1, T // N) if N else None
             fc.chunk_gated_delta_rule_fwd(x(B, T, 16, K), x(B, T, 16, K), x(B, T, 32, V), -torch.rand(B, T, 32),
                                           torch.rand(B, T, 32).to(dt), initial_state=torch.randn(N or B, 32, K, V),
-                                          output_final_state=True, cu_seqlens=cu, chunk_size=64)
+                                          output_final_state=True, cu_seqlens=cu, chunk_size=64,
+                                          use_qk_l2norm_in_kernel=l2)
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
