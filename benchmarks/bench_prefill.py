@@ -51,6 +51,7 @@ VARLEN_LENS = (4096, 512, 3000, 1, 2047, 2049, 6000, 64, 1500, 2500, 1800, 2200,
 VARLEN_TOTAL = 32760
 CONV_T, CONV_D, CONV_W = 16384, 8192, 4
 BREAKDOWN_T = 65536
+FLA_DRAWS = 3                            # fla's autotune draws per chunk row (bench_chunk)
 
 
 def chunk_flops(tokens: int, heads: int = HV, C: int = CHUNK, Kd: int = K, Vd: int = V) -> float:
@@ -161,10 +162,13 @@ def _bench_or_error(fn: Callable, warm: bool = False) -> tuple:
 # sections
 # ----------------------------------------------------------------------------------------------
 
-def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, l2norm: bool = False) -> list:
+def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, l2norm: bool = False,
+                fla_draws: int = FLA_DRAWS) -> list:
     """The chunk rows (fast, fla, the refgdn oracle at the first T); only: the cases whose name contains it.
     l2norm: both called with use_qk_l2norm_in_kernel=True (how vLLM runs Qwen3-Next; the issue's baseline table
-    names it), the case names marked "l2norm"; by default q and k come normalised and neither normalises."""
+    names it), the case names marked "l2norm"; by default q and k come normalised and neither normalises.
+    fla_draws: fla's time is its best over this many autotune draws (common.best_of_autotune_draws; the draws'
+    times in the note), its device time that of the best draw's picks."""
     rows = []
     fast_chunk = _fast("chunk_gated_delta_rule")
     fla = common.try_import_fla()
@@ -197,6 +201,10 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
             try:
                 call, note = common.call_fla_gdn(fla_chunk, q, k, v, g, beta, **kw)
                 fla_ms, err = _bench_or_error(call, warm=i == 0)
+                if not err and fla_draws > 1:
+                    fla_ms, draws = common.best_of_autotune_draws(call, fla_draws, common.bench)
+                    note = "; ".join(x for x in (note, "fla best of draws " + "/".join(f"{t:.3f}" for t in draws))
+                                     if x)
                 notes += [n for n in (note, "fla: " + err if err else "") if n]
                 fla_dev = device_ms(call) if not err else None
             except Exception as e:  # noqa: BLE001

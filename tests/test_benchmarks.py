@@ -94,3 +94,46 @@ def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
     assert all(("l2norm" in r["case"]) == l2norm for r in fast_rows)
     for r in fast_rows:
         assert r["ms"] is not None and r["ms"] > 0 and "fast:" not in r["note"], r
+
+
+def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
+    """common.best_of_autotune_draws finds Autotuners under a module prefix (also behind a heuristics wrapper),
+    clears their picks before each draw with the on-disk cache off, and leaves the best draw's picks in place."""
+    import sys
+    import types
+
+    import triton
+    import triton.language as tl
+
+    from benchmarks import common
+
+    @triton.jit
+    def _k(x, N: tl.constexpr):
+        pass
+
+    configs = [triton.Config({"N": n}) for n in (1, 2, 4)]
+    tuned = triton.autotune(configs=configs, key=[])(_k)
+    tuned.cache_results = True            # (the interpreter forces it off at construction)
+    wrapped = triton.heuristics({"M": lambda args: 1})(triton.autotune(configs=configs, key=[])(_k))
+    mod = types.ModuleType("fake_tuned.kernels")
+    mod.tuned, mod.wrapped, mod.other = tuned, wrapped, 3
+    monkeypatch.setitem(sys.modules, "fake_tuned.kernels", mod)
+    tuners = common.autotuners("fake_tuned.")
+    assert {id(t) for t in tuners} == {id(tuned), id(wrapped.fn)}
+
+    draw_picks = iter([2, 0, 1])          # the config each draw "tunes" to; time = 1 / N: config 2 (N=4) is best
+    seen_flags = []
+
+    def call():                           # stands in for fla's op: a draw's first call fills each cache
+        seen_flags.append([t.cache_results for t in tuners])
+        if all(not t.cache for t in tuners):
+            i = next(draw_picks)
+            for t in tuners:
+                t.cache[()] = configs[i]
+
+    best, times = common.best_of_autotune_draws(call, 3, lambda fn: 1.0 / tuners[0].cache[()].kwargs["N"],
+                                                prefix="fake_tuned.")
+    assert times == [0.25, 1.0, 0.5] and best == 0.25
+    assert all(t.cache[()] is configs[2] for t in tuners)              # the best draw's picks, restored
+    assert all(flags == [False, False] for flags in seen_flags)        # no disk cache during the draws
+    assert tuned.cache_results is True and wrapped.fn.cache_results is False   # restored afterwards
