@@ -71,9 +71,12 @@ def case_inputs(name: str, device: str, l2norm: bool = False):
 
 def run(cases=CASES, l2norm: bool = False, reps: int = 2, device: str = "cuda") -> list:
     """Rows per case and tree (base, this tree, alternating ``reps`` times): device ms (graph replay; nan for varlen,
-    whose host work cannot be captured), eager ms, and the largest |o_base - o_this| of the case."""
+    whose host work cannot be captured), eager ms, busy ms (torch.profiler: the union of the call's kernel
+    intervals, varlen included), each kernel's mean device us per call, and the largest |o_base - o_this| of the
+    case."""
     from . import common
     from .bench_decode import graphed
+    from .bench_prefill import _kernel_times, device_ms
     import fast
     base, rev = load_base()
     trees = (("base " + rev, base.chunk.chunk_gated_delta_rule_fwd), ("this tree", fast.chunk.chunk_gated_delta_rule_fwd))
@@ -87,9 +90,11 @@ def run(cases=CASES, l2norm: bool = False, reps: int = 2, device: str = "cuda") 
                     return fwd(q, k, v, g, beta, chunk_size=64, **kw)
                 outs.setdefault(tag, fn()[0].float())
                 replay = graphed(fn) if "cu_seqlens" not in kw else None
+                kernels = _kernel_times(fn, 5)
                 rows.append(dict(case=name + (", l2norm" if l2norm else ""), tree=tag,
                                  **{"device ms": common.bench(replay) if replay is not None else float("nan"),
-                                    "eager ms": common.bench(fn)}))
+                                    "eager ms": common.bench(fn), "busy ms": device_ms(fn),
+                                    "kernels us": {n[:24]: round(t * 1e3, 1) for n, t, _ in kernels}}))
                 print(rows[-1], flush=True)
         a, b = outs.values()
         rows.append(dict(case=name, tree="max |o_base - o_this|", **{"device ms": (a - b).abs().max().item(),
