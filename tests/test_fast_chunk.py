@@ -676,5 +676,8 @@ def test_row_scales_against_float64(B, T, H, K, dtype):
     s = row_scales(x)
     want = torch.rsqrt((x.double() ** 2).sum(-1) + L2NORM_EPS)
     assert s.shape == (B, T, H) and s.dtype == torch.float32
-    assert ((s.double() - want).abs() <= 8 * torch.finfo(torch.float32).eps * want).all()
+    # bound: the K squares of 16-bit values are exact in fp32 (fp32 inputs: half an eps each), their fp32 sum is
+    # within (K - 1) eps relative in any order, which the rsqrt halves; the GPU's rsqrt.approx adds ~2 eps
+    rel = ((s.double() - want).abs() / want).max().item() / torch.finfo(torch.float32).eps
+    assert rel <= (K - 1) / 2 + 3, f"max relative error {rel:.1f} eps"
     assert torch.equal(row_scales(x.double()), want)                   # float64: the formula itself
