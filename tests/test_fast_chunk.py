@@ -671,7 +671,7 @@ def test_row_scales_against_float64(B, T, H, K, dtype):
     from fast.chunk import row_scales
     from fast.chunk.common import L2NORM_EPS
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(B, T + 1, 2 * H, K, generator=gen).to(dtype)[:, 1:, ::2].to(DEV)
+    x = torch.randn(B, T + 1, 2 * H, K, generator=gen).to(dtype).to(DEV)[:, 1:, ::2]    # (sliced on the device)
     assert x.stride(2) == 2 * K and x.stride(0) != T * x.stride(1)
     s = row_scales(x)
     want = torch.rsqrt((x.double() ** 2).sum(-1) + L2NORM_EPS)
