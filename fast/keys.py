@@ -329,6 +329,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
                  kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
+    if fused and l2 and B * T * H:                          # q's row scales for the fused pass (output.py)
+        cfg = _chunk._cfg("row_scales", _chunk.row_scales_config(K))
+        out.append(CompileKey.make(
+            "row_scales_kernel", dict(H=H, K=K, BM=cfg["BM"], BK=next_pow2(K), EPS=_chunk.L2NORM_EPS),
+            dict(x=q.dtype, s=_F32), opts(cfg)))
     if N * HV:
         cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
@@ -343,7 +348,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
                  PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused)),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
-                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, **hv_new, **wy, **qo),
+                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, qs=_F32, **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))

@@ -202,11 +202,11 @@ def test_keys_match_fast_launches():
     names = [key.kernel for key in log.launched]
     assert names.count("gdn_step_kernel") == 3 and "chunk_state_kernel" in names and "accept_kernel" in names
     # prefill: kernels 1 and 3 (the state pass forms v_new itself: kernel 2 never runs in the forward), kernel 4
-    # unless the pass forms o too (fast.chunk.state_fuses_output), and, varlen without cu_seqlens' values on the
-    # host, kernel 1's chunk table built on the device
+    # unless the pass forms o too (fast.chunk.state_fuses_output), then q's row scales for it (l2norm in the
+    # kernel), and, varlen without cu_seqlens' values on the host, kernel 1's chunk table built on the device
     fused = fast.chunk.state_fuses_output(2, HV, K, V, torch.device(DEV))
-    prefill = 4 - fused
-    assert "chunk_table_kernel" in names
+    prefill = 4
+    assert "chunk_table_kernel" in names and ("row_scales_kernel" in names) == fused
     assert "chunk_w_u_kernel" not in names and ("chunk_output_kernel" in names) == (not fused)
     # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
     assert len(log.launched) == 13 + prefill

@@ -284,7 +284,8 @@ def test_repeated_calls_launch_through_the_signature_plan():
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
     want, kernels = _repeats_through_one_plan(q, k, v, g, beta, kw)
     fused = fc.state_fuses_output(2, 2, 16, 16, q.device)                  # (always in the interpreter)
-    assert kernels == ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + ([] if fused else ["chunk_output_kernel"])
+    assert kernels == (["chunk_kkt_inv_kernel", "row_scales_kernel", "chunk_state_kernel"] if fused    # (l2norm)
+                       else ["chunk_kkt_inv_kernel", "chunk_state_kernel", "chunk_output_kernel"])
     o1, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.25)   # the scale's value
     o2, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.5)    # is passed per call
     assert len(fc._PLANS.entries) == 2 and not torch.equal(o1, o2)
@@ -311,8 +312,8 @@ def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan(
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16, cu_seqlens=cu)
     _, kernels = _repeats_through_one_plan(q, k, v, g, beta, kw)
     fused = fc.state_fuses_output(3, 2, 16, 16, q.device)
-    assert kernels == ["chunk_table_kernel", "chunk_kkt_inv_kernel", "chunk_state_kernel"] + (
-        [] if fused else ["chunk_output_kernel"])
+    assert kernels == ["chunk_table_kernel", "chunk_kkt_inv_kernel"] + (
+        ["row_scales_kernel", "chunk_state_kernel"] if fused else ["chunk_state_kernel", "chunk_output_kernel"])
     with pytest.raises(ValueError, match="non-decreasing"):                  # the same signature, bad values
         fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor([0, 9, 7, 40],
                                                                                           dtype=torch.int32, device=DEV)))
@@ -655,3 +656,28 @@ def test_bad_chunk_size_and_head_dim():
     big = torch.zeros(1, 2, 1, 300, device=DEV)
     with pytest.raises(ValueError, match="head dims must be <= 256"):
         fast.chunk_gated_delta_rule(big, big, v[:, :2], g[:, :2], beta[:, :2])
+
+
+@pytest.mark.parametrize("B, T, H, K, dtype", [
+    pytest.param(1, 1, 1, 16, torch.float32, id="one-row"),
+    pytest.param(2, 37, 3, 48, torch.float32, id="odd-T-K48"),        # rows not a multiple of the block, K padded
+    pytest.param(1, 70, 2, 128, torch.bfloat16, id="bf16-K128"),
+    pytest.param(3, 5, 4, 16, torch.float16, id="fp16"),
+])
+def test_row_scales_against_float64(B, T, H, K, dtype):
+    """row_scales_kernel (q's l2norm row scales for the fused state pass): 1 / sqrt(sum(x^2) + eps) for every (b, t,
+    h) of a strided x (every other head of a wider tensor, a batch stride that is not T times the token stride),
+    against float64 on the same 16-bit values, within a few fp32 roundings; every row written."""
+    from fast.chunk import row_scales
+    from fast.chunk.common import L2NORM_EPS
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(B, T + 1, 2 * H, K, generator=gen).to(dtype).to(DEV)[:, 1:, ::2]    # (sliced on the device)
+    assert x.stride(2) == 2 * K and x.stride(0) != T * x.stride(1)
+    s = row_scales(x)
+    want = torch.rsqrt((x.double() ** 2).sum(-1) + L2NORM_EPS)
+    assert s.shape == (B, T, H) and s.dtype == torch.float32
+    # bound: the K squares of 16-bit values are exact in fp32 (fp32 inputs: half an eps each), their fp32 sum is
+    # within (K - 1) eps relative in any order, which the rsqrt halves; the GPU's rsqrt.approx adds ~2 eps
+    rel = ((s.double() - want).abs() / want).max().item() / torch.finfo(torch.float32).eps
+    assert rel <= (K - 1) / 2 + 3, f"max relative error {rel:.1f} eps"
+    assert torch.equal(row_scales(x.double()), want)                   # float64: the formula itself

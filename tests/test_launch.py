@@ -304,7 +304,8 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             call()                            # a new plan: its launches go through JITFunction.run
             slow, n_slow = list(calls), len(runs); calls.clear()
             call()                            # the same plan: Relaunch
-            want = ["chunk_kkt_inv_kernel", "chunk_state_kernel"] + ([] if HV == 32 else ["chunk_output_kernel"])
+            want = (["chunk_kkt_inv_kernel", "row_scales_kernel", "chunk_state_kernel"] if HV == 32     # (l2norm)
+                    else ["chunk_kkt_inv_kernel", "chunk_state_kernel", "chunk_output_kernel"])
             assert [n for n, _ in slow] == want, slow
             assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
             same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, h0) if t is not None})

@@ -120,7 +120,8 @@ from .wy import (_dummy, _g_block, _inv_diag_rows, _inv_rows, _inv_unit_lower, _
                  wy_repr)
 from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses_output,  # noqa: F401
                     state_output_wy, state_passing, state_passing_wy, state_prefetch_beta)
-from .output import _launch_output, chunk_output, chunk_output_kernel, output_config  # noqa: F401
+from .output import (_launch_output, _launch_row_scales, chunk_output, chunk_output_kernel, output_config,  # noqa: F401
+                     row_scales, row_scales_config, row_scales_kernel)
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
 from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
 
@@ -306,6 +307,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
                 inv_method=inv_method)
+    qs = None
+    if fused and l2:                                                     # q's row scales for the fused pass
+        qs = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        _launch_row_scales(q, qs, configs=configs)
     if behind:
         offsets()                                                        # host: wait for the copy (kernel 1 runs)
         check_cu_seqlens_values(cu_seqlens, T)                           # raises before the state pass
@@ -315,7 +320,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
     if fused:
         h = v_new = None                                                 # never leave the pass
-        out = (q, o, scale, l2)
+        out = (q, o, scale, qs)
     else:
         h = torch.empty(ch.total, HV, K, V, dtype=k.dtype, device=dev)   # chunk-start states
         v_new = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)

@@ -4,7 +4,9 @@
     O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
 ``chunk_output_kernel``: grid (chunks * HV * cdiv(V, BV)). Here too: its pinned config
-(``output_config``), launcher and the stage twin.
+(``output_config``), launcher and the stage twin; and ``row_scales_kernel`` (q's l2norm row scales
+1 / |q_i|, [B, T, H] fp32, for the fused state pass that forms o with use_qk_l2norm_in_kernel) with its twin
+``row_scales``.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import refgdn
 from refgdn.checks import check_chunk_size
 
 from ..launch import launch
-from ..utils import cdiv, is_interpreting
+from ..utils import cdiv, is_interpreting, next_pow2
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
                      _fp32_prec, _gdiff, _is_fp64, _precise, _unit_last)
 
@@ -72,13 +74,15 @@ def chunk_output_kernel(
         b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
     else:
         b_Gl = b_G
-    b_o = _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT, L2NORM, PREC, DOT_F32, PRECISE, EPS)
+    b_o = _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, b_G, m_r, scale, BT, L2NORM, False, PREC, DOT_F32, PRECISE,
+                        EPS)
     tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
 
 
 @triton.jit
-def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT: tl.constexpr, L2NORM: tl.constexpr,
-                  PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, EPS: tl.constexpr):
+def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, b_qs, m_r, scale, BT: tl.constexpr, L2NORM: tl.constexpr,
+                  QS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
+                  EPS: tl.constexpr):
     """One chunk's output block, fp32 [BT, BV] (kernel 4's math; also kernel 3's with OUTPUT):
 
         O = scale [ exp(G) * (Q h) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]
@@ -87,9 +91,12 @@ def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT: tl.constexpr, 
     b_vn: [BT, BV] v_new in o's dtype; b_G, b_Gl: [BT] (Gl: G's rounding error, used when PRECISE); m_r: [BT]
     valid rows. L2NORM normalises q: both products are linear in q's rows, so the dots take q as loaded and the
     rows are scaled by 1 / |q_i| in fp32 afterwards (no 16-bit rounding of the normalised q); exp(G) likewise
-    scales the rows of Q h after the dot."""
+    scales the rows of Q h after the dot. QS: the row scales come in b_qs ([BT] fp32, row_scales_kernel's, the
+    same formula) instead of being reduced from b_q here (b_qs is not read otherwise)."""
     o_t = tl.arange(0, BT)
-    if L2NORM:
+    if L2NORM and QS:
+        b_s = b_qs * scale                                          # [BT] row scale: scale / |q_i|
+    elif L2NORM:
         qf = b_q.to(tl.float32)
         b_s = tl.rsqrt(tl.sum(qf * qf, 1) + EPS) * scale            # [BT] row scale: scale / |q_i|
     else:
@@ -101,6 +108,27 @@ def _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, m_r, scale, BT: tl.constexpr, 
                                                          PRECISE)
     b_A = tl.where(keep, b_A * b_s[:, None], 0.0)
     return b_o + _dot(b_A.to(b_vn.dtype), b_vn, PREC, DOT_F32)           # intra-chunk
+
+
+@triton.jit(do_not_specialize=["M", "T"])
+def row_scales_kernel(x, s, M, T, s_b, s_t, s_h,
+                      H: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
+    """x: [B, T, H, K] (strided, unit last-dim stride) -> s: [B, T, H] fp32 contiguous, M = B T H rows:
+
+        s_i = 1 / sqrt(sum_k x_ik^2 + eps)        (l2norm's row scale: l2norm(x)_i = s_i x_i)
+
+    The fused state pass (kernel 3 with OUTPUT and L2NORM) scales its output rows by q's s instead of reducing
+    q's [BT, K] tile in every program (2 V-blocks x GROUP value heads per key head and chunk)."""
+    o_m = tl.program_id(0) * BM + tl.arange(0, BM)                 # flat (b, t, h) row index
+    m_m = o_m < M
+    o_k = tl.arange(0, BK)
+    i_h = o_m % H
+    i_t = (o_m // H) % T
+    i_b = o_m // (H * T)
+    off = i_b.to(tl.int64) * s_b + i_t.to(tl.int64) * s_t + i_h.to(tl.int64) * s_h
+    b_x = tl.load(x + off[:, None] + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    # masked columns load 0 and add nothing to the sum of squares
+    tl.store(s + o_m, tl.rsqrt(tl.sum(b_x * b_x, 1) + EPS), mask=m_m)
 
 
 # ============================================================================================
@@ -117,6 +145,36 @@ def output_config(K: int, V: int) -> dict:
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     BV = min(BVmax, 128 if BK <= 128 else 64)
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 128 else 8, num_stages=1)
+
+
+def row_scales_config(K: int) -> dict:
+    """row_scales_kernel: a bandwidth-bound pass over x (one read, [BM, K] per program). BM = 4096 / K rows (32 at K =
+    128): 4 warps, 32 fp32 values per thread. Interpreter: the same."""
+    BK = next_pow2(K)
+    return dict(BM=max(1, 4096 // BK), num_warps=4, num_stages=1)
+
+
+def _launch_row_scales(x: torch.Tensor, s: torch.Tensor, *, configs: Optional[dict] = None):
+    """row_scales_kernel: x [B, T, H, K] (unit last-dim stride) -> s [B, T, H] fp32 contiguous (written)."""
+    B, T, H, K = x.shape
+    M = B * T * H
+    if M == 0:
+        return
+    cfg = _cfg("row_scales", row_scales_config(K), configs)
+    BM = cfg.pop("BM")
+    return launch(row_scales_kernel, (cdiv(M, BM),), dict(H=H, K=K, BM=BM, BK=next_pow2(K), EPS=L2NORM_EPS, **cfg),
+                  x, s, M, T, *x.stride()[:3])
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """The stage twin of row_scales_kernel: x [B, T, H, K] -> [B, T, H] float32, 1 / sqrt(sum(x^2) + eps) per row
+    (eps = L2NORM_EPS, as l2norm's). float64 x: refgdn's formula in float64."""
+    if x.dtype == torch.float64:
+        return torch.rsqrt((x * x).sum(-1) + L2NORM_EPS)
+    B, T, H, K = x.shape
+    s = torch.empty(B, T, H, dtype=torch.float32, device=x.device)
+    _launch_row_scales(_unit_last(x), s)
+    return s
 
 
 def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale: float, *, l2norm_q: bool,

@@ -33,7 +33,7 @@ from .output import _output_block
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
-    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o,
+    k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
     cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -74,7 +74,9 @@ def chunk_state_kernel(
     o's dtype, as v_new would have been stored), so h and v_new are neither written nor read back (kernel 4 does
     not run):  O = scale [ exp(G) * (Q S) + ((Q K^T) * exp(G_i - G_j) * [i >= j]) v_new ]  (output._output_block,
     kernel 4's own code). q: [B, T, H, K] (strided, unit last-dim stride), o: [B, T, HV, V] contiguous; L2NORM
-    normalises q's rows as kernel 4 does. Q S and Q K^T hang off the pass's
+    normalises q's rows as kernel 4 does, by their scales qs: [B, T, H] fp32 (output.row_scales_kernel's, formed
+    once per row: reducing q's tile here in every program cost the B=4 pass 13 % and the varlen mix's 19 %,
+    RESULTS.md 2026-11-27). Q S and Q K^T hang off the pass's
     dependent chain (S -> v_new -> S), so they cost throughput, not latency: worth it where the pass is
     throughput-bound (many (sequence, head) pairs), not at B = 1.
     """
@@ -150,8 +152,11 @@ def chunk_state_kernel(
                 b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
             else:
                 b_Gl = b_G
-            b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, m_r, scale, BT, L2NORM, PREC,
-                                DOT_F32, PRECISE, EPS)
+            b_qs = b_G                                              # (not read without L2NORM)
+            if L2NORM:
+                b_qs = tl.load(qs + (i_b * T + rows).to(tl.int64) * (HV // GROUP) + i_h // GROUP, mask=m_r, other=0.0)
+            b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, b_qs, m_r, scale, BT, L2NORM,
+                                True, PREC, DOT_F32, PRECISE, EPS)
             tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
         else:
             tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
@@ -254,17 +259,17 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
-    forward). out: (q, o, scale, l2norm_q): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
-    (then None) not. bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold);
+    forward). out: (q, o, scale, qs): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
+    (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None. bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold);
     cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs:
     benchmark overrides, merged last."""
     H, K = k.shape[2], k.shape[3]
     if out is not None:
-        q, o, scale, l2norm_q = out
+        q, o, scale, qs = out
         HV, V = o.shape[2], o.shape[3]
         h = v_new = o                                   # (not written)
     else:
-        q, o, scale, l2norm_q = k, v_new, 1.0, False    # (not read)
+        q, o, scale, qs = k, v_new, 1.0, None           # (not read)
         HV, V = v_new.shape[2], v_new.shape[3]
     if N * HV == 0:
         return
@@ -286,12 +291,12 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
-        OUTPUT=out is not None, L2NORM=bool(l2norm_q), EPS=L2NORM_EPS, **cfg)
+        OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, **cfg)
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
         kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None) if prefetch is None
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
-        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o,
+        k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
         ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
         *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3])
 
@@ -336,7 +341,7 @@ def state_output_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
     h0 = initial_state.contiguous() if initial_state is not None else None
     _launch_state(_unit_last(k), None, None, G.float().contiguous(), None, h0, None, None, final,
                   _Chunks(B, T, chunk_size, cu_seqlens), N, T, chunk_size, precise=_precise(k.dtype),
-                  wy=(A.contiguous(), _unit_last(v), beta), out=(_unit_last(q), o, float(scale), False))
+                  wy=(A.contiguous(), _unit_last(v), beta), out=(_unit_last(q), o, float(scale), None))
     return o, final
 
 
