@@ -29,7 +29,8 @@ import torch
 
 BASE_DIR = "ab_base"          # relative to the repository root
 BASE_NAME = "fast_base"
-CASES = {"B=4 T=4096": (4, 4096), "varlen16": (1, None), "B=1 T=16384": (1, 16384)}   # name: (B, T or varlen)
+CASES = {"B=4 T=4096": (4, 4096), "varlen16": (1, None), "B=1 T=16384": (1, 16384),   # name: (B, T or varlen)
+         "B=1 T=4096": (1, 4096), "B=1 T=65536": (1, 65536)}
 
 
 def prepare(rev: str, repo: str = ".", dest: str = BASE_DIR) -> str:
