@@ -14,7 +14,8 @@ themselves, which keep their names as functions of this package):
                 host helpers (``_blocks``, ``_cfg``, ``_Chunks``, ...)
   wy.py         kernels 1 and 2 (chunk_cumsum, wy_repr, w_u), their configs, launchers and stage twins
   state.py      kernel 3 (state_passing), its config, launcher and stage twin
-  output.py     kernel 4 (chunk_output), its config, launcher and stage twin
+  output.py     kernel 4 (chunk_output), its config, launcher and stage twin; q's l2norm row scales for the
+                fused pass (row_scales_kernel, twin row_scales)
   recurrent.py  the recurrent kernel and its config
   pipeline.py   one long sequence's forward in segments: kernel 3 on a side stream beside kernels 1 and 4
                 (pipeline_segments: B = 1, 2 segments from 256 chunks, 4 from 512, on a GPU; bit-identical
@@ -46,7 +47,8 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        (FROM_A), so w and u never go through HBM and v_new is rounded once (kernel 2's path rounds w and u, then
        v_new). With many (sequence, head) pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage
        twin state_output_wy): kernel 4's products on the chunk-start state and v_new it holds, so h and v_new
-       are never stored.
+       are never stored. With l2norm in the kernel it scales o's rows by q's row scales 1 / |q_i|, formed once
+       per row by ``row_scales_kernel`` (launched after kernel 1), not from q's tile in each of its programs.
   4. ``chunk_output_kernel``   grid (chunks * HV * cdiv(V, BV)) fully chunk-parallel (not run when fused into 3)
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
