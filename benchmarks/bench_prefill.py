@@ -406,6 +406,7 @@ def chunk_size_probe(device: str, cases=CHUNK_PROBE_CASES, bts=CHUNK_PROBE_BTS, 
     (e.g. shared memory). Run: python -c "import benchmarks.bench_prefill as b; [print(r) for r in
     b.chunk_size_probe('cuda')]"."""
     from fast.chunk.common import _Chunks
+    from fast.chunk.output import row_scales
     from fast.chunk.state import _launch_state, state_config
 
     rows = []
@@ -423,7 +424,7 @@ def chunk_size_probe(device: str, cases=CHUNK_PROBE_CASES, bts=CHUNK_PROBE_BTS, 
             if fused:
                 o = torch.empty(B, T, HV, V, dtype=DTYPE, device=device)
                 h = v_new = None
-                out = (q, o, K ** -0.5, True)
+                out = (q, o, K ** -0.5, row_scales(q))            # l2norm in the kernel: q's row scales
             else:
                 h = torch.empty(ch.total, HV, K, V, dtype=DTYPE, device=device)
                 v_new = torch.empty(B, T, HV, V, dtype=DTYPE, device=device)

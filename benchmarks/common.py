@@ -177,7 +177,7 @@ def try_import_fla() -> Optional[SimpleNamespace]:
 def autotuners(prefix: str = "fla.") -> list:
     """Every Triton Autotuner held as a module attribute by the loaded modules under ``prefix`` (also through
     wrappers that keep the wrapped kernel as ``.fn``, e.g. triton.heuristics): fla's kernels, for
-    :func:`retune`."""
+    :func:`best_of_autotune_draws`."""
     from triton.runtime.autotuner import Autotuner
     found = {}
     for name, mod in list(sys.modules.items()):
