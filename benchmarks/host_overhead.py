@@ -7,10 +7,10 @@ calls of the per-call mean, in us (host wall time).
 
 Rows (both paths do the same work on valid inputs; the old one is what gdn_decode ran before):
   checks         refgdn.serving.check_step_inputs (check_cache inside) + check_cache alone (old)
-                 vs fast.serving._checked_plan's hit: step_signature + one dict lookup (cached)
-  signature      refgdn.serving.step_signature alone (the part of the cached path that grows with
-                 the number of tensors)
-  accept checks  refgdn.serving.check_accept_inputs vs accept_signature + lookup (gdn_accept's hit)
+                 vs fast.serving._checked_plan's hit: the last entry's extras compare + MetaGuard check
+  signature      refgdn.serving.step_signature alone (what a miss of the last entry builds), and the
+                 MetaGuard check alone (one C++ call over the 17 tensors)
+  accept checks  refgdn.serving.check_accept_inputs vs gdn_accept's hit (extras + MetaGuard)
   launch prep    fast.serving._build_plan (configs, grids, kernel arguments; recomputed per call
                  before) vs nothing (cached in the plan)
   decode host    gdn_decode's whole host side with the two Triton launches replaced by no-ops:
@@ -176,12 +176,18 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     out.append(("checks: cached (_checked_plan hit)", t(lambda: fs._checked_plan("decode", *step, None, "silu",
                                                                                    False))))
     out.append(("signature: step_signature alone", t(lambda: rs.step_signature(*step, None, "silu"))))
+    guard = fs._LAST["decode"][1]
+    tensors = rs.step_tensors(*step, absent=fs.ABSENT)
+    out.append(("signature: the last entry's MetaGuard check alone (what a hit runs instead)",
+                t(lambda: guard.check(*tensors))))
     acc = (cache, args[8], torch.ones_like(args[8]))
 
     def cached_accept_checks():       # what gdn_accept now does before its launch (valid call: a hit)
-        return fs._checked_entry("accept", rs.accept_signature(*acc), None)
+        return fs._checked_entry("accept", ("accept", type(cache)), rs.accept_tensors, acc,
+                                 lambda: rs.accept_signature(*acc), None)
 
-    fs._remember("accept", ("accept", fs.step_config, fs.conv_config, rs.accept_signature(*acc)), (N, None))
+    fs._checked_entry("accept", ("accept", type(cache)), rs.accept_tensors, acc, lambda: rs.accept_signature(*acc),
+                      lambda reuse: (N, None))                      # stores accept's entry (the checks' stand-in)
     out.append(("accept checks: check_accept_inputs (old)", t(lambda: rs.check_accept_inputs(*acc, False))))
     out.append(("accept checks: cached (signature + lookup)", t(cached_accept_checks)))
     out.append(("launch prep: _build_plan per call (old)", t(lambda: fs._build_plan(*step, "silu", "decode"))))
@@ -216,7 +222,7 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
     from triton.runtime import driver
     x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
     fs.gdn_decode(*args)                                            # the plan and its Relaunch objects
-    p = fs._LAST["decode"][1]
+    p = fs._LAST["decode"][2]
     dev = cache.ssm_state.device
     y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
     o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)

@@ -117,7 +117,7 @@ import refgdn.serving as rs
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
-from .launch import Carved, PlanCache, Relaunch
+from .launch import ABSENT, Carved, MetaGuard, PlanCache, Relaunch
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
@@ -1168,8 +1168,9 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 # ----------------------------------------------------------------------------------------------
 
 PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
-_PLANS = PlanCache(PLAN_CACHE_SIZE)   # key -> _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
-_LAST: dict = {}         # mode -> (key, plan) of its last call that passed the checks
+# key -> entry (extras, guard, value); value: _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
+_PLANS = PlanCache(PLAN_CACHE_SIZE)
+_LAST: dict = {}         # mode -> the entry of its last call that passed the checks (compared first: _checked_entry)
 
 
 def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -1186,56 +1187,55 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
     difference misses and runs the full checks again; a call that fails them is never stored; an argument
     the signature cannot describe (None returned) is always checked in full. The value rules are not
     cached: check_values=True reads the values on the host on every call, as before, and the kernels'
-    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (fast.launch.PlanCache), plus the last
-    one per mode (_LAST, compared first: _known). The configs'
-    other input, is_interpreting(), is fixed once fast is imported (fast/__init__ sets TRITON_INTERPRET
-    before any kernel is defined), so it is not part of the key.
+    device-side checks are unchanged. Bounded: at most PLAN_CACHE_SIZE signatures (fast.launch.PlanCache).
+    The mode's last entry is compared first, without building the signature: its non-tensor part (the
+    extras: mode, configs, type(cache), type(scale), activation) by one tuple compare, its tensors'
+    metadata by a :class:`fast.launch.MetaGuard` (one C++ call over refgdn.serving.step_tensors; equal
+    guards imply equal signatures). The configs' other input, is_interpreting(), is fixed once fast is
+    imported (fast/__init__ sets TRITON_INTERPRET before any kernel is defined), so it is not part of the key.
     """
-    sig = rs.step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                            cu_seqlens, scale, activation)
+    args = (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens)
 
     def checked(reuse: bool) -> _StepPlan:
-        check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                          cu_seqlens, scale, activation, False)
-        return _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                           cu_seqlens, activation, mode, reuse=reuse)
-    plan = _checked_entry(mode, sig, checked)
+        check_step_inputs(*args, scale, activation, False)
+        return _build_plan(*args, activation, mode, reuse=reuse)
+    extras = (mode, step_config, conv_config, type(cache), type(scale), type(activation), activation)
+    plan = _checked_entry(mode, extras, rs.step_tensors, args,
+                          lambda: rs.step_signature(*args, scale, activation), checked)
     if check_values:                      # check_step_inputs' value rules: host reads, every call
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
     return plan
 
 
-def _checked_entry(mode: str, sig, checked):
-    """What a call with signature ``sig`` needs beyond its arguments (a plan, its launches, constants): the
-    value remembered for it when a call with that signature passed the checks before, else ``checked(reuse)``,
-    which runs the full checks (raising on bad input: nothing is remembered) and builds the value, then
-    remembered (reuse: whether it will be, i.e. sig is not None). The key holds the mode and the config
-    functions in use (_checked_plan says why that is safe)."""
-    key = None if sig is None else (mode, step_config, conv_config, sig)
-    value = _known(mode, key)
-    if value is None:
-        value = checked(key is not None)
-        _remember(mode, key, value)
-    return value
+def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature, checked):
+    """What a call needs beyond its arguments (a plan, its launches, constants): the value remembered when a
+    call with the same signature passed the checks before, else ``checked(reuse)``, which runs the full
+    checks (raising on bad input: nothing is remembered) and builds the value (reuse: whether it will be
+    remembered, i.e. the signature is not None).
 
-
-def _known(mode: str, key):
-    """The value remembered for key (its call passed the checks), or None. The mode's last key is compared
-    first: one tuple compare, no hash (a model's layers of one geometry repeat the same key)."""
+    extras: the call's non-tensor inputs to the checks and the config functions in use (a tuple of types,
+    functions, str / None; the mode first); tensors_of(*args, absent=ABSENT): the tensors its signature covers
+    (ABSENT for a None optional one); signature(): its signature. The mode's last entry is compared first: extras, then the tensors'
+    metadata through the entry's MetaGuard (one C++ call: no signature is built). On a miss the signature is
+    looked up (_PLANS), and on a miss there the call is checked in full."""
     last = _LAST.get(mode)
-    if last is not None and key == last[0]:
-        return last[1]
-    value = _PLANS.get(key)
-    if value is not None:
-        _LAST[mode] = (key, value)
-    return value
-
-
-def _remember(mode: str, key, value) -> None:
-    """Remember a checked call's value under key (None: an argument the signature cannot describe)."""
-    if key is not None:
-        _PLANS.put(key, value)
-        _LAST[mode] = (key, value)
+    if last is not None and last[0] == extras:
+        try:
+            if last[1].check(*tensors_of(*args, absent=ABSENT)):
+                return last[2]
+        except AttributeError:            # a cache without its fields: the full path raises the error
+            pass
+    sig = signature()
+    if sig is None:                       # not describable: checked in full on every call, never remembered
+        return checked(False)
+    key = (extras, sig)
+    entry = _PLANS.get(key)
+    if entry is None:
+        value = checked(True)
+        entry = (extras, MetaGuard(tensors_of(*args, absent=ABSENT)), value)
+        _PLANS.put(key, entry)
+    _LAST[mode] = entry
+    return entry[2]
 
 
 def clear_plan_cache() -> None:
@@ -1307,7 +1307,9 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     def checked(reuse: bool) -> tuple:   # (N, its launch); as _checked_plan: same safety argument, same bound
         N = check_accept_inputs(cache, state_indices, num_accepted, False)
         return N, Relaunch(accept_kernel, (cdiv(N, ACCEPT_BLOCK),), dict(BN=ACCEPT_BLOCK, BC=32, num_warps=4), reuse)
-    N, launch = _checked_entry("accept", rs.accept_signature(cache, state_indices, num_accepted), checked)
+    args = (cache, state_indices, num_accepted)
+    N, launch = _checked_entry("accept", ("accept", type(cache)), rs.accept_tensors, args,
+                               lambda: rs.accept_signature(*args), checked)
     if check_values:                      # check_accept_inputs' value rules: host reads, every call
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     if N == 0:
@@ -1337,7 +1339,9 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
         inputs = (cache.conv_state.new_zeros(0, D), ab, ab, torch.zeros(D, W, dtype=torch.float32, device=dev),
                   None, hv, hv, cache, state_indices, zeros_cu)
         return N, inputs[:7], zeros_cu, _build_plan(*inputs, None, "materialize", reuse=reuse)
-    N, inputs, zeros_cu, plan = _checked_entry("materialize", rs.materialize_signature(cache, state_indices),
+    args = (cache, state_indices)
+    N, inputs, zeros_cu, plan = _checked_entry("materialize", ("materialize", step_config, conv_config, type(cache)),
+                                               rs.materialize_tensors, args, lambda: rs.materialize_signature(*args),
                                                checked)
     if check_values:
         raise_first(step_value_faults(cache, state_indices, None, N)[1])

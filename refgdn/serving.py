@@ -566,11 +566,31 @@ def tensor_signature(t):
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _cache_sig(cache) -> tuple:
-    """type(cache) and every field's tensor_signature: all that check_cache reads (fields may be reassigned)."""
-    c, ts = cache, tensor_signature
-    return (type(c), ts(c.ssm_state), ts(c.conv_state), ts(c.pend_k), ts(c.pend_v), ts(c.pend_g), ts(c.pend_beta),
-            ts(c.pend_meta), ts(c.err))
+def cache_fields(cache) -> tuple:
+    """The cache's eight tensors as check_cache reads them (fields may be reassigned): ssm_state, conv_state,
+    pend_k, pend_v, pend_g, pend_beta, pend_meta, err."""
+    c = cache
+    return c.ssm_state, c.conv_state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, c.pend_meta, c.err
+
+
+def step_tensors(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                 cu_seqlens=None, absent=None) -> tuple:
+    """Every tensor whose metadata check_step_inputs reads, in a fixed order: the nine arguments, then the
+    cache's fields; ``absent`` where an optional one (conv_bias, cu_seqlens) is None. :func:`step_signature`
+    summarises exactly these (with type(cache), type(scale) and activation); fast.serving's guard checks
+    exactly these (with a placeholder tensor for ``absent``)."""
+    return (mixed_qkv, a, b, conv_weight, absent if conv_bias is None else conv_bias, A_log, dt_bias, state_indices,
+            absent if cu_seqlens is None else cu_seqlens, *cache_fields(cache))
+
+
+def accept_tensors(cache, state_indices, num_accepted, absent=None) -> tuple:
+    """As step_tensors, for check_accept_inputs (no optional tensor: ``absent`` is unused)."""
+    return (state_indices, num_accepted, *cache_fields(cache))
+
+
+def materialize_tensors(cache, state_indices, absent=None) -> tuple:
+    """As step_tensors, for check_cache and check_state_indices (gdn_materialize's checks; ``absent`` unused)."""
+    return (state_indices, *cache_fields(cache))
 
 
 def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -578,19 +598,18 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
     """A hashable summary of everything :func:`check_step_inputs` (with :func:`check_cache`) reads except
     values, or None when an argument cannot be summarised (the caller then checks in full).
 
-    Two calls with equal signatures pass or fail those checks alike: each tensor's (type, shape, stride,
-    dtype, device) (None-ness included), the cache's type and each of its fields' metadata, type(scale)
-    (check_scale reads only the type), and activation itself (a str or None; anything else: None). The
-    value rules (check_values) are not covered: they read tensor values and must run on every call.
-    Extending check_step_inputs or check_cache with a check on anything else means extending this too.
-    Cost: a few attribute reads per tensor (~17 tensors), no tensor is created or read.
+    Two calls with equal signatures pass or fail those checks alike: the tensor_signature of each of
+    :func:`step_tensors` (None-ness included), type(cache), type(scale) (check_scale reads only the type),
+    and activation itself (a str or None; anything else: None). The value rules (check_values) are not
+    covered: they read tensor values and must run on every call. Extending check_step_inputs or check_cache
+    with a check on anything else means extending this (and step_tensors) too.
+    Cost: a few attribute reads per tensor (17 tensors), no tensor is created or read.
     """
     if activation is not None and type(activation) is not str:
         return None
     try:
-        ts = tensor_signature
-        return (_cache_sig(cache), type(scale), activation, ts(mixed_qkv), ts(a), ts(b), ts(conv_weight), ts(conv_bias),
-                ts(A_log), ts(dt_bias), ts(state_indices), ts(cu_seqlens))
+        return (type(cache), type(scale), activation, *map(tensor_signature, step_tensors(
+            mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens)))
     except Exception:  # noqa: BLE001 - not a tensor / not a cache: the full checks raise their own error
         return None
 
@@ -598,7 +617,7 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
 def materialize_signature(cache, state_indices) -> Optional[tuple]:
     """As step_signature, for :func:`check_cache` and :func:`check_state_indices` (gdn_materialize's checks)."""
     try:
-        return _cache_sig(cache), tensor_signature(state_indices)
+        return (type(cache), *map(tensor_signature, materialize_tensors(cache, state_indices)))
     except Exception:  # noqa: BLE001 - see step_signature
         return None
 
@@ -606,7 +625,7 @@ def materialize_signature(cache, state_indices) -> Optional[tuple]:
 def accept_signature(cache, state_indices, num_accepted) -> Optional[tuple]:
     """As step_signature, for :func:`check_accept_inputs` (the cache, state_indices, num_accepted)."""
     try:
-        return _cache_sig(cache), tensor_signature(state_indices), tensor_signature(num_accepted)
+        return (type(cache), *map(tensor_signature, accept_tensors(cache, state_indices, num_accepted)))
     except Exception:  # noqa: BLE001 - see step_signature
         return None
 

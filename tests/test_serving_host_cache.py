@@ -335,6 +335,80 @@ def test_signature_sees_in_place_changes():
     assert rs.step_signature(*w.decode_args()[:7], object(), _i([0, 1])) is None
 
 
+def _guard_cases():
+    """(name, recorded tensors, other tensors) pairs for MetaGuard against tensor_signature: one change each."""
+    def fresh():
+        return [torch.zeros(2, 6), torch.zeros(6, dtype=torch.int32), torch.zeros(3, 4)[:, :2]]
+
+    def with_(i, make):
+        def case():
+            ts = fresh()
+            ts[i] = make(ts[i])
+            return ts
+        return case
+
+    def in_place(fn):
+        def case():
+            ts = fresh()
+            fn(ts)
+            return ts
+        return case
+
+    def data_swap(ts):
+        ts[0].data = ts[0].data.double()
+    return [
+        ("same-metadata", fresh),
+        ("shape", with_(0, lambda t: torch.zeros(2, 5))),
+        ("stride", with_(0, lambda t: torch.zeros(6, 2).t())),
+        ("strided-view", with_(2, lambda t: torch.zeros(3, 2))),
+        ("dtype", with_(1, lambda t: t.long())),
+        ("device", with_(0, lambda t: t.to("meta"))),
+        ("type", with_(0, lambda t: torch.nn.Parameter(t, requires_grad=False))),
+        ("rank", with_(1, lambda t: t[None])),
+        ("resized-in-place", in_place(lambda ts: ts[1].resize_(7))),
+        ("restrided-in-place", in_place(lambda ts: ts[0].as_strided_((2, 6), (1, 2)))),
+        ("transposed-in-place", in_place(lambda ts: ts[0].t_())),
+        ("dtype-through-data", in_place(data_swap)),
+        ("absent-for-a-tensor", with_(1, lambda t: fs.ABSENT)),
+        ("empty-tensor-for-absent", with_(1, lambda t: torch.empty(0))),
+        ("none", with_(1, lambda t: None)),
+        ("not-a-tensor", with_(1, lambda t: [0] * 6)),
+    ]
+
+
+@pytest.mark.parametrize("name,case", _guard_cases(), ids=[c[0] for c in _guard_cases()])
+def test_meta_guard_matches_exactly_when_signatures_match(name, case):
+    """The guard a hit runs instead of building the signature (fast.launch.MetaGuard) never says "same" where
+    the signatures differ, and says "same" for fresh tensors with the recorded metadata (so the hit is real).
+    The 'absent' cases: ABSENT stands for None, and no other tensor (an empty one included) matches it."""
+    recorded = [torch.zeros(2, 6), fs.ABSENT if name == "empty-tensor-for-absent" else
+                torch.zeros(6, dtype=torch.int32), torch.zeros(3, 4)[:, :2]]
+    guard = fs.MetaGuard(tuple(recorded))
+    other = case()
+    sig = [rs.tensor_signature(t) if isinstance(t, torch.Tensor) else t for t in other]
+    same_sig = sig == [rs.tensor_signature(t) for t in recorded]
+    assert guard.check(*other) == same_sig
+    assert same_sig == (name == "same-metadata")
+
+
+def test_a_hit_builds_no_signature(monkeypatch):
+    """After a call has stored its entry, a call with fresh tensors of the same metadata reuses it through the
+    guard alone (step_signature is not built); a changed tensor misses the guard and builds it."""
+    w = World()
+    fast.gdn_decode(*w.decode_args())
+    built = []
+    monkeypatch.setattr(rs, "step_signature", lambda *a, **k: built.append(1) or _SIGNATURE(*a, **k))
+    fast.gdn_decode(*World(seed=4).decode_args())
+    assert built == []
+    args = w.decode_args()
+    args[0] = args[0].clone().t().contiguous().t()      # same shape, other strides: a miss, then the full checks
+    fast.gdn_decode(*args)
+    assert built == [1]
+
+
+_SIGNATURE = rs.step_signature     # (the original, for the spy above)
+
+
 # ------------------------------------------------------------------------------------------------
 # (c) bounded; plans follow the config functions in use
 # ------------------------------------------------------------------------------------------------
