@@ -1230,12 +1230,18 @@ def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature,
         return checked(False)
     key = (extras, sig)
     entry = _PLANS.get(key)
+    tensors = tensors_of(*args, absent=ABSENT)
     if entry is None:
         value = checked(True)
-        entry = (extras, MetaGuard(tensors_of(*args, absent=ABSENT)), value)
-        _PLANS.put(key, entry)
+    elif entry[1].check(*tensors):
+        _LAST[mode] = entry
+        return entry[2]
+    else:   # same signature, guard missed: e.g. made outside torch.inference_mode (dispatch keys): a new guard
+        value = entry[2]
+    entry = (extras, MetaGuard(tensors), value)
+    _PLANS.put(key, entry)
     _LAST[mode] = entry
-    return entry[2]
+    return value
 
 
 def clear_plan_cache() -> None:

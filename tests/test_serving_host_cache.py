@@ -406,6 +406,21 @@ def test_a_hit_builds_no_signature(monkeypatch):
     assert built == [1]
 
 
+def test_a_guard_made_in_another_grad_mode_is_replaced(monkeypatch):
+    """A guard reads the dispatch keys under the current grad mode: one stored outside torch.inference_mode misses
+    inside it. The first call inside rebuilds it (one signature, no full checks: the plan is the same), and the
+    calls after it hit again."""
+    w = World()
+    fast.gdn_decode(*w.decode_args())
+    built, checked = [], []
+    monkeypatch.setattr(rs, "step_signature", lambda *a, **k: built.append(1) or _SIGNATURE(*a, **k))
+    monkeypatch.setattr(fs, "check_step_inputs", lambda *a, **k: checked.append(1) or rs.check_step_inputs(*a, **k))
+    with torch.inference_mode():
+        for _ in range(3):
+            fast.gdn_decode(*w.decode_args())
+    assert built == [1] and checked == []
+
+
 _SIGNATURE = rs.step_signature     # (the original, for the spy above)
 
 
