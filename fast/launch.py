@@ -96,11 +96,16 @@ class Relaunch:
         """reuse=False: every call goes through ``fn[grid]`` (a launch layout used once: the ~10 us of
         bookkeeping for a reuse would be wasted)."""
         self.fn, self.kw, self.reuse = fn, dict(kw), reuse
-        g = tuple(grid) + (1, 1)
-        self.grid = (int(g[0]), int(g[1]), int(g[2]))
+        self.grid = _grid3(grid)
         self.compiled = None
 
     def __call__(self, *args) -> None:
+        self.run(self.grid, args)
+
+    def run(self, grid: tuple, args: tuple) -> None:
+        """One launch on ``grid`` (three ints; :meth:`__call__` passes the one given at construction). The grid
+        is not part of what Triton compiles for, so one compiled kernel serves every grid: a LaunchPlan whose
+        grids follow a call's values (varlen chunk counts) passes each call's own."""
         c = self.compiled
         if c is not None and _quiet(self.fn):
             drv = _driver()
@@ -118,10 +123,10 @@ class Relaunch:
                 # head: the compiled kernel's function handle and packed metadata, then no launch metadata
                 # and no hooks (_quiet found the hook slots empty: an empty HookChain would only be called,
                 # from C, to do nothing)
-                self.launcher(*self.grid, drv.get_current_stream(dev), *self.head, *flat, *self.tail)
+                self.launcher(*grid, drv.get_current_stream(dev), *self.head, *flat, *self.tail)
                 return
         args = tuple(a.tensor() if type(a) is Carved else a for a in args)
-        out = self.fn[self.grid](*args, **self.kw)
+        out = self.fn[grid](*args, **self.kw)
         if self.reuse:
             self._remember(out, args)
 
@@ -148,6 +153,12 @@ class Relaunch:
         self.launcher = compiled.run                   # the C launcher (loaded by the launch just made)
         self.head = (compiled.function, compiled.packed_metadata, None, None, None)
         self.compiled = compiled
+
+
+def _grid3(grid) -> tuple:
+    """A launch grid as three ints (missing dimensions 1)."""
+    g = tuple(grid) + (1, 1)
+    return int(g[0]), int(g[1]), int(g[2])
 
 
 def _getter(idx: list):
@@ -214,9 +225,10 @@ class LaunchPlan:
     three or four kernels (fast.chunk.chunk_gated_delta_rule keeps one per call signature).
 
     Used as a context manager around the op's launchers, which launch through :func:`launch`: the i-th launch
-    of the block takes the plan's i-th Relaunch when it was made for the same kernel, grid and keyword
-    arguments (compared per call, so a plan can never launch a kernel other than the one asked for), else a
-    new Relaunch takes that place. What the comparison does not cover -- the tensors' dtypes, which pick the
+    of the block takes the plan's i-th Relaunch when it was made for the same kernel and keyword arguments
+    (compared per call, so a plan can never launch a kernel other than the one asked for), else a new
+    Relaunch takes that place. The grid is the launch's own (Relaunch.run): it is not part of what Triton
+    compiles for, and a varlen call's grids follow its chunk counts. What the comparison does not cover -- the tensors' dtypes, which pick the
     compiled variant, and their devices -- the caller's signature pins: one plan serves calls whose every
     input has the same metadata (the intermediates' dtypes follow from the inputs'). Integer arguments and
     pointer alignment are checked by Relaunch itself on every launch.
@@ -227,7 +239,7 @@ class LaunchPlan:
     __slots__ = ("slots",)
 
     def __init__(self):
-        self.slots: list = []      # [(fn, grid, kw, Relaunch)] in launch order
+        self.slots: list = []      # [(fn, kw, Relaunch)] in launch order (the grid is passed per launch)
 
     def __enter__(self) -> "LaunchPlan":
         prev = getattr(_ACTIVE, "state", None)
@@ -252,14 +264,14 @@ def launch(fn, grid, kw: dict, *args) -> Any:
     st[1] = i + 1
     slots = plan.slots
     if i < len(slots):
-        f, g, k, r = slots[i]
-        if f is not fn or g != grid or k != kw:
+        f, k, r = slots[i]
+        if f is not fn or k != kw:
             r = Relaunch(fn, grid, kw)
-            slots[i] = (fn, grid, dict(kw), r)
+            slots[i] = (fn, dict(kw), r)
     else:
         r = Relaunch(fn, grid, kw)
-        slots.append((fn, grid, dict(kw), r))
-    r(*args)
+        slots.append((fn, dict(kw), r))
+    r.run(_grid3(grid), args)
     return None
 
 

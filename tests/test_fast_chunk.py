@@ -277,8 +277,9 @@ def _repeats_through_one_plan(q, k, v, g, beta, kw) -> tuple:
 
 def test_repeated_calls_launch_through_the_signature_plan():
     """A dense call whose signature passed the checks before skips them and launches through the signature's
-    LaunchPlan (fast.launch; on a GPU each kernel's compiled launcher is reused): the same results as the plain
-    forward, bit for bit; one plan per signature; an input that would fail the checks never reaches a plan."""
+    LaunchPlan (fast.launch; on a GPU each kernel's compiled launcher is reused), kept from the signature's second
+    call: the same results as the plain forward, bit for bit; one plan per signature; an input that would fail the
+    checks never reaches a plan."""
     fc.clear_plan_cache()
     (q, k, v, g, beta, h0), _ = _inputs(2, 40, 1, 2, 16, 16, torch.float32, init=True)
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
@@ -292,7 +293,9 @@ def test_repeated_calls_launch_through_the_signature_plan():
     assert torch.equal(o2, fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, scale=0.5)[0])
     qs = torch.cat([q, q], dim=-1)[..., :16]                                  # same shape, other strides
     assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])
-    assert len(fc._PLANS.entries) == 3
+    assert len(fc._PLANS.entries) == 2                                       # a first call is only remembered
+    assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])
+    assert len(fc._PLANS.entries) == 3                                       # its second keeps a plan
     with pytest.raises(ValueError, match="initial_state"):                   # a known shape family, a bad state
         fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True,
                                     use_qk_l2norm_in_kernel=True, chunk_size=16)
@@ -318,6 +321,41 @@ def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan(
         fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor([0, 9, 7, 40],
                                                                                           dtype=torch.int32, device=DEV)))
     assert len(fc._PLANS.entries) == 1
+    fc.clear_plan_cache()
+
+
+def test_varlen_calls_with_host_offsets_launch_through_the_signature_plan(monkeypatch):
+    """Varlen with cu_seqlens' host copy (cu_seqlens_cpu, vLLM's query_start_loc_cpu): a repeated signature skips
+    the shape checks and launches through its LaunchPlan, on each call's own grids (other offsets, other chunk
+    counts), bit for bit the plain forward; the host copy's values are checked on every call, and cu_seqlens
+    itself is never read."""
+    import refgdn.checks as rc
+    fc.clear_plan_cache()
+    (q, k, v, g, beta, h0), _ = _inputs(1, 40, 1, 2, 16, 16, torch.float32, init=True, N=3)
+    reads = []
+    real_read = rc._read
+    monkeypatch.setattr(rc, "_read", lambda t: reads.append(t) or real_read(t))
+
+    def kw(offsets, host_copy=True):
+        cu = torch.tensor(offsets, dtype=torch.int32, device=DEV)
+        return dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16,
+                    cu_seqlens=cu, **(dict(cu_seqlens_cpu=cu.cpu()) if host_copy else {}))
+    wants = {}
+    for offsets in ([0, 7, 7, 40], [0, 33, 33, 40], [0, 1, 2, 40], [0, 0, 0, 40]):   # other chunk counts
+        wants[tuple(offsets)] = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw(offsets, host_copy=False))
+    reads.clear()
+    for offsets in [(0, 7, 7, 40)] * 3 + list(wants):                        # one plan from the second call on
+        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw(list(offsets)))
+        assert all(torch.equal(a, b) for a, b in zip(got, wants[offsets])), offsets
+    assert len(fc._PLANS.entries) == 1
+    plan = next(iter(fc._PLANS.entries.values()))
+    fused = fc.state_fuses_output(3, 2, 16, 16, q.device)
+    assert [sl[0].__name__ for sl in plan.slots] == ["chunk_kkt_inv_kernel"] + (
+        ["row_scales_kernel", "chunk_state_kernel"] if fused else ["chunk_state_kernel", "chunk_output_kernel"])
+    for bad, match in (([0, 9, 7, 40], "non-decreasing"), ([0, 7, 7, 39], "end at T"), ([1, 7, 7, 40], "start at 0")):
+        with pytest.raises(ValueError, match=match):                          # the same signature, bad values
+            fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw(bad))
+    assert reads == [] and len(fc._PLANS.entries) == 1
     fc.clear_plan_cache()
 
 

@@ -228,7 +228,8 @@ def test_carved_regions(fake):
 
 def test_launch_plan_positions(fake):
     """fast.launch.launch: outside a LaunchPlan block always ``fn[grid]``; inside, the i-th launch reuses the
-    plan's i-th Relaunch only for the same kernel, grid and keyword arguments (else it takes its place)."""
+    plan's i-th Relaunch only for the same kernel and keyword arguments (else it takes its place), on the
+    launch's own grid (one compiled kernel serves every grid)."""
     k, _ = fake
     k2 = FakeKernel()
     k2.log = k.log
@@ -253,12 +254,12 @@ def test_launch_plan_positions(fake):
     assert kinds(2) == ["fast", "fast"]                # positions 0 and 1 reused
     assert k.log[-1][1][:3] == (2, 1, 1)               # the second launch's own grid
     step(a2=3)                                         # another constexpr at position 1: a new Relaunch there
-    assert kinds(2) == ["fast", "slow"] and plan.slots[1][2] == dict(A=3)
-    step(grid2=(4,))                                   # another grid
-    assert kinds(2) == ["fast", "slow"] and plan.slots[1][1] == (4,)
-    step(grid2=(4,), kern2=k)                          # another kernel
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][1] == dict(A=3)
+    step(a2=3, grid2=(4, 3))                           # another grid: the same Relaunch, launched on it
+    assert kinds(2) == ["fast", "fast"] and k.log[-1][1][:3] == (4, 3, 1)
+    step(a2=3, grid2=(4,), kern2=k)                    # another kernel
     assert kinds(2) == ["fast", "slow"] and plan.slots[1][0] is k
-    step(grid2=(4,), kern2=k)
+    step(a2=3, grid2=(4,), kern2=k)
     assert kinds(2) == ["fast", "fast"] and len(plan.slots) == 2
 
     inner = fl.LaunchPlan()
@@ -266,7 +267,7 @@ def test_launch_plan_positions(fake):
         fl.launch(k, (1,), dict(A=1), *_args(x, y))
         with inner:
             fl.launch(k, (9,), dict(A=1), *_args(x, y))
-        fl.launch(k, (4,), dict(A=2), *_args(x, y))    # the outer plan's position 1, as step() left it
+        fl.launch(k, (4,), dict(A=3), *_args(x, y))    # the outer plan's position 1, as step() left it
     assert kinds(3) == ["fast", "slow", "fast"] and len(inner.slots) == 1
     fl.launch(k, (1,), dict(A=1), *_args(x, y))        # after the blocks: no plan again
     assert kinds(1) == ["slow"]
@@ -300,6 +301,7 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             JITFunction.run = counting_run    # from here on JITFunction.run launches (into the recorders)
             fl._JIT_RUN = counting_run
             fc.clear_plan_cache()
+            call()                            # a signature's first call: remembered, no plan
             runs.clear(); calls.clear()
             call()                            # a new plan: its launches go through JITFunction.run
             slow, n_slow = list(calls), len(runs); calls.clear()
@@ -319,6 +321,7 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
         JITFunction.run = counting_run
         fl._JIT_RUN = counting_run
         fc.clear_plan_cache()
+        call()
         runs.clear(); calls.clear()
         call()
         slow, n_slow = list(calls), len(runs); calls.clear()
@@ -327,5 +330,33 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
         assert [n for n, _ in slow] == want, slow
         assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))
         same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, cu)})
+        # varlen with the offsets' host copy (cu_seqlens_cpu): through the plan too, each launch on its own grid
+        # (the chunk count follows the offsets' values: [0, 20, 20, 64] has 2 chunks of 64, [0, 64, 64, 64] one)
+        cpu = lambda c: fast.chunk_gated_delta_rule(q, k, v, gg, beta, cu_seqlens=c, cu_seqlens_cpu=c.clone(),
+                                                    use_qk_l2norm_in_kernel=True)
+        cu1 = torch.tensor([0, 64, 64, 64], dtype=torch.int32)
+        JITFunction.run = compile_only
+        fl._JIT_RUN = compile_only
+        cpu(cu)
+        JITFunction.run = counting_run
+        fl._JIT_RUN = counting_run
+        fc.clear_plan_cache()
+        cpu(cu)
+        runs.clear(); calls.clear()
+        cpu(cu)
+        slow, n_slow = list(calls), len(runs); calls.clear()
+        cpu(cu)
+        want = ["chunk_kkt_inv_kernel", "chunk_state_kernel", "chunk_output_kernel"]
+        assert [n for n, _ in slow] == want, slow
+        assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))
+        same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, cu)})
+        calls.clear()
+        cpu(cu1)                              # other offsets, same signature: the plan, on the new grids
+        assert len(runs) == n_slow, len(runs)
+        fast_grids = {n: a[:3] for n, a in calls}
+        fc.clear_plan_cache(); calls.clear()
+        cpu(cu1)                              # (JITFunction.run's grids for these offsets)
+        assert fast_grids == {n: a[:3] for n, a in calls}, (fast_grids, calls)
+        assert fast_grids["chunk_kkt_inv_kernel"] != slow[0][1][:3]
         print("OK")
     """)

@@ -104,7 +104,7 @@ import torch
 
 import refgdn
 from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
-                           one_host_read)
+                           one_host_read, provide_host_offsets)
 from refgdn.serving import tensor_signature
 
 from ..launch import LaunchPlan, PlanCache
@@ -162,14 +162,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
     """
-    # dense calls, and varlen ones whose values are checked behind kernel 1: a signature whose call passed the
-    # checks before skips them (their value rules concern cu_seqlens only, which the forward then checks on every
-    # call) and launches through its plan (every grid and integer argument follows from the shapes then)
+    # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
+    # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
+    # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
+    # the offsets read once per call). Integer arguments follow from the shapes; a varlen call's grids follow
+    # from its chunk counts, and each launch takes its own grid.
     behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
-    sig = None if (cu_seqlens is not None and not behind) or cu_seqlens_cpu is not None else _dense_signature(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
-        chunk_size, cu_seqlens)
+    sig = _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
+                          dt_bias, chunk_size, cu_seqlens, cu_seqlens_cpu)
     plan = _PLANS.get(sig)
+    if plan is not None and cu_seqlens is not None and not behind and not torch.compiler.is_compiling():
+        # this call's offsets: their host copy stands for them in this scope (no sync), and their value rules run
+        # (check_gdn_inputs' cu_seqlens_cpu and cu_seqlens checks, less what the signature holds)
+        if cu_seqlens_cpu is not None:
+            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
+        check_cu_seqlens_values(cu_seqlens, q.shape[1])
     if plan is None:
         check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
                          cu_seqlens_cpu,       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
@@ -185,13 +192,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, (final if output_final_state else None)
-    if sig is None:
+    if plan is None and sig is not None and _SEEN.get(sig) is not None:
+        plan = LaunchPlan()                                              # a signature's second call: keep a plan
+        _PLANS.put(sig, plan)
+    if plan is None:                                                     # (its first call: only remembered)
+        _SEEN.put(sig, True)
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                           use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
                                           offsets_unchecked=behind)
-    if plan is None:
-        plan = LaunchPlan()
-        _PLANS.put(sig, plan)
     with plan:
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                           use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
@@ -207,26 +215,30 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 # H100 host, B = 1, T = 4096, bf16 (2026-11-24): ~320 us of host time per call before, against ~257 us of device
 # time (a CUDA graph's replay), so the call was host-bound; fla's is ~600 us.
 _PLANS = PlanCache(64)
+# Signatures seen once (checked, no plan): a plan is kept from a signature's second call on. Keeping one costs
+# ~15 us of host time per launch on its first call (fast.launch.Relaunch's bookkeeping), wasted where shapes never
+# repeat (serving's prefill lengths): such calls pay the signature and this set's update, not the plan.
+_SEEN = PlanCache(256)
 
 
-def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
-                     dt_bias, chunk_size, cu_seqlens=None) -> Optional[tuple]:
-    """A hashable summary of everything check_gdn_inputs reads and the forward's launches depend on, for a call
-    without cu_seqlens or one whose offsets are checked behind kernel 1 (cu_seqlens' metadata then joins the
-    signature; its values are checked by the forward on every call), or None (the caller then checks in full
-    and keeps no plan).
+def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
+                    dt_bias, chunk_size, cu_seqlens=None, cu_seqlens_cpu=None) -> Optional[tuple]:
+    """A hashable summary of everything check_gdn_inputs reads except cu_seqlens' values, and of everything the
+    forward's launches depend on except those values, or None (the caller then checks in full and keeps no plan).
 
-    Two calls with equal signatures pass or fail the checks alike and launch the same kernels with the same
-    configs: each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness
-    included), type(scale) (check_scale reads only the type; the value is passed per call), and the flags and
-    chunk_size with their types (anything but a bool flag: None). Recomputed on every call from the tensors, so
-    a tensor changed in place gives another signature. The check's value rules concern cu_seqlens only."""
+    Two calls with equal signatures pass or fail the checks alike, up to cu_seqlens' value rules (run on every
+    call: the caller's), and launch the same kernels with the same configs on grids that follow from the values:
+    each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness included:
+    cu_seqlens and its host copy cu_seqlens_cpu too), type(scale) (check_scale reads only the type; the value is
+    passed per call), and the flags and chunk_size with their types (anything but a bool flag: None). Recomputed
+    on every call from the tensors, so a tensor changed in place gives another signature."""
     if type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool:
         return None
     try:
         ts = tensor_signature
         return (ts(q), ts(k), ts(v), ts(g), ts(beta), ts(initial_state), ts(A_log), ts(dt_bias), type(scale),
-                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size, ts(cu_seqlens))
+                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size, ts(cu_seqlens),
+                ts(cu_seqlens_cpu))
     except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
         return None
 
@@ -234,6 +246,7 @@ def _dense_signature(q, k, v, g, beta, scale, initial_state, output_final_state,
 def clear_plan_cache() -> None:
     """Forget every cached signature (the next call of each checks in full). Tests and benchmarks."""
     _PLANS.clear()
+    _SEEN.clear()
 
 
 def _check_behind(cu_seqlens, cu_seqlens_cpu) -> bool:
