@@ -77,29 +77,74 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTabl
     from pinned memory without blocking on a GPU (a pageable copy would wait for every kernel queued
     before it). No device kernel runs. Use outside CUDA-graph capture.
     """
-    offs = np.asarray(host_offsets(cu_seqlens), dtype=np.int64)
-    counts = (np.diff(offs) + chunk_size - 1) // chunk_size                  # [N] chunks per sequence
-    offsets = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    NT = int(offsets[-1])
-    seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)          # [NT]
-    within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
-    a16 = lambda n: -(-n // 4) * 4                                           # noqa: E731 - int32 words to 16 B
+    offs = host_offsets(cu_seqlens)                                        # list of ints (validated by the op)
     wide = cu_seqlens.dtype == torch.int64
-    o_ord = a16(offsets.size)                                                 # order start
-    head = a16(o_ord + counts.size)                                           # chunk_indices start
-    tail = a16(head + 2 * NT)                                                 # the checked offsets start
-    buf = np.zeros(tail + offs.size * (2 if wide else 1), dtype=np.int32)
-    buf[:offsets.size] = offsets
-    buf[o_ord:o_ord + counts.size] = np.argsort(-counts, kind="stable")
-    buf[head:head + 2 * NT:2] = seq
-    buf[head + 1:head + 2 * NT:2] = within
-    buf[tail:].view(np.int64 if wide else np.int32)[:] = offs
+    build = _table_words_small if len(offs) <= SMALL_TABLES and offs[-1] <= SMALL_TABLES * chunk_size else \
+        _table_words
+    buf, n_off, o_ord, head, NT, tail = build(offs, chunk_size, wide)
     host = torch.from_numpy(buf)
     if cu_seqlens.device.type == "cuda":
         dev = host.pin_memory().to(cu_seqlens.device, non_blocking=True)   # the pinned block outlives the copy
     else:
         dev = host.to(cu_seqlens.device)
     checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
-    return VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:offsets.size], checked,
-                        dev[o_ord:o_ord + counts.size])
+    return VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:n_off], checked, dev[o_ord:o_ord + n_off - 1])
+
+
+# Tables of at most this many sequences and chunks are built in Python lists (numpy's per-call overhead, ~1-2 us
+# per operation on tiny arrays, is most of a short prefill's table work); larger ones with numpy. Same words.
+SMALL_TABLES = 64
+
+
+def _a16(n: int) -> int:
+    """int32 words rounded up to 16 bytes."""
+    return -(-n // 4) * 4
+
+
+def _table_words(offs: list, BT: int, wide: bool) -> tuple:
+    """varlen_chunk_tables' host buffer from the offsets, with numpy: (buf [int32 words], N+1, order start, indices
+    start, NT, checked start). Layout: offsets [N+1] | order [N] | indices [NT, 2] | checked offsets [N+1] (int64
+    when wide), each part 16-byte aligned."""
+    offs = np.asarray(offs, dtype=np.int64)
+    counts = (np.diff(offs) + BT - 1) // BT                                  # [N] chunks per sequence
+    offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    NT = int(offsets[-1])
+    seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)          # [NT]
+    within = np.arange(NT, dtype=np.int64) - offsets[seq]                     # [NT]
+    o_ord = _a16(offsets.size)                                                # order start
+    head = _a16(o_ord + counts.size)                                          # chunk_indices start
+    tail = _a16(head + 2 * NT)                                                # the checked offsets start
+    buf = np.zeros(tail + offs.size * (2 if wide else 1), dtype=np.int32)
+    buf[:offsets.size] = offsets
+    buf[o_ord:o_ord + counts.size] = np.argsort(-counts, kind="stable")
+    buf[head:head + 2 * NT:2] = seq
+    buf[head + 1:head + 2 * NT:2] = within
+    buf[tail:].view(np.int64 if wide else np.int32)[:] = offs
+    return buf, offsets.size, o_ord, head, NT, tail
+
+
+def _table_words_small(offs: list, BT: int, wide: bool) -> tuple:
+    """_table_words in Python lists (small tables: SMALL_TABLES), the same words."""
+    N = len(offs) - 1
+    counts = [(offs[n + 1] - offs[n] + BT - 1) // BT for n in range(N)]
+    offsets = [0] * (N + 1)
+    for n in range(N):
+        offsets[n + 1] = offsets[n] + counts[n]
+    NT = offsets[-1]
+    o_ord = _a16(N + 1)
+    head = _a16(o_ord + N)
+    tail = _a16(head + 2 * NT)
+    words = offsets + [0] * (o_ord - N - 1)
+    words += sorted(range(N), key=lambda n: -counts[n])                      # stable: ties in index order
+    words += [0] * (head - o_ord - N)
+    for n in range(N):
+        for j in range(counts[n]):
+            words += (n, j)
+    words += [0] * (tail - head - 2 * NT)
+    if wide:                                                                  # int64 offsets as int32 word pairs
+        for x in offs:
+            words += (x & 0xFFFFFFFF) - ((x & 0x80000000) << 1), x >> 32
+    else:
+        words += offs
+    return np.array(words, dtype=np.int32), N + 1, o_ord, head, NT, tail

@@ -39,7 +39,11 @@ def _tables_by_definition(offs, BT):
                                   pytest.param([0, 1, 2, 3, 4, 5], id="ones"), pytest.param([0, 0], id="only-empty")])
 @pytest.mark.parametrize("BT", [16, 64])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64")])
-def test_varlen_tables_match_definition(offs, BT, dtype):
+@pytest.mark.parametrize("builder", ["lists", "numpy"])
+def test_varlen_tables_match_definition(offs, BT, dtype, builder, monkeypatch):
+    import fast.utils as fu
+    if builder == "numpy":                                  # (small tables are built in Python lists otherwise)
+        monkeypatch.setattr(fu, "SMALL_TABLES", 0)
     cu = torch.tensor(offs, dtype=dtype, device=DEVICE)
     idx, off, checked, order = varlen_chunk_tables(cu, BT)
     want_i, want_o = _tables_by_definition(offs, BT)
@@ -52,6 +56,24 @@ def test_varlen_tables_match_definition(offs, BT, dtype):
     assert idx.is_contiguous() and off.is_contiguous() and checked.is_contiguous()
     assert idx.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 0 and checked.data_ptr() % 16 == 0  # aligned
     assert order.data_ptr() % 16 == 0 and order.is_contiguous()
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+def test_varlen_table_builders_write_the_same_words(wide):
+    """fast.utils' two builders of the varlen tables' host buffer (Python lists for small tables, numpy for large
+    ones) give the same int32 words and layout, over random offsets: empty sequences, ties in chunk count, lengths
+    across chunk boundaries, int64 offsets written as two words each."""
+    import numpy as np
+
+    import fast.utils as fu
+    gen = torch.Generator().manual_seed(0)
+    for case in range(300):
+        N = int(torch.randint(1, 80, (1,), generator=gen))
+        lens = torch.randint(0, 200, (N,), generator=gen) * (torch.rand(N, generator=gen) > 0.2)
+        offs = [0] + torch.cumsum(lens, 0).tolist()
+        BT = (16, 32, 64)[case % 3]
+        a, b = fu._table_words(offs, BT, wide), fu._table_words_small(offs, BT, wide)
+        assert a[1:] == b[1:] and np.array_equal(a[0], b[0]) and a[0].dtype == b[0].dtype == np.int32, (offs, BT)
 
 
 @pytest.mark.parametrize("offs, T", [
