@@ -1,9 +1,13 @@
-"""The benchmarks' own arithmetic that a figure in RESULTS.md rests on (CPU)."""
+"""The benchmarks' own arithmetic that a figure in RESULTS.md rests on, and their tools end to end at tiny shapes
+(on the test device: CPU, through the interpreter, or a GPU)."""
 import random
 
 import pytest
+import torch
 
 from benchmarks.bench_prefill import busy_ms
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # where fast's kernels run (no interpreter on a GPU)
 
 
 def _busy_by_unit_steps(spans) -> float:
@@ -42,7 +46,8 @@ def test_busy_ms_random_two_streams():
 
 def test_ab_tree_puts_a_revision_beside_this_tree(tmp_path):
     """benchmarks.ab_tree: a committed revision's fast/ extracted beside this tree's imports as its own package
-    (its kernels separate objects), and at HEAD both give the same bits on the same inputs (interpreter, tiny shape).
+    (its kernels separate objects), and at HEAD both give the same bits on the same inputs (tiny shape, on the test
+    device: the interpreter on CPU).
     A revision that is not a commit fails at extraction. In a subprocess: the second copy of fast registers its
     torch.library ops again under the same names, which must not reach this test process."""
     import os
@@ -62,7 +67,7 @@ ab_tree.prepare("HEAD", repo={repo!r}, dest={dest!r})
 base, rev = ab_tree.load_base({dest!r})
 assert rev.startswith("HEAD ") and base.__name__ == "fast_base", rev
 assert base.chunk.chunk_state_kernel is not fast.chunk.chunk_state_kernel
-q, k, v, g, beta = gdn_inputs(1, 40, 2, 4, 16, 16, seed=3, dtype=torch.float32, device="cpu")
+q, k, v, g, beta = gdn_inputs(1, 40, 2, 4, 16, 16, seed=3, dtype=torch.float32, device={DEVICE!r})
 kw = dict(chunk_size=16, output_final_state=True, use_qk_l2norm_in_kernel=True)
 a = base.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
 b = fast.chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
@@ -79,8 +84,9 @@ except subprocess.CalledProcessError:
 
 @pytest.mark.parametrize("l2norm", [pytest.param(False, id="normalised-inputs"), pytest.param(True, id="l2norm")])
 def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
-    """bench_chunk end to end on CPU (fast through the interpreter) at a tiny shape: every case gets a row with
-    fast's time and no error note. A name error in the table's own code (a case after the first) fails here."""
+    """bench_chunk end to end on the test device (CPU: fast through the interpreter) at a tiny shape: every case gets
+    a row with fast's time and no error note. A name error in the table's own code (a case after the first) fails
+    here."""
     import benchmarks.bench_prefill as bp
     for name, value in dict(H=1, HV=2, K=16, V=16, CHUNK=16, CHUNK_TS=(32,), BATCHED=(2, 32),
                             VARLEN_LENS=(5, 16, 1, None), VARLEN_TOTAL=40).items():
@@ -88,7 +94,7 @@ def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
     monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
     monkeypatch.setattr(bp, "bench_refgdn", lambda *a: bp._row("refgdn", 1, 1.0))     # the oracle's row: not timed here
     monkeypatch.setattr(bp, "varlen_lengths", lambda: [5, 16, 1, 18])
-    rows = bp.bench_chunk("cpu", 1.0, l2norm=l2norm)
+    rows = bp.bench_chunk(DEVICE, 1.0, l2norm=l2norm)
     fast_rows = [r for r in rows if r["case"] != "refgdn"]
     assert len(fast_rows) == 4                                   # T=32, B=2, varlen, varlen with cu_seqlens_cpu
     assert all(("l2norm" in r["case"]) == l2norm for r in fast_rows)
