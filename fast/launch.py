@@ -228,8 +228,9 @@ class LaunchPlan:
     of the block takes the plan's i-th Relaunch when it was made for the same kernel and keyword arguments
     (compared per call, so a plan can never launch a kernel other than the one asked for), else a new
     Relaunch takes that place. The grid is the launch's own (Relaunch.run): it is not part of what Triton
-    compiles for, and a varlen call's grids follow its chunk counts. What the comparison does not cover -- the tensors' dtypes, which pick the
-    compiled variant, and their devices -- the caller's signature pins: one plan serves calls whose every
+    compiles for, and a varlen call's grids follow its chunk counts. What the comparison does not cover --
+    the tensors' dtypes, which pick the compiled variant, and their devices -- the caller's signature pins:
+    one plan serves calls whose every
     input has the same metadata (the intermediates' dtypes follow from the inputs'). Integer arguments and
     pointer alignment are checked by Relaunch itself on every launch.
 

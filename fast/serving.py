@@ -1215,9 +1215,9 @@ def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature,
 
     extras: the call's non-tensor inputs to the checks and the config functions in use (a tuple of types,
     functions, str / None; the mode first); tensors_of(*args, absent=ABSENT): the tensors its signature covers
-    (ABSENT for a None optional one); signature(): its signature. The mode's last entry is compared first: extras, then the tensors'
-    metadata through the entry's MetaGuard (one C++ call: no signature is built). On a miss the signature is
-    looked up (_PLANS), and on a miss there the call is checked in full."""
+    (ABSENT for a None optional one); signature(): its signature. The mode's last entry is compared first:
+    extras, then the tensors' metadata through the entry's MetaGuard (one C++ call: no signature is built). On
+    a miss the signature is looked up (_PLANS), and on a miss there the call is checked in full."""
     last = _LAST.get(mode)
     if last is not None and last[0] == extras:
         try:
