@@ -11,7 +11,8 @@ state; chunk size 64 (fast's default). Cases:
   - per-kernel breakdown of fast's (and fla's) chunk forward at T = 65536 (torch.profiler);
   - a conv1d config sweep (BT x BD x warps) to choose the pinned config;
   - the error of o and the final state against the float64 truth (fast's two output paths, fla);
-  - host and device time per call of the chunk forward at short lengths (which of the two bounds a call).
+  - host and device time per call of the chunk forward at short lengths (which of the two bounds a call);
+  - a serving stream: varlen prefills whose token and sequence counts change on every call.
 
 FLOPs of the chunked forward (matmul FLOPs of the algorithm, 2 per multiply-add, per value head,
 chunk size C, head dims K and V, per chunk of C tokens; counted per value head as computed, even
@@ -35,6 +36,7 @@ the element size of bf16; its ceiling is the measured device copy bandwidth (rea
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -689,6 +691,80 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
     return rows
 
 
+SERVING_CALLS = 300                      # serving_prefill_rows: calls per stream (more than any plan cache holds)
+
+
+def serving_stream(calls: int = SERVING_CALLS, seed: int = 0, max_seqs: int = 8, max_len: int = 512) -> list:
+    """A serving-like stream of varlen prefills whose shapes (nearly) never repeat: per call 1..max_seqs sequences
+    of 1..max_len tokens each (a list of length lists)."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randint(1, max_len) for _ in range(rng.randint(1, max_seqs))] for _ in range(calls)]
+
+
+def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0) -> list:
+    """Eager chunk forwards as a server issues them: a stream of `calls` varlen prefills whose token and sequence
+    counts change on every call (serving_stream), l2norm in the kernel, an initial state per sequence, the final
+    states written, cu_seqlens with its host copy (vLLM's query_start_loc_cpu), inputs sliced from preallocated
+    buffers. fast fuses the gating (A_log, dt_bias; beta given); fla takes g, so its call is fast.gdn_gating (g and
+    beta in one launch, as vLLM's fused_gdn_gating) and then its op. Both run the stream once untimed (compiles,
+    fla's autotuning), then again timed:
+      wall us: per call, the stream back to back with one sync at its end (what the server waits);
+      host us: per call, the same without the sync (the host's share: Python, checks, allocations, launches);
+      device us: per call, the kernels' busy time (torch.profiler; the stream's first 40 calls).
+    A stream whose host us exceeds its device us is host-bound: the server waits for the host."""
+    import fast
+    fla = common.try_import_fla()
+    stream = serving_stream(calls, seed)
+    T_max = max(sum(x) for x in stream)
+    N_max = max(len(x) for x in stream)
+    q, k, v, g, beta, S0 = gdn_inputs(T_max, device, N_max, seed=seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a, b = (torch.randn(1, T_max, HV, device=device, generator=gen).to(DTYPE) for _ in range(2))
+    A_log = torch.rand(HV, device=device, generator=gen)
+    dt_bias = torch.randn(HV, device=device, generator=gen)
+    offs = [(cu_seqlens_of(lens, device), cu_seqlens_of(lens, "cpu"), sum(lens), len(lens)) for lens in stream]
+
+    def fast_call(i):
+        cu, cu_cpu, T, N = offs[i]
+        return fast.chunk_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], a[:, :T], beta[:, :T], initial_state=S0[:N],
+                                           output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                                           use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    impls = [("fast", fast_call)]
+    if fla is not None and fla.chunk_gated_delta_rule is not None:
+        gate = fast.gdn_gating          # fla's op takes g: one gating launch first (vLLM's fused_gdn_gating)
+
+        def fla_call(i):
+            cu, cu_cpu, T, N = offs[i]
+            gg, bb = gate(A_log, a[:, :T], dt_bias, b[:, :T])
+            return fla.chunk_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], gg, bb, initial_state=S0[:N],
+                                              output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                                              use_qk_l2norm_in_kernel=True)
+        impls.append(("fla 0.6.0 (+ fast.gdn_gating)", fla_call))
+    rows = []
+    for name, fn in impls:
+        for i in range(calls):                                   # untimed pass: compiles, autotuning
+            fn(i)
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        host = (time.perf_counter() - t0) / calls * 1e6
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        common.synchronize(device)
+        wall = (time.perf_counter() - t0) / calls * 1e6
+        n_dev = min(40, calls)
+        dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
+               if device != "cpu" else float("nan"))                       # (no CUDA activity to profile)
+        mean_T = sum(o[2] for o in offs) / calls
+        rows.append({"case": f"{calls} varlen prefills, 1-8 seqs of 1-512 tokens (mean {mean_T:.0f})", "impl": name, "wall us": wall, "host us": host, "device us": dev,
+                     "bound by": "-" if dev != dev else "host" if host > dev else "device"})
+    return rows
+
+
 def run_sections(device: str = "cuda") -> list:
     """[(title, rows, meta)]: the main table, the T=65536 breakdown, the conv1d config sweep."""
     tflops = common.matmul_tflops(device)
@@ -716,6 +792,8 @@ def run_sections(device: str = "cuda") -> list:
                                                    "(bf16 inputs, an initial state)"}))
     sections.append(("Prefill: host and device time per call (chunk forward)", host_rows(device),
                      {"host us": "back-to-back calls without a sync, per call", "device us": "CUDA graph replay"}))
+    sections.append(("Prefill: a serving stream (token and sequence counts change every call)",
+                     serving_prefill_rows(device), {"rows": "benchmarks.bench_prefill.serving_prefill_rows"}))
     return sections
 
 

@@ -12,7 +12,10 @@ what a plan does not fix:
 * every tensor argument is 16-byte aligned (as it was when the kernel was picked; the caching allocator
   gives 512-byte aligned blocks, so a miss means a user view with an odd offset); tensors reach the
   launcher as their addresses (ints), which spares its per-pointer data_ptr() call and driver query;
-* the integer arguments equal the first launch's (Triton specialises on them; the plan fixes them);
+* each integer argument is in the class it had when its compiled kernel was picked (:func:`int_class`:
+  Triton specialises an integer on its type, on being 1 and on 16 dividing it, not on its value; a
+  constexpr parameter passed positionally must equal it). A Relaunch keeps one compiled kernel per
+  class, so prefill calls whose lengths differ (T, N, the batch strides) reuse the launchers too;
 * the current device is the first launch's (Triton's kernel cache is per device), and the stream is read
   from Triton's driver per call, exactly as JITFunction.run reads it;
 * nothing is listening: no Triton launch hook (profilers), no wrapper installed over JITFunction.run
@@ -89,15 +92,17 @@ class Relaunch:
     an address passed as an int is used as it is.
     """
 
-    __slots__ = ("fn", "grid", "kw", "reuse", "compiled", "device", "launcher", "head", "tail", "tensors", "ints",
-                 "int_values")
+    __slots__ = ("fn", "grid", "kw", "reuse", "compiled", "device", "tail", "tensors", "ints", "consts", "last",
+                 "variants")
 
     def __init__(self, fn, grid, kw: dict, reuse: bool = True):
         """reuse=False: every call goes through ``fn[grid]`` (a launch layout used once: the ~10 us of
         bookkeeping for a reuse would be wasted)."""
         self.fn, self.kw, self.reuse = fn, dict(kw), reuse
         self.grid = _grid3(grid)
-        self.compiled = None
+        self.compiled = None      # truthy once a launch was remembered (the layout below is known)
+        self.variants = {}        # integer classes (int_key) -> (launcher, head): one per compiled kernel
+        self.last = None          # (integer values, launcher, head) of the last reuse: one tuple, read at once
 
     def __call__(self, *args) -> None:
         self.run(self.grid, args)
@@ -119,40 +124,82 @@ class Relaunch:
                 ptr = flat[i].data_ptr()
                 ptr_bits |= ptr
                 flat[i] = ptr
-            if dev == self.device and not ptr_bits & 15 and self.ints(args) == self.int_values:
-                # head: the compiled kernel's function handle and packed metadata, then no launch metadata
-                # and no hooks (_quiet found the hook slots empty: an empty HookChain would only be called,
-                # from C, to do nothing)
-                self.launcher(*grid, drv.get_current_stream(dev), *self.head, *flat, *self.tail)
-                return
+            if dev == self.device and not ptr_bits & 15:
+                vals = self.ints(args)
+                last = self.last
+                if vals != last[0]:                    # other integers: their classes' compiled kernel, if kept
+                    v = self.variants.get(self.int_key(vals))
+                    last = None if v is None else (vals, *v)
+                if last is not None:
+                    self.last = last
+                    # head: the compiled kernel's function handle and packed metadata, then no launch metadata
+                    # and no hooks (_quiet found the hook slots empty: an empty HookChain would only be called,
+                    # from C, to do nothing)
+                    last[1](*grid, drv.get_current_stream(dev), *last[2], *flat, *self.tail)
+                    return
         args = tuple(a.tensor() if type(a) is Carved else a for a in args)
         out = self.fn[grid](*args, **self.kw)
         if self.reuse:
             self._remember(out, args)
 
     def _remember(self, compiled: Any, args: tuple) -> None:
-        """After an ordinary launch (``args``: Carved ones made tensors): keep its compiled kernel if every
-        later check can be made."""
-        self.compiled = None
+        """After an ordinary launch (``args``: Carved ones made tensors): keep its compiled kernel, as the variant
+        of its integer arguments' classes, if every later check can be made. Another call layout (which
+        arguments are tensors or integers, the device) forgets the variants kept for the previous one."""
         if (compiled is None or _JIT_RUN is None
                 or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+            self.compiled = None
             return                                     # the interpreter, or an unknown Triton
         try:
             tail = _constexpr_tail(self.fn, len(args), tuple(self.kw.items()))
         except TypeError:                              # an unhashable keyword value
-            return
-        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            tail = None
+        tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         if tail is None or any(args[i].data_ptr() & 15 for i in tensors):
             return                                     # an unaligned pointer picked its own variant
-        ints = [i for i, a in enumerate(args) if type(a) is int or type(a) is bool]
-        self.tensors = tuple(tensors)
-        self.ints = _getter(ints)
-        self.int_values = self.ints(args)
-        self.tail = tail
-        self.device = _driver().get_current_device()
-        self.launcher = compiled.run                   # the C launcher (loaded by the launch just made)
-        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        ints = tuple(i for i, a in enumerate(args) if type(a) is int or type(a) is bool)
+        device = _driver().get_current_device()
+        if not (self.compiled and (self.tensors, self.device, self.tail) == (tensors, device, tail)
+                and self.consts[0] == ints):
+            self.variants = {}
+            self.tensors, self.device, self.tail = tensors, device, tail
+            self.ints = _getter(list(ints))
+            self.consts = (ints, _constexpr_positions(self.fn, ints))
+        vals = self.ints(args)
+        v = (compiled.run,                             # the C launcher (loaded by the launch just made)
+             (compiled.function, compiled.packed_metadata, None, None, None))
+        self.variants[self.int_key(vals)] = v
+        self.last = (vals, *v)
         self.compiled = compiled
+
+    def int_key(self, vals: tuple) -> tuple:
+        """The integer arguments' values as the compiled kernel depends on them: a positional constexpr's value,
+        every other integer's :func:`int_class`."""
+        const = self.consts[1]
+        return tuple(x if c else int_class(x) for x, c in zip(vals, const))
+
+
+def int_class(x: int) -> tuple:
+    """What a compiled Triton kernel assumes of an integer argument that is not a constexpr: its type (bool is
+    u1), whether it is 1 (made a constant), whether 16 divides it (the "D" hint), whether it fits int32 and
+    int64 (else u64). Two integers of one class run on the same compiled kernel. As fine as Triton's own key
+    or finer (tests/test_launch.py compares the two on the installed Triton): a finer class only costs a
+    launch through JITFunction.run."""
+    return (type(x), x == 1, x % 16 == 0, -0x80000000 <= x <= 0x7FFFFFFF,
+            -0x8000000000000000 <= x <= 0x7FFFFFFFFFFFFFFF)
+
+
+def _constexpr_positions(fn, ints: tuple) -> tuple:
+    """For each positional integer argument (indices ``ints``), whether the kernel's parameter there is a constexpr
+    (compared by value); all True when the parameters cannot be read (every integer then compared by value)."""
+    jit = fn
+    while jit is not None and not hasattr(jit, "params"):
+        jit = getattr(jit, "fn", None)
+    params = getattr(jit, "params", None)
+    try:
+        return tuple(bool(params[i].is_constexpr) for i in ints)
+    except (TypeError, IndexError, AttributeError):
+        return (True,) * len(ints)
 
 
 def _grid3(grid) -> tuple:
@@ -225,14 +272,15 @@ class LaunchPlan:
     three or four kernels (fast.chunk.chunk_gated_delta_rule keeps one per call signature).
 
     Used as a context manager around the op's launchers, which launch through :func:`launch`: the i-th launch
-    of the block takes the plan's i-th Relaunch when it was made for the same kernel and keyword arguments
-    (compared per call, so a plan can never launch a kernel other than the one asked for), else a new
-    Relaunch takes that place. The grid is the launch's own (Relaunch.run): it is not part of what Triton
-    compiles for, and a varlen call's grids follow its chunk counts. What the comparison does not cover --
-    the tensors' dtypes, which pick the compiled variant, and their devices -- the caller's signature pins:
-    one plan serves calls whose every
-    input has the same metadata (the intermediates' dtypes follow from the inputs'). Integer arguments and
-    pointer alignment are checked by Relaunch itself on every launch.
+    of the block takes a Relaunch the plan made at position i for the same kernel and keyword arguments
+    (compared per call, so a plan can never launch a kernel other than the one asked for), else a new one
+    (at most PLAN_VARIANTS per position: calls of one signature may take other paths, e.g. a prefill's
+    configs follow its sequence count). The grid is the launch's own (Relaunch.run): it is not part of what
+    Triton compiles for, and a varlen call's grids follow its chunk counts. What the comparison does not
+    cover -- the tensors' dtypes, which pick the compiled variant, and their devices -- the caller's
+    signature pins: one plan serves calls whose inputs have the same dtypes and devices (the intermediates'
+    follow from the inputs'). Integer arguments and pointer alignment are checked by Relaunch itself on
+    every launch.
 
     The position in the plan lives in thread-local state, not in the plan: two threads may run one plan.
     Blocks nest (the inner block's launches use the inner plan).
@@ -240,7 +288,7 @@ class LaunchPlan:
     __slots__ = ("slots",)
 
     def __init__(self):
-        self.slots: list = []      # [(fn, kw, Relaunch)] in launch order (the grid is passed per launch)
+        self.slots: list = []      # per launch position, [(fn, kw, Relaunch)], newest first (grids are per launch)
 
     def __enter__(self) -> "LaunchPlan":
         prev = getattr(_ACTIVE, "state", None)
@@ -264,16 +312,21 @@ def launch(fn, grid, kw: dict, *args) -> Any:
     plan, i = st[0], st[1]
     st[1] = i + 1
     slots = plan.slots
-    if i < len(slots):
-        f, k, r = slots[i]
-        if f is not fn or k != kw:
-            r = Relaunch(fn, grid, kw)
-            slots[i] = (fn, dict(kw), r)
+    while len(slots) <= i:
+        slots.append([])
+    here = slots[i]
+    for f, k, r in here:
+        if f is fn and k == kw:
+            break
     else:
         r = Relaunch(fn, grid, kw)
-        slots.append((fn, dict(kw), r))
+        here.insert(0, (fn, dict(kw), r))
+        del here[PLAN_VARIANTS:]
     r.run(_grid3(grid), args)
     return None
+
+
+PLAN_VARIANTS = 4    # Relaunches a LaunchPlan keeps per launch position (kernel + keyword arguments)
 
 
 try:                                      # torch's C++ tensor-metadata check (what torch.compile's guards use)

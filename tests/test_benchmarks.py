@@ -102,6 +102,21 @@ def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
         assert r["ms"] is not None and r["ms"] > 0 and "fast:" not in r["note"], r
 
 
+def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
+    """serving_prefill_rows end to end on the test device at a tiny shape: a stream of varlen prefills whose shapes
+    change every call (several token and sequence counts), fast's row with its timings."""
+    import benchmarks.bench_prefill as bp
+    for name, value in dict(H=1, HV=2, K=16, V=16).items():
+        monkeypatch.setattr(bp, name, value)
+    monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
+    stream = bp.serving_stream(5, seed=3, max_len=40)
+    assert len({(sum(x), len(x)) for x in stream}) == 5 and len({len(x) for x in stream}) > 1
+    monkeypatch.setattr(bp, "serving_stream", lambda calls, seed: stream)
+    (row,) = bp.serving_prefill_rows(DEVICE, calls=5, seed=3)
+    assert row["impl"] == "fast" and row["wall us"] > 0 and row["host us"] > 0
+    assert (row["device us"] > 0) == (DEVICE != "cpu")
+
+
 def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
     """common.best_of_autotune_draws finds Autotuners under a module prefix (also behind a heuristics wrapper),
     clears their picks before each draw with the on-disk cache off, and leaves the best draw's picks in place."""

@@ -272,7 +272,7 @@ def _repeats_through_one_plan(q, k, v, g, beta, kw) -> tuple:
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(fc._PLANS.entries) == 1
     plan = next(iter(fc._PLANS.entries.values()))
-    return want, [s[0].__name__ for s in plan.slots]
+    return want, [s[0][0].__name__ for s in plan.slots]
 
 
 def test_repeated_calls_launch_through_the_signature_plan():
@@ -291,10 +291,16 @@ def test_repeated_calls_launch_through_the_signature_plan():
     o2, _ = fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, scale=0.5)    # is passed per call
     assert len(fc._PLANS.entries) == 2 and not torch.equal(o1, o2)
     assert torch.equal(o2, fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, scale=0.5)[0])
-    qs = torch.cat([q, q], dim=-1)[..., :16]                                  # same shape, other strides
+    qs = torch.cat([q, q], dim=-1)[..., :16]                                  # same shape, other strides:
     assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])
+    assert len(fc._PLANS.entries) == 2                                       # the same plan (strides are the
+    qs = torch.stack([q, q], dim=-1)[..., 0]                                 # launches' integer arguments)
+    assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])  # (last stride 2: copied)
+    assert len(fc._PLANS.entries) == 2
+    q3 = torch.randn(3, 40, 1, 16, device=DEV)                                # another batch: its own signature
+    fast.chunk_gated_delta_rule(q3, q3, v[:1].expand(3, -1, -1, -1), g[:1].expand(3, -1, -1), beta[:1].expand(3, -1, -1))
     assert len(fc._PLANS.entries) == 2                                       # a first call is only remembered
-    assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])
+    fast.chunk_gated_delta_rule(q3, q3, v[:1].expand(3, -1, -1, -1), g[:1].expand(3, -1, -1), beta[:1].expand(3, -1, -1))
     assert len(fc._PLANS.entries) == 3                                       # its second keeps a plan
     with pytest.raises(ValueError, match="initial_state"):                   # a known shape family, a bad state
         fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True,
@@ -350,12 +356,42 @@ def test_varlen_calls_with_host_offsets_launch_through_the_signature_plan(monkey
     assert len(fc._PLANS.entries) == 1
     plan = next(iter(fc._PLANS.entries.values()))
     fused = fc.state_fuses_output(3, 2, 16, 16, q.device)
-    assert [sl[0].__name__ for sl in plan.slots] == ["chunk_kkt_inv_kernel"] + (
+    assert [sl[0][0].__name__ for sl in plan.slots] == ["chunk_kkt_inv_kernel"] + (
         ["row_scales_kernel", "chunk_state_kernel"] if fused else ["chunk_state_kernel", "chunk_output_kernel"])
     for bad, match in (([0, 9, 7, 40], "non-decreasing"), ([0, 7, 7, 39], "end at T"), ([1, 7, 7, 40], "start at 0")):
         with pytest.raises(ValueError, match=match):                          # the same signature, bad values
             fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw(bad))
     assert reads == [] and len(fc._PLANS.entries) == 1
+    fc.clear_plan_cache()
+
+
+def test_one_prefill_plan_serves_every_token_and_sequence_count():
+    """Serving's prefills differ in T and N on nearly every call. The signature leaves both out (it keeps the
+    equalities the checks test), so from the second call on one plan serves them all, with per-launch checks of
+    the kernels, keywords and integer classes (fast.launch), bit for bit the plain forward. Calls whose T or N
+    disagree between arguments still fail the checks, and never reach the plan."""
+    fc.clear_plan_cache()
+    lens_list = [[7, 0, 33], [40], [5, 16, 3, 9], [1, 1], [17, 30, 2], [64, 64], [9, 23, 0, 0, 11]]
+    for lens in lens_list + lens_list[::-1]:
+        T, N = sum(lens), len(lens)
+        (q, k, v, g, beta, h0), _ = _inputs(1, T, 1, 2, 16, 16, torch.float32, init=True, N=N, seed=T)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16,
+                  cu_seqlens=cu)
+        want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+        kw["cu_seqlens_cpu"] = cu.cpu()
+        got = fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), lens
+    assert len(fc._PLANS.entries) == 1
+    with pytest.raises(ValueError, match="initial_state"):                  # N + 1 initial states for N sequences
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, initial_state=torch.cat([h0, h0[:1]])))
+    with pytest.raises(ValueError, match="v must have shape"):               # v one token short
+        fast.chunk_gated_delta_rule(q, k, v[:, 1:], g, beta, **kw)
+    with pytest.raises(ValueError, match="beta"):
+        fast.chunk_gated_delta_rule(q, k, v, g, beta[:, 1:], **kw)
+    with pytest.raises(ValueError, match="end at T"):                       # offsets of another T
+        fast.chunk_gated_delta_rule(q[:, 1:], k[:, 1:], v[:, 1:], g[:, 1:], beta[:, 1:], **kw)
+    assert len(fc._PLANS.entries) == 1
     fc.clear_plan_cache()
 
 

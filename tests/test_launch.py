@@ -94,7 +94,8 @@ def test_relaunch_paths(fake, monkeypatch):
     assert k.log[-1][0] == "slow"
     r(*_args(x, y, n=6))                               # another integer: slow
     assert k.log[-1][0] == "slow"
-    r(*_args(x, y))                                    # (re-recorded with n = 5 again)
+    r(*_args(x, y))                                    # n = 5's compiled kernel is still kept: fast
+    assert k.log[-1][0] == "fast"
     drv.dev = 1                                        # another current device: slow
     r(*_args(x, y))
     assert k.log[-1][0] == "slow"
@@ -113,7 +114,7 @@ def test_relaunch_paths(fake, monkeypatch):
         r(*_args(x, y))
     assert k.log[-1][0] == "slow"
     r(*_args(x, y))
-    assert k.log[-1][0] == "fast" and sum(e[0] == "fast" for e in k.log) == n_fast + 2
+    assert k.log[-1][0] == "fast" and sum(e[0] == "fast" for e in k.log) == n_fast + 3
 
 
 def test_relaunch_never_records_unaligned_or_unknown(fake):
@@ -254,11 +255,13 @@ def test_launch_plan_positions(fake):
     assert kinds(2) == ["fast", "fast"]                # positions 0 and 1 reused
     assert k.log[-1][1][:3] == (2, 1, 1)               # the second launch's own grid
     step(a2=3)                                         # another constexpr at position 1: a new Relaunch there
-    assert kinds(2) == ["fast", "slow"] and plan.slots[1][1] == dict(A=3)
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][0][1] == dict(A=3) and len(plan.slots[1]) == 2
     step(a2=3, grid2=(4, 3))                           # another grid: the same Relaunch, launched on it
     assert kinds(2) == ["fast", "fast"] and k.log[-1][1][:3] == (4, 3, 1)
+    step()                                             # the first one is still kept beside it
+    assert kinds(2) == ["fast", "fast"]
     step(a2=3, grid2=(4,), kern2=k)                    # another kernel
-    assert kinds(2) == ["fast", "slow"] and plan.slots[1][0] is k
+    assert kinds(2) == ["fast", "slow"] and plan.slots[1][0][0] is k
     step(a2=3, grid2=(4,), kern2=k)
     assert kinds(2) == ["fast", "fast"] and len(plan.slots) == 2
 
@@ -271,6 +274,11 @@ def test_launch_plan_positions(fake):
     assert kinds(3) == ["fast", "slow", "fast"] and len(inner.slots) == 1
     fl.launch(k, (1,), dict(A=1), *_args(x, y))        # after the blocks: no plan again
     assert kinds(1) == ["slow"]
+    for a2 in range(10, 10 + fl.PLAN_VARIANTS):         # at most PLAN_VARIANTS per position, the newest kept
+        step(a2=a2)
+    assert len(plan.slots[1]) == fl.PLAN_VARIANTS and [e[1]["A"] for e in plan.slots[1]][0] == 9 + fl.PLAN_VARIANTS
+    step(a2=2)                                         # pushed out: a new Relaunch again
+    assert kinds(2) == ["fast", "slow"]
 
 
 def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
@@ -358,5 +366,66 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
         cpu(cu1)                              # (JITFunction.run's grids for these offsets)
         assert fast_grids == {n: a[:3] for n, a in calls}, (fast_grids, calls)
         assert fast_grids["chunk_kkt_inv_kernel"] != slow[0][1][:3]
+        # other token counts, the same plan (the signature leaves T out): T = 48 has the integer classes of T = 64
+        # (16 divides T and the strides), so every launch is relaunched; T = 50 is a new class for some, which
+        # go through JITFunction.run once; then T = 50 and T = 34 (50's classes) are all relaunched, and the
+        # launcher gets what JITFunction.run gives it on a fresh plan
+        cpu(cu1)                              # (the signature's second call since the clear: its plan, T = 64)
+        for T, through_run in ((48, False), (50, True), (50, False), (34, False)):
+            c = torch.tensor([0, 20, 20, T], dtype=torch.int32)
+            part = lambda: fast.chunk_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], gg[:, :T], beta[:, :T],
+                                                       cu_seqlens=c, cu_seqlens_cpu=c.clone(),
+                                                       use_qk_l2norm_in_kernel=True)
+            runs.clear(); calls.clear()
+            part()
+            assert (len(runs) > 0) == through_run, (T, len(runs))
+        relaunched = list(calls)
+        fc.clear_plan_cache(); calls.clear()
+        part()                                # a first call: JITFunction.run for every launch
+        same_launches(list(calls), relaunched, {t.data_ptr() for t in (q, k, v, gg, beta, c)})
         print("OK")
     """)
+
+
+def test_int_class_is_as_fine_as_tritons_specialisation():
+    """Two integers of one fast.launch.int_class get the same specialisation from the installed Triton (the key
+    JITFunction.run compiles for), so one compiled kernel is right for both."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    edges = [0, 1, 2 ** 31, 2 ** 32, 2 ** 63, 2 ** 64]
+    vals = sorted({e + d for e in edges for d in range(-40, 41)} | {-e + d for e in edges for d in range(-40, 41)})
+    vals = [v for v in vals if -2 ** 63 <= v < 2 ** 64] + [True, False]
+    spec = lambda x: native_specialize_impl(BaseBackend, x, False, True, True)  # noqa: E731 (not constexpr)
+    by_class = {}
+    for x in vals:
+        by_class.setdefault(fl.int_class(x), set()).add(spec(x))
+    assert all(len(s) == 1 for s in by_class.values()), {c: s for c, s in by_class.items() if len(s) > 1}
+    assert len(by_class) >= 8                           # (1, 16 | x, i32 / i64 / u64 ranges, bool all seen)
+
+
+class _Param:
+    def __init__(self, is_constexpr: bool):
+        self.is_constexpr = is_constexpr
+
+
+def test_relaunch_keeps_a_compiled_kernel_per_integer_class(fake):
+    """Integers that are not constexprs are compared by int_class: another value of a class already launched
+    reuses that class's compiled kernel; a new class goes through fn[grid] once. A positional constexpr is
+    compared by value."""
+    k, _ = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    k.params = [_Param(c) for c in (False, False, False, False, True, True)]     # x, y, n, scale | A, B
+    r = fl.Relaunch(k, (1,), dict(A=1))
+    kinds = []
+    for n in (5, 7, 32, 48, 7, 1, 1, 2 ** 40, 2 ** 40 + 3, 64):
+        r(*_args(x, y, n=n))
+        kinds.append(k.log[-1][0])
+        assert k.log[-1][0] == "slow" or k.log[-1][1][11] == n      # the launcher gets the call's own value
+    assert kinds == ["slow", "fast", "slow", "fast", "fast", "slow", "fast", "slow", "slow", "fast"]
+    k.params[2] = _Param(True)                          # n a constexpr: every value is its own kernel
+    r2 = fl.Relaunch(k, (1,), dict(A=1))
+    kinds = []
+    for n in (5, 7, 5):
+        r2(*_args(x, y, n=n))
+        kinds.append(k.log[-1][0])
+    assert kinds == ["slow", "slow", "fast"]

@@ -105,7 +105,6 @@ import torch
 import refgdn
 from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
                            one_host_read, provide_host_offsets)
-from refgdn.serving import tensor_signature
 
 from ..launch import LaunchPlan, PlanCache
 
@@ -223,24 +222,52 @@ _SEEN = PlanCache(256)
 
 def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
                     dt_bias, chunk_size, cu_seqlens=None, cu_seqlens_cpu=None) -> Optional[tuple]:
-    """A hashable summary of everything check_gdn_inputs reads except cu_seqlens' values, and of everything the
-    forward's launches depend on except those values, or None (the caller then checks in full and keeps no plan).
+    """A hashable summary of what check_gdn_inputs reads, with the token count T and the sequence count N left
+    out, or None (the caller then checks in full and keeps no plan). Serving's prefills differ in T and N on
+    almost every call; the checks read them only through equalities, which the summary keeps:
 
-    Two calls with equal signatures pass or fail the checks alike, up to cu_seqlens' value rules (run on every
-    call: the caller's), and launch the same kernels with the same configs on grids that follow from the values:
-    each tensor's (type, shape, stride, dtype, device) (refgdn.serving.tensor_signature; None-ness included:
-    cu_seqlens and its host copy cu_seqlens_cpu too), type(scale) (check_scale reads only the type; the value is
-    passed per call), and the flags and chunk_size with their types (anything but a bool flag: None). Recomputed
-    on every call from the tensors, so a tensor changed in place gives another signature."""
+    * each tensor's type, dtype, device and shape, less q, k, v, g and beta's dim 1 (T), initial_state's dim 0
+      (N) and the lengths of cu_seqlens and cu_seqlens_cpu (N + 1); None-ness included;
+    * whether k, v, g and beta's dim 1 equal q's, whether initial_state's dim 0 is N (cu_seqlens' length - 1,
+      else the batch), whether cu_seqlens holds at least two offsets, whether cu_seqlens_cpu's shape is
+      cu_seqlens', and T == 0;
+    * type(scale) (check_scale reads only the type; the value is passed per call), the flags and chunk_size
+      with their types (anything but a bool flag: None).
+
+    Two calls with equal summaries pass or fail the checks alike, up to cu_seqlens' value rules (run on every
+    call: the caller's). Strides are not read by the checks and are left out too. What the launches depend on
+    besides the dtypes and devices held here -- configs that follow N, integer arguments that follow T and the
+    strides, grids -- the plan checks per launch (fast.launch.launch and Relaunch). Recomputed on every call
+    from the tensors, so a tensor changed in place gives its own summary."""
     if type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool:
         return None
     try:
-        ts = tensor_signature
-        return (ts(q), ts(k), ts(v), ts(g), ts(beta), ts(initial_state), ts(A_log), ts(dt_bias), type(scale),
-                output_final_state, use_qk_l2norm_in_kernel, type(chunk_size), chunk_size, ts(cu_seqlens),
-                ts(cu_seqlens_cpu))
-    except Exception:  # noqa: BLE001 - not a tensor: the full checks raise their own error
+        T = q.shape[1]
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        return (_without(q, 1), _without(k, 1), _without(v, 1), _without(g, 1), _without(beta, 1),
+                _without(initial_state, 0), _without(cu_seqlens, 0), _without(cu_seqlens_cpu, 0), _meta(A_log),
+                _meta(dt_bias), type(scale), output_final_state, use_qk_l2norm_in_kernel, type(chunk_size),
+                chunk_size, T == 0, k.shape[1] == T and v.shape[1] == T and g.shape[1] == T and beta.shape[1] == T,
+                initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
+                cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks raise their own error
         return None
+
+
+def _meta(t) -> Optional[tuple]:
+    """(type, shape, dtype, device) of a tensor; None for None."""
+    return None if t is None else (type(t), t.shape, t.dtype, t.device)
+
+
+def _without(t, dim: int) -> Optional[tuple]:
+    """(type, shape less dim ``dim``, dtype, device) of a tensor; None for None. Raises for a tensor with too few
+    dims (the caller's signature is then None: the full checks name the problem). (A list, not torch.Size slices:
+    half the host time.)"""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    del shape[dim]                  # (an IndexError for too few dims)
+    return type(t), tuple(shape), t.dtype, t.device
 
 
 def clear_plan_cache() -> None:
