@@ -236,13 +236,14 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
     r = p.conv_launch
     if r.compiled is not None:
         d = driver.active
+        _, launcher, head = r.last                                  # the compiled kernel Relaunch last called
         rows.append(("launch: conv, Triton's compiled launcher alone",
-                     t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *conv,
-                                          *r.tail))))
+                     t(lambda: launcher(*r.grid, d.get_current_stream(d.get_current_device()), *head, *conv,
+                                        *r.tail))))
         ptrs = tuple(u.data_ptr() if isinstance(u, torch.Tensor) else u for u in conv)
         rows.append(("launch: conv, Triton's compiled launcher alone, tensors as addresses",
-                     t(lambda: r.launcher(*r.grid, d.get_current_stream(d.get_current_device()), *r.head, *ptrs,
-                                          *r.tail))))
+                     t(lambda: launcher(*r.grid, d.get_current_stream(d.get_current_device()), *head, *ptrs,
+                                        *r.tail))))
     rows.append(("launch: conv via JITFunction.run", t(lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw))))
     rows.append(("allocations: the step's two torch.empty (o, conv -> step scratch)",
                  t(lambda: (torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
