@@ -23,6 +23,9 @@ Configs are pinned by a small heuristic (``conv_fwd_config``), never autotuned a
 update kernel mutates state in place and runs inside CUDA graphs (DESIGN.md invariant 2), and the
 prefill kernel is bandwidth-bound with a flat optimum.
 
+Host path: a prefill whose call signature passed the checks before (token and sequence counts left out, as
+fast.chunk's) skips them, less cu_seqlens' value rules, and launches through its plan (fast.launch).
+
 Semantics, dtypes and validation are refgdn.conv's: compute in float32 (float64 when x, weight or
 the state is float64), y in x's dtype, states in initial_state's / conv_state's dtype.
 """
@@ -34,8 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from refgdn.checks import check_conv_inputs, check_conv_update_inputs, one_host_read
+from refgdn.checks import (check_conv_inputs, check_conv_update_inputs, check_cu_seqlens_values, one_host_read,
+                           provide_host_offsets)
 
+from .launch import SignaturePlans, launch, shape_key
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
@@ -385,8 +390,49 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
         y, final = library.causal_conv1d_op(x, weight, bias, activation or "", initial_state, cu_seqlens)
         return y, (final if output_final_state else None)
-    return causal_conv1d_with_config(x, weight, bias, activation, initial_state, output_final_state,
-                                     cu_seqlens, cu_seqlens_cpu)
+    sig = _call_signature(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
+        plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
+    elif cu_seqlens is not None:                                         # the value rules: on every call
+        if cu_seqlens_cpu is not None:
+            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)             # (its values stand for cu_seqlens')
+        check_cu_seqlens_values(cu_seqlens, x.shape[1])
+    if plan is None:
+        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
+    with plan:
+        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
+
+
+# Signatures that passed check_conv_inputs -> the LaunchPlan of their launches (fast.launch), from a signature's
+# second call on.
+_PLANS = SignaturePlans(64, seen_size=256)
+
+
+def _call_signature(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens,
+                    cu_seqlens_cpu) -> Optional[tuple]:
+    """What check_conv_inputs reads, with the token count T and the sequence count N left out (fast.chunk's
+    _call_signature says why and how): the tensors' (type, shape, dtype, device) less x's dim 1, initial_state's
+    dim 0 and the offsets' lengths; activation (by value: None or a str) and output_final_state (a bool); whether
+    initial_state holds N rows, cu_seqlens at least two offsets, cu_seqlens_cpu cu_seqlens' shape, and T == 0.
+    None (check in full, keep no plan) when an argument is of another kind."""
+    if type(output_final_state) is not bool or not (activation is None or type(activation) is str):
+        return None
+    try:
+        T = x.shape[1]
+        N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        return (shape_key(x, 1), shape_key(weight), shape_key(bias), activation, output_final_state,
+                shape_key(initial_state, 0), shape_key(cu_seqlens, 0), shape_key(cu_seqlens_cpu, 0), T == 0,
+                initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
+                cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks raise their own error
+        return None
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached signature (the next call of each checks in full). Tests and benchmarks."""
+    _PLANS.clear()
 
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
@@ -402,8 +448,15 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         and fast_silu (bool: approximate ex2/rcp; default and only honoured for float32 compute on
         CUDA); Triton's num_stages and maxnreg.
     """
-    N = check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
+    check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
+    return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config)
+
+
+def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None):
+    """causal_conv1d_with_config after its checks (the caller's): allocations and the two launches (through
+    fast.launch.launch: the caller's plan, if any)."""
     B, T, D = x.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = weight.shape[1]
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -435,29 +488,27 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         BT *= 2
     if n_tiles > 0:
         grid = (cdiv(D, BD), n_tiles, B)
-        launch = dict(num_warps=cfg["num_warps"])
+        kw = dict(num_warps=cfg["num_warps"])
         for key in ("num_stages", "maxnreg"):
             if cfg.get(key) is not None:
-                launch[key] = cfg[key]
+                kw[key] = cfg[key]
         if kernel == "window":
             fwd = causal_conv1d_fwd_window_kernel
             # approximate-ex2/rcp silu: float32 compute on a GPU only (inline PTX)
             gpu_f32 = x.is_cuda and not fp64 and not is_interpreting()
-            launch["FAST_SILU"] = bool(cfg.get("fast_silu", gpu_f32)) and gpu_f32
-            launch["PREFETCH"] = bool(cfg.get("prefetch", True))
+            kw["FAST_SILU"] = bool(cfg.get("fast_silu", gpu_f32)) and gpu_f32
+            kw["PREFETCH"] = bool(cfg.get("prefetch", True))
         else:
             fwd = causal_conv1d_fwd_kernel
-        fwd[grid](
-            x, y, weight, bias, initial_state, cu_checked, tile_table,
-            T, D, *x.stride(), *weight.stride(), *s,
-            W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-            HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, **launch)
+        kw.update(W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+                  HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
+        launch(fwd, grid, kw, x, y, weight, bias, initial_state, cu_checked, tile_table, T, D, *x.stride(),
+               *weight.stride(), *s)
     if output_final_state and W > 1 and N > 0:
         BDs = max(16, min(256, next_pow2(D)))
-        causal_conv1d_final_state_kernel[(cdiv(D, BDs), N)](
-            x, final, initial_state, cu_checked, T, D, *x.stride(), *s,
-            W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-            num_warps=4)
+        launch(causal_conv1d_final_state_kernel, (cdiv(D, BDs), N),
+               dict(W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, num_warps=4),
+               x, final, initial_state, cu_checked, T, D, *x.stride(), *s)
     return y, final
 
 

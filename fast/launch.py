@@ -44,7 +44,8 @@ import torch
 
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
-__all__ = ["ABSENT", "Carved", "LaunchPlan", "MetaGuard", "PlanCache", "Relaunch", "launch"]
+__all__ = ["ABSENT", "Carved", "LaunchPlan", "MetaGuard", "PlanCache", "Relaunch", "SignaturePlans", "launch",
+           "shape_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs
@@ -412,3 +413,41 @@ class PlanCache:
 
     def __contains__(self, key) -> bool:
         return self.get(key) is not None
+
+
+class SignaturePlans(PlanCache):
+    """The LaunchPlans of an eager op by call signature (fast.chunk, fast.conv): ``get(sig)``, the plan of a signature
+    whose call passed the op's host checks before (the caller then skips them); ``after_checks(sig)``, the plan for
+    a call that has just passed them: None on a signature's first call, which is only remembered (``seen``, at most
+    ``seen_size``), and a new plan on its second. Keeping a plan costs ~15 us of Relaunch bookkeeping per launch on
+    its first call, wasted on a signature that never comes back."""
+    __slots__ = ("seen",)
+
+    def __init__(self, size: int = 64, seen_size: int = 256):
+        super().__init__(size)
+        self.seen = PlanCache(seen_size)
+
+    def after_checks(self, sig) -> Optional[LaunchPlan]:
+        if sig is None or self.seen.get(sig) is None:
+            self.seen.put(sig, True)
+            return None
+        plan = LaunchPlan()
+        self.put(sig, plan)
+        return plan
+
+    def clear(self) -> None:
+        super().clear()
+        self.seen.clear()
+
+
+def shape_key(t, skip: Optional[int] = None) -> Optional[tuple]:
+    """(type, shape, dtype, device) of a tensor, the shape less dim ``skip`` if given; None for None: what a call
+    signature that leaves a length out (T, N) keeps of a tensor. Raises for a non-tensor or too few dims (a
+    signature is then None: the op's full checks name the problem). (The shape as a list: slicing torch.Size costs
+    twice as much host time.)"""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    if skip is not None:
+        del shape[skip]
+    return type(t), tuple(shape), t.dtype, t.device

@@ -276,3 +276,31 @@ def test_bad_input_same_error_as_refgdn_and_state_untouched(case):
         getattr(refgdn, op)(*args, **kwargs)
     assert str(e_fast.value) == str(e_ref.value)
     assert torch.equal(s, s_before)
+
+
+def test_one_prefill_plan_serves_every_token_and_sequence_count():
+    """As fast.chunk_gated_delta_rule's: the signature leaves the token and sequence counts out, so from the second
+    call on one plan serves a stream of varlen prefills of changing shapes (launches checked per call by
+    fast.launch), bit for bit the checked path without a plan; calls whose N disagrees between arguments, or
+    whose offsets are bad, still raise."""
+    import fast.conv as fcv
+    fcv.clear_plan_cache()
+    D, W = 24, 4
+    lens_list = [[7, 0, 33], [40], [5, 16, 3, 9], [1, 1], [17, 30, 2], [64, 64]]
+    for lens in lens_list + lens_list[::-1]:
+        T, N = sum(lens), len(lens)
+        x, w, b, s0 = _inputs(1, T, D, W, torch.float32, N=N, seed=T)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        kw = dict(bias=b, activation="silu", initial_state=s0, output_final_state=True, cu_seqlens=cu)
+        want = causal_conv1d_with_config(x, w, **kw)
+        kw["cu_seqlens_cpu"] = cu.cpu()
+        got = fast.causal_conv1d(x, w, **kw)
+        assert all(torch.equal(a, c) for a, c in zip(got, want)), lens
+    assert len(fcv._PLANS) == 1
+    with pytest.raises(ValueError, match="initial_state"):                   # N + 1 initial states for N sequences
+        fast.causal_conv1d(x, w, **dict(kw, initial_state=torch.cat([s0, s0[:1]])))
+    bad = torch.tensor([0, 70, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):                  # the same signature, bad values
+        fast.causal_conv1d(x, w, **dict(kw, cu_seqlens=bad.to(DEV), cu_seqlens_cpu=bad))
+    assert len(fcv._PLANS) == 1
+    fcv.clear_plan_cache()

@@ -21,7 +21,7 @@ themselves, which keep their names as functions of this package):
                 (pipeline_segments: B = 1, 2 segments from 256 chunks, 4 from 512, on a GPU; bit-identical
                 to the one-pass forward)
   __init__.py   the public ops below; every name of the former single module is re-exported here;
-                a dense call's checks and launches cached by its signature (fast.launch.LaunchPlan)
+                a call's checks and launches cached by its signature (fast.launch.SignaturePlans)
 
 The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequence):
 
@@ -106,7 +106,7 @@ import refgdn
 from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
                            one_host_read, provide_host_offsets)
 
-from ..launch import LaunchPlan, PlanCache
+from ..launch import SignaturePlans, shape_key
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
@@ -191,11 +191,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, (final if output_final_state else None)
-    if plan is None and sig is not None and _SEEN.get(sig) is not None:
-        plan = LaunchPlan()                                              # a signature's second call: keep a plan
-        _PLANS.put(sig, plan)
-    if plan is None:                                                     # (its first call: only remembered)
-        _SEEN.put(sig, True)
+    if plan is None:
+        plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
+    if plan is None:
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                           use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
                                           offsets_unchecked=behind)
@@ -209,15 +207,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 # the eager forward's host path, cached by call signature
 # ============================================================================================
 
-# Dense signatures that passed check_gdn_inputs -> the LaunchPlan of their launches (fast.launch): a repeated call
-# skips the checks and launches each kernel through Triton's compiled launcher instead of JITFunction.run.
-# H100 host, B = 1, T = 4096, bf16 (2026-11-24): ~320 us of host time per call before, against ~257 us of device
-# time (a CUDA graph's replay), so the call was host-bound; fla's is ~600 us.
-_PLANS = PlanCache(64)
-# Signatures seen once (checked, no plan): a plan is kept from a signature's second call on. Keeping one costs
-# ~15 us of host time per launch on its first call (fast.launch.Relaunch's bookkeeping), wasted where shapes never
-# repeat (serving's prefill lengths): such calls pay the signature and this set's update, not the plan.
-_SEEN = PlanCache(256)
+# Signatures that passed check_gdn_inputs -> the LaunchPlan of their launches (fast.launch): a repeated call skips the
+# checks and launches each kernel through Triton's compiled launcher instead of JITFunction.run. H100 host, B = 1,
+# T = 4096, bf16 (2026-11-24): ~320 us of host time per call before, against ~257 us of device time (a CUDA graph's
+# replay), so the call was host-bound; fla's is ~600 us. A plan is kept from a signature's second call on.
+_PLANS = SignaturePlans(64, seen_size=256)
 
 
 def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
@@ -244,9 +238,9 @@ def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, 
     try:
         T = q.shape[1]
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        return (_without(q, 1), _without(k, 1), _without(v, 1), _without(g, 1), _without(beta, 1),
-                _without(initial_state, 0), _without(cu_seqlens, 0), _without(cu_seqlens_cpu, 0), _meta(A_log),
-                _meta(dt_bias), type(scale), output_final_state, use_qk_l2norm_in_kernel, type(chunk_size),
+        return (shape_key(q, 1), shape_key(k, 1), shape_key(v, 1), shape_key(g, 1), shape_key(beta, 1),
+                shape_key(initial_state, 0), shape_key(cu_seqlens, 0), shape_key(cu_seqlens_cpu, 0), shape_key(A_log),
+                shape_key(dt_bias), type(scale), output_final_state, use_qk_l2norm_in_kernel, type(chunk_size),
                 chunk_size, T == 0, k.shape[1] == T and v.shape[1] == T and g.shape[1] == T and beta.shape[1] == T,
                 initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
                 cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)
@@ -254,26 +248,9 @@ def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, 
         return None
 
 
-def _meta(t) -> Optional[tuple]:
-    """(type, shape, dtype, device) of a tensor; None for None."""
-    return None if t is None else (type(t), t.shape, t.dtype, t.device)
-
-
-def _without(t, dim: int) -> Optional[tuple]:
-    """(type, shape less dim ``dim``, dtype, device) of a tensor; None for None. Raises for a tensor with too few
-    dims (the caller's signature is then None: the full checks name the problem). (A list, not torch.Size slices:
-    half the host time.)"""
-    if t is None:
-        return None
-    shape = list(t.shape)
-    del shape[dim]                  # (an IndexError for too few dims)
-    return type(t), tuple(shape), t.dtype, t.device
-
-
 def clear_plan_cache() -> None:
     """Forget every cached signature (the next call of each checks in full). Tests and benchmarks."""
     _PLANS.clear()
-    _SEEN.clear()
 
 
 def _check_behind(cu_seqlens, cu_seqlens_cpu) -> bool:
