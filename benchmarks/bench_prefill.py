@@ -703,7 +703,8 @@ def serving_stream(calls: int = SERVING_CALLS, seed: int = 0, max_seqs: int = 8,
 
 
 def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0) -> list:
-    """Eager chunk forwards as a server issues them: a stream of `calls` varlen prefills whose token and sequence
+    """Eager chunk forwards (and conv1d forwards: "conv1d" rows, D = 2 H K + HV V channels, W = 4, silu, the conv
+    state in / out) as a server issues them: a stream of `calls` varlen prefills whose token and sequence
     counts change on every call (serving_stream), l2norm in the kernel, an initial state per sequence, the final
     states written, cu_seqlens with its host copy (vLLM's query_start_loc_cpu), inputs sliced from preallocated
     buffers. fast fuses the gating (A_log, dt_bias; beta given); fla takes g, so its call is fast.gdn_gating (g and
@@ -730,7 +731,22 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
         return fast.chunk_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], a[:, :T], beta[:, :T], initial_state=S0[:N],
                                            output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                                            use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
-    impls = [("fast", fast_call)]
+    D = 2 * H * K + HV * V                                      # the conv's channels: q | k | v
+    x = torch.randn(1, T_max, D, device=device, generator=gen).to(DTYPE)
+    cw = (torch.randn(D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
+    c0 = torch.randn(N_max, D, CONV_W, device=device, generator=gen).to(DTYPE)    # (fla's conv state keeps W columns)
+
+    def fast_conv(i):
+        cu, cu_cpu, T, N = offs[i]
+        return fast.causal_conv1d(x[:, :T], cw, None, "silu", initial_state=c0[:N, :, 1:], output_final_state=True,
+                                  cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    impls = [("fast chunk", fast_call), ("fast conv1d", fast_conv)]
+    if fla is not None and fla.causal_conv1d is not None:
+        def fla_conv(i):
+            cu, cu_cpu, T, N = offs[i]
+            return fla.causal_conv1d(x[:, :T], cw, initial_state=c0[:N], output_final_state=True, activation="silu",
+                                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        impls.append(("fla 0.6.0 conv1d", fla_conv))
     if fla is not None and fla.chunk_gated_delta_rule is not None:
         gate = fast.gdn_gating          # fla's op takes g: one gating launch first (vLLM's fused_gdn_gating)
 
@@ -740,7 +756,7 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
             return fla.chunk_gated_delta_rule(q[:, :T], k[:, :T], v[:, :T], gg, bb, initial_state=S0[:N],
                                               output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                                               use_qk_l2norm_in_kernel=True)
-        impls.append(("fla 0.6.0 (+ fast.gdn_gating)", fla_call))
+        impls.append(("fla 0.6.0 chunk (+ fast.gdn_gating)", fla_call))
     rows = []
     for name, fn in impls:
         for i in range(calls):                                   # untimed pass: compiles, autotuning

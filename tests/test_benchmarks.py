@@ -104,7 +104,7 @@ def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
 
 def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
     """serving_prefill_rows end to end on the test device at a tiny shape: a stream of varlen prefills whose shapes
-    change every call (several token and sequence counts), fast's row with its timings."""
+    change every call (several token and sequence counts), fast's chunk and conv1d rows with their timings."""
     import benchmarks.bench_prefill as bp
     for name, value in dict(H=1, HV=2, K=16, V=16).items():
         monkeypatch.setattr(bp, name, value)
@@ -112,9 +112,10 @@ def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
     stream = bp.serving_stream(5, seed=3, max_len=40)
     assert len({(sum(x), len(x)) for x in stream}) == 5 and len({len(x) for x in stream}) > 1
     monkeypatch.setattr(bp, "serving_stream", lambda calls, seed: stream)
-    (row,) = bp.serving_prefill_rows(DEVICE, calls=5, seed=3)
-    assert row["impl"] == "fast" and row["wall us"] > 0 and row["host us"] > 0
-    assert (row["device us"] > 0) == (DEVICE != "cpu")
+    rows = bp.serving_prefill_rows(DEVICE, calls=5, seed=3)
+    assert [r["impl"] for r in rows] == ["fast chunk", "fast conv1d"]
+    for row in rows:
+        assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
 
 
 def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
