@@ -9,9 +9,10 @@ except the pointers' alignment, so once a plan's first launch has gone through J
 :class:`Relaunch` calls the same compiled kernel's launcher directly, after checking per call only
 what a plan does not fix:
 
-* every tensor argument is 16-byte aligned (as it was when the kernel was picked; the caching allocator
-  gives 512-byte aligned blocks, so a miss means a user view with an odd offset); tensors reach the
-  launcher as their addresses (ints), which spares its per-pointer data_ptr() call and driver query;
+* every tensor argument is 16-byte aligned or not as it was when its compiled kernel was picked (Triton
+  specialises a pointer on that; the caching allocator gives 512-byte aligned blocks, so an unaligned one is a
+  user view with an odd offset, e.g. a conv state's last W-1 of W columns); tensors reach the launcher as
+  their addresses (ints), which spares its per-pointer data_ptr() call and driver query;
 * each integer argument is in the class it had when its compiled kernel was picked (:func:`int_class`:
   Triton specialises an integer on its type, on being 1 and on 16 dividing it, not on its value; a
   constexpr parameter passed positionally must equal it). A Relaunch keeps one compiled kernel per
@@ -102,8 +103,8 @@ class Relaunch:
         self.fn, self.kw, self.reuse = fn, dict(kw), reuse
         self.grid = _grid3(grid)
         self.compiled = None      # truthy once a launch was remembered (the layout below is known)
-        self.variants = {}        # integer classes (int_key) -> (launcher, head): one per compiled kernel
-        self.last = None          # (integer values, launcher, head) of the last reuse: one tuple, read at once
+        self.variants = {}        # (int_key, alignment) -> (launcher, head): one per compiled kernel
+        self.last = None          # (integer values, launcher, head, alignment) of the last reuse: read at once
 
     def __call__(self, *args) -> None:
         self.run(self.grid, args)
@@ -125,12 +126,15 @@ class Relaunch:
                 ptr = flat[i].data_ptr()
                 ptr_bits |= ptr
                 flat[i] = ptr
-            if dev == self.device and not ptr_bits & 15:
+            if dev == self.device:
                 vals = self.ints(args)
+                # Triton specialises a pointer on 16 | address: all aligned (the usual case) is True, else the
+                # pattern per tensor argument
+                align = True if not ptr_bits & 15 else tuple(not flat[i] & 15 for i in self.tensors)
                 last = self.last
-                if vals != last[0]:                    # other integers: their classes' compiled kernel, if kept
-                    v = self.variants.get(self.int_key(vals))
-                    last = None if v is None else (vals, *v)
+                if vals != last[0] or align != last[3]:   # another compiled kernel (int_key, alignment), if kept
+                    v = self.variants.get((self.int_key(vals), align))
+                    last = None if v is None else (vals, *v, align)
                 if last is not None:
                     self.last = last
                     # head: the compiled kernel's function handle and packed metadata, then no launch metadata
@@ -155,9 +159,9 @@ class Relaunch:
             tail = _constexpr_tail(self.fn, len(args), tuple(self.kw.items()))
         except TypeError:                              # an unhashable keyword value
             tail = None
+        if tail is None:
+            return
         tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        if tail is None or any(args[i].data_ptr() & 15 for i in tensors):
-            return                                     # an unaligned pointer picked its own variant
         ints = tuple(i for i, a in enumerate(args) if type(a) is int or type(a) is bool)
         device = _driver().get_current_device()
         if not (self.compiled and (self.tensors, self.device, self.tail) == (tensors, device, tail)
@@ -167,10 +171,12 @@ class Relaunch:
             self.ints = _getter(list(ints))
             self.consts = (ints, _constexpr_positions(self.fn, ints))
         vals = self.ints(args)
+        ptrs = [args[i].data_ptr() for i in tensors]
+        align = True if all(not p & 15 for p in ptrs) else tuple(not p & 15 for p in ptrs)
         v = (compiled.run,                             # the C launcher (loaded by the launch just made)
              (compiled.function, compiled.packed_metadata, None, None, None))
-        self.variants[self.int_key(vals)] = v
-        self.last = (vals, *v)
+        self.variants[(self.int_key(vals), align)] = v
+        self.last = (vals, *v, align)
         self.compiled = compiled
 
     def int_key(self, vals: tuple) -> tuple:

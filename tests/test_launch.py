@@ -117,22 +117,29 @@ def test_relaunch_paths(fake, monkeypatch):
     assert k.log[-1][0] == "fast" and sum(e[0] == "fast" for e in k.log) == n_fast + 3
 
 
-def test_relaunch_never_records_unaligned_or_unknown(fake):
+def test_relaunch_keeps_a_kernel_per_alignment_and_never_records_unknown(fake):
+    """Triton specialises a pointer on 16 | address: the kernel compiled for an unaligned view serves the next call
+    with the same pattern (one per pattern, like the integer classes), never an aligned one or another pattern.
+    A layout whose later checks cannot be made is never reused."""
     k, _ = fake
     x, y = torch.zeros(64), torch.zeros(64)
     r = fl.Relaunch(k, (1,), dict(A=1))
-    r(*_args(x[1:], y))                                # picked while unaligned: never reused
-    r(*_args(x[1:], y))
-    assert [e[0] for e in k.log] == ["slow", "slow"]
+    kinds = []
+    for xa, ya in ((x[1:], y), (x[1:], y), (x, y), (x[2:], y), (x, y[1:]), (x, y), (x[5:], y[3:]), (x[5:], y[3:])):
+        r(*_args(xa, ya))                              # x[1:] / x[2:]: 4 / 8 bytes off, one pattern
+        kinds.append(k.log[-1][0])
+        assert kinds[-1] == "slow" or k.log[-1][1][9:11] == (xa.data_ptr(), ya.data_ptr())
+    assert kinds == ["slow", "fast", "slow", "fast", "slow", "fast", "slow", "fast"]
+    n = len(k.log)
     r2 = fl.Relaunch(k, (1,), dict())                  # A has no value: the tail cannot be built
     r2(*_args(x, y))
     r2(*_args(x, y))
-    assert [e[0] for e in k.log[2:]] == ["slow", "slow"]
+    assert [e[0] for e in k.log[n:]] == ["slow", "slow"]
     k.compiled = None                                  # the interpreter returns no compiled kernel
     r3 = fl.Relaunch(k, (1,), dict(A=1))
     r3(*_args(x, y))
     r3(*_args(x, y))
-    assert [e[0] for e in k.log[4:]] == ["slow", "slow"]
+    assert [e[0] for e in k.log[n + 2:]] == ["slow", "slow"]
 
 
 # The stand-in sm_90 driver for a fresh process (benchmarks/sm90.py): real compiles, every C launch recorded into
@@ -383,6 +390,40 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
         fc.clear_plan_cache(); calls.clear()
         part()                                # a first call: JITFunction.run for every launch
         same_launches(list(calls), relaunched, {t.data_ptr() for t in (q, k, v, gg, beta, c)})
+        print("OK")
+    """)
+
+
+def test_conv_plan_matches_jitfunction_run_on_installed_triton():
+    """Fresh process, stand-in sm_90 driver: fast.causal_conv1d's plan relaunches other token and sequence counts
+    of known integer classes, with an unaligned initial state (the last W-1 of W columns, as a W-column conv cache
+    gives it), handing the compiled launchers what JITFunction.run hands them on a fresh plan."""
+    _run_stand_in("""
+        import torch
+        import fast
+        from fast import conv as fcv
+        D, W = 64, 4
+        x, w, c0 = torch.randn(1, 80, D).bfloat16(), torch.randn(D, W).bfloat16(), torch.randn(3, D, W).bfloat16()
+
+        def call(lens):
+            cu = torch.tensor(lens, dtype=torch.int32)
+            return fast.causal_conv1d(x[:, :lens[-1]], w, None, "silu", initial_state=c0[:len(lens) - 1, :, 1:],
+                                      output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        JITFunction.run = compile_only
+        fl._JIT_RUN = compile_only
+        call([0, 30, 30, 80]); call([0, 25, 50])        # compiles both integer classes of T (16 | 80, not 50)
+        JITFunction.run = counting_run
+        fl._JIT_RUN = counting_run
+        fcv.clear_plan_cache()
+        for lens in ([0, 30, 30, 80], [0, 30, 30, 80], [0, 25, 50]):   # remembered; a plan; T's other class
+            call(lens)
+        runs.clear(); calls.clear()
+        call([0, 10, 34]); call([0, 1, 2, 64])          # classes seen: every launch relaunched
+        assert len(runs) == 0 and len(calls) == 4, (runs, [n for n, _ in calls])
+        relaunched = list(calls)
+        fcv.clear_plan_cache(); calls.clear()
+        call([0, 10, 34]); call([0, 1, 2, 64])          # no plan: JITFunction.run
+        same_launches(list(calls), relaunched, {t.data_ptr() for t in (x, w, c0, c0[:, :, 1:])})
         print("OK")
     """)
 
