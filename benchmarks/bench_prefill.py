@@ -776,7 +776,8 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
         dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
                if device != "cpu" else float("nan"))                       # (no CUDA activity to profile)
         mean_T = sum(o[2] for o in offs) / calls
-        rows.append({"case": f"{calls} varlen prefills, 1-8 seqs of 1-512 tokens (mean {mean_T:.0f})", "impl": name, "wall us": wall, "host us": host, "device us": dev,
+        rows.append({"case": f"{calls} varlen prefills, 1-8 seqs of 1-512 tokens (mean {mean_T:.0f})", "impl": name,
+                     "wall us": wall, "host us": host, "device us": dev,
                      "bound by": "-" if dev != dev else "host" if host > dev else "device"})
     return rows
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from refgdn.checks import (check_conv_inputs, check_conv_update_inputs, check_cu_seqlens_values, one_host_read,
                            provide_host_offsets)
 
-from .launch import SignaturePlans, launch, shape_key
+from .launch import SignaturePlans, launch, shape_key, varlen_key
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
@@ -420,12 +420,8 @@ def _call_signature(x, weight, bias, activation, initial_state, output_final_sta
     if type(output_final_state) is not bool or not (activation is None or type(activation) is str):
         return None
     try:
-        T = x.shape[1]
-        N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         return (shape_key(x, 1), shape_key(weight), shape_key(bias), activation, output_final_state,
-                shape_key(initial_state, 0), shape_key(cu_seqlens, 0), shape_key(cu_seqlens_cpu, 0), T == 0,
-                initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
-                cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)
+                *varlen_key(x, initial_state, cu_seqlens, cu_seqlens_cpu))
     except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks raise their own error
         return None
 

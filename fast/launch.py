@@ -16,7 +16,8 @@ what a plan does not fix:
 * each integer argument is in the class it had when its compiled kernel was picked (:func:`int_class`:
   Triton specialises an integer on its type, on being 1 and on 16 dividing it, not on its value; a
   constexpr parameter passed positionally must equal it). A Relaunch keeps one compiled kernel per
-  class, so prefill calls whose lengths differ (T, N, the batch strides) reuse the launchers too;
+  integer classes and alignment pattern, so prefill calls whose lengths differ (T, N, the batch strides)
+  reuse the launchers too;
 * the current device is the first launch's (Triton's kernel cache is per device), and the stream is read
   from Triton's driver per call, exactly as JITFunction.run reads it;
 * nothing is listening: no Triton launch hook (profilers), no wrapper installed over JITFunction.run
@@ -46,7 +47,7 @@ import torch
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
 __all__ = ["ABSENT", "Carved", "LaunchPlan", "MetaGuard", "PlanCache", "Relaunch", "SignaturePlans", "launch",
-           "shape_key"]
+           "shape_key", "varlen_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs
@@ -457,3 +458,14 @@ def shape_key(t, skip: Optional[int] = None) -> Optional[tuple]:
     if skip is not None:
         del shape[skip]
     return type(t), tuple(shape), t.dtype, t.device
+
+
+def varlen_key(x, initial_state, cu_seqlens, cu_seqlens_cpu) -> tuple:
+    """The part of a prefill's call signature (fast.chunk, fast.conv) that leaves out the token count T (x's dim 1)
+    and the sequence count N (cu_seqlens' length - 1, else x's batch): initial_state's and the offsets' shape_key
+    less their N dim, and what the checks test of them: T == 0, initial_state's dim 0 == N, at least two offsets,
+    cu_seqlens_cpu's shape == cu_seqlens'. Raises where shape_key does."""
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return (shape_key(initial_state, 0), shape_key(cu_seqlens, 0), shape_key(cu_seqlens_cpu, 0), x.shape[1] == 0,
+            initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
+            cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)

@@ -298,9 +298,10 @@ def test_repeated_calls_launch_through_the_signature_plan():
     assert torch.equal(fast.chunk_gated_delta_rule(qs, k, v, g, beta, **kw)[0], want[0])  # (last stride 2: copied)
     assert len(fc._PLANS.entries) == 2
     q3 = torch.randn(3, 40, 1, 16, device=DEV)                                # another batch: its own signature
-    fast.chunk_gated_delta_rule(q3, q3, v[:1].expand(3, -1, -1, -1), g[:1].expand(3, -1, -1), beta[:1].expand(3, -1, -1))
+    v3, g3, b3 = v[:1].expand(3, -1, -1, -1), g[:1].expand(3, -1, -1), beta[:1].expand(3, -1, -1)
+    fast.chunk_gated_delta_rule(q3, q3, v3, g3, b3)
     assert len(fc._PLANS.entries) == 2                                       # a first call is only remembered
-    fast.chunk_gated_delta_rule(q3, q3, v[:1].expand(3, -1, -1, -1), g[:1].expand(3, -1, -1), beta[:1].expand(3, -1, -1))
+    fast.chunk_gated_delta_rule(q3, q3, v3, g3, b3)
     assert len(fc._PLANS.entries) == 3                                       # its second keeps a plan
     with pytest.raises(ValueError, match="initial_state"):                   # a known shape family, a bad state
         fast.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True,

@@ -106,7 +106,7 @@ import refgdn
 from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
                            one_host_read, provide_host_offsets)
 
-from ..launch import SignaturePlans, shape_key
+from ..launch import SignaturePlans, shape_key, varlen_key
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
@@ -237,13 +237,11 @@ def _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, 
         return None
     try:
         T = q.shape[1]
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         return (shape_key(q, 1), shape_key(k, 1), shape_key(v, 1), shape_key(g, 1), shape_key(beta, 1),
-                shape_key(initial_state, 0), shape_key(cu_seqlens, 0), shape_key(cu_seqlens_cpu, 0), shape_key(A_log),
-                shape_key(dt_bias), type(scale), output_final_state, use_qk_l2norm_in_kernel, type(chunk_size),
-                chunk_size, T == 0, k.shape[1] == T and v.shape[1] == T and g.shape[1] == T and beta.shape[1] == T,
-                initial_state is None or initial_state.shape[0] == N, cu_seqlens is None or N >= 1,
-                cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape)
+                shape_key(A_log), shape_key(dt_bias), type(scale), output_final_state, use_qk_l2norm_in_kernel,
+                type(chunk_size), chunk_size,
+                k.shape[1] == T and v.shape[1] == T and g.shape[1] == T and beta.shape[1] == T,
+                *varlen_key(q, initial_state, cu_seqlens, cu_seqlens_cpu))
     except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks raise their own error
         return None
 
