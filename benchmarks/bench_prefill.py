@@ -713,7 +713,8 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
       wall us: per call, the stream back to back with one sync at its end (what the server waits);
       host us: per call, the same without the sync (the host's share: Python, checks, allocations, launches);
       device us: per call, the kernels' busy time (torch.profiler; the stream's first 40 calls).
-    A stream whose host us exceeds its device us is host-bound: the server waits for the host."""
+    A stream whose host us exceeds its device us is host-bound: the server waits for the host. The timed passes
+    run on one core (common.one_core)."""
     import fast
     fla = common.try_import_fla()
     stream = serving_stream(calls, seed)
@@ -762,16 +763,17 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
         for i in range(calls):                                   # untimed pass: compiles, autotuning
             fn(i)
         common.synchronize(device)
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        host = (time.perf_counter() - t0) / calls * 1e6
-        common.synchronize(device)
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        common.synchronize(device)
-        wall = (time.perf_counter() - t0) / calls * 1e6
+        with common.one_core():                                  # host-bound: one core (common.one_core)
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            host = (time.perf_counter() - t0) / calls * 1e6
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            common.synchronize(device)
+            wall = (time.perf_counter() - t0) / calls * 1e6
         n_dev = min(40, calls)
         dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
                if device != "cpu" else float("nan"))                       # (no CUDA activity to profile)

@@ -86,6 +86,31 @@ def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5, warmup
     return statistics.median(out)
 
 
+class one_core:
+    """Context manager: the process runs on one CPU core inside the block (the highest-numbered core it may use,
+    or ``core``), its former affinity restored after. For rows bound by host work (eager decode, short
+    prefills): unpinned, one server host read the same code 1.5-2x apart in different processes (RESULTS.md,
+    2026-11-27); pinned with `taskset -c 3`, the same rows agreed within ~10 % but for rare outliers. No-op
+    where the OS has no affinity call. ``.core``: the core pinned to, or None."""
+
+    def __init__(self, core: Optional[int] = None):
+        self.core, self.saved = core, None
+
+    def __enter__(self) -> "one_core":
+        if hasattr(os, "sched_setaffinity"):
+            self.saved = os.sched_getaffinity(0)
+            if self.core is None or self.core not in self.saved:
+                self.core = max(self.saved)
+            os.sched_setaffinity(0, {self.core})
+        else:
+            self.core = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            os.sched_setaffinity(0, self.saved)
+
+
 def bench_once(fn: Callable[[], object], repeats: int = 1, device: str = "cuda") -> float:
     """Wall-clock median in ms of ``repeats`` calls (after one untimed call). For slow references
     (refgdn at T=4096) where do_bench's hundred calls would take minutes."""

@@ -277,7 +277,10 @@ def main(argv=None) -> int:
     where = "cpu, sm_90 compile-only launches" + (", plain tl.constexpr constants" if ns.plain_constants else "") \
         if ns.sm90 else ns.device
     print(f"host overhead per call, {where}, N={N} H={H} HV={HV} K=V={K} D={D} W={W}, torch {torch.__version__}")
-    table = sm90_rows(ns.iters, ns.repeats, ns.plain_constants) if ns.sm90 else rows(ns.device, ns.iters, ns.repeats)
+    with common.one_core() as pin:           # every row is host work: one core (common.one_core)
+        table = sm90_rows(ns.iters, ns.repeats, ns.plain_constants) if ns.sm90 else rows(ns.device, ns.iters,
+                                                                                          ns.repeats)
+    print(f"  (pinned to core {pin.core})")
     for name, us in table:
         print(f"  {name:<52s} {us:8.2f} us")
     return 0

@@ -159,3 +159,24 @@ def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
     assert all(t.cache[()] is configs[2] for t in tuners)              # the best draw's picks, restored
     assert all(flags == [False, False] for flags in seen_flags)        # no disk cache during the draws
     assert tuned.cache_results is True and wrapped.fn.cache_results is False   # restored afterwards
+
+
+def test_one_core_pins_and_restores():
+    """benchmarks.common.one_core: one core inside the block (the highest allowed, or the one asked for if
+    allowed), the former affinity after it, also when the block raises."""
+    import os
+
+    from benchmarks import common
+    if not hasattr(os, "sched_setaffinity"):
+        with common.one_core() as pin:
+            assert pin.core is None
+        return
+    before = os.sched_getaffinity(0)
+    with common.one_core() as pin:
+        assert os.sched_getaffinity(0) == {max(before)} == {pin.core}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError):
+        with common.one_core(min(before)) as pin:
+            assert os.sched_getaffinity(0) == {min(before)}
+            raise RuntimeError
+    assert os.sched_getaffinity(0) == before
