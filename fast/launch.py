@@ -334,7 +334,11 @@ def launch(fn, grid, kw: dict, *args) -> Any:
     return None
 
 
-PLAN_VARIANTS = 4    # Relaunches a LaunchPlan keeps per launch position (kernel + keyword arguments)
+# Relaunches a LaunchPlan keeps per launch position (kernel + keyword arguments). The chunk op's serving stream (1-8
+# sequences, Qwen3-Next shape) uses 4 at its third position: the state pass at BV 32 / 64, with and without beta
+# one chunk ahead, and kernel 4 for the one-sequence calls; 8 leaves room for other shapes (a lookup compares the
+# keyword dicts of the kept ones, ~0.2 us each).
+PLAN_VARIANTS = 8
 
 
 try:                                      # torch's C++ tensor-metadata check (what torch.compile's guards use)

@@ -162,8 +162,8 @@ def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
 
 
 def test_one_core_pins_and_restores():
-    """benchmarks.common.one_core: one core inside the block (the highest allowed, or the one asked for if
-    allowed), the former affinity after it, also when the block raises."""
+    """benchmarks.common.one_core: one core inside the block (the highest allowed, or the one asked for -- by
+    argument or REFGDN_BENCH_CORE -- if allowed), the former affinity after it, also when the block raises."""
     import os
 
     from benchmarks import common
@@ -175,6 +175,12 @@ def test_one_core_pins_and_restores():
     with common.one_core() as pin:
         assert os.sched_getaffinity(0) == {max(before)} == {pin.core}
     assert os.sched_getaffinity(0) == before
+    os.environ["REFGDN_BENCH_CORE"] = str(min(before))
+    try:
+        with common.one_core() as pin:
+            assert os.sched_getaffinity(0) == {min(before)} == {pin.core}
+    finally:
+        del os.environ["REFGDN_BENCH_CORE"]
     with pytest.raises(RuntimeError):
         with common.one_core(min(before)) as pin:
             assert os.sched_getaffinity(0) == {min(before)}
