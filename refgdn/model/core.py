@@ -254,13 +254,17 @@ class Qwen3NextModel(nn.Module):
     def _run_target(self, cache: ModelCache, input_ids, meta: StepMetadata, mode: str) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         gi = ai = 0
+        rows = None                     # prefill: the requests' slots and which continue, once for every GDN layer
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
                 h = layer.self_attn(h, cache.kv[ai], meta, self.rotary)
                 ai += 1
             else:
-                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, cache.kv_lens_buf)
+                if mode == "prefill" and rows is None:
+                    rows = layer.linear_attn.prefill_rows(meta.state_indices, cache.gdn[gi].num_slots - 1,
+                                                          cache.kv_lens_buf)
+                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, cache.kv_lens_buf, rows)
                 gi += 1
             x = layer.mlp_block(x + h)
         return self.model.norm(x)

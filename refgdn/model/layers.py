@@ -266,15 +266,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(rearrange(y, "t h v -> t (h v)"))
 
     def forward(self, x: torch.Tensor, ops, gdn_cache, meta: StepMetadata, mode: str,
-                kv_lens_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_lens_buf: Optional[torch.Tensor] = None, rows: Optional[tuple] = None) -> torch.Tensor:
         """mode: "prefill" (chunked form, varlen), "decode" (ops.gdn_decode) or "verify" (ops.gdn_verify).
 
         Prefill reads a slot's state iff kv_lens_buf[slot] > 0 (the request continues), after
         committing its pending tokens (ops.gdn_materialize), and writes the final ssm / conv state.
+        rows: :meth:`prefill_rows` of this step, computed once for every GDN layer (else here, from kv_lens_buf).
         """
         mixed, z, b, a = self.project(x)
         if mode == "prefill":
-            o = self._prefill(mixed, a, b, ops, gdn_cache, meta, kv_lens_buf)
+            if rows is None or rows[0] != gdn_cache.num_slots - 1:
+                rows = self.prefill_rows(meta.state_indices, gdn_cache.num_slots - 1, kv_lens_buf)
+            o = self._prefill(mixed, a, b, ops, gdn_cache, meta, rows)
         elif mode == "decode":
             o = ops.gdn_decode(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
                                meta.state_indices)
@@ -285,13 +288,17 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"mode must be 'prefill', 'decode' or 'verify', got {mode!r}")
         return self.output(o, z)
 
-    def _prefill(self, mixed, a, b, ops, gc, meta: StepMetadata, kv_lens_buf) -> torch.Tensor:
+    @staticmethod
+    def prefill_rows(state_indices: torch.Tensor, scratch: int, kv_lens_buf: torch.Tensor) -> tuple:
+        """(scratch, safe [N] int64: each request's slot, padded rows -> the cache's extra slot `scratch`,
+        cont [N] bool: the request continues, kv_lens_buf[safe] > 0). The same for every GDN layer of a step."""
+        safe = torch.where(state_indices >= 0, state_indices, scratch).long()
+        return scratch, safe, kv_lens_buf[safe] > 0
+
+    def _prefill(self, mixed, a, b, ops, gc, meta: StepMetadata, rows: tuple) -> torch.Tensor:
         H, K, V, HV, W = self.H, self.K, self.V, self.HV, self.W
-        si = meta.state_indices
-        scratch = gc.num_slots - 1                                           # the cache's extra slot
-        safe = torch.where(si >= 0, si, scratch).long()                      # [N]
+        _, safe, cont = rows                                                 # [N] slots, [N] continuing requests
         ops.gdn_materialize(gc, meta.state_indices)                          # pending tokens -> committed
-        cont = kv_lens_buf[safe] > 0                                         # [N] continuing requests
         h0 = torch.where(cont[:, None, None, None], gc.ssm_state[safe], 0)   # [N, HV, K, V]
         c0 = torch.where(cont[:, None, None], gc.conv_state[safe, :, :W - 1], 0).contiguous()   # [N, D, W-1]
         y, conv_final = ops.causal_conv1d(mixed[None], self.conv_weight, None, "silu", initial_state=c0,
