@@ -236,7 +236,7 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
     r = p.conv_launch
     if r.compiled is not None:
         d = driver.active
-        _, launcher, head = r.last                                  # the compiled kernel Relaunch last called
+        launcher, head = r.last[1:3]                                # the compiled kernel Relaunch last called
         rows.append(("launch: conv, Triton's compiled launcher alone",
                      t(lambda: launcher(*r.grid, d.get_current_stream(d.get_current_device()), *head, *conv,
                                         *r.tail))))

@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from refgdn.checks import (check_conv_inputs, check_conv_update_inputs, check_cu_seqlens_values, one_host_read,
-                           provide_host_offsets)
+from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_offsets_again, one_host_read
 
 from .launch import SignaturePlans, launch, shape_key, varlen_key
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
@@ -395,10 +394,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if plan is None:
         check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
         plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
-    elif cu_seqlens is not None:                                         # the value rules: on every call
-        if cu_seqlens_cpu is not None:
-            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)             # (its values stand for cu_seqlens')
-        check_cu_seqlens_values(cu_seqlens, x.shape[1])
+    else:
+        check_offsets_again(cu_seqlens, cu_seqlens_cpu, x.shape[1])     # (the values' rules, on every call)
     if plan is None:
         return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
     with plan:

@@ -206,6 +206,17 @@ def check_cu_seqlens_values(cu_seqlens, T: int, name: str = "cu_seqlens") -> Non
         raise ValueError(f"{name} must end at T={T} (the packed length), got {offsets[-1]}")
 
 
+def check_offsets_again(cu_seqlens, cu_seqlens_cpu, T: int) -> None:
+    """The per-call part of the checks of cu_seqlens, for a caller whose cached call signature stands for the
+    rest (fast's eager plans): its host copy, when given, stands for its values in this one_host_read scope
+    (as check_cu_seqlens_cpu makes it), and check_cu_seqlens_values runs on them. No-op without cu_seqlens."""
+    if cu_seqlens is None:
+        return
+    if cu_seqlens_cpu is not None:
+        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
+    check_cu_seqlens_values(cu_seqlens, T)
+
+
 def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                      A_log=None, dt_bias=None, chunk_size=None, cu_seqlens_cpu=None, offset_values: bool = True) -> int:
     """Validate the gated-delta-rule arguments; return N, the number of sequences.

@@ -103,8 +103,8 @@ from typing import Optional
 import torch
 
 import refgdn
-from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, host_offsets_known, host_offsets_later,
-                           one_host_read, provide_host_offsets)
+from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, host_offsets_known,
+                           host_offsets_later, one_host_read)
 
 from ..launch import SignaturePlans, shape_key, varlen_key
 
@@ -170,12 +170,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     sig = _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
                           dt_bias, chunk_size, cu_seqlens, cu_seqlens_cpu)
     plan = _PLANS.get(sig)
-    if plan is not None and cu_seqlens is not None and not behind and not torch.compiler.is_compiling():
-        # this call's offsets: their host copy stands for them in this scope (no sync), and their value rules run
-        # (check_gdn_inputs' cu_seqlens_cpu and cu_seqlens checks, less what the signature holds)
-        if cu_seqlens_cpu is not None:
-            provide_host_offsets(cu_seqlens, cu_seqlens_cpu)
-        check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    if plan is not None and not behind and not torch.compiler.is_compiling():
+        check_offsets_again(cu_seqlens, cu_seqlens_cpu, q.shape[1])     # (the values' rules, on every call)
     if plan is None:
         check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, chunk_size,
                          cu_seqlens_cpu,       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call

@@ -261,8 +261,9 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
     forward). out: (q, o, scale, qs): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
     (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
-    bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged over the pinned config (the backward's fp32 recompute lowers num_stages); configs:
-    benchmark overrides, merged last."""
+    bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
+    over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
+    merged last."""
     H, K = k.shape[2], k.shape[3]
     if out is not None:
         q, o, scale, qs = out

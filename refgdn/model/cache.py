@@ -95,6 +95,11 @@ class ModelCache:
     def device(self) -> torch.device:
         return self.kv_lens_buf.device
 
+    def safe_slots(self, state_indices: torch.Tensor) -> torch.Tensor:
+        """state_indices [N] -> [N] int64: each request's slot, a padded row's (negative) redirected to the scratch
+        entry ``num_slots`` (every cache here has it), so writes of padded rows land there."""
+        return torch.where(state_indices >= 0, state_indices, self.num_slots).long()
+
     def reset(self, slots) -> None:
         """Zero the given slots (GDN states, pending tokens, both lengths) for new requests.
 

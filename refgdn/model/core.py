@@ -254,24 +254,24 @@ class Qwen3NextModel(nn.Module):
     def _run_target(self, cache: ModelCache, input_ids, meta: StepMetadata, mode: str) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         gi = ai = 0
-        rows = None                     # prefill: the requests' slots and which continue, once for every GDN layer
+        rows = None
+        if mode == "prefill":           # the requests' slots and which continue: once for every GDN layer
+            safe = cache.safe_slots(meta.state_indices)
+            rows = (safe, cache.kv_lens_buf[safe] > 0)
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
                 h = layer.self_attn(h, cache.kv[ai], meta, self.rotary)
                 ai += 1
             else:
-                if mode == "prefill" and rows is None:
-                    rows = layer.linear_attn.prefill_rows(meta.state_indices, cache.gdn[gi].num_slots - 1,
-                                                          cache.kv_lens_buf)
-                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, cache.kv_lens_buf, rows)
+                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, rows)
                 gi += 1
             x = layer.mlp_block(x + h)
         return self.model.norm(x)
 
     def _commit(self, cache: ModelCache, state_indices: torch.Tensor, new_lens: torch.Tensor) -> None:
         """mtp_kv_lens[slot] <- kv_lens[slot]; kv_lens[slot] <- new_lens (padded rows: scratch entry)."""
-        safe = torch.where(state_indices >= 0, state_indices, cache.num_slots).long()
+        safe = cache.safe_slots(state_indices)
         old = cache.kv_lens_buf[safe]
         cache.mtp_kv_lens_buf.index_copy_(0, safe, old)
         cache.kv_lens_buf.index_copy_(0, safe, new_lens.to(torch.int32))
@@ -372,8 +372,7 @@ class Qwen3NextModel(nn.Module):
         x = head.fc(torch.cat([e, h], dim=-1))
         for layer, kv in zip(head.layers, cache.mtp_kv):
             x = layer.mlp_block(x + layer.self_attn(layer.input_layernorm(x), kv, meta, self.rotary))
-        safe = torch.where(meta.state_indices >= 0, meta.state_indices, cache.num_slots).long()
-        cache.mtp_kv_lens_buf.index_copy_(0, safe, meta.seq_lens)
+        cache.mtp_kv_lens_buf.index_copy_(0, cache.safe_slots(meta.state_indices), meta.seq_lens)
         return head.norm(x)
 
     # ------------------------------------------------------------------------------------------

@@ -266,17 +266,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(rearrange(y, "t h v -> t (h v)"))
 
     def forward(self, x: torch.Tensor, ops, gdn_cache, meta: StepMetadata, mode: str,
-                kv_lens_buf: Optional[torch.Tensor] = None, rows: Optional[tuple] = None) -> torch.Tensor:
+                rows: Optional[tuple] = None) -> torch.Tensor:
         """mode: "prefill" (chunked form, varlen), "decode" (ops.gdn_decode) or "verify" (ops.gdn_verify).
 
-        Prefill reads a slot's state iff kv_lens_buf[slot] > 0 (the request continues), after
-        committing its pending tokens (ops.gdn_materialize), and writes the final ssm / conv state.
-        rows: :meth:`prefill_rows` of this step, computed once for every GDN layer (else here, from kv_lens_buf).
+        Prefill (rows = (safe [N] int64: each request's slot, padded rows at the scratch slot, as
+        ModelCache.safe_slots; cont [N] bool: the request continues), the same for every GDN layer of a step)
+        reads a slot's state iff cont, after committing its pending tokens (ops.gdn_materialize), and writes
+        the final ssm / conv state.
         """
         mixed, z, b, a = self.project(x)
         if mode == "prefill":
-            if rows is None or rows[0] != gdn_cache.num_slots - 1:
-                rows = self.prefill_rows(meta.state_indices, gdn_cache.num_slots - 1, kv_lens_buf)
+            if rows is None:
+                raise ValueError("prefill needs rows = (safe slots [N], continuing requests [N]) of the step")
             o = self._prefill(mixed, a, b, ops, gdn_cache, meta, rows)
         elif mode == "decode":
             o = ops.gdn_decode(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
@@ -288,16 +289,9 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"mode must be 'prefill', 'decode' or 'verify', got {mode!r}")
         return self.output(o, z)
 
-    @staticmethod
-    def prefill_rows(state_indices: torch.Tensor, scratch: int, kv_lens_buf: torch.Tensor) -> tuple:
-        """(scratch, safe [N] int64: each request's slot, padded rows -> the cache's extra slot `scratch`,
-        cont [N] bool: the request continues, kv_lens_buf[safe] > 0). The same for every GDN layer of a step."""
-        safe = torch.where(state_indices >= 0, state_indices, scratch).long()
-        return scratch, safe, kv_lens_buf[safe] > 0
-
     def _prefill(self, mixed, a, b, ops, gc, meta: StepMetadata, rows: tuple) -> torch.Tensor:
         H, K, V, HV, W = self.H, self.K, self.V, self.HV, self.W
-        _, safe, cont = rows                                                 # [N] slots, [N] continuing requests
+        safe, cont = rows                                                    # [N] slots, [N] continuing requests
         ops.gdn_materialize(gc, meta.state_indices)                          # pending tokens -> committed
         h0 = torch.where(cont[:, None, None, None], gc.ssm_state[safe], 0)   # [N, HV, K, V]
         c0 = torch.where(cont[:, None, None], gc.conv_state[safe, :, :W - 1], 0).contiguous()   # [N, D, W-1]
