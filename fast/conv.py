@@ -93,19 +93,31 @@ def _window_out(x0, p1, p2, p3, w0, w1, w2, w3, b,
 
 
 @triton.jit
-def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, zero_d, stride_x_t, stride_s_w,
+def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, m_init, zero_d, stride_x_t, stride_s_w,
                  W: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
     """Input row at position pos (int64 scalar, pos >= -(W-1)) as a [BD] vector in DT: x when
     0 <= pos < L, initial_state column W-1+pos when pos < 0 (zero without a state), zero past L.
     s_off: sequence n's offset in initial_state; p_x / p_s: per-channel offsets (o_d * stride_x_d,
-    o_d * stride_s_d); zero_d: int64 zeros [BD] (row conditions are vectors, see the kernel)."""
+    o_d * stride_s_d); m_init: m_d where the sequence has a state to read; zero_d: int64 zeros [BD]
+    (row conditions are vectors, see the kernel)."""
     pos_d = pos + zero_d
     b = tl.load(x_base + pos * stride_x_t + p_x, mask=m_d & (pos_d >= 0) & (pos_d < L), other=0).to(DT)
     if HAS_INIT:
         # masked where pos >= 0 (the column index would be out of range there): b + 0 is exact
         b += tl.load(initial_state + s_off + (pos + (W - 1)) * stride_s_w + p_s,
-                     mask=m_d & (pos_d < 0), other=0).to(DT)
+                     mask=m_init & (pos_d < 0), other=0).to(DT)
     return b
+
+
+@triton.jit
+def _init_row(slot_rows, i_n, stride_s_n, zero_d, m_d, SLOTS: tl.constexpr):
+    """(offset of sequence i_n's initial state, the [BD] mask of its reads): row i_n of an [N, D, W-1] state, or
+    with SLOTS (the serving prefill: initial_state is a slot cache's conv_state) slot slot_rows[i_n, 1]
+    (int32 [N, 2]; -1: no state, read as zeros)."""
+    if SLOTS:
+        r = tl.load(slot_rows + i_n * 2 + 1).to(tl.int64)
+        return tl.maximum(r, 0) * stride_s_n, m_d & (zero_d + r >= 0)
+    return i_n * stride_s_n, m_d
 
 
 @triton.jit
@@ -122,7 +134,7 @@ def _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d):
 
 @triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
 def causal_conv1d_fwd_window_kernel(
-    x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+    x, y, weight, bias, initial_state, cu_seqlens, tile_table, slot_rows,
     T, D,
     stride_x_b, stride_x_t, stride_x_d,
     stride_w_d, stride_w_w,
@@ -130,7 +142,7 @@ def causal_conv1d_fwd_window_kernel(
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     IS_VARLEN: tl.constexpr, FP64: tl.constexpr, FAST_SILU: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, SLOTS: tl.constexpr = False,
 ):
     """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous, for W <= 4; BT rows x BD channels per program.
 
@@ -143,7 +155,7 @@ def causal_conv1d_fwd_window_kernel(
     slides: every row of the block is loaded once and every output stored once. Values are kept
     in the compute dtype (float32, float64 with FP64): converting x to it is exact.
     PREFETCH: double-buffer the 4-row loads (more bytes in flight per thread, +4 rows of registers).
-    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX).
+    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX). SLOTS: see _init_row.
     """
     if FP64:
         DT: tl.constexpr = tl.float64
@@ -165,7 +177,6 @@ def causal_conv1d_fwd_window_kernel(
         L = T
         x_base = x + i_n * stride_x_b
         y_base = y + i_n * T * D
-    s_off = i_n * stride_s_n                             # initial_state is only touched with HAS_INIT
     t0 = i_tt * BT                                       # first row of the block (int64: T * D may pass 2^31)
 
     o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
@@ -175,6 +186,7 @@ def causal_conv1d_fwd_window_kernel(
     # Row conditions are broadcast to [BD] vectors before they meet m_d: the compiler folds the
     # add of zeros (a splat), and the Triton interpreter mis-types `vector & scalar` masks.
     zero_d = tl.zeros([BD], dtype=tl.int64)
+    s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, zero_d, m_d, SLOTS)   # (read with HAS_INIT only)
 
     # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
     w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
@@ -186,15 +198,15 @@ def causal_conv1d_fwd_window_kernel(
     p3 = tl.zeros([BD], dtype=DT)
     if W > 1:
         w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
-        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, zero_d,
+        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, m_init, zero_d,
                           stride_x_t, stride_s_w, W, HAS_INIT, DT)
     if W > 2:
         w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
-        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, zero_d,
+        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, m_init, zero_d,
                           stride_x_t, stride_s_w, W, HAS_INIT, DT)
     if W > 3:
         w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
-        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, zero_d,
+        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, m_init, zero_d,
                           stride_x_t, stride_s_w, W, HAS_INIT, DT)
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
@@ -235,20 +247,21 @@ def causal_conv1d_fwd_window_kernel(
 
 @triton.jit(do_not_specialize=["T"])  # T is arithmetic below: keep it a runtime int even when T == 1
 def causal_conv1d_fwd_kernel(
-    x, y, weight, bias, initial_state, cu_seqlens, tile_table,
+    x, y, weight, bias, initial_state, cu_seqlens, tile_table, slot_rows,
     T, D,
     stride_x_b, stride_x_t, stride_x_d,
     stride_w_d, stride_w_w,
     stride_s_n, stride_s_d, stride_s_w,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FP64: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous; one [BT, BD] tile of y per program.
 
     grid = (cdiv(D, BD), tiles, B): dense tiles = cdiv(T, BT); varlen (B == 1) tiles = rows of
     tile_table [NT, 2] = (sequence n, tile index within n).
     y_t = act(bias + sum_j w[:, j] * x_{t-W+1+j}), positions < 0 read initial_state[n, :, W-1+pos].
+    SLOTS: see _init_row.
     """
     i_d = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -271,6 +284,7 @@ def causal_conv1d_fwd_kernel(
     o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
     m_d = o_d < D
     m_t = o_t < L
+    s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, o_d.to(tl.int64) * 0, m_d, SLOTS)
     if FP64:
         acc = tl.zeros([BT, BD], dtype=tl.float64)
     else:
@@ -285,8 +299,8 @@ def causal_conv1d_fwd_kernel(
                       mask=m_x, other=0).to(acc.dtype)
         if HAS_INIT:
             # o_s >= -(W-1) always (o_t >= 0, j >= 0): the state column W-1+o_s is in range.
-            m_s = (m_t & (o_s < 0))[:, None] & m_d[None, :]
-            b_s = tl.load(initial_state + i_n * stride_s_n + o_d[None, :] * stride_s_d
+            m_s = (m_t & (o_s < 0))[:, None] & m_init[None, :]
+            b_s = tl.load(initial_state + s_off + o_d[None, :] * stride_s_d
                           + (o_s + (W - 1))[:, None] * stride_s_w, mask=m_s, other=0).to(acc.dtype)
             b_x += b_s
         b_w = tl.load(weight + o_d * stride_w_d + j * stride_w_w, mask=m_d, other=0).to(acc.dtype)
@@ -302,15 +316,20 @@ def causal_conv1d_fwd_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def causal_conv1d_final_state_kernel(
-    x, final_state, initial_state, cu_seqlens,
+    x, final_state, initial_state, cu_seqlens, slot_rows,
     T, D,
     stride_x_b, stride_x_t, stride_x_d,
     stride_s_n, stride_s_d, stride_s_w,
-    W: tl.constexpr, BD: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    stride_f_n, stride_f_d, stride_f_w,
+    W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    SLOTS: tl.constexpr = False,
 ):
     """final_state[n, :, i] = x_{L-(W-1)+i} of sequence n (i < W-1, oldest first); positions < 0
-    come from initial_state[n, :, W-1+pos] (zero without one). final_state: [N, D, W-1] contiguous.
+    come from initial_state[n, :, W-1+pos] (zero without one). final_state: [N, D, W-1] (any strides).
     grid = (cdiv(D, BD), N). A pure copy: values are only rounded to final_state's dtype on store.
+    SLOTS (the serving prefill): initial_state and final_state are a slot cache's conv_state, read at slot
+    slot_rows[n, 1] and written at slot slot_rows[n, 0] (int32 [N, 2]; -1: zeros / nothing written): in place,
+    which is safe because the [BD, W-1] block is loaded whole before it is stored.
     """
     i_d = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
@@ -323,16 +342,24 @@ def causal_conv1d_final_state_kernel(
         x_base = x + i_n * stride_x_b
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    for i in tl.static_range(W - 1):
-        # source position, broadcast to a [BD] vector so masks are plain vector masks
-        pos = tl.zeros([BD], dtype=tl.int32) + (L - (W - 1) + i)
-        b = tl.load(x_base + pos.to(tl.int64) * stride_x_t + o_d * stride_x_d, mask=m_d & (pos >= 0), other=0)
-        if HAS_INIT:
-            b_s = tl.load(initial_state + i_n * stride_s_n + o_d * stride_s_d + (pos + (W - 1)) * stride_s_w,
-                          mask=m_d & (pos < 0), other=0)
-            b = tl.where(pos >= 0, b.to(final_state.dtype.element_ty), b_s.to(final_state.dtype.element_ty))
-        tl.store(final_state + i_n * D * (W - 1) + o_d * (W - 1) + i, b.to(final_state.dtype.element_ty),
-                 mask=m_d)
+    o_i = tl.arange(0, WP)                               # the state's columns
+    pos = L - (W - 1) + o_i                              # their source positions; < 0: from initial_state
+    m_i = o_i < W - 1
+    b = tl.load(x_base + pos.to(tl.int64)[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
+                mask=m_d[:, None] & (m_i & (pos >= 0))[None, :], other=0).to(final_state.dtype.element_ty)
+    if HAS_INIT:
+        s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, o_d.to(tl.int64) * 0, m_d, SLOTS)
+        b_s = tl.load(initial_state + s_off + o_d[:, None] * stride_s_d + (pos + (W - 1))[None, :] * stride_s_w,
+                      mask=m_init[:, None] & (m_i & (pos < 0))[None, :], other=0)
+        b = tl.where((pos >= 0)[None, :], b, b_s.to(final_state.dtype.element_ty))
+    f_row = i_n
+    m_f = m_d
+    if SLOTS:
+        f_row = tl.load(slot_rows + i_n * 2).to(tl.int64)
+        m_f = m_d & (o_d * 0 + f_row >= 0)
+        f_row = tl.maximum(f_row, 0)
+    tl.store(final_state + f_row * stride_f_n + o_d[:, None] * stride_f_d + o_i[None, :] * stride_f_w, b,
+             mask=m_f[:, None] & m_i[None, :])
 
 
 def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
@@ -445,16 +472,23 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
     return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config)
 
 
-def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None):
+def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None,
+             slot_rows=None):
     """causal_conv1d_with_config after its checks (the caller's): allocations and the two launches (through
-    fast.launch.launch: the caller's plan, if any)."""
+    fast.launch.launch: the caller's plan, if any). slot_rows (the serving prefill, fast.serving.gdn_prefill;
+    int32 [N, 2], values checked on the device): initial_state is a slot cache's conv_state [S, D, W-1+...], read at
+    slot slot_rows[n, 1] and, with output_final_state, written in place at slot slot_rows[n, 0] (its first W-1
+    columns; -1: zeros / nothing written); the final state returned is that conv_state."""
     B, T, D = x.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = weight.shape[1]
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     state_dtype = initial_state.dtype if initial_state is not None else x.dtype
-    final = torch.empty(N, D, W - 1, dtype=state_dtype, device=x.device) if output_final_state else None
+    if slot_rows is not None:
+        final = initial_state if output_final_state else None
+    else:
+        final = torch.empty(N, D, W - 1, dtype=state_dtype, device=x.device) if output_final_state else None
     if D == 0:
         return y, final
     config = dict(config or {})
@@ -495,13 +529,18 @@ def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_
             fwd = causal_conv1d_fwd_kernel
         kw.update(W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
                   HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
-        launch(fwd, grid, kw, x, y, weight, bias, initial_state, cu_checked, tile_table, T, D, *x.stride(),
-               *weight.stride(), *s)
+        if slot_rows is not None:
+            kw["SLOTS"] = True
+        launch(fwd, grid, kw, x, y, weight, bias, initial_state, cu_checked, tile_table, slot_rows, T, D,
+               *x.stride(), *weight.stride(), *s)
     if output_final_state and W > 1 and N > 0:
         BDs = max(16, min(256, next_pow2(D)))
-        launch(causal_conv1d_final_state_kernel, (cdiv(D, BDs), N),
-               dict(W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, num_warps=4),
-               x, final, initial_state, cu_checked, T, D, *x.stride(), *s)
+        kw = dict(W=W, WP=next_pow2(W - 1), BD=BDs, HAS_INIT=initial_state is not None,
+                  IS_VARLEN=cu_seqlens is not None, num_warps=4)
+        if slot_rows is not None:
+            kw["SLOTS"] = True
+        launch(causal_conv1d_final_state_kernel, (cdiv(D, BDs), N), kw,
+               x, final, initial_state, cu_checked, slot_rows, T, D, *x.stride(), *s, *final.stride())
     return y, final
 
 

@@ -193,13 +193,13 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
+                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, SLOTS=False)
         if window:
             on_cuda = (torch.device(device) if device is not None else x.device).type == "cuda"
             gpu_f32 = on_cuda and not fp64 and not is_interpreting()
             c.update(FAST_SILU=gpu_f32, PREFETCH=True)
         d = dict(x=x.dtype, y=x.dtype, weight=weight.dtype, bias=_dt(bias), initial_state=_dt(initial_state),
-                 cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None)
+                 cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None, slot_rows=None)
         opts = dict(num_warps=cfg["num_warps"])
         out.append(CompileKey.make("causal_conv1d_fwd_window_kernel" if window else "causal_conv1d_fwd_kernel",
                                    c, d, opts))
@@ -208,8 +208,10 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
         BDs = max(16, min(256, next_pow2(D)))        # mirrors fast.conv.causal_conv1d_with_config
         out.append(CompileKey.make(
             "causal_conv1d_final_state_kernel",
-            dict(W=W, BD=BDs, HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None),
-            dict(x=x.dtype, final_state=state_dtype, initial_state=_dt(initial_state), cu_seqlens=_dt(cu_seqlens)),
+            dict(W=W, WP=next_pow2(W - 1), BD=BDs, HAS_INIT=initial_state is not None,
+                 IS_VARLEN=cu_seqlens is not None, SLOTS=False),
+            dict(x=x.dtype, final_state=state_dtype, initial_state=_dt(initial_state), cu_seqlens=_dt(cu_seqlens),
+                 slot_rows=None),
             dict(num_warps=4)))
     return out
 
@@ -346,9 +348,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
-                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused)),
+                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused), H0_SLOTS=False,
+                 HT_SLOTS=False),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
-                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, qs=_F32, **hv_new, **wy, **qo),
+                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=None, qs=_F32, **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))

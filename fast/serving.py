@@ -114,13 +114,17 @@ import triton
 import triton.language as tl
 
 import refgdn.serving as rs
+from einops import rearrange
+from refgdn.checks import host_offsets, one_host_read, provide_host_offsets
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
-from .launch import ABSENT, Carved, MetaGuard, PlanCache, Relaunch
+from .chunk import chunk_gated_delta_rule_fwd
+from .conv import _forward as conv_forward
+from .launch import ABSENT, Carved, LaunchPlan, MetaGuard, PlanCache, Relaunch, launch
 from .utils import cdiv, is_interpreting, next_pow2
 
-__all__ = ["GDNStateCache", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
+__all__ = ["GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
            "conv_config"]
 
 
@@ -283,6 +287,7 @@ def _step_code(raw, in_range, real, n, N, T, bos, eos, other, word, S, TCAP: tl.
     The rules of refgdn.serving.step_faults in its priority order (a request reports its highest-priority
     violated rule; the codes are numbered in that order): applied here from the lowest priority to the
     highest, each overriding. other: _earliest_other's key (< N: an earlier row has the same slot).
+    TCAP < 0: no token cap (prefill).
     """
     zero = raw * 0
     awaiting = real & ((word & _AWAIT) != 0)
@@ -291,8 +296,9 @@ def _step_code(raw, in_range, real, n, N, T, bos, eos, other, word, S, TCAP: tl.
     extra = zero
     if VARLEN:
         L = eos - bos
-        f = L > TCAP
-        code, value, extra = tl.where(f, _E_TOO_LONG, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
+        if TCAP >= 0:                                 # (prefill: no cap)
+            f = L > TCAP
+            code, value, extra = tl.where(f, _E_TOO_LONG, code), tl.where(f, L, value), tl.where(f, TCAP, extra)
         f = (n == N - 1) & (eos != T)
         code, value, extra = tl.where(f, _E_CU_END, code), tl.where(f, eos, value), tl.where(f, T, extra)
         f = eos < bos
@@ -982,6 +988,53 @@ def gdn_step_kernel(
         tl.store(meta + slot * 2, (count * 0).to(tl.int32), mask=own_meta)
 
 
+@triton.jit(do_not_specialize=["N", "T", "S"])   # one variant for every batch size, token count and cache size
+def prefill_rows_kernel(meta, err, state_indices, has_initial_state, cu_seqlens, rows, N, T, S,
+                        BN: tl.constexpr, HAS_FLAGS: tl.constexpr):
+    """gdn_prefill's verdicts, one program for the call's N requests (blocks of BN; the duplicate scan
+    pairwise, as the steps'): the value rules of refgdn.serving.step_faults without a token cap.
+
+    rows: int32 [3, N] written: rows[0:2] viewed as [N, 2] = (slot written, slot read) per request, -1 for
+    none (a padded or failed request writes nothing and reads nothing; without an initial state it reads
+    nothing), the form the conv and state kernels take (their SLOTS); rows[2] = the slot written again, as a
+    contiguous [N] for gdn_materialize. The lowest faulty request's fault goes into err (if it is empty).
+    """
+    c0 = tl.load(cu_seqlens).to(tl.int64)
+    cN = tl.load(cu_seqlens + N).to(tl.int64)
+    first = N * 0 + N                                 # the lowest faulty request so far (N: none)
+    f_code = (N * 0).to(tl.int64)
+    f_value = f_code
+    f_extra = f_code
+    for start in range(0, N, BN):
+        o = start + tl.arange(0, BN)
+        m = o < N
+        raw = tl.load(state_indices + o, mask=m, other=-1).to(tl.int64)   # rows past N: padded
+        in_range, real, slot = _safe_slot(raw, S)
+        word = tl.load(meta + slot * 2 + 1, mask=real, other=0)
+        bos = tl.load(cu_seqlens + o, mask=m, other=0).to(tl.int64)
+        eos = tl.load(cu_seqlens + o + 1, mask=m, other=0).to(tl.int64)
+        other = _earliest_others(state_indices, raw, o, N, BN)
+        code, value, extra = _step_code(raw, in_range, real, o, N, T, bos, eos, other, word, S, -1, True)
+        live = (c0 == 0) & (cN == T) & (bos >= 0) & (bos <= eos) & (eos <= T)
+        ok = m & live & real & (code == 0) & (other >= 2 * N)   # (another row with the slot: both fail)
+        reads = ok
+        if HAS_FLAGS:
+            reads = ok & (tl.load(has_initial_state + o, mask=m, other=0) != 0)
+        w = tl.where(ok, slot, -1).to(tl.int32)
+        tl.store(rows + o * 2, w, mask=m)
+        tl.store(rows + o * 2 + 1, tl.where(reads, slot, -1).to(tl.int32), mask=m)
+        tl.store(rows + 2 * N + o, w, mask=m)
+        bad = m & (code != 0)
+        n_bad = tl.min(tl.where(bad, o, N), axis=0)
+        take = (first == N) & (n_bad < N)
+        at = o == n_bad
+        f_code = tl.where(take, tl.sum(tl.where(at, code, 0), axis=0), f_code)
+        f_value = tl.where(take, tl.sum(tl.where(at, value, 0), axis=0), f_value)
+        f_extra = tl.where(take, tl.sum(tl.where(at, extra, 0), axis=0), f_extra)
+        first = tl.where(take, n_bad, first)
+    _record_fault(err, first < N, f_code, first, f_value, f_extra)
+
+
 @triton.jit
 def _accept_rows(meta, state_indices, num_accepted, o_n, N, S, BC: tl.constexpr):
     """The value rules of gdn_accept (refgdn.serving.accept_faults) for a block of requests o_n [BN].
@@ -1297,6 +1350,102 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     if p.host_err and not _capturing():           # _check_if_free
         cache.check()
     return o
+
+
+PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
+# gdn_prefill's host caches: signatures whose calls passed the shape checks (refgdn.serving.prefill_signature), and
+# the LaunchPlans of its launches by the dtypes and devices of every tensor it hands a kernel (_prefill_dtypes: what a
+# LaunchPlan leaves to its caller to pin; fast.launch.LaunchPlan)
+_PREFILL_CHECKED = PlanCache(PLAN_CACHE_SIZE)
+_PREFILL_PLANS = PlanCache(16)
+
+
+def _prefill_dtypes(cache: GDNStateCache, *tensors) -> tuple:
+    return tuple(None if t is None else (t.dtype, t.device) for t in (*tensors, *rs.cache_fields(cache)))
+
+
+def _offsets_sane(offsets, T: int) -> bool:
+    return offsets[0] == 0 and offsets[-1] == T and all(x <= y for x, y in zip(offsets, offsets[1:]))
+
+
+@one_host_read   # cu_seqlens' values read to the host once per call (none with cu_seqlens_cpu)
+def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+                cu_seqlens, has_initial_state=None, scale: Optional[float] = None,
+                activation: Optional[str] = "silu", check_values: bool = False, cu_seqlens_cpu=None):
+    """Prefill in the chunked form, in place in the slot cache (refgdn.serving.gdn_prefill's twin: same arguments,
+    semantics and faults).
+
+    mixed_qkv: [T, D]   a, b: [T, HV]   cu_seqlens (query_start_loc): [N+1]   state_indices: [N] (negative =
+    padded row)   has_initial_state: [N] bool or None (every request continues from its slot)   cu_seqlens_cpu:
+    cu_seqlens' values as a CPU tensor (vLLM's query_start_loc_cpu) or None   (rest as gdn_decode)
+    Returns o: [T, HV, V] in mixed_qkv's dtype (a padded or failed request's rows: finite, unspecified).
+
+        S, window <- the slot's committed state if has_initial_state[n] else 0;  conv, l2norm, gating, the
+        chunked delta rule from S;  ssm_state[slot], conv_state[slot, :, :W-1] <- the final ones;  count <- 0
+
+    No gather and no scatter: the conv and state kernels read and write the slots themselves (their SLOTS), so
+    each request's state is read once and written once, in place. Launches: prefill_rows_kernel (the requests'
+    verdicts: slot range, duplicates, a verify awaiting its accept; the first fault into cache.err, raised by
+    ``cache.check()``, on a CPU device by the op itself; a failed or padded request reads and writes nothing),
+    gdn_materialize of the verified slots (their pending tokens folded in), fast.causal_conv1d's two kernels and
+    the chunked forward's (fast.chunk). cu_seqlens' values are read on the host (a sync, none with
+    cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and checked there: bad offsets raise refgdn's
+    first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
+    The cache's ssm_state must be contiguous (GDNStateCache.allocate's). float64 runs refgdn.
+    """
+    sig = rs.prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                               cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu)
+    if sig is None or _PREFILL_CHECKED.get(sig) is None:
+        rs.check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                                cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, False)
+        if not cache.ssm_state.is_contiguous():
+            raise ValueError("cache.ssm_state must be contiguous for fast.gdn_prefill (GDNStateCache.allocate's is)")
+        if sig is not None:
+            _PREFILL_CHECKED.put(sig, True)
+    elif cu_seqlens_cpu is not None:
+        provide_host_offsets(cu_seqlens, cu_seqlens_cpu)      # (checked with this signature: it stands for cu_seqlens)
+    T, N = mixed_qkv.shape[0], state_indices.shape[0]
+    offsets = host_offsets(cu_seqlens)                          # cu_seqlens_cpu's values when given
+    if check_values or not _offsets_sane(offsets, T):          # bad offsets: refgdn's first fault, before any launch
+        raise_first(rs.prefill_value_faults(cache, state_indices, offsets, T)[1])
+    if any(t is not None and t.dtype == torch.float64
+           for t in (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state)):
+        return rs.gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                              cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
+    H, HV, K, V = cache.H, cache.HV, cache.K, cache.V
+    dev = cache.ssm_state.device
+    if N == 0:
+        return torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
+    state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
+    flags = has_initial_state.contiguous().view(torch.uint8) if has_initial_state is not None else None
+    key = _prefill_dtypes(cache, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, state_indices,
+                          cu_seqlens, flags) + (activation, type(scale))
+    plan = _PREFILL_PLANS.get(key)
+    if plan is None:
+        plan = LaunchPlan()
+        _PREFILL_PLANS.put(key, plan)
+    with plan:
+        # 1. verdicts: rows[0:2N] as [N, 2] (slot written, slot read; -1: none), rows[2N:] the written slots
+        rows = torch.empty(3 * N, dtype=torch.int32, device=dev)
+        launch(prefill_rows_kernel, (1,), dict(BN=PREFILL_BLOCK, HAS_FLAGS=flags is not None, num_warps=4),
+               cache.pend_meta, cache.err, state_indices, state_indices if flags is None else flags, cu_seqlens,
+               rows, N, T, cache.num_slots)
+        slot_rows = rows[:2 * N].view(N, 2)
+        # 2. the written slots' pending tokens folded in (their committed state is what the request continues from)
+        gdn_materialize(cache, rows[2 * N:])
+        # 3. conv, reading and writing the slots' windows in place
+        y, _ = conv_forward(mixed_qkv[None], conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
+                            slot_rows=slot_rows)
+        y = y[0]
+        q = rearrange(y[:, :H * K], "t (h k) -> t h k", h=H)
+        k = rearrange(y[:, H * K:2 * H * K], "t (h k) -> t h k", h=H)
+        v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
+        beta = torch.sigmoid(b.float())                        # float32, as refgdn's
+        # 4. l2norm, gating and the chunked delta rule, reading and writing the slots' states in place
+        o, _ = chunk_gated_delta_rule_fwd(q[None], k[None], v[None], a[None], beta[None], scale, cache.ssm_state,
+                                          True, cu_seqlens, True, A_log, dt_bias, slot_rows=slot_rows)
+    _check_if_free(cache)
+    return o[0]
 
 
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = False) -> None:

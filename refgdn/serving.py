@@ -1,4 +1,4 @@
-"""Serving: decode and speculative verify against a slot cache, with rollback by lazy commit.
+"""Serving: prefill, decode and speculative verify against a slot cache, with rollback by lazy commit.
 
 Shapes (one layer; H q/k heads, HV value heads, head dims K and V, conv width W, D = 2*H*K + HV*V):
 
@@ -74,11 +74,11 @@ by both packages:
                        cu[0] or cu[N] is bad every request fails (no row
                        is trustworthy), else a request fails when its
                        own span is not inside [0, T]; an offset beyond
-                       [0, T] implies one of these faults or E_TOO_LONG,
-                       reported by the request it belongs to
-                       cu[n+1] - cu[n] <= 1 + max_draft                 E_TOO_LONG
-    sequence           decode / verify / materialize of a slot whose    E_AWAITING
-                       verify still awaits its accept
+                       [0, T] implies one of these faults (or, in a
+                       verify, E_TOO_LONG of the request it belongs to)
+                       cu[n+1] - cu[n] <= 1 + max_draft (verify only)   E_TOO_LONG
+    sequence           prefill / decode / verify / materialize of a     E_AWAITING
+                       slot whose verify still awaits its accept
                        accept of a slot with no verify awaiting it      E_NO_VERIFY
                        (after a decode, a materialize, a second accept)
     num_accepted[n]    in [1, L] for a request that brought L >= 1      E_ACCEPT_RANGE
@@ -111,10 +111,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from einops import rearrange
 
-from .checks import (_need_device, _need_float, _need_shape, _need_tensor, check_activation, check_float_param,
-                     check_scale)
+from .checks import (_need_device, _need_float, _need_shape, _need_tensor, check_activation, check_cu_seqlens_cpu,
+                     check_float_param, check_scale, host_offsets, one_host_read)
 from .conv import causal_conv1d
-from .delta_rule import recurrent_gated_delta_rule
+from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .gating import compute_dtype, gdn_gating, l2norm
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -181,11 +181,11 @@ def _slot_faults(slots: Sequence[int], num_slots: int):
 
 
 def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], bool],
-                offsets: Optional[Sequence[int]] = None, T: int = 0, cap: int = 1) -> Tuple[List[bool], List]:
-    """The value rules of decode (offsets None), verify and materialize, on host lists.
+                offsets: Optional[Sequence[int]] = None, T: int = 0, cap: Optional[int] = 1) -> Tuple[List[bool], List]:
+    """The value rules of decode (offsets None), verify, prefill and materialize, on host lists.
 
     slots: state_indices; awaiting(slot): its AWAIT_ACCEPT bit; offsets: cu_seqlens; T: tokens;
-    cap: 1 + max_draft. Returns (ok [N]: the request runs, faults [N]: its Fault or None).
+    cap: 1 + max_draft (None: no cap, prefill). Returns (ok [N]: the request runs, faults [N]: its Fault or None).
     fast's ``_step_row_check`` (a kernel helper) computes the same per request on the device.
     """
     N = len(slots)
@@ -203,7 +203,7 @@ def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], 
                     fault = (E_CU_ORDER, n, eos, bos)
                 elif n == N - 1 and eos != T:
                     fault = (E_CU_END, n, eos, T)
-                elif eos - bos > cap:
+                elif cap is not None and eos - bos > cap:
                     fault = (E_TOO_LONG, n, eos - bos, cap)
         if fault is None and 0 <= s < num_slots and awaiting(s):
             fault = (E_AWAITING, n, s, 0)
@@ -483,6 +483,11 @@ def step_value_faults(cache: GDNStateCache, state_indices, cu_seqlens, T: int):
     return step_faults(state_indices.tolist(), cache.num_slots, _awaiting(cache), offsets, T, cache.tokens_cap)
 
 
+def prefill_value_faults(cache: GDNStateCache, state_indices, offsets: Sequence[int], T: int):
+    """step_faults for a prefill (no token cap), offsets: cu_seqlens' values as a host list: (ok [N], faults [N])."""
+    return step_faults(state_indices.tolist(), cache.num_slots, _awaiting(cache), offsets, T, None)
+
+
 def accept_value_faults(cache: GDNStateCache, state_indices, num_accepted):
     """accept_faults on the call's tensors (host reads): (ok [N], faults [N])."""
     counts = cache.pend_meta[:, 0].tolist()
@@ -537,6 +542,32 @@ def check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, c
                              f"requests (one offset) T must be 0")
     if check_values:
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, T)[1])
+    return N
+
+
+def check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                         cu_seqlens, has_initial_state=None, scale=None, activation="silu", cu_seqlens_cpu=None,
+                         check_values=True) -> int:
+    """Validate a prefill's arguments; return N, the request count.
+
+    As check_step_inputs for a verify (mixed_qkv [T, D], a, b [T, HV], state_indices [N], cu_seqlens [N+1]),
+    plus has_initial_state: [N] bool or None, and cu_seqlens_cpu: cu_seqlens' values as a CPU tensor or None
+    (its values then stand for cu_seqlens'). With check_values the value rules too (step_faults without a token
+    cap; host reads). What the shape checks read is summarised by :func:`prefill_signature` (keep them in step).
+    """
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens must be given for a prefill ([N+1] int, vLLM's query_start_loc)")
+    N = check_step_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                          scale, activation, False)
+    if has_initial_state is not None:
+        _need_tensor("has_initial_state", has_initial_state, 1)
+        _need_device("has_initial_state", has_initial_state, cache.ssm_state.device)
+        if has_initial_state.dtype != torch.bool or has_initial_state.shape[0] != N:
+            raise ValueError(f"has_initial_state must be a bool tensor of shape [N] = [{N}], got "
+                             f"{has_initial_state.dtype} [{', '.join(map(str, has_initial_state.shape))}]")
+    check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
+    if check_values:
+        raise_first(prefill_value_faults(cache, state_indices, host_offsets(cu_seqlens), mixed_qkv.shape[0])[1])
     return N
 
 
@@ -611,6 +642,18 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
         return (type(cache), type(scale), activation, *map(tensor_signature, step_tensors(
             mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens)))
     except Exception:  # noqa: BLE001 - not a tensor / not a cache: the full checks raise their own error
+        return None
+
+
+def prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                      has_initial_state=None, scale=None, activation="silu", cu_seqlens_cpu=None) -> Optional[tuple]:
+    """As step_signature, for :func:`check_prefill_inputs`: step_signature's, then has_initial_state's and
+    cu_seqlens_cpu's tensor_signature."""
+    sig = step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                         scale, activation)
+    try:
+        return None if sig is None else (*sig, tensor_signature(has_initial_state), tensor_signature(cu_seqlens_cpu))
+    except Exception:  # noqa: BLE001 - see step_signature
         return None
 
 
@@ -749,6 +792,74 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
                       cu_seqlens, scale, activation, check_values)
     return _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
                  scale, activation, keep_pending=True)
+
+
+@one_host_read   # cu_seqlens' values read to the host once per call (or taken from cu_seqlens_cpu)
+def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
+                cu_seqlens, has_initial_state=None, scale: Optional[float] = None, activation: Optional[str] = "silu",
+                check_values: bool = True, cu_seqlens_cpu=None):
+    """Prefill in the chunked form: N requests of any length, in place in the slot cache.
+
+    mixed_qkv: [T, D]   a, b: [T, HV]   cu_seqlens (query_start_loc): [N+1], request n owns tokens
+    [cu[n], cu[n+1])   state_indices: [N] (negative = padded row: reads nothing, writes nothing, output zeros)
+    has_initial_state: [N] bool (vLLM's name: the request has context before these tokens) or None (every
+    request continues from its slot)   cu_seqlens_cpu: cu_seqlens' values as a CPU tensor, or None
+    (rest as gdn_decode). Returns o: [T, HV, V] in mixed_qkv's dtype.
+
+        S, window <- the slot's committed state (pending tokens folded) if has_initial_state[n] else 0
+        conv, l2norm, gating, the gated delta rule (chunked) over the request's tokens from S
+        ssm_state[slot], conv_state[slot, :, :W-1] <- the final state and window;  count <- 0
+
+    Afterwards the slot is committed (count 0), whatever was pending; a slot whose verify awaits its
+    accept is a fault (E_AWAITING), as for decode. The value rules are decode's and verify's without a
+    token cap (the module docstring; check_values=False: skip and record). Numerics: the conv in the
+    compute dtype (refgdn.causal_conv1d), beta = sigmoid(b) and the gating (fused into the chunked
+    form: g = -exp(A_log) softplus(a + dt_bias)) in float32 (float64), the state read once and written
+    once, rounded to the cache's dtype. No autograd (a serving op).
+    """
+    N = check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                             cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, check_values)
+    H, HV, K, V, W = cache.H, cache.HV, cache.K, cache.V, cache.W
+    T = mixed_qkv.shape[0]
+    offsets = host_offsets(cu_seqlens)                 # cu_seqlens_cpu's values when given
+    ok, faults = prefill_value_faults(cache, state_indices, offsets, T)
+    record_fault(cache, faults)
+    has = [True] * N if has_initial_state is None else has_initial_state.tolist()
+    dt = compute_dtype(mixed_qkv, cache.ssm_state, cache.pend_k)
+    o = mixed_qkv.new_zeros(T, HV, V)              # padded (and failed) rows: zeros
+    writes = []                                    # (slot, S, window, bank) applied after every request ran
+    for n, slot in enumerate(state_indices.tolist()):
+        if slot < 0 or not ok[n]:
+            continue
+        bos, eos = offsets[n], offsets[n + 1]
+        # --- where the request starts: its committed state (pending tokens folded in), or zeros
+        bank = int(cache.pend_meta[slot, 1]) & 1
+        if has[n]:
+            S, count, bank = _fold_pending(cache, slot, dt)
+            off = max(count - 1, 0)
+            window = cache.conv_state[slot, :, off:off + W - 1]                 # [D, W-1], oldest first
+        else:
+            S = torch.zeros(1, HV, K, V, dtype=dt, device=o.device)
+            window = torch.zeros_like(cache.conv_state[slot, :, :W - 1])
+        # --- conv (the window carries over), split y [L, D] -> q, k [L, H, K], v [L, HV, V]
+        y, window = causal_conv1d(mixed_qkv[None, bos:eos], conv_weight, conv_bias, activation,
+                                  initial_state=window[None], output_final_state=True)
+        y = y[0]
+        q = rearrange(y[:, :H * K], "l (h k) -> l h k", h=H)
+        k = rearrange(y[:, H * K:2 * H * K], "l (h k) -> l h k", h=H)
+        v = rearrange(y[:, 2 * H * K:], "l (h v) -> l h v", h=HV)
+        beta = torch.sigmoid(b[bos:eos].to(compute_dtype(b)))                # float32 (float64)
+        # --- the chunked delta rule with l2norm and the gating inside (g = a here)
+        o_n, S_end = chunk_gated_delta_rule(q[None], k[None], v[None], a[None, bos:eos], beta[None], scale,
+                                            initial_state=S, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            A_log=A_log, dt_bias=dt_bias)
+        o[bos:eos] = o_n[0].to(o.dtype)
+        writes.append((slot, S_end[0], window[0], bank))
+    for slot, S, window, bank in writes:
+        cache.ssm_state[slot] = S.to(cache.ssm_state.dtype)       # the one rounding of the state
+        cache.conv_state[slot, :, :W - 1] = window.to(cache.conv_state.dtype)
+        cache.pend_meta[slot] = torch.tensor((0, bank), dtype=torch.int32)
+    return o
 
 
 def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: bool = True) -> None:

@@ -261,7 +261,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
-                               offsets_unchecked: bool = False):
+                               offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -282,7 +282,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     them (clamped: common._Chunks.unchecked), and only then does the host wait for the copy, check the values
     (check_cu_seqlens_values: the same ValueError, raised before the state pass; kernel 1 wrote only this call's
     scratch) and build the tables of the state pass. So kernel 1 runs while the host reads and works, where the
-    device idled before."""
+    device idled before.
+    slot_rows (the serving prefill, fast.serving.gdn_prefill; int32 [N, 2]): initial_state is a slot cache's
+    ssm_state [S, HV, K, V] (contiguous), read from slot slot_rows[n, 1] and, with output_final_state, written in
+    place at slot slot_rows[n, 0] (-1: start from zeros / write nothing); the final state returned is that ssm_state.
+    Its values were checked on the device (distinct slots in range): the state pass reads each slot's block before
+    any program writes it."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -308,14 +313,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    slots = None
+    if slot_rows is not None:                                            # the cache's ssm_state, in place
+        h0, final = initial_state, (initial_state if output_final_state else None)
+        slots = (slot_rows, True, output_final_state)
+    else:
+        final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+        h0 = initial_state.contiguous() if initial_state is not None else None
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
-                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method)
+                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
@@ -341,12 +351,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta), out=out)
+                      wy=(A, v, beta), out=out, slots=slots)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
         _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
-        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out)
+        _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out,
+                      slots=slots)
     if not fused:
         _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
                        configs=configs)

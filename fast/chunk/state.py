@@ -23,7 +23,7 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
-                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
+                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _state_row, _unit_last, _upcast)
 from .output import _output_block
 
 
@@ -34,7 +34,7 @@ from .output import _output_block
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
-    cu_seqlens, chunk_offsets, seq_order, T, NT, scale,
+    cu_seqlens, chunk_offsets, seq_order, slot_rows, T, NT, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -42,6 +42,7 @@ def chunk_state_kernel(
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True,
+    H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -49,7 +50,11 @@ def chunk_state_kernel(
 
     k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
     u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] fp32 (contiguous);
-    h: [chunks, HV, K, V] (global chunk order). grid = (cdiv(V, BV), N * HV), V-block fastest (the
+    h: [chunks, HV, K, V] (global chunk order). H0_SLOTS / HT_SLOTS (serving prefill, fast.serving.gdn_prefill):
+    h0 / ht is a slot cache's ssm_state [S, HV, K, V] (contiguous, float32 or bfloat16), and sequence n reads
+    slot slot_rows[n, 1] / writes slot slot_rows[n, 0] (int32 [N, 2]; -1: start from zeros / write nothing), in
+    place: each program reads its block before any program of the call writes it (distinct slots, checked on the
+    device before this launch). grid = (cdiv(V, BV), N * HV), V-block fastest (the
     V-blocks of one head share w and k via L2); varlen: sequences in seq_order (longest first, _seq_head).
     S: fp32 [BK, BV] kept in registers across all chunks; K is one block (<= 256). Both dots take 16-bit
     operands (S rounded to w's dtype, the decayed v_new to k's) with fp32 accumulation. Only loads that do
@@ -97,7 +102,8 @@ def chunk_state_kernel(
     k_base = k + i_b * s_kb + (i_h // GROUP) * s_kh
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+        r0, m0 = _state_row(slot_rows, i_n, 1, kv_off, m_kv, H0_SLOTS)
+        b_h += tl.load(h0 + (r0 * HV + i_h) * K * V + kv_off, mask=m0, other=0.0).to(tl.float32)
 
     q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
     v_base = v + i_b * s_vb + i_h * s_vh
@@ -177,7 +183,8 @@ def chunk_state_kernel(
         b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                               # + K^T (decayed v_new)
 
     if STORE_HT:
-        tl.store(ht + (i_n.to(tl.int64) * HV + i_h) * K * V + kv_off, b_h, mask=m_kv)
+        r1, m1 = _state_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
+        tl.store(ht + (r1 * HV + i_h) * K * V + kv_off, b_h.to(ht.dtype.element_ty), mask=m1)
 
 
 # ============================================================================================
@@ -256,8 +263,11 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
-                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None):
+                  bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
+                  slots: Optional[tuple] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
+    slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
+    kernel's H0_SLOTS / HT_SLOTS), else None.
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
     forward). out: (q, o, scale, qs): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
     (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
@@ -293,12 +303,15 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
         OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, **cfg)
+    slot_rows = None
+    if slots is not None:
+        slot_rows, kw["H0_SLOTS"], kw["HT_SLOTS"] = slots
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
         kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None) if prefetch is None
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
-        ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT, float(scale),
+        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, T, ch.NT, float(scale),
         *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3])
 
 
