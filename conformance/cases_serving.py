@@ -1,4 +1,4 @@
-"""Conformance cases for the serving path: decode and speculative verify + accept (rollback).
+"""Conformance cases for the serving path: prefill, decode and speculative verify + accept (rollback).
 
 fast.serving vs refgdn.serving, driven through the same protocol with the same random inputs:
 several consecutive verify / accept rounds (k = 0..7 drafts, batches mixing different k, padded
@@ -107,7 +107,8 @@ def plan_rounds(N, rounds, drafts, *, seed=0, decode_every=0, decodes=3):
 
 def drive(ops, cache, layer, steps, slots, *, H, HV, K, V, dtype, seed=0, device="cpu", strided=False):
     """Run `steps` through `ops` (refgdn.serving or fast.serving). Returns a list of per-step records:
-    dict(kind, o, committed ssm [N', ...], committed conv, conv_state, pend_meta) (N' = valid rows)."""
+    dict(kind, o, committed ssm [N', ...], committed conv, conv_state, pend_meta) (N' = valid rows).
+    A step is ("verify", ks, accepts), ("decode",) or ("prefill", lens, has_initial_state)."""
     D = 2 * H * K + HV * V
     idx = torch.tensor(slots, dtype=torch.int32, device=device)
     valid = [s for s in slots if s >= 0]
@@ -122,6 +123,14 @@ def drive(ops, cache, layer, steps, slots, *, H, HV, K, V, dtype, seed=0, device
                                layer["dt_bias"], cache, idx, cu)
             rec = dict(kind="verify", o=o, lens=lens)
             ops.gdn_accept(cache, idx, torch.tensor(st[2], dtype=torch.int32, device=device))
+        elif st[0] == "prefill":
+            lens = st[1]
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+            x, a, b = make_tokens(sum(lens), HV, D, seed=seed * 1000 + i, dtype=dtype, device=device,
+                                  strided=strided)
+            o = ops.gdn_prefill(x, a, b, layer["conv_weight"], layer["conv_bias"], layer["A_log"],
+                                layer["dt_bias"], cache, idx, cu, torch.tensor(st[2], device=device))
+            rec = dict(kind="prefill", o=o, lens=lens)
         else:
             x, a, b = make_tokens(len(slots), HV, D, seed=seed * 1000 + i, dtype=dtype, device=device,
                                   strided=strided)
@@ -141,14 +150,19 @@ def drive(ops, cache, layer, steps, slots, *, H, HV, K, V, dtype, seed=0, device
 
 def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, drafts=(0, 1, 2, 3, 4, 5, 6, 7),
                   rounds=3, decode_every=0, dtype=torch.float32, state_dtype=torch.float32, decay="mid",
-                  strided=False, seed=0, quick=True, draft_steps=None) -> Case:
+                  strided=False, seed=0, quick=True, draft_steps=None, prefills=()) -> Case:
+    """A protocol run: verify / accept rounds (and decodes) from plan_rounds, then each of ``prefills`` ((lens [N],
+    has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn."""
     assert len(slots) == N
 
     def run(device: str) -> list:
         import fast.serving as fs
         import refgdn.serving as rs
 
-        steps = plan_rounds(N, rounds, list(drafts), seed=seed, decode_every=decode_every)
+        steps = plan_rounds(N, rounds, list(drafts), seed=seed, decode_every=decode_every) if rounds or not prefills \
+            else []
+        for lens, has in prefills:
+            steps += [("prefill", list(lens), list(has)), ("decode",)]
         base = make_cache(num_slots, H, HV, K, V, W, max_draft, seed=seed)
         lay64 = make_layer(H, HV, K, V, W, decay=decay, seed=seed)
         layp = {k: (v.to(dtype) if v is not None else None) for k, v in lay64.items()}
@@ -169,7 +183,7 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
             if rows is not None and rows.numel():
                 checks.append(Check(f"{tag}.o", f["o"][rows.to(f["o"].device)], t["o"][rows], p["o"][rows]))
             prow = torch.cat([torch.arange(offs[n], offs[n + 1]) for n in pad_rows]) if pad_rows else None
-            if prow is not None and prow.numel():
+            if prow is not None and prow.numel() and t["kind"] != "prefill":   # (a prefill's: unspecified in fast)
                 checks.append(Check(f"{tag}.o_padded_zero", f["o"][prow.to(f["o"].device)],
                                     torch.zeros_like(p["o"][prow]), exact=True))
             if t["ssm"] is not None:
@@ -187,8 +201,8 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
                                     getattr(cast_cache(base, state_dtype, dtype), fname)[u], exact=True))
         return checks
 
-    return Case(op="gdn_verify" if rounds else "gdn_decode", case=name, dtype=dtype, run=run,
-                draft_steps=max(drafts) if draft_steps is None else draft_steps, quick=quick)
+    return Case(op="gdn_prefill" if prefills else "gdn_verify" if rounds else "gdn_decode", case=name, dtype=dtype,
+                run=run, draft_steps=max(drafts) if draft_steps is None else draft_steps, quick=quick)
 
 
 def cases(quick: bool, device: str) -> list:
@@ -210,6 +224,18 @@ def cases(quick: bool, device: str) -> list:
                              drafts=(2, 5), max_draft=5, decay="strong", dtype=torch.float16, seed=13))
     out.append(_serving_case("weak-decay-gva2", N=3, slots=[2, 0, -1], num_slots=3, H=1, HV=2, K=32, V=32,
                              drafts=(1, 3), max_draft=3, decay="weak", rounds=3, decode_every=1, seed=17))
+    # prefill (gdn_prefill): after verify rounds (pending tokens folded in), chunked (a second prefill continues
+    # the first), zero-length and one-token requests, requests without an initial state, padded rows
+    out.append(_serving_case("prefill-after-verify", N=3, slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16, V=8,
+                             drafts=(0, 2, 5), rounds=2, max_draft=5, seed=31,
+                             prefills=[((5, 3, 17), (True, True, False))]))
+    out.append(_serving_case("prefill-chunked", N=3, slots=[1, 3, 0], num_slots=4, drafts=(0,), rounds=0,
+                             max_draft=0, seed=37, strided=True,
+                             prefills=[((40, 1, 0), (False, True, True)), ((23, 70, 2), (True, True, False))],
+                             **small))
+    out.append(_serving_case("prefill-odd-dims-fp16", N=2, slots=[1, 0], num_slots=2, H=1, HV=2, K=12, V=20,
+                             drafts=(0,), rounds=0, max_draft=0, decay="strong", dtype=torch.float16, seed=41,
+                             prefills=[((9, 33), (True, False))]))
     # the full (non-quick) matrix: wider heads, more requests and rounds
     out.append(_serving_case("wide-mixed-k", N=6, slots=[7, 2, -1, 5, 0, 3], num_slots=8, H=2, HV=4, K=64, V=64,
                              drafts=tuple(range(8)), rounds=5, decode_every=2, seed=19, quick=False))
@@ -219,6 +245,14 @@ def cases(quick: bool, device: str) -> list:
             out.append(_serving_case(f"qwen-shape-bf16-state{sname}", N=4, slots=[5, -1, 1, 2], num_slots=8,
                                      H=2, HV=4, K=128, V=128, drafts=(0, 1, 3, 7), rounds=4, decode_every=2,
                                      dtype=torch.bfloat16, state_dtype=sdt, seed=23, quick=quick))
+            out.append(_serving_case(f"prefill-qwen-shape-bf16-state{sname}", N=4, slots=[5, -1, 1, 2],
+                                     num_slots=8, H=2, HV=4, K=128, V=128, drafts=(0, 3), rounds=2, max_draft=3,
+                                     dtype=torch.bfloat16, state_dtype=sdt, seed=43, quick=quick,
+                                     prefills=[((300, 7, 1, 129), (True, True, False, True)),
+                                               ((2048, 0, 64, 5), (True, False, True, True))]))
+            out.append(_serving_case(f"prefill-one-long-bf16-state{sname}", N=1, slots=[3], num_slots=4, H=2,
+                                     HV=4, K=128, V=128, drafts=(0,), rounds=0, max_draft=0, dtype=torch.bfloat16,
+                                     state_dtype=sdt, seed=47, quick=quick, prefills=[((4099,), (True,))]))
         out.append(_serving_case("decode-bf16-state", N=4, slots=[0, 1, 2, 3], num_slots=4, H=2, HV=4, K=64,
                                  V=64, drafts=(0,), rounds=0, decode_every=0, max_draft=0, dtype=torch.bfloat16,
                                  state_dtype=torch.bfloat16, seed=29))

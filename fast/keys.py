@@ -34,7 +34,7 @@ from . import conv as _conv
 from . import serving as _serving
 from .utils import cdiv, is_interpreting, next_pow2
 
-__all__ = ["bt_rule", "prefill_lengths", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
+__all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
            "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm", "chunk_gated_delta_rule",
            "recurrent_gated_delta_rule"]
 
@@ -172,16 +172,48 @@ def gdn_materialize(cache, state_indices, check_values=False, *, device=None) ->
     return _step_keys(dummy, ab, ab, w, None, hv, hv, cache, state_indices, cu, None, "materialize", device)
 
 
+def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                has_initial_state=None, scale=None, activation="silu", check_values=False, cu_seqlens_cpu=None, *,
+                device=None) -> List[CompileKey]:
+    """Keys of fast.gdn_prefill, in launch order: prefill_rows_kernel, gdn_materialize's step kernels (int32 slots),
+    causal_conv1d's and the chunked forward's in their slot forms (chunk size 64, the offsets known on the host:
+    the op reads them first). float64 runs refgdn: no keys."""
+    if _fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state):
+        return []
+    T, N = mixed_qkv.shape[0], state_indices.shape[0]
+    if N == 0:
+        return []
+    H, HV, K, V, D = cache.H, cache.HV, cache.K, cache.V, cache.D
+    dev = torch.device("meta")
+
+    def e(*shape, dtype=mixed_qkv.dtype):
+        return torch.empty(*shape, dtype=dtype, device=dev)
+    out = [CompileKey.make("prefill_rows_kernel", dict(BN=_serving.PREFILL_BLOCK, HAS_FLAGS=has_initial_state is not None),
+                           dict(meta=cache.pend_meta.dtype, err=cache.err.dtype, state_indices=state_indices.dtype,
+                                has_initial_state=(torch.uint8 if has_initial_state is not None
+                                                   else state_indices.dtype),
+                                cu_seqlens=cu_seqlens.dtype, rows=_I32),
+                           dict(num_warps=4))]
+    out += gdn_materialize(cache, e(N, dtype=_I32), device=device)
+    out += causal_conv1d(e(1, T, D), conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
+                         device=device, slots=True)
+    out += chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV, dtype=a.dtype),
+                                  e(1, T, HV, dtype=_F32), scale, cache.ssm_state, True, cu_seqlens, True, A_log,
+                                  dt_bias, 64, device=device, offsets_known=True, slots=True)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # conv (fast.conv)
 # ----------------------------------------------------------------------------------------------
 
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None) -> List[CompileKey]:
+                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None, slots: bool = False) -> List[CompileKey]:
     """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
     fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
-    call runs (default x's; CUDA float32 compute takes the approximate silu). (A pinned BT grows
-    when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
+    call runs (default x's; CUDA float32 compute takes the approximate silu). slots: gdn_prefill's form
+    (initial_state a cache's conv_state, read and written at int32 slot rows: the kernels' SLOTS). (A pinned
+    BT grows when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
     B, T, D = x.shape
     W = weight.shape[1]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -193,13 +225,14 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, SLOTS=False)
+                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, SLOTS=slots)
         if window:
             on_cuda = (torch.device(device) if device is not None else x.device).type == "cuda"
             gpu_f32 = on_cuda and not fp64 and not is_interpreting()
             c.update(FAST_SILU=gpu_f32, PREFETCH=True)
         d = dict(x=x.dtype, y=x.dtype, weight=weight.dtype, bias=_dt(bias), initial_state=_dt(initial_state),
-                 cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None, slot_rows=None)
+                 cu_seqlens=_dt(cu_seqlens), tile_table=_I32 if cu_seqlens is not None else None,
+                 slot_rows=_I32 if slots else None)
         opts = dict(num_warps=cfg["num_warps"])
         out.append(CompileKey.make("causal_conv1d_fwd_window_kernel" if window else "causal_conv1d_fwd_kernel",
                                    c, d, opts))
@@ -209,9 +242,9 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
         out.append(CompileKey.make(
             "causal_conv1d_final_state_kernel",
             dict(W=W, WP=next_pow2(W - 1), BD=BDs, HAS_INIT=initial_state is not None,
-                 IS_VARLEN=cu_seqlens is not None, SLOTS=False),
+                 IS_VARLEN=cu_seqlens is not None, SLOTS=slots),
             dict(x=x.dtype, final_state=state_dtype, initial_state=_dt(initial_state), cu_seqlens=_dt(cu_seqlens),
-                 slot_rows=None),
+                 slot_rows=_I32 if slots else None),
             dict(num_warps=4)))
     return out
 
@@ -279,7 +312,7 @@ def _fp64(*ts) -> bool:
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                            chunk_size=64, cu_seqlens_cpu=None, *, device=None,
-                           offsets_known: Optional[bool] = None) -> List[CompileKey]:
+                           offsets_known: Optional[bool] = None, slots: bool = False) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -288,7 +321,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     earlier in the same one_host_read scope, as the model's prefill does through its conv); None: cu_seqlens_cpu
     is given or they are known in the current scope. Varlen with N >= 2 without them, and without autograd or
     torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
-    (chunk_table_kernel: fast.chunk's offsets_unchecked)."""
+    (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
+    ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS)."""
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -348,10 +382,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
-                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused), H0_SLOTS=False,
-                 HT_SLOTS=False),
-            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state), ht=_F32 if output_final_state else None,
-                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=None, qs=_F32, **hv_new, **wy, **qo),
+                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused), H0_SLOTS=slots,
+                 HT_SLOTS=slots and bool(output_final_state)),
+            dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
+                 ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
+                 cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
+                 **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
         cfg = _chunk._cfg("output", _chunk.output_config(K, V))

@@ -41,7 +41,7 @@ CUDA graph's are. ``fast.graphs`` runs the same machine with ``torch.cuda.CUDAGr
 
 The warmup planner: ``plan(model, ServingConfig(...))`` lists every compile key that profiling,
 warmup, capture and serving of a refgdn.model will launch (from fast.keys' pure functions: capture
-batch sizes, max draft steps k, prefill length classes and the chunk-size rule, dtypes, the model
+batch sizes, max draft steps k, prefill length classes, dtypes, the model
 config); tests/test_capture.py checks it against the keys an eager run of the model launches, and
 tests/test_graphs_cuda.py against the keys Triton actually compiles on a GPU.
 """
@@ -1237,8 +1237,6 @@ class ServingConfig:
     capture_batch_sizes: padded batch sizes of the decode / verify / draft graphs; max_draft: k (verify
     graphs for 1 + k tokens, k = 1..max_draft); max_batch: largest batch served (eagerly above the largest
     graph); max_prefill_tokens / max_prefill_seqs: the largest packed prefill (tokens, sequences);
-    chunk_size: the prefill chunk-size rule ``T -> BT`` (None: fast.chunk_gated_delta_rule's default,
-    what the model passes; ``fast.keys.bt_rule`` for BT = min(64, max(16, next_pow2(T))));
     state_dtype: GDN ssm state; index_dtype / accept_dtype: dtypes of state_indices / num_accepted the
     caller passes; device: where the model runs (its SM count and type pick configs).
     """
@@ -1248,7 +1246,6 @@ class ServingConfig:
     max_batch: int = 8
     max_prefill_tokens: int = 64
     max_prefill_seqs: int = 4
-    chunk_size: Optional[Callable[[int], int]] = None
     state_dtype: torch.dtype = torch.float32
     index_dtype: torch.dtype = torch.int32
     accept_dtype: torch.dtype = torch.int32
@@ -1278,7 +1275,7 @@ class Plan:
 
 def prefill_classes(max_tokens: int) -> List[int]:
     """Packed prefill lengths that reach every key class up to ``max_tokens``: each power of two (keys
-    depend on T through next_pow2(T) and the chunk-size rule), the maximum, and for T >= 16 also an
+    depend on T through next_pow2(T)), the maximum, and for T >= 16 also an
     odd length (p + 1): on a GPU Triton compiles integer arguments divisible by 16 (T, batch strides
     T * D) as their own variant, so profile must see both classes of every key."""
     out, p = set(), 1
@@ -1295,16 +1292,15 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     """Every compile key that profiling, warmup, capture and serving of ``model`` (a refgdn.model
     Qwen3NextModel, any ops) under ``cfg`` will launch, from fast.keys' pure functions on meta tensors.
 
-    The model's GDN layers call (refgdn/model/layers.py): prefill -> gdn_materialize, causal_conv1d
-    (varlen, initial state, final state), chunk_gated_delta_rule (varlen, fused gating, l2norm); decode
-    -> gdn_decode; verify -> gdn_verify; accept -> gdn_accept. Attention, MLPs and the MTP head are
-    plain torch (no compile keys). Keys depend on the prefill's packed length T only through
-    next_pow2(T) classes (and the chunk-size rule), on its sequence count N through the state pass's
+    The model's GDN layers call (refgdn/model/layers.py): prefill -> gdn_prefill (the rows kernel,
+    gdn_materialize, the conv and the chunked forward on the cache's slots); decode -> gdn_decode; verify ->
+    gdn_verify; accept -> gdn_accept. Attention, MLPs and the MTP head are plain torch (no compile keys).
+    Keys depend on the prefill's packed length T only through next_pow2(T) classes (the conv's configs), on
+    its sequence count N through the state pass's
     BV, so T runs over :func:`prefill_classes` and N over 1..max_prefill_seqs.
     """
     if keys is None:
         import fast.keys as keys
-    import inspect
 
     import refgdn.serving as rs
     c = model.config
@@ -1312,7 +1308,6 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
                       c.linear_value_head_dim, c.linear_conv_kernel_dim)
     D = 2 * H * K + HV * V
     dt = model.dtype
-    cdt = torch.float64 if dt == torch.float64 else torch.float32     # compute dtype (beta, pending k/g/beta)
     dev = torch.device(cfg.device)
     meta = dict(device="meta")
 
@@ -1324,8 +1319,6 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     conv_w = e(D, W)
     A_log, dt_bias = e(HV), e(HV)
     idx = cfg.index_dtype
-    default_bt = inspect.signature(_fast_chunk_op()).parameters["chunk_size"].default
-    rule = cfg.chunk_size or (lambda T: default_bt)
     steps: Dict[str, set] = {}
 
     def decode(N):
@@ -1340,14 +1333,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         return keys.gdn_accept(cache, e(N, dtype=idx), e(N, dtype=cfg.accept_dtype))
 
     def prefill(T, N):
-        cu = e(N + 1, dtype=torch.int32)
-        out = list(keys.gdn_materialize(cache, e(N, dtype=torch.int32), device=dev))
-        out += keys.causal_conv1d(e(1, T, D), conv_w, None, "silu", e(N, D, W - 1), True, cu, device=dev)
-        out += keys.chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV),
-                                           e(1, T, HV, dtype=cdt), None, e(N, HV, K, V, dtype=cfg.state_dtype),
-                                           True, cu, True, A_log, dt_bias, rule(T), device=dev,
-                                           offsets_known=True)   # the conv read them first (one scope)
-        return out
+        return keys.gdn_prefill(e(T, D), e(T, HV), e(T, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx),
+                                e(N + 1, dtype=torch.int32), e(N, dtype=torch.bool), device=dev)
 
     for desc in cfg.descriptors():
         if desc.mode == "decode":
@@ -1367,7 +1354,3 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     allk = set().union(*steps.values()) if steps else set()
     return Plan(allk, steps)
 
-
-def _fast_chunk_op():
-    import fast
-    return fast.chunk_gated_delta_rule

@@ -254,17 +254,16 @@ class Qwen3NextModel(nn.Module):
     def _run_target(self, cache: ModelCache, input_ids, meta: StepMetadata, mode: str) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         gi = ai = 0
-        rows = None
-        if mode == "prefill":           # the requests' slots and which continue: once for every GDN layer
-            safe = cache.safe_slots(meta.state_indices)
-            rows = (safe, cache.kv_lens_buf[safe] > 0)
+        has_initial_state = None
+        if mode == "prefill":           # which requests continue: once for every GDN layer
+            has_initial_state = cache.kv_lens_buf[cache.safe_slots(meta.state_indices)] > 0
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
                 h = layer.self_attn(h, cache.kv[ai], meta, self.rotary)
                 ai += 1
             else:
-                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, rows)
+                h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, has_initial_state)
                 gi += 1
             x = layer.mlp_block(x + h)
         return self.model.norm(x)

@@ -266,19 +266,17 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(rearrange(y, "t h v -> t (h v)"))
 
     def forward(self, x: torch.Tensor, ops, gdn_cache, meta: StepMetadata, mode: str,
-                rows: Optional[tuple] = None) -> torch.Tensor:
-        """mode: "prefill" (chunked form, varlen), "decode" (ops.gdn_decode) or "verify" (ops.gdn_verify).
-
-        Prefill (rows = (safe [N] int64: each request's slot, padded rows at the scratch slot, as
-        ModelCache.safe_slots; cont [N] bool: the request continues), the same for every GDN layer of a step)
-        reads a slot's state iff cont, after committing its pending tokens (ops.gdn_materialize), and writes
-        the final ssm / conv state.
-        """
+                has_initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """mode: "prefill" (ops.gdn_prefill: chunked form, varlen), "decode" (ops.gdn_decode) or "verify"
+        (ops.gdn_verify). Prefill needs has_initial_state ([N] bool: the request continues from its slot's state;
+        the same for every GDN layer of a step); it commits the slot's pending tokens first and writes the final
+        ssm / conv state in place."""
         mixed, z, b, a = self.project(x)
         if mode == "prefill":
-            if rows is None:
-                raise ValueError("prefill needs rows = (safe slots [N], continuing requests [N]) of the step")
-            o = self._prefill(mixed, a, b, ops, gdn_cache, meta, rows)
+            if has_initial_state is None:
+                raise ValueError("prefill needs has_initial_state ([N] bool) of the step")
+            o = ops.gdn_prefill(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
+                                meta.state_indices, meta.query_start_loc, has_initial_state)
         elif mode == "decode":
             o = ops.gdn_decode(mixed, a, b, self.conv_weight, None, self.A_log, self.dt_bias, gdn_cache,
                                meta.state_indices)
@@ -288,28 +286,6 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"mode must be 'prefill', 'decode' or 'verify', got {mode!r}")
         return self.output(o, z)
-
-    def _prefill(self, mixed, a, b, ops, gc, meta: StepMetadata, rows: tuple) -> torch.Tensor:
-        H, K, V, HV, W = self.H, self.K, self.V, self.HV, self.W
-        safe, cont = rows                                                    # [N] slots, [N] continuing requests
-        ops.gdn_materialize(gc, meta.state_indices)                          # pending tokens -> committed
-        h0 = torch.where(cont[:, None, None, None], gc.ssm_state[safe], 0)   # [N, HV, K, V]
-        c0 = torch.where(cont[:, None, None], gc.conv_state[safe, :, :W - 1], 0).contiguous()   # [N, D, W-1]
-        y, conv_final = ops.causal_conv1d(mixed[None], self.conv_weight, None, "silu", initial_state=c0,
-                                          output_final_state=True, cu_seqlens=meta.query_start_loc)
-        y = y[0]
-        q = rearrange(y[:, :H * K], "t (h k) -> t h k", h=H)
-        k = rearrange(y[:, H * K:2 * H * K], "t (h k) -> t h k", h=H)
-        v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
-        beta = torch.sigmoid(b.to(compute_dtype(b)))                         # float32 (float64), as serving
-        o, final = ops.chunk_gated_delta_rule(q[None], k[None], v[None], a[None], beta[None],
-                                              initial_state=h0, output_final_state=True,
-                                              cu_seqlens=meta.query_start_loc, use_qk_l2norm_in_kernel=True,
-                                              A_log=self.A_log, dt_bias=self.dt_bias)
-        # write the final states (padded rows land in the scratch slot)
-        gc.ssm_state.index_copy_(0, safe, final.to(gc.ssm_state.dtype))
-        gc.conv_state[safe, :, :W - 1] = conv_final.to(gc.conv_state.dtype)
-        return o[0]
 
 
 # ----------------------------------------------------------------------------------------------
