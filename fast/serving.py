@@ -1364,10 +1364,6 @@ def _prefill_dtypes(cache: GDNStateCache, *tensors) -> tuple:
     return tuple(None if t is None else (t.dtype, t.device) for t in (*tensors, *rs.cache_fields(cache)))
 
 
-def _offsets_sane(offsets, T: int) -> bool:
-    return offsets[0] == 0 and offsets[-1] == T and all(x <= y for x, y in zip(offsets, offsets[1:]))
-
-
 @one_host_read   # cu_seqlens' values read to the host once per call (none with cu_seqlens_cpu)
 def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
                 cu_seqlens, has_initial_state=None, scale: Optional[float] = None,
@@ -1406,7 +1402,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         provide_host_offsets(cu_seqlens, cu_seqlens_cpu)      # (checked with this signature: it stands for cu_seqlens)
     T, N = mixed_qkv.shape[0], state_indices.shape[0]
     offsets = host_offsets(cu_seqlens)                          # cu_seqlens_cpu's values when given
-    if check_values or not _offsets_sane(offsets, T):          # bad offsets: refgdn's first fault, before any launch
+    if check_values or not rs.offsets_sane(offsets, T):          # bad offsets: refgdn's first fault, before any launch
         raise_first(rs.prefill_value_faults(cache, state_indices, offsets, T)[1])
     if any(t is not None and t.dtype == torch.float64
            for t in (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state)):
@@ -1432,7 +1428,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
                rows, N, T, cache.num_slots)
         slot_rows = rows[:2 * N].view(N, 2)
         # 2. the written slots' pending tokens folded in (their committed state is what the request continues from)
-        gdn_materialize(cache, rows[2 * N:])
+        gdn_materialize(cache, rows[2 * N:], raise_now=False)
         # 3. conv, reading and writing the slots' windows in place
         y, _ = conv_forward(mixed_qkv[None], conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
                             slot_rows=slot_rows)
@@ -1473,13 +1469,15 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     _check_if_free(cache)
 
 
-def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
+def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False, *,
+                    raise_now: bool = True) -> None:
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
     state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request; a slot
     whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
-    Host work as gdn_decode's: checks and launch plan once per call signature.
+    Host work as gdn_decode's: checks and launch plan once per call signature. raise_now=False (gdn_prefill's
+    call, inside its own): no ``cache.check()`` on a CPU device here, the caller's comes after its launches.
     """
     def checked(reuse: bool) -> tuple:   # as _checked_plan: same safety argument, same bound
         check_cache(cache)
@@ -1501,4 +1499,5 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     if check_values:
         raise_first(step_value_faults(cache, state_indices, None, N)[1])
     _run(plan, *inputs, cache, state_indices, zeros_cu, None)
-    _check_if_free(cache)
+    if raise_now:
+        _check_if_free(cache)

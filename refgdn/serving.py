@@ -488,6 +488,11 @@ def prefill_value_faults(cache: GDNStateCache, state_indices, offsets: Sequence[
     return step_faults(state_indices.tolist(), cache.num_slots, _awaiting(cache), offsets, T, None)
 
 
+def offsets_sane(offsets: Sequence[int], T: int) -> bool:
+    """cu_seqlens' values (a host list) start at 0, never decrease and end at T."""
+    return offsets[0] == 0 and offsets[-1] == T and all(x <= y for x, y in zip(offsets, offsets[1:]))
+
+
 def accept_value_faults(cache: GDNStateCache, state_indices, num_accepted):
     """accept_faults on the call's tensors (host reads): (ok [N], faults [N])."""
     counts = cache.pend_meta[:, 0].tolist()
@@ -812,7 +817,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
 
     Afterwards the slot is committed (count 0), whatever was pending; a slot whose verify awaits its
     accept is a fault (E_AWAITING), as for decode. The value rules are decode's and verify's without a
-    token cap (the module docstring; check_values=False: skip and record). Numerics: the conv in the
+    token cap (the module docstring; check_values=False: skip and record), except that bad offsets always
+    raise the call's first fault before anything runs (a prefill reads its offsets on the host). Numerics: the conv in the
     compute dtype (refgdn.causal_conv1d), beta = sigmoid(b) and the gating (fused into the chunked
     form: g = -exp(A_log) softplus(a + dt_bias)) in float32 (float64), the state read once and written
     once, rounded to the cache's dtype. No autograd (a serving op).
@@ -823,6 +829,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     T = mixed_qkv.shape[0]
     offsets = host_offsets(cu_seqlens)                 # cu_seqlens_cpu's values when given
     ok, faults = prefill_value_faults(cache, state_indices, offsets, T)
+    if not offsets_sane(offsets, T):                   # read on the host anyway: raised before anything runs
+        raise_first(faults)
     record_fault(cache, faults)
     has = [True] * N if has_initial_state is None else has_initial_state.tolist()
     dt = compute_dtype(mixed_qkv, cache.ssm_state, cache.pend_k)
