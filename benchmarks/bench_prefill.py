@@ -12,7 +12,8 @@ state; chunk size 64 (fast's default). Cases:
   - a conv1d config sweep (BT x BD x warps) to choose the pinned config;
   - the error of o and the final state against the float64 truth (fast's two output paths, fla);
   - host and device time per call of the chunk forward at short lengths (which of the two bounds a call);
-  - a serving stream: varlen prefills whose token and sequence counts change on every call.
+  - a serving stream: varlen prefills whose token and sequence counts change on every call;
+  - one GDN layer's prefill against a slot cache (fast.gdn_prefill vs the gather / scatter composition).
 
 FLOPs of the chunked forward (matmul FLOPs of the algorithm, 2 per multiply-add, per value head,
 chunk size C, head dims K and V, per chunk of C tokens; counted per value head as computed, even
@@ -758,30 +759,126 @@ def serving_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0)
                                               output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                                               use_qk_l2norm_in_kernel=True)
         impls.append(("fla 0.6.0 chunk (+ fast.gdn_gating)", fla_call))
-    rows = []
-    for name, fn in impls:
-        for i in range(calls):                                   # untimed pass: compiles, autotuning
+    mean_T = sum(o[2] for o in offs) / calls
+    return [_stream_row(f"{calls} varlen prefills, 1-8 seqs of 1-512 tokens (mean {mean_T:.0f})", name, fn, calls,
+                        device) for name, fn in impls]
+
+
+def _stream_row(case: str, name: str, fn: Callable[[int], object], calls: int, device: str,
+                reset: Optional[Callable[[], None]] = None) -> dict:
+    """One row of a serving stream: fn(i) for i < calls run once untimed (compiles, autotuning), then timed on one
+    core (common.one_core): host us (per call, back to back without a sync), wall us (per call, one sync at the
+    end), device us (per call, the kernels' busy time over the first 40 calls, torch.profiler). reset(): run before
+    each pass (e.g. a cache's contents restored), untimed."""
+    for i in range(calls):
+        fn(i)
+    common.synchronize(device)
+    with common.one_core():                                      # host-bound: one core
+        if reset is not None:
+            reset()
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        host = (time.perf_counter() - t0) / calls * 1e6
+        common.synchronize(device)
+        if reset is not None:
+            reset()
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
             fn(i)
         common.synchronize(device)
-        with common.one_core():                                  # host-bound: one core (common.one_core)
-            t0 = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            host = (time.perf_counter() - t0) / calls * 1e6
-            common.synchronize(device)
-            t0 = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            common.synchronize(device)
-            wall = (time.perf_counter() - t0) / calls * 1e6
-        n_dev = min(40, calls)
-        dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
-               if device != "cpu" else float("nan"))                       # (no CUDA activity to profile)
-        mean_T = sum(o[2] for o in offs) / calls
-        rows.append({"case": f"{calls} varlen prefills, 1-8 seqs of 1-512 tokens (mean {mean_T:.0f})", "impl": name,
-                     "wall us": wall, "host us": host, "device us": dev,
-                     "bound by": "-" if dev != dev else "host" if host > dev else "device"})
-    return rows
+        wall = (time.perf_counter() - t0) / calls * 1e6
+    n_dev = min(40, calls)
+    dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
+           if device != "cpu" else float("nan"))                           # (no CUDA activity to profile)
+    return {"case": case, "impl": name, "wall us": wall, "host us": host, "device us": dev,
+            "bound by": "-" if dev != dev else "host" if host > dev else "device"}
+
+
+def layer_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0, shape: tuple = (H, HV, K, V),
+                       max_len: int = 512) -> list:
+    """One GDN layer's prefill against a slot cache (conv + gating + l2norm + chunked delta rule, the slots' states
+    read and written), over the serving stream (serving_stream: 1-8 requests of 1..max_len tokens per call, random
+    distinct slots of a 64-slot float32 cache, every other request continuing from its state), bf16:
+      fast.gdn_prefill: one op; the conv and state kernels read and write the slots in place;
+      fast ops + gather / scatter: the model's prefill before gdn_prefill (gdn_materialize, the states gathered with
+        torch.where / indexing, fast.causal_conv1d and fast.chunk_gated_delta_rule, the finals scattered back);
+      fla 0.6.0 chunk + gather / scatter: the same with fla's chunk op (g from fast.gdn_gating, as vLLM's
+        fused_gdn_gating) in place of fast's (the conv stays fast's: fla's keeps W columns of state).
+    Wall / host / device us per call as _stream_row's (cu_seqlens' host copy given to every op)."""
+    import random
+
+    import fast
+    from conformance.cases_serving import make_cache
+    Hh, HVv, Kk, Vv = shape
+    fla = common.try_import_fla()
+    stream = serving_stream(calls, seed, max_len=max_len)
+    rng = random.Random(seed + 1)
+    S_SLOTS = 64
+    D = 2 * Hh * Kk + HVv * Vv
+    T_max = max(sum(x) for x in stream)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T_max, D, device=device, generator=gen).to(DTYPE)
+    a, b = (torch.randn(T_max, HVv, device=device, generator=gen).to(DTYPE) for _ in range(2))
+    cw = (torch.randn(D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
+    A_log = torch.rand(HVv, device=device, generator=gen)
+    dt_bias = torch.randn(HVv, device=device, generator=gen)
+    base = make_cache(S_SLOTS, Hh, HVv, Kk, Vv, CONV_W, seed=seed, state_dtype=torch.float32, act_dtype=DTYPE,
+                      device=device)
+    calls_in = []
+    for lens in stream:
+        slots = rng.sample(range(S_SLOTS), len(lens))
+        calls_in.append((torch.tensor(slots, dtype=torch.int32, device=device), cu_seqlens_of(lens, device),
+                         cu_seqlens_of(lens, "cpu"), sum(lens),
+                         torch.tensor([n % 2 == 0 for n in range(len(lens))], device=device)))
+    cache = base.clone()
+
+    def reset():
+        for f, g in zip(cache.tensors(), base.tensors()):
+            f.copy_(g)
+
+    def op(i):
+        idx, cu, cu_cpu, T, has = calls_in[i]
+        return fast.gdn_prefill(x[:T], a[:T], b[:T], cw, None, A_log, dt_bias, cache, idx, cu, has,
+                                cu_seqlens_cpu=cu_cpu)
+
+    def composed(chunk_op, gating: bool):
+        def call(i):
+            idx, cu, cu_cpu, T, has = calls_in[i]
+            fast.gdn_materialize(cache, idx)
+            sl = idx.long()
+            h0 = torch.where(has[:, None, None, None], cache.ssm_state[sl], 0)
+            c0 = torch.where(has[:, None, None], cache.conv_state[sl, :, :CONV_W - 1], 0).contiguous()
+            y, cf = fast.causal_conv1d(x[None, :T], cw, None, "silu", initial_state=c0, output_final_state=True,
+                                       cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+            y = y[0]
+            q = y[:, :Hh * Kk].unflatten(1, (Hh, Kk))[None]
+            k = y[:, Hh * Kk:2 * Hh * Kk].unflatten(1, (Hh, Kk))[None]
+            v = y[:, 2 * Hh * Kk:].unflatten(1, (HVv, Vv))[None]
+            if gating:
+                g, beta = fast.gdn_gating(A_log, a[None, :T], dt_bias, b[None, :T])
+                o, final = chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True)
+            else:
+                beta = torch.sigmoid(b[None, :T].float())
+                o, final = chunk_op(q, k, v, a[None, :T], beta, initial_state=h0, output_final_state=True,
+                                    cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True, A_log=A_log,
+                                    dt_bias=dt_bias)
+            cache.ssm_state.index_copy_(0, sl, final.to(cache.ssm_state.dtype))
+            cache.conv_state[sl, :, :CONV_W - 1] = cf
+            return o
+        return call
+
+    impls = [("fast.gdn_prefill", op), ("fast ops + gather / scatter", composed(fast.chunk_gated_delta_rule, False))]
+    if fla is not None and fla.chunk_gated_delta_rule is not None:
+        impls.append(("fla 0.6.0 chunk + gather / scatter (+ fast conv, fast.gdn_gating)",
+                      composed(fla.chunk_gated_delta_rule, True)))
+    mean_T = sum(c[3] for c in calls_in) / calls
+    case = (f"{calls} layer prefills, H={Hh} HV={HVv} K={Kk} V={Vv}, 1-8 requests of 1-{max_len} tokens "
+            f"(mean {mean_T:.0f})")
+    return [_stream_row(case, name, fn, calls, device, reset) for name, fn in impls]
 
 
 def run_sections(device: str = "cuda") -> list:
@@ -813,6 +910,8 @@ def run_sections(device: str = "cuda") -> list:
                      {"host us": "back-to-back calls without a sync, per call", "device us": "CUDA graph replay"}))
     sections.append(("Prefill: a serving stream (token and sequence counts change every call)",
                      serving_prefill_rows(device), {"rows": "benchmarks.bench_prefill.serving_prefill_rows"}))
+    sections.append(("Prefill: one GDN layer against a slot cache, a serving stream",
+                     layer_prefill_rows(device), {"rows": "benchmarks.bench_prefill.layer_prefill_rows"}))
     return sections
 
 

@@ -118,6 +118,17 @@ def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
         assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
 
 
+def test_layer_prefill_rows_at_a_tiny_shape(monkeypatch):
+    """layer_prefill_rows end to end on the test device at a tiny shape: gdn_prefill and the gather / scatter
+    composition over a stream of changing shapes, with timings (their equality: tests/test_serving_prefill.py)."""
+    import benchmarks.bench_prefill as bp
+    monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
+    rows = bp.layer_prefill_rows(DEVICE, calls=4, seed=5, shape=(1, 2, 16, 16), max_len=40)
+    assert [r["impl"] for r in rows] == ["fast.gdn_prefill", "fast ops + gather / scatter"]
+    for row in rows:
+        assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
+
+
 def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
     """common.best_of_autotune_draws finds Autotuners under a module prefix (also behind a heuristics wrapper),
     clears their picks before each draw with the on-disk cache off, and leaves the best draw's picks in place."""
