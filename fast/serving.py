@@ -1428,7 +1428,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
                rows, N, T, cache.num_slots)
         slot_rows = rows[:2 * N].view(N, 2)
         # 2. the written slots' pending tokens folded in (their committed state is what the request continues from)
-        gdn_materialize(cache, rows[2 * N:], raise_now=False)
+        _materialize(cache, rows[2 * N:])
         # 3. conv, reading and writing the slots' windows in place
         y, _ = conv_forward(mixed_qkv[None], conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
                             slot_rows=slot_rows)
@@ -1469,16 +1469,21 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
     _check_if_free(cache)
 
 
-def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False, *,
-                    raise_now: bool = True) -> None:
+def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
     """Commit the slots' pending tokens: afterwards ``ssm_state[slot]`` and ``conv_state[slot, :, :W-1]``
     are the slot's state and its count is 0 (what prefill and plain readers expect).
 
     state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request; a slot
     whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
-    Host work as gdn_decode's: checks and launch plan once per call signature. raise_now=False (gdn_prefill's
-    call, inside its own): no ``cache.check()`` on a CPU device here, the caller's comes after its launches.
+    Host work as gdn_decode's: checks and launch plan once per call signature.
     """
+    _materialize(cache, state_indices, check_values)
+    _check_if_free(cache)
+
+
+def _materialize(cache: GDNStateCache, state_indices, check_values: bool = False) -> None:
+    """gdn_materialize without its ``cache.check()`` on a CPU device (gdn_prefill's: its own comes after its other
+    launches, as every op's)."""
     def checked(reuse: bool) -> tuple:   # as _checked_plan: same safety argument, same bound
         check_cache(cache)
         N = check_state_indices(state_indices, cache, None, False)
@@ -1499,5 +1504,3 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
     if check_values:
         raise_first(step_value_faults(cache, state_indices, None, N)[1])
     _run(plan, *inputs, cache, state_indices, zeros_cu, None)
-    if raise_now:
-        _check_if_free(cache)

@@ -210,7 +210,7 @@ def test_fast_prefill_long_sequence_bit_for_bit_gpu(T):
         assert torch.equal(f, g)
 
 
-def _fault_setup(device="cpu", dtype=torch.float32):
+def _fault_setup(device=DEV, dtype=torch.float32):
     H, HV, K, V, W = 1, 2, 8, 8, 4
     D = 2 * H * K + HV * V
     layer = make_layer(H, HV, K, V, W, seed=16, dtype=dtype, device=device)
@@ -236,7 +236,7 @@ def test_faults_refgdn_raises_first_fast_records_and_skips(slots, offs, msg, run
     a CPU device after its launches (fast). Bad offsets raise the call's first fault before anything runs in
     both packages (a prefill reads its offsets on the host)."""
     layer, cache, x, a, b = _fault_setup()
-    idx, cu = torch.tensor(slots), torch.tensor(offs, dtype=torch.int32)
+    idx, cu = torch.tensor(slots, device=DEV), torch.tensor(offs, dtype=torch.int32, device=DEV)
     before = cache.clone()
     with pytest.raises(ValueError, match=msg):
         rs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu)
@@ -261,30 +261,34 @@ def test_faults_refgdn_raises_first_fast_records_and_skips(slots, offs, msg, run
 
 def test_awaiting_accept_is_a_fault():
     layer, cache, x, a, b = _fault_setup()
-    idx = torch.tensor([2, 0])
+    idx = torch.tensor([2, 0], device=DEV)
     for ops in (rs, fs):
         c = cache.clone()
-        ops.gdn_verify(x[:2], a[:2], b[:2], *_args(layer), c, torch.tensor([0]), _cu([2]))   # slot 0 awaits
-        c.check()
-        with pytest.raises(ValueError, match=r"state_indices\[1\] = 0: the slot's last verify awaits gdn_accept"):
-            ops.gdn_prefill(x, a, b, *_args(layer), c, idx, _cu([4, 5]), check_values=True)
-        c.err.zero_()
+        ops.gdn_verify(x[:2], a[:2], b[:2], *_args(layer), c, torch.tensor([0], device=DEV), _cu([2], DEV))
+        c.check()                                      # (slot 0 awaits its accept now)
+        before = c.clone()
+        for check_values in (True, False):
+            with pytest.raises(ValueError, match=r"state_indices\[1\] = 0: the slot's last verify awaits gdn_accept"):
+                ops.gdn_prefill(x, a, b, *_args(layer), c, idx, _cu([4, 5], DEV), check_values=check_values)
+                c.check()
+        for f, g in zip(c.slot_tensors(), before.slot_tensors()):    # slot 0 untouched (slot 2 ran)
+            assert torch.equal(f[0], g[0])
 
 
 BAD = [
-    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0]), None),
+    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0], device=DEV), None),
                  r"cu_seqlens must be given for a prefill", id="no-offsets"),
-    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1]),
-                                                            _cu([4, 5]), torch.tensor([1, 0])),
+    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1], device=DEV),
+                                                            _cu([4, 5], DEV), torch.tensor([1, 0], device=DEV)),
                  r"has_initial_state must be a bool tensor of shape \[N\] = \[2\], got torch.int64", id="flags-dtype"),
-    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1]),
-                                                            _cu([4, 5]), torch.tensor([True])),
+    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1], device=DEV),
+                                                            _cu([4, 5], DEV), torch.tensor([True], device=DEV)),
                  r"has_initial_state must be a bool tensor of shape \[N\] = \[2\]", id="flags-shape"),
-    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a[:-1], b, *_args(L), c, torch.tensor([0, 1]),
-                                                            _cu([4, 5])),
+    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a[:-1], b, *_args(L), c, torch.tensor([0, 1], device=DEV),
+                                                            _cu([4, 5], DEV)),
                  r"a must have shape", id="a-shape"),
-    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1]),
-                                                            _cu([4, 5]), cu_seqlens_cpu=torch.tensor([0, 9])),
+    pytest.param(lambda ops, L, c, x, a, b: ops.gdn_prefill(x, a, b, *_args(L), c, torch.tensor([0, 1], device=DEV),
+                                                            _cu([4, 5], DEV), cu_seqlens_cpu=torch.tensor([0, 9])),
                  r"cu_seqlens_cpu must have the shape of cu_seqlens", id="host-offsets-shape"),
 ]
 
@@ -308,11 +312,12 @@ def test_host_offsets_copy_spares_the_read(monkeypatch):
     import refgdn.checks as rc
     layer, cache, x, a, b = _fault_setup()
     cu = _cu([4, 5])
+    idx = torch.tensor([0, 1], device=DEV)
     reads = []
     real = rc._read
     monkeypatch.setattr(rc, "_read", lambda t: reads.append(t) or real(t))
-    fs.gdn_prefill(x, a, b, *_args(layer), cache, torch.tensor([0, 1]), cu, cu_seqlens_cpu=cu.clone())
-    fs.gdn_prefill(x, a, b, *_args(layer), cache, torch.tensor([0, 1]), cu, cu_seqlens_cpu=cu.clone())
+    fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV), cu_seqlens_cpu=cu)
+    fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV), cu_seqlens_cpu=cu)
     assert reads == []
-    fs.gdn_prefill(x, a, b, *_args(layer), cache, torch.tensor([0, 1]), cu)
+    fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV))
     assert len(reads) == 1                             # without it: one read per call, shared by every kernel
