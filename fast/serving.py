@@ -121,7 +121,7 @@ from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inp
 
 from .chunk import chunk_gated_delta_rule_fwd
 from .conv import _forward as conv_forward
-from .launch import ABSENT, Carved, LaunchPlan, MetaGuard, PlanCache, Relaunch, launch
+from .launch import ABSENT, Carved, LaunchPlan, MetaGuard, PlanCache, Relaunch, launch, shape_key
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
@@ -1353,7 +1353,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
 
 PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
-# gdn_prefill's host caches: signatures whose calls passed the shape checks (refgdn.serving.prefill_signature), and
+# gdn_prefill's host caches: signatures whose calls passed the shape checks (_prefill_signature), and
 # the LaunchPlans of its launches by the dtypes and devices of every tensor it hands a kernel (_prefill_dtypes: what a
 # LaunchPlan leaves to its caller to pin; fast.launch.LaunchPlan)
 _PREFILL_CHECKED = PlanCache(PLAN_CACHE_SIZE)
@@ -1362,6 +1362,29 @@ _PREFILL_PLANS = PlanCache(16)
 
 def _prefill_dtypes(cache: GDNStateCache, *tensors) -> tuple:
     return tuple(None if t is None else (t.dtype, t.device) for t in (*tensors, *rs.cache_fields(cache)))
+
+
+def _prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
+                       has_initial_state, scale, activation, cu_seqlens_cpu) -> Optional[tuple]:
+    """What refgdn.serving.check_prefill_inputs reads, less the token count T and the request count N (so one entry
+    serves a serving stream's changing shapes; fast.chunk's call signatures do the same): each tensor's
+    fast.launch.shape_key less its T or N dim, the cache's fields' tensor_signature (contiguity included), the
+    equalities the checks test (a's and b's T equal mixed_qkv's, state_indices' and has_initial_state's N equal
+    cu_seqlens' length - 1, cu_seqlens_cpu's shape cu_seqlens', N == 0, T == 0), type(cache), type(scale) and
+    activation. None when an argument cannot be described (then checked in full)."""
+    if activation is not None and type(activation) is not str:
+        return None
+    try:
+        T, N = mixed_qkv.shape[0], cu_seqlens.shape[0] - 1
+        return (type(cache), type(scale), activation, shape_key(mixed_qkv, 0), shape_key(a, 0), shape_key(b, 0),
+                shape_key(conv_weight), shape_key(conv_bias), shape_key(A_log), shape_key(dt_bias),
+                shape_key(state_indices, 0), shape_key(cu_seqlens, 0), shape_key(has_initial_state, 0),
+                shape_key(cu_seqlens_cpu, 0), a.shape[0] == T, b.shape[0] == T, state_indices.shape[0] == N,
+                has_initial_state is None or has_initial_state.shape[0] == N,
+                cu_seqlens_cpu is None or cu_seqlens_cpu.shape == cu_seqlens.shape, N == 0, T == 0,
+                *map(rs.tensor_signature, rs.cache_fields(cache)))
+    except Exception:  # noqa: BLE001 - not a tensor / a cache, too few dims: the full checks name the problem
+        return None
 
 
 @one_host_read   # cu_seqlens' values read to the host once per call (none with cu_seqlens_cpu)
@@ -1389,8 +1412,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
     The cache's ssm_state must be contiguous (GDNStateCache.allocate's). float64 runs refgdn.
     """
-    sig = rs.prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                               cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu)
+    sig = _prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                             cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu)
     if sig is None or _PREFILL_CHECKED.get(sig) is None:
         rs.check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                                 cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, False)

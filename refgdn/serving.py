@@ -558,7 +558,8 @@ def check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias
     As check_step_inputs for a verify (mixed_qkv [T, D], a, b [T, HV], state_indices [N], cu_seqlens [N+1]),
     plus has_initial_state: [N] bool or None, and cu_seqlens_cpu: cu_seqlens' values as a CPU tensor or None
     (its values then stand for cu_seqlens'). With check_values the value rules too (step_faults without a token
-    cap; host reads). What the shape checks read is summarised by :func:`prefill_signature` (keep them in step).
+    cap; host reads). What the shape checks read is summarised by fast.serving's _prefill_signature (keep them in
+    step).
     """
     if cu_seqlens is None:
         raise ValueError("cu_seqlens must be given for a prefill ([N+1] int, vLLM's query_start_loc)")
@@ -647,18 +648,6 @@ def step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cach
         return (type(cache), type(scale), activation, *map(tensor_signature, step_tensors(
             mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens)))
     except Exception:  # noqa: BLE001 - not a tensor / not a cache: the full checks raise their own error
-        return None
-
-
-def prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                      has_initial_state=None, scale=None, activation="silu", cu_seqlens_cpu=None) -> Optional[tuple]:
-    """As step_signature, for :func:`check_prefill_inputs`: step_signature's, then has_initial_state's and
-    cu_seqlens_cpu's tensor_signature."""
-    sig = step_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
-                         scale, activation)
-    try:
-        return None if sig is None else (*sig, tensor_signature(has_initial_state), tensor_signature(cu_seqlens_cpu))
-    except Exception:  # noqa: BLE001 - see step_signature
         return None
 
 

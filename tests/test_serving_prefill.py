@@ -307,6 +307,25 @@ def test_bad_input_same_error_nothing_touched(call, msg):
         assert torch.equal(f, g)
 
 
+def test_a_remembered_signature_still_rejects_bad_shapes():
+    """fast.gdn_prefill remembers a call layout that passed the checks whatever its T and N; calls whose T or N
+    disagree between arguments, or other shapes, still raise refgdn's error, and write nothing."""
+    layer, cache, x, a, b = _fault_setup()
+    idx, cu, has = torch.tensor([0, 1], device=DEV), _cu([4, 5], DEV), torch.tensor([True, False], device=DEV)
+    for T, lens in ((9, [4, 5]), (5, [2, 3]), (9, [4, 5])):          # remembered from the second call
+        fs.gdn_prefill(x[:T], a[:T], b[:T], *_args(layer), cache, idx, _cu(lens, DEV), has)
+    before = cache.clone()
+    bad = [(lambda: fs.gdn_prefill(x, a[:-1], b, *_args(layer), cache, idx, cu, has), r"a must have shape"),
+           (lambda: fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu, has[:1]), r"has_initial_state must be"),
+           (lambda: fs.gdn_prefill(x, a, b, *_args(layer), cache, idx[:1], cu, has), r"state_indices must have"),
+           (lambda: fs.gdn_prefill(x[:, :-1], a, b, *_args(layer), cache, idx, cu, has), r"mixed_qkv must have")]
+    for call, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    for f, g in zip(cache.tensors(), before.tensors()):
+        assert torch.equal(f, g)
+
+
 def test_host_offsets_copy_spares_the_read(monkeypatch):
     """With cu_seqlens_cpu, fast.gdn_prefill reads no offsets from the device (vLLM's query_start_loc_cpu)."""
     import refgdn.checks as rc
