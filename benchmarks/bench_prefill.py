@@ -770,26 +770,23 @@ def _stream_row(case: str, name: str, fn: Callable[[int], object], calls: int, d
     core (common.one_core): host us (per call, back to back without a sync), wall us (per call, one sync at the
     end), device us (per call, the kernels' busy time over the first 40 calls, torch.profiler). reset(): run before
     each pass (e.g. a cache's contents restored), untimed."""
+    def timed_pass(sync: bool) -> float:                       # us per call
+        if reset is not None:
+            reset()
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        if sync:
+            common.synchronize(device)
+        return (time.perf_counter() - t0) / calls * 1e6
+
     for i in range(calls):
         fn(i)
     common.synchronize(device)
     with common.one_core():                                      # host-bound: one core
-        if reset is not None:
-            reset()
-        common.synchronize(device)
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        host = (time.perf_counter() - t0) / calls * 1e6
-        common.synchronize(device)
-        if reset is not None:
-            reset()
-        common.synchronize(device)
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        common.synchronize(device)
-        wall = (time.perf_counter() - t0) / calls * 1e6
+        host = timed_pass(False)
+        wall = timed_pass(True)
     n_dev = min(40, calls)
     dev = (busy_ms(_kernel_spans(_profile(lambda: [fn(i) for i in range(n_dev)], 1))) * 1e3 / n_dev
            if device != "cpu" else float("nan"))                           # (no CUDA activity to profile)

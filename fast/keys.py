@@ -188,10 +188,10 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
 
     def e(*shape, dtype=mixed_qkv.dtype):
         return torch.empty(*shape, dtype=dtype, device=dev)
-    out = [CompileKey.make("prefill_rows_kernel", dict(BN=_serving.PREFILL_BLOCK, HAS_FLAGS=has_initial_state is not None),
+    flags = has_initial_state is not None
+    out = [CompileKey.make("prefill_rows_kernel", dict(BN=_serving.PREFILL_BLOCK, HAS_FLAGS=flags),
                            dict(meta=cache.pend_meta.dtype, err=cache.err.dtype, state_indices=state_indices.dtype,
-                                has_initial_state=(torch.uint8 if has_initial_state is not None
-                                                   else state_indices.dtype),
+                                has_initial_state=torch.uint8 if flags else state_indices.dtype,
                                 cu_seqlens=cu_seqlens.dtype, rows=_I32),
                            dict(num_warps=4))]
     out += gdn_materialize(cache, e(N, dtype=_I32), device=device)

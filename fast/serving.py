@@ -113,8 +113,9 @@ import torch
 import triton
 import triton.language as tl
 
-import refgdn.serving as rs
 from einops import rearrange
+
+import refgdn.serving as rs
 from refgdn.checks import host_offsets, one_host_read, provide_host_offsets
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
@@ -124,8 +125,8 @@ from .conv import _forward as conv_forward
 from .launch import ABSENT, Carved, LaunchPlan, MetaGuard, PlanCache, Relaunch, launch, shape_key
 from .utils import cdiv, is_interpreting, next_pow2
 
-__all__ = ["GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize", "step_config",
-           "conv_config"]
+__all__ = ["GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
+           "step_config", "conv_config"]
 
 
 class _Const(tl.constexpr):
@@ -994,10 +995,10 @@ def prefill_rows_kernel(meta, err, state_indices, has_initial_state, cu_seqlens,
     """gdn_prefill's verdicts, one program for the call's N requests (blocks of BN; the duplicate scan
     pairwise, as the steps'): the value rules of refgdn.serving.step_faults without a token cap.
 
-    rows: int32 [3, N] written: rows[0:2] viewed as [N, 2] = (slot written, slot read) per request, -1 for
-    none (a padded or failed request writes nothing and reads nothing; without an initial state it reads
-    nothing), the form the conv and state kernels take (their SLOTS); rows[2] = the slot written again, as a
-    contiguous [N] for gdn_materialize. The lowest faulty request's fault goes into err (if it is empty).
+    rows: int32 [3N] written: rows[:2N] as [N, 2] = (slot written, slot read) per request, -1 for none (a
+    padded or failed request writes nothing and reads nothing; without an initial state it reads nothing),
+    the form the conv and state kernels take (their SLOTS); rows[2N:] = the slots written again, a contiguous
+    [N] for gdn_materialize. The lowest faulty request's fault goes into err (if it is empty).
     """
     c0 = tl.load(cu_seqlens).to(tl.int64)
     cN = tl.load(cu_seqlens + N).to(tl.int64)

@@ -807,10 +807,10 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     Afterwards the slot is committed (count 0), whatever was pending; a slot whose verify awaits its
     accept is a fault (E_AWAITING), as for decode. The value rules are decode's and verify's without a
     token cap (the module docstring; check_values=False: skip and record), except that bad offsets always
-    raise the call's first fault before anything runs (a prefill reads its offsets on the host). Numerics: the conv in the
-    compute dtype (refgdn.causal_conv1d), beta = sigmoid(b) and the gating (fused into the chunked
-    form: g = -exp(A_log) softplus(a + dt_bias)) in float32 (float64), the state read once and written
-    once, rounded to the cache's dtype. No autograd (a serving op).
+    raise the call's first fault before anything runs (a prefill reads its offsets on the host).
+    Numerics: the conv in the compute dtype (refgdn.causal_conv1d), beta = sigmoid(b) and the gating
+    (fused into the chunked form: g = -exp(A_log) softplus(a + dt_bias)) in float32 (float64), the
+    state read once and written once, rounded to the cache's dtype. No autograd (a serving op).
     """
     N = check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                              cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, check_values)
