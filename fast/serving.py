@@ -1430,8 +1430,10 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         raise_first(rs.prefill_value_faults(cache, state_indices, offsets, T)[1])
     if any(t is not None and t.dtype == torch.float64
            for t in (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state)):
-        return rs.gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                              cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
+        o = rs.gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                           cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
+        _check_if_free(cache)                                   # (as below: refgdn recorded the fault)
+        return o
     H, HV, K, V = cache.H, cache.HV, cache.K, cache.V
     dev = cache.ssm_state.device
     if N == 0:

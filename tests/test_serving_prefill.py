@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fast
 import fast.serving as fs
@@ -340,3 +342,50 @@ def test_host_offsets_copy_spares_the_read(monkeypatch):
     assert reads == []
     fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV))
     assert len(reads) == 1                             # without it: one read per call, shared by every kernel
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_fuzz_fast_prefill_against_refgdn(data):
+    """Random request counts and lengths (empty ones included), slots (padded rows included), initial-state flags,
+    conv widths, bias or none, GVA factors: fast's outputs (real requests) and every cache tensor against refgdn's
+    in the same precision (float32), by the conformance rule against the float64 truth."""
+    from conformance.core import Check, evaluate
+    H_ = data.draw(st.integers(1, 2), "H")
+    HV_ = H_ * data.draw(st.sampled_from([1, 2]), "gva")
+    K_, V_ = data.draw(st.sampled_from([8, 16]), "K"), data.draw(st.sampled_from([8, 12]), "V")
+    W_ = data.draw(st.integers(2, 4), "W")
+    S_ = 5
+    N = data.draw(st.integers(1, 4), "N")
+    lens = [data.draw(st.integers(0, 40), f"len{n}") for n in range(N)]
+    slots = data.draw(st.permutations(list(range(S_)) + [-1, -1]), "slots")[:N]
+    has = [data.draw(st.booleans(), f"has{n}") for n in range(N)]
+    seed = data.draw(st.integers(0, 2 ** 16), "seed")
+    D = 2 * H_ * K_ + HV_ * V_
+    lay64 = make_layer(H_, HV_, K_, V_, W_, bias=data.draw(st.booleans(), "bias"), seed=seed)
+    base = make_cache(S_, H_, HV_, K_, V_, W_, seed=seed + 1)
+    x, a, b = make_tokens(sum(lens), HV_, D, seed=seed + 2)
+    idx, cu, flags = torch.tensor(slots), _cu(lens), torch.tensor(has)
+    truth = base.clone()
+    o64 = rs.gdn_prefill(x, a, b, *_args(lay64), truth, idx, cu, flags)
+    f32 = {k_: (v_.float() if v_ is not None else None) for k_, v_ in lay64.items()}
+    ref, got = (from_cache(base) for _ in range(2))
+    o_ref = rs.gdn_prefill(x.float(), a.float(), b.float(), *_args(f32), ref, idx, cu, flags)
+    dev = {k_: (v_.to(DEV) if v_ is not None else None) for k_, v_ in f32.items()}
+    got = got.to(device=DEV)
+    o = fs.gdn_prefill(x.float().to(DEV), a.float().to(DEV), b.float().to(DEV), *_args(dev), got, idx.to(DEV),
+                       cu.to(DEV), flags.to(DEV))
+    offs = cu.tolist()
+    rows = [t for n, s in enumerate(slots) if s >= 0 for t in range(offs[n], offs[n + 1])]
+    if rows:
+        assert evaluate(Check("o", o[rows], o64[rows], ref=o_ref[rows]))["passed"]
+    assert evaluate(Check("ssm", got.ssm_state, truth.ssm_state, ref=ref.ssm_state))["passed"]
+    for name in ("conv_state", "pend_meta", "pend_k", "pend_v", "pend_g", "pend_beta"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+    assert got.err.tolist() == [0, 0, 0, 0]
+
+
+def from_cache(c):
+    """The float32 copy of a float64 cache (conformance.cases_serving.cast_cache)."""
+    from conformance.cases_serving import cast_cache
+    return cast_cache(c, torch.float32, torch.float32)
