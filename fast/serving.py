@@ -1411,8 +1411,15 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     the chunked forward's (fast.chunk). cu_seqlens' values are read on the host (a sync, none with
     cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and checked there: bad offsets raise refgdn's
     first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
-    The cache's ssm_state must be contiguous (GDNStateCache.allocate's). float64 runs refgdn.
+    The cache's ssm_state must be contiguous (GDNStateCache.allocate's). float64 runs refgdn. Inside CUDA-graph
+    capture it raises refgdn.capture.HostSyncInCapture before anything runs (its per-call host work could not be
+    replayed: the offsets' read, the chunk tables' upload).
     """
+    if _capturing():
+        from refgdn.capture import HostSyncInCapture
+        raise HostSyncInCapture("fast.gdn_prefill inside CUDA-graph capture: a prefill reads cu_seqlens' values on "
+                                "the host and uploads per-call chunk tables, which a graph cannot replay; run "
+                                "prefill eagerly (graphs are for decode, verify and draft steps)")
     sig = _prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                              cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu)
     if sig is None or _PREFILL_CHECKED.get(sig) is None:

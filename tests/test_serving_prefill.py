@@ -389,3 +389,18 @@ def from_cache(c):
     """The float32 copy of a float64 cache (conformance.cases_serving.cast_cache)."""
     from conformance.cases_serving import cast_cache
     return cast_cache(c, torch.float32, torch.float32)
+
+
+def test_prefill_refuses_cuda_graph_capture(monkeypatch):
+    """Inside capture (the stream reports capturing) gdn_prefill raises the lifecycle's HostSyncInCapture, naming
+    the op, before it launches or writes anything."""
+    from refgdn.capture import HostSyncInCapture
+    layer, cache, x, a, b = _fault_setup()
+    before = cache.clone()
+    monkeypatch.setattr(fs, "_capturing", lambda: True)
+    with pytest.raises(HostSyncInCapture, match="fast.gdn_prefill inside CUDA-graph capture"):
+        fs.gdn_prefill(x, a, b, *_args(layer), cache, torch.tensor([0, 1], device=DEV), _cu([4, 5], DEV),
+                       cu_seqlens_cpu=_cu([4, 5]))
+    for f, g in zip(cache.tensors(), before.tensors()):
+        assert torch.equal(f, g)
+
