@@ -40,7 +40,7 @@ import triton.language as tl
 from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_offsets_again, one_host_read
 
 from .launch import SignaturePlans, launch, shape_key, varlen_key
-from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
+from .utils import cdiv, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
 
 
 @triton.jit
@@ -110,17 +110,6 @@ def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, m_init, ze
 
 
 @triton.jit
-def _init_row(slot_rows, i_n, stride_s_n, zero_d, m_d, SLOTS: tl.constexpr):
-    """(offset of sequence i_n's initial state, the [BD] mask of its reads): row i_n of an [N, D, W-1] state, or
-    with SLOTS (the serving prefill: initial_state is a slot cache's conv_state) slot slot_rows[i_n, 1]
-    (int32 [N, 2]; -1: no state, read as zeros)."""
-    if SLOTS:
-        r = tl.load(slot_rows + i_n * 2 + 1).to(tl.int64)
-        return tl.maximum(r, 0) * stride_s_n, m_d & (zero_d + r >= 0)
-    return i_n * stride_s_n, m_d
-
-
-@triton.jit
 def _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d):
     """Input rows r .. r+3 (r: int64 scalar) as four [BD] vectors in x's dtype. j_d: the block-local
     index of row r and n_d: the block's row count, as int32 [BD] vectors; rows j >= n are masked
@@ -155,7 +144,8 @@ def causal_conv1d_fwd_window_kernel(
     slides: every row of the block is loaded once and every output stored once. Values are kept
     in the compute dtype (float32, float64 with FP64): converting x to it is exact.
     PREFETCH: double-buffer the 4-row loads (more bytes in flight per thread, +4 rows of registers).
-    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX). SLOTS: see _init_row.
+    FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX). SLOTS: initial_state is a slot
+    cache's conv_state (fast.utils.slot_row).
     """
     if FP64:
         DT: tl.constexpr = tl.float64
@@ -186,7 +176,8 @@ def causal_conv1d_fwd_window_kernel(
     # Row conditions are broadcast to [BD] vectors before they meet m_d: the compiler folds the
     # add of zeros (a splat), and the Triton interpreter mis-types `vector & scalar` masks.
     zero_d = tl.zeros([BD], dtype=tl.int64)
-    s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, zero_d, m_d, SLOTS)   # (read with HAS_INIT only)
+    r_init, m_init = slot_row(slot_rows, i_n, 1, zero_d, m_d, SLOTS)     # (read with HAS_INIT only)
+    s_off = r_init * stride_s_n
 
     # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
     w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
@@ -261,7 +252,7 @@ def causal_conv1d_fwd_kernel(
     grid = (cdiv(D, BD), tiles, B): dense tiles = cdiv(T, BT); varlen (B == 1) tiles = rows of
     tile_table [NT, 2] = (sequence n, tile index within n).
     y_t = act(bias + sum_j w[:, j] * x_{t-W+1+j}), positions < 0 read initial_state[n, :, W-1+pos].
-    SLOTS: see _init_row.
+    SLOTS: initial_state is a slot cache's conv_state (fast.utils.slot_row).
     """
     i_d = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -284,7 +275,8 @@ def causal_conv1d_fwd_kernel(
     o_d = i_d * BD + tl.arange(0, BD)                    # channels, [BD]
     m_d = o_d < D
     m_t = o_t < L
-    s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, o_d.to(tl.int64) * 0, m_d, SLOTS)
+    r_init, m_init = slot_row(slot_rows, i_n, 1, o_d, m_d, SLOTS)
+    s_off = r_init * stride_s_n
     if FP64:
         acc = tl.zeros([BT, BD], dtype=tl.float64)
     else:
@@ -348,16 +340,11 @@ def causal_conv1d_final_state_kernel(
     b = tl.load(x_base + pos.to(tl.int64)[None, :] * stride_x_t + o_d[:, None] * stride_x_d,
                 mask=m_d[:, None] & (m_i & (pos >= 0))[None, :], other=0).to(final_state.dtype.element_ty)
     if HAS_INIT:
-        s_off, m_init = _init_row(slot_rows, i_n, stride_s_n, o_d.to(tl.int64) * 0, m_d, SLOTS)
-        b_s = tl.load(initial_state + s_off + o_d[:, None] * stride_s_d + (pos + (W - 1))[None, :] * stride_s_w,
-                      mask=m_init[:, None] & (m_i & (pos < 0))[None, :], other=0)
+        r_init, m_init = slot_row(slot_rows, i_n, 1, o_d, m_d, SLOTS)
+        b_s = tl.load(initial_state + r_init * stride_s_n + o_d[:, None] * stride_s_d
+                      + (pos + (W - 1))[None, :] * stride_s_w, mask=m_init[:, None] & (m_i & (pos < 0))[None, :], other=0)
         b = tl.where((pos >= 0)[None, :], b, b_s.to(final_state.dtype.element_ty))
-    f_row = i_n
-    m_f = m_d
-    if SLOTS:
-        f_row = tl.load(slot_rows + i_n * 2).to(tl.int64)
-        m_f = m_d & (o_d * 0 + f_row >= 0)
-        f_row = tl.maximum(f_row, 0)
+    f_row, m_f = slot_row(slot_rows, i_n, 0, o_d, m_d, SLOTS)
     tl.store(final_state + f_row * stride_f_n + o_d[:, None] * stride_f_d + o_i[None, :] * stride_f_w, b,
              mask=m_f[:, None] & m_i[None, :])
 
@@ -528,17 +515,14 @@ def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_
         else:
             fwd = causal_conv1d_fwd_kernel
         kw.update(W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-                  HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64)
-        if slot_rows is not None:
-            kw["SLOTS"] = True
+                  HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64,
+                  SLOTS=slot_rows is not None)
         launch(fwd, grid, kw, x, y, weight, bias, initial_state, cu_checked, tile_table, slot_rows, T, D,
                *x.stride(), *weight.stride(), *s)
     if output_final_state and W > 1 and N > 0:
         BDs = max(16, min(256, next_pow2(D)))
         kw = dict(W=W, WP=next_pow2(W - 1), BD=BDs, HAS_INIT=initial_state is not None,
-                  IS_VARLEN=cu_seqlens is not None, num_warps=4)
-        if slot_rows is not None:
-            kw["SLOTS"] = True
+                  IS_VARLEN=cu_seqlens is not None, SLOTS=slot_rows is not None, num_warps=4)
         launch(causal_conv1d_final_state_kernel, (cdiv(D, BDs), N), kw,
                x, final, initial_state, cu_checked, slot_rows, T, D, *x.stride(), *s, *final.stride())
     return y, final

@@ -34,9 +34,9 @@ from . import conv as _conv
 from . import serving as _serving
 from .utils import cdiv, is_interpreting, next_pow2
 
-__all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
-           "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm", "chunk_gated_delta_rule",
-           "recurrent_gated_delta_rule"]
+__all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
+           "gdn_materialize", "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm",
+           "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _I32 = torch.int32
 _F32 = torch.float32

@@ -106,6 +106,7 @@ materialize) mode and per cache geometry (fast/keys.py lists them).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -121,8 +122,9 @@ from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inp
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
 from .chunk import chunk_gated_delta_rule_fwd
+from .chunk.common import _is_fp64
 from .conv import _forward as conv_forward
-from .launch import ABSENT, Carved, LaunchPlan, MetaGuard, PlanCache, Relaunch, launch, shape_key
+from .launch import ABSENT, Carved, MetaGuard, PlanCache, Relaunch, SignaturePlans, launch, shape_key
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize",
@@ -1302,6 +1304,7 @@ def clear_plan_cache() -> None:
     """Forget every cached signature (the next call of each kind checks in full). Tests and benchmarks."""
     _PLANS.clear()
     _LAST.clear()
+    _PREFILL_PLANS.clear()
 
 
 def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: GDNStateCache, state_indices,
@@ -1354,15 +1357,9 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
 
 PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
-# gdn_prefill's host caches: signatures whose calls passed the shape checks (_prefill_signature), and
-# the LaunchPlans of its launches by the dtypes and devices of every tensor it hands a kernel (_prefill_dtypes: what a
-# LaunchPlan leaves to its caller to pin; fast.launch.LaunchPlan)
-_PREFILL_CHECKED = PlanCache(PLAN_CACHE_SIZE)
-_PREFILL_PLANS = PlanCache(16)
-
-
-def _prefill_dtypes(cache: GDNStateCache, *tensors) -> tuple:
-    return tuple(None if t is None else (t.dtype, t.device) for t in (*tensors, *rs.cache_fields(cache)))
+# gdn_prefill's signatures (_prefill_signature) that passed the shape checks -> the LaunchPlan of their launches, from
+# a signature's second call on (as fast.chunk's and fast.conv's)
+_PREFILL_PLANS = SignaturePlans(PLAN_CACHE_SIZE, seen_size=256)
 
 
 def _prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
@@ -1422,21 +1419,20 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
                                 "prefill eagerly (graphs are for decode, verify and draft steps)")
     sig = _prefill_signature(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                              cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu)
-    if sig is None or _PREFILL_CHECKED.get(sig) is None:
+    plan = _PREFILL_PLANS.get(sig)
+    if plan is None:
         rs.check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                                 cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, False)
         if not cache.ssm_state.is_contiguous():
             raise ValueError("cache.ssm_state must be contiguous for fast.gdn_prefill (GDNStateCache.allocate's is)")
-        if sig is not None:
-            _PREFILL_CHECKED.put(sig, True)
+        plan = _PREFILL_PLANS.after_checks(sig)                  # (None on a signature's first call)
     elif cu_seqlens_cpu is not None:
         provide_host_offsets(cu_seqlens, cu_seqlens_cpu)      # (checked with this signature: it stands for cu_seqlens)
     T, N = mixed_qkv.shape[0], state_indices.shape[0]
     offsets = host_offsets(cu_seqlens)                          # cu_seqlens_cpu's values when given
     if check_values or not rs.offsets_sane(offsets, T):          # bad offsets: refgdn's first fault, before any launch
         raise_first(rs.prefill_value_faults(cache, state_indices, offsets, T)[1])
-    if any(t is not None and t.dtype == torch.float64
-           for t in (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state)):
+    if _is_fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state):
         o = rs.gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                            cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
         _check_if_free(cache)                                   # (as below: refgdn recorded the fault)
@@ -1447,13 +1443,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         return torch.empty(T, HV, V, dtype=mixed_qkv.dtype, device=dev)
     state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
     flags = has_initial_state.contiguous().view(torch.uint8) if has_initial_state is not None else None
-    key = _prefill_dtypes(cache, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, state_indices,
-                          cu_seqlens, flags) + (activation, type(scale))
-    plan = _PREFILL_PLANS.get(key)
-    if plan is None:
-        plan = LaunchPlan()
-        _PREFILL_PLANS.put(key, plan)
-    with plan:
+    with plan if plan is not None else contextlib.nullcontext():
         # 1. verdicts: rows[0:2N] as [N, 2] (slot written, slot read; -1: none), rows[2N:] the written slots
         rows = torch.empty(3 * N, dtype=torch.int32, device=dev)
         launch(prefill_rows_kernel, (1,), dict(BN=PREFILL_BLOCK, HAS_FLAGS=flags is not None, num_warps=4),

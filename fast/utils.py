@@ -1,4 +1,4 @@
-"""Small helpers shared by the fast kernels: interpreter detection, sizes, varlen chunk tables.
+"""Small helpers shared by the fast kernels: interpreter detection, sizes, varlen chunk tables, a slot-row lookup.
 
 Nothing here launches a kernel. The varlen table builders read ``cu_seqlens`` on the host
 (one device->host copy per op, shared with its value check: refgdn.checks.one_host_read_scope),
@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from refgdn.checks import host_offsets
 
@@ -53,6 +55,21 @@ class VarlenTables(NamedTuple):
     offsets: torch.Tensor
     checked: torch.Tensor
     order: torch.Tensor
+
+
+@triton.jit
+def slot_row(slot_rows, i_n, COL: tl.constexpr, ref, mask, SLOTS: tl.constexpr):
+    """(row, mask): the row of an initial / final state that sequence i_n reads or writes, and ``mask`` (ref's
+    shape) narrowed to it. Without SLOTS the row is i_n (an [N, ...] state). With SLOTS (the serving prefill,
+    fast.serving.gdn_prefill: the state is a slot cache's) it is slot_rows[i_n, COL] (int32 [N, 2]: COL 0 the slot
+    written, 1 the slot read; -1: none, the mask all false and the row 0, a safe address)."""
+    if SLOTS:
+        r = tl.load(slot_rows + i_n * 2 + COL).to(tl.int64)
+        mask = mask & ((ref * 0 + (r >= 0).to(tl.int32)) != 0)   # a scalar as a block mask (the interpreter too)
+        r = tl.maximum(r, 0)
+    else:
+        r = i_n.to(tl.int64)
+    return r, mask
 
 
 def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTables:

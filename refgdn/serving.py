@@ -181,7 +181,8 @@ def _slot_faults(slots: Sequence[int], num_slots: int):
 
 
 def step_faults(slots: Sequence[int], num_slots: int, awaiting: Callable[[int], bool],
-                offsets: Optional[Sequence[int]] = None, T: int = 0, cap: Optional[int] = 1) -> Tuple[List[bool], List]:
+                offsets: Optional[Sequence[int]] = None, T: int = 0,
+                cap: Optional[int] = 1) -> Tuple[List[bool], List]:
     """The value rules of decode (offsets None), verify, prefill and materialize, on host lists.
 
     slots: state_indices; awaiting(slot): its AWAIT_ACCEPT bit; offsets: cu_seqlens; T: tokens;
@@ -813,12 +814,12 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     state read once and written once, rounded to the cache's dtype. No autograd (a serving op).
     """
     N = check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                             cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, check_values)
+                             cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, False)
     H, HV, K, V, W = cache.H, cache.HV, cache.K, cache.V, cache.W
     T = mixed_qkv.shape[0]
     offsets = host_offsets(cu_seqlens)                 # cu_seqlens_cpu's values when given
     ok, faults = prefill_value_faults(cache, state_indices, offsets, T)
-    if not offsets_sane(offsets, T):                   # read on the host anyway: raised before anything runs
+    if check_values or not offsets_sane(offsets, T):   # (bad offsets: read on the host anyway, raised at once)
         raise_first(faults)
     record_fault(cache, faults)
     has = [True] * N if has_initial_state is None else has_initial_state.tolist()

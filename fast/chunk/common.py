@@ -136,21 +136,6 @@ def _seq_first_chunk(i_n, chunk_offsets, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _state_row(slot_rows, i_n, COL: tl.constexpr, ref, mask, SLOTS: tl.constexpr):
-    """(row, mask): the row of an initial / final state sequence i_n reads or writes, and ``mask`` [ref's shape]
-    narrowed to it. Without SLOTS the row is i_n ([N, HV, K, V] states). With SLOTS (a slot cache's ssm_state) it
-    is slot_rows[i_n, COL] (int32 [N, 2]: COL 0 the slot written, 1 the slot read; -1: none, the mask all false and
-    the row 0, a safe address)."""
-    if SLOTS:
-        r = tl.load(slot_rows + i_n * 2 + COL).to(tl.int64)
-        mask = mask & ((ref * 0 + (r >= 0).to(tl.int32)) != 0)   # a scalar as a block mask (the interpreter too)
-        r = tl.maximum(r, 0)
-    else:
-        r = i_n.to(tl.int64)
-    return r, mask
-
-
-@triton.jit
 def _exp(x, PRECISE: tl.constexpr):
     """exp(x) in fp32. PRECISE (fp32 inputs): range-reduced, a few ulp at any |x|; else tl.exp.
 

@@ -21,9 +21,9 @@ import refgdn
 from refgdn.checks import check_chunk_size
 
 from ..launch import launch
-from ..utils import cdiv, is_interpreting
+from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
-                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _state_row, _unit_last, _upcast)
+                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
 
 
@@ -102,7 +102,7 @@ def chunk_state_kernel(
     k_base = k + i_b * s_kb + (i_h // GROUP) * s_kh
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        r0, m0 = _state_row(slot_rows, i_n, 1, kv_off, m_kv, H0_SLOTS)
+        r0, m0 = slot_row(slot_rows, i_n, 1, kv_off, m_kv, H0_SLOTS)
         b_h += tl.load(h0 + (r0 * HV + i_h) * K * V + kv_off, mask=m0, other=0.0).to(tl.float32)
 
     q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
@@ -183,7 +183,7 @@ def chunk_state_kernel(
         b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                               # + K^T (decayed v_new)
 
     if STORE_HT:
-        r1, m1 = _state_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
+        r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
         tl.store(ht + (r1 * HV + i_h) * K * V + kv_off, b_h.to(ht.dtype.element_ty), mask=m1)
 
 
