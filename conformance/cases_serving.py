@@ -73,6 +73,39 @@ def make_cache(num_slots, H, HV, K, V, W=4, max_draft=0, *, seed=0, state_dtype=
     return c
 
 
+def paged_cache(c: GDNStateCache, gap: int = 48) -> tuple:
+    """(cache, raw): c's contents in vLLM's hybrid-cache layout. Each slot owns one page of a raw byte buffer
+    ``raw`` [S, page] holding its conv window (channels contiguous, as allocate's) and then its ssm state; the
+    cache's ssm_state and conv_state are views whose slot stride is the page (vLLM's gpu_model_runner makes its
+    mamba state tensors with ``as_strided``, stride[0] = page size, on one raw tensor per layer). ``gap`` unused
+    bytes end each page (vLLM's pages are padded to a common size), zero: a kernel that writes outside its view
+    shows there. The pend_* tensors and err are copies of c's (contiguous, as the cache requires)."""
+    S, D, Wc = c.conv_state.shape
+    cs, ss = c.conv_state.element_size(), c.ssm_state.element_size()
+    conv_bytes = Wc * D * cs
+    ssm_at = -(-conv_bytes // 16) * 16                                  # the ssm block, 16-byte aligned
+    page = -(-(ssm_at + c.ssm_state[0].numel() * ss + gap) // 16) * 16
+    raw = torch.zeros(S, page, dtype=torch.uint8, device=c.ssm_state.device)
+    flat = raw.view(-1)
+    # [S, D, W'] seen through [S, W', D] storage per page (channels contiguous), slot stride = page
+    conv = torch.as_strided(flat.view(c.conv_state.dtype), (S, D, Wc), (page // cs, 1, D))
+    HV, K, V = c.ssm_state.shape[1:]
+    ssm = torch.as_strided(flat.view(c.ssm_state.dtype), (S, HV, K, V), (page // ss, K * V, V, 1), ssm_at // ss)
+    conv.copy_(c.conv_state)
+    ssm.copy_(c.ssm_state)
+    out = c.clone()
+    out.conv_state, out.ssm_state = conv, ssm
+    return out, raw
+
+
+def page_gaps(raw: torch.Tensor, c: GDNStateCache) -> torch.Tensor:
+    """The bytes of paged_cache's pages that neither view covers, [S, n] (they must stay zero)."""
+    conv_bytes = c.conv_state[0].numel() * c.conv_state.element_size()
+    ssm_at = c.ssm_state.storage_offset() * c.ssm_state.element_size()
+    ssm_end = ssm_at + c.ssm_state[0].numel() * c.ssm_state.element_size()
+    return torch.cat([raw[:, conv_bytes:ssm_at], raw[:, ssm_end:]], dim=1)
+
+
 def cast_cache(c: GDNStateCache, state_dtype, act_dtype) -> GDNStateCache:
     """The same contents in other dtypes (compute-dtype pending buffers follow the rule of allocate)."""
     cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
@@ -150,9 +183,10 @@ def drive(ops, cache, layer, steps, slots, *, H, HV, K, V, dtype, seed=0, device
 
 def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, drafts=(0, 1, 2, 3, 4, 5, 6, 7),
                   rounds=3, decode_every=0, dtype=torch.float32, state_dtype=torch.float32, decay="mid",
-                  strided=False, seed=0, quick=True, draft_steps=None, prefills=()) -> Case:
+                  strided=False, seed=0, quick=True, draft_steps=None, prefills=(), paged=False) -> Case:
     """A protocol run: verify / accept rounds (and decodes) from plan_rounds, then each of ``prefills`` ((lens [N],
-    has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn."""
+    has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn. paged: fast's cache in
+    vLLM's page layout (paged_cache; its pages' unused bytes checked to stay zero)."""
     assert len(slots) == N
 
     def run(device: str) -> list:
@@ -171,6 +205,8 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
         c_ref = cast_cache(base, state_dtype, dtype)
         ref = drive(rs, c_ref, layp, steps, slots, dtype=dtype, **kw)
         c_fast = cast_cache(base, state_dtype, dtype).to(device=device)
+        if paged:
+            c_fast, raw = paged_cache(c_fast)
         layd = {k: (v.to(device) if v is not None else None) for k, v in layp.items()}
         fst = drive(fs, c_fast, layd, steps, slots, dtype=dtype, device=device, **kw)
         checks = []
@@ -192,6 +228,9 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
                 checks.append(Check(f"{tag}.committed_conv", f["conv"], p["conv"], exact=True))
             checks.append(Check(f"{tag}.conv_state", f["conv_state"], p["conv_state"], exact=True))
             checks.append(Check(f"{tag}.pend_meta", f["pend_meta"], p["pend_meta"], exact=True))
+        if paged:
+            gaps = page_gaps(raw, c_fast)
+            checks.append(Check("pages.unused_bytes", gaps, torch.zeros_like(gaps), exact=True))
         # slots no request touched keep every byte
         untouched = [s for s in range(num_slots) if s not in slots]
         if untouched:
@@ -236,6 +275,10 @@ def cases(quick: bool, device: str) -> list:
     out.append(_serving_case("prefill-odd-dims-fp16", N=2, slots=[1, 0], num_slots=2, H=1, HV=2, K=12, V=20,
                              drafts=(0,), rounds=0, max_draft=0, decay="strong", dtype=torch.float16, seed=41,
                              prefills=[((9, 33), (True, False))]))
+    # the cache in vLLM's page layout (ssm_state and conv_state views with a page as their slot stride)
+    out.append(_serving_case("paged-cache", N=3, slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16, V=8, drafts=(0, 2, 3),
+                             rounds=2, decode_every=1, max_draft=3, seed=53, paged=True,
+                             prefills=[((21, 4, 0), (True, False, True))]))
     # the full (non-quick) matrix: wider heads, more requests and rounds
     out.append(_serving_case("wide-mixed-k", N=6, slots=[7, 2, -1, 5, 0, 3], num_slots=8, H=2, HV=4, K=64, V=64,
                              drafts=tuple(range(8)), rounds=5, decode_every=2, seed=19, quick=False))
@@ -253,6 +296,9 @@ def cases(quick: bool, device: str) -> list:
             out.append(_serving_case(f"prefill-one-long-bf16-state{sname}", N=1, slots=[3], num_slots=4, H=2,
                                      HV=4, K=128, V=128, drafts=(0,), rounds=0, max_draft=0, dtype=torch.bfloat16,
                                      state_dtype=sdt, seed=47, quick=quick, prefills=[((4099,), (True,))]))
+        out.append(_serving_case("prefill-paged-cache-bf16", N=3, slots=[1, 3, -1], num_slots=4, H=2, HV=4, K=128,
+                                 V=128, drafts=(0, 2), rounds=2, max_draft=2, dtype=torch.bfloat16, seed=59,
+                                 quick=quick, paged=True, prefills=[((600, 17, 3), (True, False, True))]))
         out.append(_serving_case("decode-bf16-state", N=4, slots=[0, 1, 2, 3], num_slots=4, H=2, HV=4, K=64,
                                  V=64, drafts=(0,), rounds=0, decode_every=0, max_draft=0, dtype=torch.bfloat16,
                                  state_dtype=torch.bfloat16, seed=29))

@@ -1408,7 +1408,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     the chunked forward's (fast.chunk). cu_seqlens' values are read on the host (a sync, none with
     cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and checked there: bad offsets raise refgdn's
     first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
-    The cache's ssm_state must be contiguous (GDNStateCache.allocate's). float64 runs refgdn. Inside CUDA-graph
+    The cache's tensors may have any layout the decode accepts (e.g. ssm_state and conv_state as page-strided views
+    of one buffer per slot, as vLLM's hybrid cache allocates them). float64 runs refgdn. Inside CUDA-graph
     capture it raises refgdn.capture.HostSyncInCapture before anything runs (its per-call host work could not be
     replayed: the offsets' read, the chunk tables' upload).
     """
@@ -1423,8 +1424,6 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     if plan is None:
         rs.check_prefill_inputs(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                                 cu_seqlens, has_initial_state, scale, activation, cu_seqlens_cpu, False)
-        if not cache.ssm_state.is_contiguous():
-            raise ValueError("cache.ssm_state must be contiguous for fast.gdn_prefill (GDNStateCache.allocate's is)")
         plan = _PREFILL_PLANS.after_checks(sig)                  # (None on a signature's first call)
     elif cu_seqlens_cpu is not None:
         provide_host_offsets(cu_seqlens, cu_seqlens_cpu)      # (checked with this signature: it stands for cu_seqlens)

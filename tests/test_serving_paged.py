@@ -1,0 +1,81 @@
+"""The serving ops on a cache in vLLM's hybrid layout (conformance.cases_serving.paged_cache: each slot's conv
+window and ssm state side by side in one page of a raw buffer, the cache's ssm_state and conv_state views with the
+page as their slot stride): every op of both packages computes, bit for bit, what it computes on the allocated
+(contiguous) cache, and writes nothing outside its views."""
+import pytest
+import torch
+
+import fast.serving as fs
+import refgdn.serving as rs
+from conformance.cases_serving import drive, make_cache, make_layer, make_tokens, page_gaps, paged_cache
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+# verify + accept rounds, decodes, prefills with and without an initial state (a padded row throughout)
+STEPS = [("verify", [2, 1, 0], [3, 1, 1]), ("decode",), ("prefill", [5, 0, 37], [True, True, False]), ("decode",),
+         ("verify", [3, 0, 2], [2, 1, 3]), ("prefill", [70, 0, 1], [True, False, True]), ("decode",)]
+SLOTS = [3, -1, 0]
+
+
+def _run_both(ops, state_dtype, dtype, device):
+    H, HV, K, V, W = 1, 2, 16, 16, 4
+    base = make_cache(5, H, HV, K, V, W, max_draft=3, seed=1, state_dtype=state_dtype, act_dtype=dtype,
+                      device=device)
+    layer = make_layer(H, HV, K, V, W, seed=2, dtype=dtype, device=device)
+    paged, raw = paged_cache(base)
+    assert paged.ssm_state.stride(0) != HV * K * V and not paged.ssm_state.is_contiguous()
+    kw = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, seed=3, device=device)
+    flat = drive(ops, base.clone(), layer, STEPS, SLOTS, **kw)
+    # (drive's records hold clones; the paged cache is the one the ops wrote)
+    pag = drive(ops, paged, layer, STEPS, SLOTS, **kw)
+    return flat, pag, paged, raw, base
+
+
+def _assert_same(flat, pag, paged, raw, base):
+    for r, (f, p) in enumerate(zip(flat, pag)):
+        offs = torch.tensor([0] + f["lens"]).cumsum(0).tolist()
+        for n, s in enumerate(SLOTS):                          # (padded rows' outputs: unspecified in a prefill)
+            if s >= 0:
+                assert torch.equal(p["o"][offs[n]:offs[n + 1]], f["o"][offs[n]:offs[n + 1]]), (r, f["kind"], n)
+        for key in ("ssm", "conv", "conv_state", "pend_meta"):
+            assert torch.equal(p[key], f[key]), (r, f["kind"], key)
+    assert not page_gaps(raw, paged).any(), "a kernel wrote outside the cache's views"
+    untouched = [s for s in range(paged.num_slots) if s not in SLOTS]
+    for name in ("ssm_state", "conv_state"):
+        assert torch.equal(getattr(paged, name)[untouched], getattr(base, name)[untouched])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
+def test_fast_ops_on_a_paged_cache_bit_for_bit(state_dtype):
+    """fast.serving's verify / accept / decode / prefill (materialize inside it) on the paged cache: outputs, the
+    committed states, the conv windows and the metadata equal the contiguous cache's run bit for bit; the pages'
+    unused bytes stay zero; untouched slots keep theirs."""
+    _assert_same(*_run_both(fs, state_dtype, torch.float32, DEV))
+
+
+def test_refgdn_ops_on_a_paged_cache_bit_for_bit():
+    """The oracle takes the same layout (float64)."""
+    _assert_same(*_run_both(rs, torch.float64, torch.float64, "cpu"))
+
+
+@pytest.mark.skipif(not GPU, reason="bf16 and the pipelined forward (one long sequence) run on a CUDA device only")
+@pytest.mark.parametrize("T", [4099, 16384 + 7], ids=["one-pass", "pipelined"])
+def test_fast_long_prefill_on_a_paged_cache_gpu(T):
+    """One long bf16 request (pipelined over segments from 16384 tokens: the first segment reads the slot's page,
+    the last writes it) on the paged cache equals the contiguous cache's, bit for bit."""
+    H, HV, K, V, W = 2, 4, 128, 128, 4
+    D = 2 * H * K + HV * V
+    base = make_cache(3, H, HV, K, V, W, seed=4, state_dtype=torch.float32, act_dtype=torch.bfloat16,
+                      device="cuda")
+    layer = make_layer(H, HV, K, V, W, seed=5, dtype=torch.bfloat16, device="cuda")
+    x, a, b = make_tokens(T, HV, D, seed=6, dtype=torch.bfloat16, device="cuda")
+    args = (layer["conv_weight"], layer["conv_bias"], layer["A_log"], layer["dt_bias"])
+    idx, cu = torch.tensor([1], device="cuda"), torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    flat = base.clone()
+    paged, raw = paged_cache(base)
+    o_flat = fs.gdn_prefill(x, a, b, *args, flat, idx, cu)
+    o_pag = fs.gdn_prefill(x, a, b, *args, paged, idx, cu)
+    assert torch.equal(o_pag, o_flat)
+    assert torch.equal(paged.ssm_state, flat.ssm_state) and torch.equal(paged.conv_state, flat.conv_state)
+    assert not page_gaps(raw, paged).any()
