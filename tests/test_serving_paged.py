@@ -1,7 +1,12 @@
 """The serving ops on a cache in vLLM's hybrid layout (conformance.cases_serving.paged_cache: each slot's conv
 window and ssm state side by side in one page of a raw buffer, the cache's ssm_state and conv_state views with the
 page as their slot stride): every op of both packages computes, bit for bit, what it computes on the allocated
-(contiguous) cache, and writes nothing outside its views."""
+(contiguous) cache, and writes nothing outside its views.
+
+Bit for bit holds where the pages keep the slot strides divisible by 16 elements (64-byte pages here, as vLLM's
+page sizes are), as a contiguous cache's are: Triton compiles the same kernel variants. Other strides compile the
+other variants (another load layout, so another summation order: H200, float32 state, differences up to 3e-8 in
+o); the conformance families paged-cache-align4 and prefill-paged-cache-bf16 check those against refgdn."""
 import pytest
 import torch
 
