@@ -73,7 +73,7 @@ def make_cache(num_slots, H, HV, K, V, W=4, max_draft=0, *, seed=0, state_dtype=
     return c
 
 
-def paged_cache(c: GDNStateCache, gap: int = 48, align: int = 64) -> tuple:
+def paged_cache(c: GDNStateCache, gap: int = 48, align: int = 64, state_layout: str = "kv") -> tuple:
     """(cache, raw): c's contents in vLLM's hybrid-cache layout. Each slot owns one page of a raw byte buffer
     ``raw`` [S, page] holding its conv window (channels contiguous, as allocate's) and then its ssm state; the
     cache's ssm_state and conv_state are views whose slot stride is the page (vLLM's gpu_model_runner makes its
@@ -81,8 +81,9 @@ def paged_cache(c: GDNStateCache, gap: int = 48, align: int = 64) -> tuple:
     bytes end each page (vLLM's pages are padded to a common size), zero: a kernel that writes outside its view
     shows there. ``align``: the page size and the ssm block's offset in it are multiples of this many bytes (64:
     slot strides divisible by 16 elements, as Triton specialises for, as a contiguous cache's are; 4: in general
-    not, so the kernels compile their other variant). The pend_* tensors and err are copies of c's (contiguous, as
-    the cache requires)."""
+    not, so the kernels compile their other variant). ``state_layout``: "kv" stores each head's state as [K, V] (the
+    allocated cache's order), "vk" as [V, K] (newer vLLM's temporal state (HV, V, K)), the view then being its
+    transpose. The pend_* tensors and err are copies of c's (contiguous, as the cache requires)."""
     S, D, Wc = c.conv_state.shape
     cs, ss = c.conv_state.element_size(), c.ssm_state.element_size()
     conv_bytes = Wc * D * cs
@@ -93,7 +94,10 @@ def paged_cache(c: GDNStateCache, gap: int = 48, align: int = 64) -> tuple:
     # [S, D, W'] seen through [S, W', D] storage per page (channels contiguous), slot stride = page
     conv = torch.as_strided(flat.view(c.conv_state.dtype), (S, D, Wc), (page // cs, 1, D))
     HV, K, V = c.ssm_state.shape[1:]
-    ssm = torch.as_strided(flat.view(c.ssm_state.dtype), (S, HV, K, V), (page // ss, K * V, V, 1), ssm_at // ss)
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    inner = (K * V, V, 1) if state_layout == "kv" else (K * V, 1, K)   # [K, V] blocks, or [V, K] ones transposed
+    ssm = torch.as_strided(flat.view(c.ssm_state.dtype), (S, HV, K, V), (page // ss, *inner), ssm_at // ss)
     conv.copy_(c.conv_state)
     ssm.copy_(c.ssm_state)
     out = c.clone()
@@ -189,8 +193,8 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
                   strided=False, seed=0, quick=True, draft_steps=None, prefills=(), paged=None) -> Case:
     """A protocol run: verify / accept rounds (and decodes) from plan_rounds, then each of ``prefills`` ((lens [N],
     has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn. paged: None, or fast's
-    cache in vLLM's page layout with pages aligned to ``paged`` bytes (paged_cache; the pages' unused bytes are
-    checked to stay zero)."""
+    cache in vLLM's page layout with pages aligned to ``paged`` bytes, or (align, state_layout) (paged_cache; the
+    pages' unused bytes are checked to stay zero)."""
     assert len(slots) == N
 
     def run(device: str) -> list:
@@ -210,7 +214,8 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
         ref = drive(rs, c_ref, layp, steps, slots, dtype=dtype, **kw)
         c_fast = cast_cache(base, state_dtype, dtype).to(device=device)
         if paged:
-            c_fast, raw = paged_cache(c_fast, align=paged)
+            align, layout = paged if isinstance(paged, tuple) else (paged, "kv")
+            c_fast, raw = paged_cache(c_fast, align=align, state_layout=layout)
         layd = {k: (v.to(device) if v is not None else None) for k, v in layp.items()}
         fst = drive(fs, c_fast, layd, steps, slots, dtype=dtype, device=device, **kw)
         checks = []
@@ -281,9 +286,11 @@ def cases(quick: bool, device: str) -> list:
                              prefills=[((9, 33), (True, False))]))
     # the cache in vLLM's page layout (ssm_state and conv_state views with a page as their slot stride)
     # (64-byte pages: the slot strides divide by 16 as a contiguous cache's; 4-byte: Triton's other variants)
-    for align in (64, 4):
-        out.append(_serving_case(f"paged-cache-align{align}", N=3, slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16,
-                                 V=8, drafts=(0, 2, 3), rounds=2, decode_every=1, max_draft=3, seed=53, paged=align,
+    # ([V, K] state blocks: newer vLLM's temporal state (HV, V, K), seen as [K, V] through a transposed view)
+    for align, layout in ((64, "kv"), (4, "kv"), (64, "vk")):
+        out.append(_serving_case(f"paged-cache-align{align}" + ("-vk-state" if layout == "vk" else ""), N=3,
+                                 slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16, V=8, drafts=(0, 2, 3), rounds=2,
+                                 decode_every=1, max_draft=3, seed=53, paged=(align, layout),
                                  prefills=[((21, 4, 0), (True, False, True))]))
     # the full (non-quick) matrix: wider heads, more requests and rounds
     out.append(_serving_case("wide-mixed-k", N=6, slots=[7, 2, -1, 5, 0, 3], num_slots=8, H=2, HV=4, K=64, V=64,
@@ -306,6 +313,10 @@ def cases(quick: bool, device: str) -> list:
         out.append(_serving_case("prefill-paged-cache-bf16", N=3, slots=[1, 3, -1], num_slots=4, H=2, HV=4, K=128,
                                  V=128, drafts=(0, 2), rounds=2, max_draft=2, dtype=torch.bfloat16, seed=60,
                                  quick=quick, paged=4, prefills=[((600, 17, 3), (True, False, True))]))
+        out.append(_serving_case("paged-vk-state-qwen-shape-bf16", N=4, slots=[5, -1, 1, 2], num_slots=8, H=2, HV=4,
+                                 K=128, V=128, drafts=(0, 1, 3), rounds=3, decode_every=1, max_draft=3,
+                                 dtype=torch.bfloat16, seed=61, quick=quick, paged=(64, "vk"),
+                                 prefills=[((300, 7, 1, 129), (True, True, False, True))]))
         out.append(_serving_case("decode-bf16-state", N=4, slots=[0, 1, 2, 3], num_slots=4, H=2, HV=4, K=64,
                                  V=64, drafts=(0,), rounds=0, decode_every=0, max_draft=0, dtype=torch.bfloat16,
                                  state_dtype=torch.bfloat16, seed=29))

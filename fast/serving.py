@@ -796,17 +796,18 @@ def gdn_step_kernel(
     scale, S,
     stride_y_t, stride_a_t, stride_a_h, stride_b_t, stride_b_h,
     stride_s_n, stride_s_h,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TCAP: tl.constexpr, TMAX: tl.constexpr, HPP: tl.constexpr,
     KEEP_PENDING: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: value columns [i_v*BV, +BV) of HPP consecutive value heads of request i_n.
 
     y: [T, D] conv outputs (q | k | v channels); a, b: [T, HV]; o: [T, HV, V] contiguous.
-    ssm: [S, HV, K, V] (unit stride in V, SK between K rows: a compile-time stride, so the block's row
+    ssm: [S, HV, K, V] (SK between K rows and SV between V columns: compile-time strides, so the block's row
     addresses are one base plus immediate offsets; with it a runtime stride cost ~60 registers of row addresses
     kept from the load to the store, and the one-warp BV-32 decode variant spilled: ptxas, sm_90, Qwen3-Next
-    shape, 254 registers with spills -> 218 without); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
+    shape, 254 registers with spills -> 218 without. SV = 1 is the allocated cache's [K, V] blocks; SK = 1, SV = K
+    newer vLLM's [V, K] blocks (its temporal state (HV, V, K), seen transposed)); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
     pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (slot or -1, count, bank, bos, L)
     from the conv kernel, which checked the request: slot -1 (padded or failed) writes nothing but
     zero outputs for its L tokens; L = 0 when its token rows are not trustworthy.
@@ -846,7 +847,7 @@ def gdn_step_kernel(
     m_v = o_v < V
     i_hv = tl.program_id(1) * HPP
     if PDL:
-        p_s = ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :]
+        p_s = ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :] * SV
         b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
         if TMAX == 1 and not KEEP_PENDING:
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
@@ -873,7 +874,7 @@ def gdn_step_kernel(
     m_s = m_k[:, None] & m_vv[None, :]
     if not PDL:
         # the state block of the first head: the one read of it, issued right after the verdict
-        p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :]
+        p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :] * SV
         b_next = tl.load(p_s, mask=m_s, other=0)
 
     count = tl.load(snap + i_n * 5 + 1)              # clamped to [0, TCAP] by conv_step_kernel
@@ -1171,7 +1172,7 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                    D,                                   # y.stride(0): y is a fresh contiguous [T, D]
                    a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                    s.stride(0), s.stride(1))
-    p.step_kw = dict(H=H, HV=HV, K=K, V=V, SK=s.stride(2), BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
+    p.step_kw = dict(H=H, HV=HV, K=K, V=V, SK=s.stride(2), SV=s.stride(3), BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
                      KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), num_warps=sc["num_warps"])
     if sc["pdl"]:                                       # both kernels programmatic dependents (see the kernels)
         p.conv_kw.update(PDL=True, launch_pdl=True)

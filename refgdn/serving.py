@@ -243,7 +243,8 @@ def first_fault(faults) -> Optional[Fault]:
 class GDNStateCache:
     """One layer's state cache: S slots, each owned by at most one request at a time.
 
-    ssm_state:  [S, HV, K, V]            float32 or bfloat16 (float64 for truth runs); last dim contiguous
+    ssm_state:  [S, HV, K, V]            float32 or bfloat16 (float64 for truth runs); any strides (e.g.
+                                         [V, K] blocks seen transposed: newer vLLM's (HV, V, K) state)
     conv_state: [S, D, W-1+max_draft]    raw conv inputs, oldest first (any strides; allocate makes
                                          the channels contiguous: a [S, W-1+max_draft, D] buffer)
     pend_k:     [S, 2, 1+max_draft, H, K]   l2-normalised k of pending tokens, compute dtype
@@ -406,8 +407,7 @@ def check_cache(cache) -> None:
     _need_float("cache.ssm_state", cache.ssm_state)
     S, HV, K, V = cache.ssm_state.shape
     dev = cache.ssm_state.device
-    if cache.ssm_state.stride(3) != 1:
-        raise ValueError("cache.ssm_state must be contiguous in its last dim (V)")
+    _need_no_overlap("cache.ssm_state", cache.ssm_state)
     _need_tensor("cache.pend_k", cache.pend_k, 5)
     TC, H = cache.pend_k.shape[2], cache.pend_k.shape[3]
     if H == 0 or HV % H:
@@ -443,6 +443,19 @@ def check_cache(cache) -> None:
     if cache.conv_state.shape[0] != S or cache.conv_state.shape[1] != D or cache.conv_state.shape[2] < TC - 1:
         raise ValueError(f"cache.conv_state must have shape [S, D, W-1+max_draft] = [{S}, {D}, W-1+{TC - 1}] "
                          f"(D = 2*H*K + HV*V), got [{', '.join(map(str, cache.conv_state.shape))}]")
+    _need_no_overlap("cache.conv_state", cache.conv_state)
+
+
+def _need_no_overlap(name: str, t: torch.Tensor) -> None:
+    """Any strides (page-strided views, transposed blocks), but no two elements at one address: a slot's writes
+    would land in another's (e.g. a stride 0 from expand). The dims by increasing stride must nest: each stride at
+    least the span of the dims before it."""
+    span = 1                                        # offsets 0 .. span-1 reached by the dims taken so far
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if st < span:
+            raise ValueError(f"{name} must not overlap itself (a slot's writes would land in another's): strides "
+                             f"{tuple(t.stride())} for shape {list(t.shape)}")
+        span += st * (n - 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -218,8 +218,10 @@ BAD = [
     Bad("cache-err-dtype", "cache.err", lambda o, w: w.decode(
         o, [0, 1], cache=_cache_with(w, err=torch.zeros(4, dtype=I32, device=DEVICE)))),
     Bad("cache-err-shape", "cache.err", lambda o, w: w.decode(o, [0, 1], cache=_cache_with(w, err=w.err_big))),
-    Bad("cache-ssm-strided", "cache.ssm_state", lambda o, w: w.decode(
-        o, [0, 1], cache=_cache_with(w, ssm_state=w.cache.ssm_state.transpose(2, 3)))),
+    Bad("cache-ssm-overlapping", "cache.ssm_state", lambda o, w: w.decode(
+        o, [0, 1], cache=_cache_with(w, ssm_state=w.cache.ssm_state[:1].expand(w.cache.ssm_state.shape)))),
+    Bad("cache-conv-overlapping", "cache.conv_state", lambda o, w: w.decode(
+        o, [0, 1], cache=_cache_with(w, conv_state=w.cache.conv_state[:, :, :1].expand(w.cache.conv_state.shape)))),
     Bad("cache-conv-channels", "cache.conv_state", lambda o, w: w.decode(
         o, [0, 1], cache=_cache_with(w, conv_state=w.cache.conv_state[:, 1:]))),
     Bad("cache-not-a-cache", "cache", lambda o, w: o.gdn_decode(w.x[:1], w.a[:1], w.b[:1], *w.layer,

@@ -112,8 +112,8 @@ def _resize_x(w, args):
 
 
 def _restride_ssm(w, args):
-    s = w.cache.ssm_state                     # same tensor object, last dim no longer unit stride
-    s.as_strided_(s.shape, (s.stride(0), s.stride(1), 1, s.shape[2]))
+    s = w.cache.ssm_state                     # same tensor object, every slot now at the same address
+    s.as_strided_(s.shape, (0, s.stride(1), s.stride(2), 1))
     return args
 
 
@@ -141,7 +141,7 @@ BAD = [
     ("scale-str", "decode_scale", None),
     ("activation", "decode_activation", None),
     ("cache-not-a-cache", "decode", _set(7, lambda w, a: w.cache.tensors())),
-    ("cache-ssm-transposed", "decode", _field("ssm_state", lambda t: t.transpose(2, 3))),
+    ("cache-ssm-overlapping", "decode", _field("ssm_state", lambda t: t[:1].expand(t.shape))),
     ("cache-ssm-restrided-in-place", "decode", _restride_ssm),
     ("cache-pend_k-noncontiguous", "decode",
      _field("pend_k", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1))),
@@ -161,7 +161,7 @@ BAD = [
     ("materialize-indices-float", "materialize", _set(1, lambda w, a: a[1].to(F32))),
     ("materialize-indices-rank", "materialize", _set(1, lambda w, a: a[1][None])),
     ("materialize-indices-resized-in-place", "materialize", lambda w, a: (a[1].resize_(1, 2), a)[1]),
-    ("materialize-cache-ssm-transposed", "materialize", _field("ssm_state", lambda t: t.transpose(2, 3))),
+    ("materialize-cache-ssm-overlapping", "materialize", _field("ssm_state", lambda t: t[:1].expand(t.shape))),
     ("materialize-cache-pend_meta-resized-in-place", "materialize", _resize_pend_meta),
 ]
 

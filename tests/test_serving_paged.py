@@ -1,7 +1,8 @@
 """The serving ops on a cache in vLLM's hybrid layout (conformance.cases_serving.paged_cache: each slot's conv
 window and ssm state side by side in one page of a raw buffer, the cache's ssm_state and conv_state views with the
-page as their slot stride): every op of both packages computes, bit for bit, what it computes on the allocated
-(contiguous) cache, and writes nothing outside its views.
+page as their slot stride; each head's state stored [K, V] or, as newer vLLM's, [V, K]): every op of both
+packages computes, bit for bit, what it computes on the allocated (contiguous) cache, and writes nothing outside
+its views.
 
 Bit for bit holds where the pages keep the slot strides divisible by 16 elements (64-byte pages here, as vLLM's
 page sizes are), as a contiguous cache's are: Triton compiles the same kernel variants. Other strides compile the
@@ -23,13 +24,14 @@ STEPS = [("verify", [2, 1, 0], [3, 1, 1]), ("decode",), ("prefill", [5, 0, 37], 
 SLOTS = [3, -1, 0]
 
 
-def _run_both(ops, state_dtype, dtype, device):
+def _run_both(ops, state_dtype, dtype, device, layout="kv"):
     H, HV, K, V, W = 1, 2, 16, 16, 4
     base = make_cache(5, H, HV, K, V, W, max_draft=3, seed=1, state_dtype=state_dtype, act_dtype=dtype,
                       device=device)
     layer = make_layer(H, HV, K, V, W, seed=2, dtype=dtype, device=device)
-    paged, raw = paged_cache(base)
+    paged, raw = paged_cache(base, state_layout=layout)
     assert paged.ssm_state.stride(0) != HV * K * V and not paged.ssm_state.is_contiguous()
+    assert paged.ssm_state.stride(3) == (1 if layout == "kv" else K)
     kw = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, seed=3, device=device)
     flat = drive(ops, base.clone(), layer, STEPS, SLOTS, **kw)
     # (drive's records hold clones; the paged cache is the one the ops wrote)
@@ -51,12 +53,15 @@ def _assert_same(flat, pag, paged, raw, base):
         assert torch.equal(getattr(paged, name)[untouched], getattr(base, name)[untouched])
 
 
+LAYOUTS = [pytest.param("kv", id="kv-blocks"), pytest.param("vk", id="vk-blocks")]   # see paged_cache
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
-def test_fast_ops_on_a_paged_cache_bit_for_bit(state_dtype):
+def test_fast_ops_on_a_paged_cache_bit_for_bit(state_dtype, layout="kv"):
     """fast.serving's verify / accept / decode / prefill (materialize inside it) on the paged cache: outputs, the
     committed states, the conv windows and the metadata equal the contiguous cache's run bit for bit; the pages'
     unused bytes stay zero; untouched slots keep theirs."""
-    _assert_same(*_run_both(fs, state_dtype, torch.float32, DEV))
+    _assert_same(*_run_both(fs, state_dtype, torch.float32, DEV, layout))
 
 
 def test_refgdn_ops_on_a_paged_cache_bit_for_bit():
@@ -64,11 +69,32 @@ def test_refgdn_ops_on_a_paged_cache_bit_for_bit():
     _assert_same(*_run_both(rs, torch.float64, torch.float64, "cpu"))
 
 
+@pytest.mark.parametrize("ops", [pytest.param(fs, id="fast"), pytest.param(rs, id="refgdn")])
+def test_vk_state_blocks_are_read_and_written_in_place(ops):
+    """[V, K] state blocks (newer vLLM's (HV, V, K) temporal state, seen transposed as [K, V]): the same protocol
+    on a page cache of that layout. The products now read the state with other strides, so their summation order
+    may differ (refgdn's float64 matmuls too): the numbers are checked by the conformance families
+    paged-cache-align64-vk-state and paged-vk-state-qwen-shape-bf16 (against the float64 truth); here, what must be
+    exact: the conv windows, the metadata, the untouched slots and the pages' unused bytes."""
+    dt, dev = (torch.float32, DEV) if ops is fs else (torch.float64, "cpu")
+    flat, pag, paged, raw, base = _run_both(ops, dt, dt, dev, "vk")
+    for r, (f, p) in enumerate(zip(flat, pag)):
+        for key in ("conv", "conv_state", "pend_meta"):
+            assert torch.equal(p[key], f[key]), (r, f["kind"], key)
+    assert paged.ssm_state.stride(2) == 1                        # (still the [V, K] layout: written in place)
+    assert not page_gaps(raw, paged).any(), "a kernel wrote outside the cache's views"
+    untouched = [s for s in range(paged.num_slots) if s not in SLOTS]
+    for name in ("ssm_state", "conv_state"):
+        assert torch.equal(getattr(paged, name)[untouched], getattr(base, name)[untouched])
+
+
 @pytest.mark.skipif(not GPU, reason="bf16 and the pipelined forward (one long sequence) run on a CUDA device only")
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T", [4099, 16384 + 7], ids=["one-pass", "pipelined"])
-def test_fast_long_prefill_on_a_paged_cache_gpu(T):
+def test_fast_long_prefill_on_a_paged_cache_gpu(T, layout):
     """One long bf16 request (pipelined over segments from 16384 tokens: the first segment reads the slot's page,
-    the last writes it) on the paged cache equals the contiguous cache's, bit for bit."""
+    the last writes it) on the paged cache, either state layout, equals the contiguous cache's, bit for bit (the
+    state pass only loads and stores the state with the cache's strides: its products are the same)."""
     H, HV, K, V, W = 2, 4, 128, 128, 4
     D = 2 * H * K + HV * V
     base = make_cache(3, H, HV, K, V, W, seed=4, state_dtype=torch.float32, act_dtype=torch.bfloat16,
@@ -78,7 +104,7 @@ def test_fast_long_prefill_on_a_paged_cache_gpu(T):
     args = (layer["conv_weight"], layer["conv_bias"], layer["A_log"], layer["dt_bias"])
     idx, cu = torch.tensor([1], device="cuda"), torch.tensor([0, T], dtype=torch.int32, device="cuda")
     flat = base.clone()
-    paged, raw = paged_cache(base)
+    paged, raw = paged_cache(base, state_layout=layout)
     o_flat = fs.gdn_prefill(x, a, b, *args, flat, idx, cu)
     o_pag = fs.gdn_prefill(x, a, b, *args, paged, idx, cu)
     assert torch.equal(o_pag, o_flat)

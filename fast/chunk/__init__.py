@@ -284,7 +284,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     scratch) and build the tables of the state pass. So kernel 1 runs while the host reads and works, where the
     device idled before.
     slot_rows (the serving prefill, fast.serving.gdn_prefill; int32 [N, 2]): initial_state is a slot cache's
-    ssm_state [S, HV, K, V] (any strides, unit in V), read from slot slot_rows[n, 1] and, with output_final_state, written in
+    ssm_state [S, HV, K, V] (any strides), read from slot slot_rows[n, 1] and, with output_final_state, written in
     place at slot slot_rows[n, 0] (-1: start from zeros / write nothing); the final state returned is that ssm_state.
     Its values were checked on the device (distinct slots in range): the state pass reads each slot's block before
     any program writes it."""
@@ -319,7 +319,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         slots = (slot_rows, True, output_final_state)
     else:
         final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-        h0 = _unit_last(initial_state) if initial_state is not None else None     # (read in place: any strides)
+        h0 = initial_state                                                # (read in place: any strides)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments

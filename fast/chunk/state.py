@@ -36,7 +36,7 @@ def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
     cu_seqlens, chunk_offsets, seq_order, slot_rows, T, NT, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
-    s_0n, s_0h, s_0k, s_tn, s_th, s_tk,
+    s_0n, s_0h, s_0k, s_0v, s_tn, s_th, s_tk, s_tv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -50,11 +50,11 @@ def chunk_state_kernel(
         h[c] = S ;   v_new = u - w S ;   S <- exp(G_last) S + K^T (exp(G_last - G) * v_new)
 
     k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
-    u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] (strides s_0* / s_t* for the
-    sequence, head and K dims, unit in V; h0 any float dtype, ht fp32 but in a cache); h: [chunks, HV, K, V] (global
-    chunk order).
+    u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] (any strides: s_0* / s_t*, Triton
+    makes a unit one a constant; h0 any float dtype, ht fp32 but in a cache); h: [chunks, HV, K, V] (global chunk
+    order).
     H0_SLOTS / HT_SLOTS (serving prefill, fast.serving.gdn_prefill): h0 / ht is a slot cache's ssm_state [S, HV,
-    K, V] (float32 or bfloat16; any slot, head and K-row strides, e.g. vLLM's page-strided views), and sequence n reads
+    K, V] (float32 or bfloat16; any strides, e.g. vLLM's page-strided views, [V, K] blocks too), and sequence n reads
     slot slot_rows[n, 1] / writes slot slot_rows[n, 0] (int32 [N, 2]; -1: start from zeros / write nothing), in
     place: each program reads its block before any program of the call writes it (distinct slots, checked on the
     device before this launch). grid = (cdiv(V, BV), N * HV), V-block fastest (the
@@ -106,7 +106,7 @@ def chunk_state_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         r0, m0 = slot_row(slot_rows, i_n, 1, kv_off, m_kv, H0_SLOTS)
-        p_0 = h0 + r0 * s_0n + i_h * s_0h + o_k[:, None] * s_0k + o_v[None, :]
+        p_0 = h0 + r0 * s_0n + i_h * s_0h + o_k[:, None] * s_0k + o_v[None, :] * s_0v
         b_h += tl.load(p_0, mask=m0, other=0.0).to(tl.float32)
 
     q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
@@ -188,7 +188,7 @@ def chunk_state_kernel(
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
-        p_t = ht + r1 * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :]
+        p_t = ht + r1 * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :] * s_tv
         tl.store(p_t, b_h.to(ht.dtype.element_ty), mask=m1)
 
 
@@ -321,9 +321,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
 
 
 def _state_strides(s: Optional[torch.Tensor]) -> tuple:
-    """An initial / final state's (sequence or slot, head, K-row) strides, in elements (its V stride is 1); zeros
-    for None (not read)."""
-    return (0, 0, 0) if s is None else s.stride()[:3]
+    """An initial / final state's strides [N, HV, K, V], in elements; zeros for None (not read)."""
+    return (0, 0, 0, 0) if s is None else s.stride()
 
 
 def state_passing(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Tensor, chunk_size: int,
