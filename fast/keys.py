@@ -107,7 +107,8 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
                                                  else cache.ssm_state.device)
     sc = _serving.step_config(K, V, cache.ssm_state.dtype, HV, mode, N, pdl_ok=pdl_ok)
     step_c = dict(H=H, HV=HV, K=K, V=V, SK=cache.ssm_state.stride(2), SV=cache.ssm_state.stride(3),
-                  BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"], VARLEN=varlen, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=False)
+                  BK=next_pow2(K), BV=sc["BV"], TCAP=TC, TMAX=TMAX, HPP=sc["HPP"], VARLEN=varlen,
+                  KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), PDL=False)
     step_d = dict(y=mixed_qkv.dtype, a=a.dtype, b=b.dtype, A_log=A_log.dtype, dt_bias=dt_bias.dtype,
                   o=mixed_qkv.dtype, ssm=cache.ssm_state.dtype, pk=cache.pend_k.dtype, pv=cache.pend_v.dtype,
                   pg=cache.pend_g.dtype, pbeta=cache.pend_beta.dtype, meta=cache.pend_meta.dtype, snap=_I32,

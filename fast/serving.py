@@ -807,8 +807,9 @@ def gdn_step_kernel(
     addresses are one base plus immediate offsets; with it a runtime stride cost ~60 registers of row addresses
     kept from the load to the store, and the one-warp BV-32 decode variant spilled: ptxas, sm_90, Qwen3-Next
     shape, 254 registers with spills -> 218 without. SV = 1 is the allocated cache's [K, V] blocks; SK = 1, SV = K
-    newer vLLM's [V, K] blocks (its temporal state (HV, V, K), seen transposed)); pk [S, 2, TCAP, H, K], pv [S, 2, TCAP, HV, V],
-    pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (slot or -1, count, bank, bos, L)
+    newer vLLM's [V, K] blocks (its temporal state (HV, V, K), seen transposed)); pk [S, 2, TCAP, H, K],
+    pv [S, 2, TCAP, HV, V], pg / pbeta [S, 2, TCAP, HV], meta [S, 2]: contiguous. snap[i_n] = (slot or -1, count,
+    bank, bos, L)
     from the conv kernel, which checked the request: slot -1 (padded or failed) writes nothing but
     zero outputs for its L tokens; L = 0 when its token rows are not trustworthy.
 
@@ -847,7 +848,8 @@ def gdn_step_kernel(
     m_v = o_v < V
     i_hv = tl.program_id(1) * HPP
     if PDL:
-        p_s = ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :] * SV
+        p_s = (ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK
+               + o_v[None, :] * SV)
         b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
         if TMAX == 1 and not KEEP_PENDING:
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
@@ -1172,8 +1174,9 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                    D,                                   # y.stride(0): y is a fresh contiguous [T, D]
                    a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                    s.stride(0), s.stride(1))
-    p.step_kw = dict(H=H, HV=HV, K=K, V=V, SK=s.stride(2), SV=s.stride(3), BK=next_pow2(K), BV=BV, TCAP=TC, TMAX=TMAX, HPP=HPP,
-                     KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]), num_warps=sc["num_warps"])
+    p.step_kw = dict(H=H, HV=HV, K=K, V=V, SK=s.stride(2), SV=s.stride(3), BK=next_pow2(K), BV=BV, TCAP=TC,
+                     TMAX=TMAX, HPP=HPP, KEEP_PENDING=mode == "verify", FOLD=bool(sc["fold"]),
+                     num_warps=sc["num_warps"])
     if sc["pdl"]:                                       # both kernels programmatic dependents (see the kernels)
         p.conv_kw.update(PDL=True, launch_pdl=True)
         p.step_kw.update(PDL=True, launch_pdl=True)

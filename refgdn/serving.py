@@ -453,8 +453,8 @@ def _need_no_overlap(name: str, t: torch.Tensor) -> None:
     span = 1                                        # offsets 0 .. span-1 reached by the dims taken so far
     for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
         if st < span:
-            raise ValueError(f"{name} must not overlap itself (a slot's writes would land in another's): strides "
-                             f"{tuple(t.stride())} for shape {list(t.shape)}")
+            raise ValueError(f"{name} must not overlap itself (a slot's writes would land in another's; its dims by "
+                             f"increasing stride must nest): strides {tuple(t.stride())} for shape {list(t.shape)}")
         span += st * (n - 1)
 
 
