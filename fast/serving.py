@@ -1464,8 +1464,11 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
         beta = torch.sigmoid(b.float())                        # float32, as refgdn's
         # 4. l2norm, gating and the chunked delta rule, reading and writing the slots' states in place
+        # (bf16: the state update in two bf16 terms, since this final state lives on in the cache: chunk.state's
+        # UPDATE_X2, half the state's error for a few per cent of device time where the call is host-bound anyway)
         o, _ = chunk_gated_delta_rule_fwd(q[None], k[None], v[None], a[None], beta[None], scale, cache.ssm_state,
-                                          True, cu_seqlens, True, A_log, dt_bias, slot_rows=slot_rows)
+                                          True, cu_seqlens, True, A_log, dt_bias, slot_rows=slot_rows,
+                                          update_x2=q.dtype == torch.bfloat16)
     _check_if_free(cache)
     return o[0]
 

@@ -2,6 +2,7 @@
 slot semantics (pending tokens folded, has_initial_state, padded rows, zero-length requests, untouched slots);
 the value rules and faults; fast against refgdn and, bit for bit, against the gather / scatter composition of
 its own ops it replaces."""
+import functools
 import math
 
 import pytest
@@ -120,9 +121,10 @@ def test_prefill_then_decode_equals_one_longer_prefill():
         assert torch.equal(two.conv_state, one.conv_state)
 
 
-def _compose(ops, x, a, b, layer, cache, slots, lens, has):
+def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None):
     """What gdn_prefill replaces (the model's prefill before it): materialize, gather the states (zeros without
-    one), the varlen conv and chunked forward, scatter the final states."""
+    one), the varlen conv and chunked forward (``chunk``, default ops.chunk_gated_delta_rule), scatter the final
+    states."""
     W, H, K, HV = cache.W, cache.H, cache.K, cache.HV
     dev = x.device
     idx = torch.tensor(slots, device=dev)
@@ -139,10 +141,10 @@ def _compose(ops, x, a, b, layer, cache, slots, lens, has):
     q = y[:, :H * K].unflatten(1, (H, K))
     k = y[:, H * K:2 * H * K].unflatten(1, (H, K))
     v = y[:, 2 * H * K:].unflatten(1, (HV, -1))
-    o, final = ops.chunk_gated_delta_rule(q[None], k[None], v[None], a[None], torch.sigmoid(b.float())[None],
-                                          initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                          use_qk_l2norm_in_kernel=True, A_log=layer["A_log"],
-                                          dt_bias=layer["dt_bias"])
+    chunk = ops.chunk_gated_delta_rule if chunk is None else chunk
+    o, final = chunk(q[None], k[None], v[None], a[None], torch.sigmoid(b.float())[None], initial_state=h0,
+                     output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, A_log=layer["A_log"],
+                     dt_bias=layer["dt_bias"])
     sl = torch.tensor([slots[n] for n in real], device=dev, dtype=torch.long)
     rows = torch.tensor(real, device=dev, dtype=torch.long)
     cache.ssm_state[sl] = final[rows].to(cache.ssm_state.dtype)
@@ -197,7 +199,8 @@ def test_fast_prefill_equals_the_composition_bit_for_bit(p, state_dtype):
 @pytest.mark.parametrize("T", [4099, 16384 + 7], ids=["one-pass", "pipelined"])
 def test_fast_prefill_long_sequence_bit_for_bit_gpu(T):
     """One request of T tokens, bf16: the dense forward, pipelined over segments from 16384 tokens (the first
-    segment reads the slot, the last writes it), equals the composition bit for bit."""
+    segment reads the slot, the last writes it), equals the composition bit for bit (its forward with the state
+    update in two bf16 terms, as gdn_prefill runs bf16: update_x2)."""
     H, HV, K, V, W = 1, 2, 128, 128, 4
     D = 2 * H * K + HV * V
     layer = make_layer(H, HV, K, V, W, seed=13, dtype=torch.bfloat16, device="cuda")
@@ -206,7 +209,8 @@ def test_fast_prefill_long_sequence_bit_for_bit_gpu(T):
     x, a, b = make_tokens(T, HV, D, seed=15, dtype=torch.bfloat16, device="cuda")
     got, want = base.clone(), base.clone()
     o = fs.gdn_prefill(x, a, b, *_args(layer), got, torch.tensor([2], device="cuda"), _cu([T], "cuda"))
-    o_ref = _compose(fast, x, a, b, layer, want, [2], [T], [True])
+    o_ref = _compose(fast, x, a, b, layer, want, [2], [T], [True],
+                     chunk=functools.partial(fast.chunk.chunk_gated_delta_rule_fwd, update_x2=True))
     assert torch.equal(o, o_ref)
     for f, g in zip(got.tensors(), want.tensors()):
         assert torch.equal(f, g)

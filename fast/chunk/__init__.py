@@ -261,7 +261,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                chunk_size=64, *, configs: Optional[dict] = None, inv_method: Optional[str] = None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
-                               offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None):
+                               offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
+                               update_x2: bool = False):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -287,7 +288,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     ssm_state [S, HV, K, V] (any strides), read from slot slot_rows[n, 1] and, with output_final_state, written in
     place at slot slot_rows[n, 0] (-1: start from zeros / write nothing); the final state returned is that ssm_state.
     Its values were checked on the device (distinct slots in range): the state pass reads each slot's block before
-    any program writes it."""
+    any program writes it. update_x2 (bf16 inputs; fast.serving.gdn_prefill's): the state update in two bf16 terms
+    (fast.chunk.state's UPDATE_X2: half the final state's error, 3-9 % more device time)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -325,7 +327,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
-                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows)
+                          precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
+                          update_x2=update_x2)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
@@ -351,13 +354,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta), out=out, slots=slots)
+                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
         _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
         _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out,
-                      slots=slots)
+                      slots=slots, update_x2=update_x2)
     if not fused:
         _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
                        configs=configs)

@@ -104,12 +104,13 @@ class _Segment:
 def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], final: Optional[torch.Tensor],
                       A_log, dt_bias, G, Gl, A, kn, o, BT: int, segments: int, *, l2: bool, precise: bool,
                       from_a: bool, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                      slot_rows: Optional[torch.Tensor] = None) -> None:
+                      slot_rows: Optional[torch.Tensor] = None, update_x2: bool = False) -> None:
     """Kernels 1-4 of chunk_gated_delta_rule_fwd for one dense sequence, pipelined over ``segments`` segments
     (module docstring). Inputs as the forward's, [1, T, ...]; G, Gl (or None), A, kn (or None), o: the forward's
     buffers, written here; h0: [1, HV, K, V] fp32 or None; final: [1, HV, K, V] fp32 or None (written).
     slot_rows ([1, 2] int32, the serving prefill's): h0 and final are a slot cache's ssm_state, read by the first
-    segment's pass and written by the last's (the state kernel's H0_SLOTS / HT_SLOTS)."""
+    segment's pass and written by the last's (the state kernel's H0_SLOTS / HT_SLOTS). update_x2: the state
+    kernel's UPDATE_X2, in every segment's pass."""
     T, HV, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     NT = cdiv(T, BT)
     dev = q.device
@@ -142,7 +143,8 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
             ends = (i == 0, i == len(segs) - 1)                            # (the cache's state read, written)
             _launch_state(s.kk, s.w, s.u, s.G, s.Gl, carry[i], s.h, s.v_new, carry[i + 1], s.ch, 1, s.T, BT,
                           precise=precise, configs=configs, wy=(s.A, s.v, s.beta) if from_a else None,
-                          slots=(slot_rows, *ends) if slot_rows is not None and any(ends) else None)
+                          slots=(slot_rows, *ends) if slot_rows is not None and any(ends) else None,
+                          update_x2=update_x2)
             done = torch.cuda.Event()
             done.record(side)
         return done

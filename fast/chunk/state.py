@@ -42,7 +42,7 @@ def chunk_state_kernel(
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
-    EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True,
+    EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
     H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
@@ -76,6 +76,13 @@ def chunk_state_kernel(
     PREFETCH_BETA (FROM_A; state_prefetch_beta): beta's rows, HV elements apart, are too narrow for the
     compiler's asynchronous copies, so their load would wait in every chunk: the next chunk's beta is loaded one
     chunk ahead instead.
+
+    UPDATE_X2 (bf16 inputs; the serving prefill, whose final state lives on in the cache): the update's decayed
+    v_new stays fp32 and enters K^T v_new as two bf16 terms (hi + lo, _dot_split), one more dot per chunk. Of the
+    pass's 16-bit roundings this one sets the final state's error: H200, Qwen3-Next shape, l2norm, initial states,
+    final state max error against float64 at B=1 T=4096 3.86e-3 -> 1.86e-3, B=4 T=4096 4.22e-3 -> 2.51e-3; the
+    chunk-start state split the same way for K S changed nothing. Device time +3 % (B=4 T=4096) to +9 % (B=1
+    T=4096, T=65536): the public forward keeps one term, as fla does (benchmarks/RESULTS.md, 2026-11-27).
 
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
@@ -182,9 +189,12 @@ def chunk_state_kernel(
         # on valid rows G_last - G <= 0 since G is non-increasing within a chunk.
         b_v = b_v * tl.where(m_r, _exp(tl.where(m_r, d_G, 0.0), PRECISE), 0.0)[:, None]
         b_h = b_h * _exp(G_last, PRECISE)
-        if PREC != "bf16x2":                  # (the split recompute keeps the decayed v_new in fp32)
-            b_v = b_v.to(b_k.dtype)
-        b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                               # + K^T (decayed v_new)
+        if UPDATE_X2:                         # the decayed v_new in fp32, multiplied as hi + lo bf16 terms
+            b_h += _dot(tl.trans(b_k), b_v, "bf16x2", DOT_F32)
+        else:
+            if PREC != "bf16x2":              # (the split recompute keeps the decayed v_new in fp32)
+                b_v = b_v.to(b_k.dtype)
+            b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                           # + K^T (decayed v_new)
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
@@ -269,10 +279,10 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
-                  slots: Optional[tuple] = None):
+                  slots: Optional[tuple] = None, update_x2: bool = False):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
-    kernel's H0_SLOTS / HT_SLOTS), else None.
+    kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
     forward). out: (q, o, scale, qs): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
     (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
@@ -307,7 +317,9 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
-        OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, **cfg)
+        OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, UPDATE_X2=update_x2, **cfg)
+    if update_x2 and k.dtype != torch.bfloat16:
+        raise ValueError(f"update_x2 splits into bfloat16 terms: k must be bfloat16, got {k.dtype}")
     slot_rows = None
     if slots is not None:
         slot_rows, kw["H0_SLOTS"], kw["HT_SLOTS"] = slots
