@@ -317,6 +317,41 @@ class GDNStateCache:
             err=err,
         )
 
+    @classmethod
+    def wrap(cls, ssm_state: torch.Tensor, conv_state: torch.Tensor, max_draft: int = 0, H: Optional[int] = None,
+             err: Optional[torch.Tensor] = None) -> "GDNStateCache":
+        """A cache over state tensors a serving engine allocated, used in place (no copy); the pend_* buffers and
+        err are allocated here (zeroed: count 0, nothing pending).
+
+        ssm_state: [S, HV, K, V] and conv_state: [S, D, W-1+max_draft], any strides that do not overlap (check_cache
+        checks them). H: key heads (default: from D = 2 H K + HV V). vLLM's hybrid cache gives a GDN layer
+        ``[conv (S, W-1+num_spec, D), temporal (S, HV, V, K)]`` (newer releases; older: conv (S, D, W-1+num_spec),
+        temporal (S, HV, K, V)), both page-strided views of the layer's pages::
+
+            cache = GDNStateCache.wrap(temporal.transpose(-1, -2), conv.transpose(-1, -2), max_draft=num_spec)
+        """
+        for name, t, nd in (("ssm_state", ssm_state, 4), ("conv_state", conv_state, 3)):
+            _need_tensor(name, t, nd)
+        S, HV, K, V = ssm_state.shape
+        D = conv_state.shape[1]
+        if H is None:
+            if (D - HV * V) <= 0 or (D - HV * V) % (2 * K):
+                raise ValueError(f"conv_state's D={D} is not 2 H K + HV V for any H (HV={HV}, K={K}, V={V}): "
+                                 f"pass H")
+            H = (D - HV * V) // (2 * K)
+        if not isinstance(max_draft, numbers.Integral) or max_draft < 0:
+            raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
+        cdt = torch.float64 if torch.float64 in (ssm_state.dtype, conv_state.dtype) else torch.float32
+        TC, z = 1 + max_draft, dict(device=ssm_state.device)
+        cache = cls(ssm_state=ssm_state, conv_state=conv_state,
+                    pend_k=torch.zeros(S, 2, TC, H, K, dtype=cdt, **z),
+                    pend_v=torch.zeros(S, 2, TC, HV, V, dtype=conv_state.dtype, **z),
+                    pend_g=torch.zeros(S, 2, TC, HV, dtype=cdt, **z),
+                    pend_beta=torch.zeros(S, 2, TC, HV, dtype=cdt, **z),
+                    pend_meta=torch.zeros(S, 2, dtype=torch.int32, **z), err=err)
+        check_cache(cache)
+        return cache
+
     # sizes ------------------------------------------------------------------------------------
     @property
     def num_slots(self) -> int:

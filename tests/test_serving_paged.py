@@ -110,3 +110,34 @@ def test_fast_long_prefill_on_a_paged_cache_gpu(T, layout):
     assert torch.equal(o_pag, o_flat)
     assert torch.equal(paged.ssm_state, flat.ssm_state) and torch.equal(paged.conv_state, flat.conv_state)
     assert not page_gaps(raw, paged).any()
+
+
+def test_wrap_an_engines_state_tensors():
+    """GDNStateCache.wrap over an engine's state views (vLLM's newer layout: conv (S, W-1+spec, D) and temporal
+    (S, HV, V, K) in pages, passed transposed): the ops use them in place (fast's run on the wrapped views equals
+    its run on the same layout built by paged_cache, bit for bit, and the engine's pages hold the result); H is
+    inferred from D; the pend_* buffers are allocate's shapes and dtypes; a D that no H explains is refused."""
+    H, HV, K, V, W, md = 1, 2, 16, 16, 4, 3
+    base = make_cache(5, H, HV, K, V, W, max_draft=md, seed=7, state_dtype=torch.float32, act_dtype=torch.float32,
+                      device=DEV)
+    for t in (base.pend_k, base.pend_v, base.pend_g, base.pend_beta, base.pend_meta):
+        t.zero_()                                             # (wrap's: nothing pending, bank 0)
+    want, _ = paged_cache(base, state_layout="vk")
+    engine, raw = paged_cache(base, state_layout="vk")
+    conv, temporal = engine.conv_state.transpose(-1, -2), engine.ssm_state.transpose(-1, -2)   # as vLLM holds them
+    assert temporal.shape == (5, HV, V, K) and temporal.stride(3) == 1 and conv.stride(2) == 1
+    got = rs.GDNStateCache.wrap(temporal.transpose(-1, -2), conv.transpose(-1, -2), max_draft=md)
+    assert got.ssm_state.data_ptr() == temporal.data_ptr() and got.H == H and got.max_draft == md
+    ref = rs.GDNStateCache.allocate(5, H, HV, K, V, W, md, torch.float32, torch.float32, DEV)
+    for name in ("pend_k", "pend_v", "pend_g", "pend_beta", "pend_meta"):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), name
+    layer = make_layer(H, HV, K, V, W, seed=8, dtype=torch.float32, device=DEV)
+    kw = dict(H=H, HV=HV, K=K, V=V, dtype=torch.float32, seed=9, device=DEV)
+    for f, p in zip(drive(fs, want, layer, STEPS, SLOTS, **kw), drive(fs, got, layer, STEPS, SLOTS, **kw)):
+        for key in ("o", "ssm", "conv", "conv_state", "pend_meta"):
+            assert torch.equal(p[key], f[key]), (f["kind"], key)
+    assert torch.equal(temporal.transpose(-1, -2), want.ssm_state)        # the engine's own tensors were written
+    assert not page_gaps(raw, got).any()
+    with pytest.raises(ValueError, match="not 2 H K \\+ HV V"):
+        rs.GDNStateCache.wrap(temporal.transpose(-1, -2), conv.transpose(-1, -2)[:, 1:])
