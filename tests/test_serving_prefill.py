@@ -348,12 +348,14 @@ def test_host_offsets_copy_spares_the_read(monkeypatch):
     assert len(reads) == 1                             # without it: one read per call, shared by every kernel
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_fuzz_fast_prefill_against_refgdn(data):
     """Random request counts and lengths (empty ones included), slots (padded rows included), initial-state flags,
-    conv widths, bias or none, GVA factors: fast's outputs (real requests) and every cache tensor against refgdn's
+    conv widths, bias or none, GVA factors, fast's cache layout (allocated, or vLLM's pages with [K, V] or [V, K]
+    state blocks, 64- or 4-byte aligned): fast's outputs (real requests) and every cache tensor against refgdn's
     in the same precision (float32), by the conformance rule against the float64 truth."""
+    from conformance.cases_serving import paged_cache
     from conformance.core import Check, evaluate
     H_ = data.draw(st.integers(1, 2), "H")
     HV_ = H_ * data.draw(st.sampled_from([1, 2]), "gva")
@@ -365,6 +367,7 @@ def test_fuzz_fast_prefill_against_refgdn(data):
     slots = data.draw(st.permutations(list(range(S_)) + [-1, -1]), "slots")[:N]
     has = [data.draw(st.booleans(), f"has{n}") for n in range(N)]
     seed = data.draw(st.integers(0, 2 ** 16), "seed")
+    layout = data.draw(st.sampled_from([None, ("kv", 64), ("kv", 4), ("vk", 64), ("vk", 4)]), "layout")
     D = 2 * H_ * K_ + HV_ * V_
     lay64 = make_layer(H_, HV_, K_, V_, W_, bias=data.draw(st.booleans(), "bias"), seed=seed)
     base = make_cache(S_, H_, HV_, K_, V_, W_, seed=seed + 1)
@@ -377,6 +380,8 @@ def test_fuzz_fast_prefill_against_refgdn(data):
     o_ref = rs.gdn_prefill(x.float(), a.float(), b.float(), *_args(f32), ref, idx, cu, flags)
     dev = {k_: (v_.to(DEV) if v_ is not None else None) for k_, v_ in f32.items()}
     got = got.to(device=DEV)
+    if layout is not None:
+        got = paged_cache(got, align=layout[1], state_layout=layout[0])[0]
     o = fs.gdn_prefill(x.float().to(DEV), a.float().to(DEV), b.float().to(DEV), *_args(dev), got, idx.to(DEV),
                        cu.to(DEV), flags.to(DEV))
     offs = cu.tolist()
