@@ -645,8 +645,8 @@ def check_accept_inputs(cache, state_indices, num_accepted, check_values=True) -
 def tensor_signature(t):
     """A tensor's metadata as the checks see it: (type, shape, stride, dtype, device); None for None.
 
-    shape and stride decide rank, numel and every contiguity the checks test (is_contiguous() and
-    stride(3) are functions of them); type decides isinstance(t, torch.Tensor). Read on every call:
+    shape and stride decide rank, numel and every layout rule the checks test (is_contiguous() and the
+    no-overlap rule are functions of them); type decides isinstance(t, torch.Tensor). Read on every call:
     a tensor changed in place (``resize_``, ``as_strided_``, ``t.data = ...``) gives another signature.
     """
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
