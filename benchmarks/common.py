@@ -89,9 +89,9 @@ def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5, warmup
 class one_core:
     """Context manager: the process runs on one CPU core inside the block (``core``, else the environment's
     REFGDN_BENCH_CORE, else the highest-numbered core it may use), its former affinity restored after. For rows
-    bound by host work (eager decode, short prefills): unpinned, one server host read the same code 1.5-2x apart in different processes (RESULTS.md,
-    2026-11-27); pinned with `taskset -c 3`, the same rows agreed within ~10 % but for rare outliers. No-op
-    where the OS has no affinity call. ``.core``: the core pinned to, or None."""
+    bound by host work (eager decode, short prefills): unpinned, one server host read the same code 1.5-2x apart in
+    different processes (RESULTS.md, 2026-11-27); pinned with `taskset -c 3`, the same rows agreed within ~10 % but
+    for rare outliers. No-op where the OS has no affinity call. ``.core``: the core pinned to, or None."""
 
     def __init__(self, core: Optional[int] = None):
         self.core, self.saved = core, None

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from refgdn.serving import GDNStateCache, committed_state
+from refgdn.serving import GDNStateCache, committed_state, pending_dtype
 
 from .core import Case, Check
 
@@ -115,7 +115,7 @@ def page_gaps(raw: torch.Tensor, c: GDNStateCache) -> torch.Tensor:
 
 def cast_cache(c: GDNStateCache, state_dtype, act_dtype) -> GDNStateCache:
     """The same contents in other dtypes (compute-dtype pending buffers follow the rule of allocate)."""
-    cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
+    cdt = pending_dtype(state_dtype, act_dtype)
     return GDNStateCache(c.ssm_state.to(state_dtype), c.conv_state.to(act_dtype), c.pend_k.to(cdt),
                          c.pend_v.to(act_dtype), c.pend_g.to(cdt), c.pend_beta.to(cdt), c.pend_meta.clone(),
                          err=c.err.clone())
@@ -192,9 +192,9 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
                   rounds=3, decode_every=0, dtype=torch.float32, state_dtype=torch.float32, decay="mid",
                   strided=False, seed=0, quick=True, draft_steps=None, prefills=(), paged=None) -> Case:
     """A protocol run: verify / accept rounds (and decodes) from plan_rounds, then each of ``prefills`` ((lens [N],
-    has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn. paged: None, or fast's
-    cache in vLLM's page layout with pages aligned to ``paged`` bytes, or (align, state_layout) (paged_cache; the
-    pages' unused bytes are checked to stay zero)."""
+    has_initial_state [N]) per gdn_prefill step, a decode after each), fast against refgdn. paged: None, or
+    (align, state_layout): fast's cache in vLLM's page layout (paged_cache; the pages' unused bytes are checked to
+    stay zero)."""
     assert len(slots) == N
 
     def run(device: str) -> list:
@@ -214,8 +214,7 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
         ref = drive(rs, c_ref, layp, steps, slots, dtype=dtype, **kw)
         c_fast = cast_cache(base, state_dtype, dtype).to(device=device)
         if paged:
-            align, layout = paged if isinstance(paged, tuple) else (paged, "kv")
-            c_fast, raw = paged_cache(c_fast, align=align, state_layout=layout)
+            c_fast, raw = paged_cache(c_fast, align=paged[0], state_layout=paged[1])
         layd = {k: (v.to(device) if v is not None else None) for k, v in layp.items()}
         fst = drive(fs, c_fast, layd, steps, slots, dtype=dtype, device=device, **kw)
         checks = []
@@ -313,7 +312,7 @@ def cases(quick: bool, device: str) -> list:
         # ratio 1.070 -> 0.901; benchmarks/RESULTS.md)
         out.append(_serving_case("prefill-paged-cache-bf16", N=3, slots=[1, 3, -1], num_slots=4, H=2, HV=4, K=128,
                                  V=128, drafts=(0, 2), rounds=2, max_draft=2, dtype=torch.bfloat16, seed=59,
-                                 quick=quick, paged=4, prefills=[((600, 17, 3), (True, False, True))]))
+                                 quick=quick, paged=(4, "kv"), prefills=[((600, 17, 3), (True, False, True))]))
         out.append(_serving_case("paged-vk-state-qwen-shape-bf16", N=4, slots=[5, -1, 1, 2], num_slots=8, H=2, HV=4,
                                  K=128, V=128, drafts=(0, 1, 3), rounds=3, decode_every=1, max_draft=3,
                                  dtype=torch.bfloat16, seed=61, quick=quick, paged=(64, "vk"),

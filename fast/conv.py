@@ -342,7 +342,8 @@ def causal_conv1d_final_state_kernel(
     if HAS_INIT:
         r_init, m_init = slot_row(slot_rows, i_n, 1, o_d, m_d, SLOTS)
         b_s = tl.load(initial_state + r_init * stride_s_n + o_d[:, None] * stride_s_d
-                      + (pos + (W - 1))[None, :] * stride_s_w, mask=m_init[:, None] & (m_i & (pos < 0))[None, :], other=0)
+                      + (pos + (W - 1))[None, :] * stride_s_w,
+                      mask=m_init[:, None] & (m_i & (pos < 0))[None, :], other=0)
         b = tl.where((pos >= 0)[None, :], b, b_s.to(final_state.dtype.element_ty))
     f_row, m_f = slot_row(slot_rows, i_n, 0, o_d, m_d, SLOTS)
     tl.store(final_state + f_row * stride_f_n + o_d[:, None] * stride_f_d + o_i[None, :] * stride_f_w, b,

@@ -384,7 +384,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
                  PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused),
-                 UPDATE_X2=slots and k.dtype == torch.bfloat16, H0_SLOTS=slots,
+                 UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state)),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,

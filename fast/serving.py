@@ -114,8 +114,6 @@ import torch
 import triton
 import triton.language as tl
 
-from einops import rearrange
-
 import refgdn.serving as rs
 from refgdn.checks import host_offsets, one_host_read, provide_host_offsets
 from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inputs, check_cache,
@@ -1361,6 +1359,13 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
 
 PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
+
+
+def prefill_update_x2(dtype: torch.dtype) -> bool:
+    """Whether gdn_prefill's state update takes two bf16 terms (fast.chunk.state's UPDATE_X2): for bf16 inputs,
+    since its final state lives on in the cache; half the state's error for a few per cent of device time, where
+    the call is host-bound anyway (benchmarks/RESULTS.md, 2026-11-27). fast.keys asks the same."""
+    return dtype == torch.bfloat16
 # gdn_prefill's signatures (_prefill_signature) that passed the shape checks -> the LaunchPlan of their launches, from
 # a signature's second call on (as fast.chunk's and fast.conv's)
 _PREFILL_PLANS = SignaturePlans(PLAN_CACHE_SIZE, seen_size=256)
@@ -1459,16 +1464,12 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         y, _ = conv_forward(mixed_qkv[None], conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
                             slot_rows=slot_rows)
         y = y[0]
-        q = rearrange(y[:, :H * K], "t (h k) -> t h k", h=H)
-        k = rearrange(y[:, H * K:2 * H * K], "t (h k) -> t h k", h=H)
-        v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
+        q, k, v = rs.split_qkv(y, H, K, HV)
         beta = torch.sigmoid(b.float())                        # float32, as refgdn's
         # 4. l2norm, gating and the chunked delta rule, reading and writing the slots' states in place
-        # (bf16: the state update in two bf16 terms, since this final state lives on in the cache: chunk.state's
-        # UPDATE_X2, half the state's error for a few per cent of device time where the call is host-bound anyway)
         o, _ = chunk_gated_delta_rule_fwd(q[None], k[None], v[None], a[None], beta[None], scale, cache.ssm_state,
                                           True, cu_seqlens, True, A_log, dt_bias, slot_rows=slot_rows,
-                                          update_x2=q.dtype == torch.bfloat16)
+                                          update_x2=prefill_update_x2(q.dtype))
     _check_if_free(cache)
     return o[0]
 

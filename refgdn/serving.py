@@ -301,19 +301,14 @@ class GDNStateCache:
             if err.shape[0] != 4 or err.dtype != torch.int64 or err.device != where:
                 raise ValueError(f"err must be an int64 [4] tensor on {device}, got {err.dtype} "
                                  f"[{', '.join(map(str, err.shape))}] on {err.device}")
-        cdt = torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
-        D, TC = 2 * H * K + HV * V, 1 + max_draft
-        z = dict(device=device)
+        D = 2 * H * K + HV * V
         return cls(
-            ssm_state=torch.zeros(num_slots, HV, K, V, dtype=state_dtype, **z),
+            ssm_state=torch.zeros(num_slots, HV, K, V, dtype=state_dtype, device=device),
             # [S, D, W-1+max_draft] as a view of [S, W-1+max_draft, D] storage (channels contiguous):
             # a step reads and writes whole columns, which are then coalesced (newer vLLM's layout)
-            conv_state=torch.zeros(num_slots, conv_width - 1 + max_draft, D, dtype=act_dtype, **z).transpose(1, 2),
-            pend_k=torch.zeros(num_slots, 2, TC, H, K, dtype=cdt, **z),
-            pend_v=torch.zeros(num_slots, 2, TC, HV, V, dtype=act_dtype, **z),
-            pend_g=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
-            pend_beta=torch.zeros(num_slots, 2, TC, HV, dtype=cdt, **z),
-            pend_meta=torch.zeros(num_slots, 2, dtype=torch.int32, **z),
+            conv_state=torch.zeros(num_slots, conv_width - 1 + max_draft, D, dtype=act_dtype,
+                                   device=device).transpose(1, 2),
+            **_pending_buffers(num_slots, H, HV, K, V, max_draft, state_dtype, act_dtype, device),
             err=err,
         )
 
@@ -341,14 +336,9 @@ class GDNStateCache:
             H = (D - HV * V) // (2 * K)
         if not isinstance(max_draft, numbers.Integral) or max_draft < 0:
             raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
-        cdt = torch.float64 if torch.float64 in (ssm_state.dtype, conv_state.dtype) else torch.float32
-        TC, z = 1 + max_draft, dict(device=ssm_state.device)
-        cache = cls(ssm_state=ssm_state, conv_state=conv_state,
-                    pend_k=torch.zeros(S, 2, TC, H, K, dtype=cdt, **z),
-                    pend_v=torch.zeros(S, 2, TC, HV, V, dtype=conv_state.dtype, **z),
-                    pend_g=torch.zeros(S, 2, TC, HV, dtype=cdt, **z),
-                    pend_beta=torch.zeros(S, 2, TC, HV, dtype=cdt, **z),
-                    pend_meta=torch.zeros(S, 2, dtype=torch.int32, **z), err=err)
+        cache = cls(ssm_state=ssm_state, conv_state=conv_state, err=err,
+                    **_pending_buffers(S, H, HV, K, V, max_draft, ssm_state.dtype, conv_state.dtype,
+                                       ssm_state.device))
         check_cache(cache)
         return cache
 
@@ -430,6 +420,30 @@ class GDNStateCache:
             raise ValueError(fault_message(code, n, value, extra))
 
 
+def pending_dtype(state_dtype: torch.dtype, act_dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype of the pending k, g, beta buffers: float64 if either dtype is float64, else float32."""
+    return torch.float64 if torch.float64 in (state_dtype, act_dtype) else torch.float32
+
+
+def _pending_buffers(S: int, H: int, HV: int, K: int, V: int, max_draft: int, state_dtype, act_dtype,
+                     device) -> dict:
+    """The zeroed pend_* fields of a cache (nothing pending, bank 0): GDNStateCache.allocate's and wrap's."""
+    cdt, TC = pending_dtype(state_dtype, act_dtype), 1 + max_draft
+    return dict(pend_k=torch.zeros(S, 2, TC, H, K, dtype=cdt, device=device),
+                pend_v=torch.zeros(S, 2, TC, HV, V, dtype=act_dtype, device=device),
+                pend_g=torch.zeros(S, 2, TC, HV, dtype=cdt, device=device),
+                pend_beta=torch.zeros(S, 2, TC, HV, dtype=cdt, device=device),
+                pend_meta=torch.zeros(S, 2, dtype=torch.int32, device=device))
+
+
+def split_qkv(y: torch.Tensor, H: int, K: int, HV: int):
+    """Conv outputs y: [T, D] (D = 2 H K + HV V, q | k | v channels) -> q, k [T, H, K], v [T, HV, V] (views)."""
+    q = rearrange(y[:, :H * K], "t (h k) -> t h k", h=H)
+    k = rearrange(y[:, H * K:2 * H * K], "t (h k) -> t h k", h=H)
+    v = rearrange(y[:, 2 * H * K:], "t (h v) -> t h v", h=HV)
+    return q, k, v
+
+
 def check_cache(cache) -> None:
     """Validate a GDNStateCache's field shapes, dtypes and layouts (ValueError naming the field).
 
@@ -448,7 +462,7 @@ def check_cache(cache) -> None:
     if H == 0 or HV % H:
         raise ValueError(f"cache.pend_k's head count H={H} must divide ssm_state's HV={HV}")
     D = 2 * H * K + HV * V
-    cdt = torch.float64 if torch.float64 in (cache.ssm_state.dtype, cache.pend_v.dtype) else torch.float32
+    cdt = pending_dtype(cache.ssm_state.dtype, cache.pend_v.dtype)
     specs = (("cache.pend_k", cache.pend_k, (S, 2, TC, H, K), "[S, 2, 1+max_draft, H, K]"),
              ("cache.pend_v", cache.pend_v, (S, 2, TC, HV, V), "[S, 2, 1+max_draft, HV, V]"),
              ("cache.pend_g", cache.pend_g, (S, 2, TC, HV), "[S, 2, 1+max_draft, HV]"),
@@ -767,9 +781,7 @@ def _step(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_
         new_conv = seq[:, min(L, 1):]              # drop the oldest input iff a token came in
         # --- gating and l2norm (compute dtype), split y [L, D] -> q, k [L, H, K], v [L, HV, V]
         y = y[0]
-        q = rearrange(y[:, :H * K], "l (h k) -> l h k", h=H)
-        k = rearrange(y[:, H * K:2 * H * K], "l (h k) -> l h k", h=H)
-        v = rearrange(y[:, 2 * H * K:], "l (h v) -> l h v", h=HV)
+        q, k, v = split_qkv(y, H, K, HV)
         qn, kn = l2norm(q.to(dt)), l2norm(k.to(dt))
         g, beta = gdn_gating(A_log, a[bos:eos].to(dt), dt_bias, b[bos:eos].to(dt))
         # --- delta rule on from the committed state
@@ -891,9 +903,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         y, window = causal_conv1d(mixed_qkv[None, bos:eos], conv_weight, conv_bias, activation,
                                   initial_state=window[None], output_final_state=True)
         y = y[0]
-        q = rearrange(y[:, :H * K], "l (h k) -> l h k", h=H)
-        k = rearrange(y[:, H * K:2 * H * K], "l (h k) -> l h k", h=H)
-        v = rearrange(y[:, 2 * H * K:], "l (h v) -> l h v", h=HV)
+        q, k, v = split_qkv(y, H, K, HV)
         beta = torch.sigmoid(b[bos:eos].to(compute_dtype(b)))                # float32 (float64)
         # --- the chunked delta rule with l2norm and the gating inside (g = a here)
         o_n, S_end = chunk_gated_delta_rule(q[None], k[None], v[None], a[None, bos:eos], beta[None], scale,

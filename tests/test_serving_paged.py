@@ -39,13 +39,15 @@ def _run_both(ops, state_dtype, dtype, device, layout="kv"):
     return flat, pag, paged, raw, base
 
 
-def _assert_same(flat, pag, paged, raw, base):
+def _assert_same(flat, pag, paged, raw, base, keys=("ssm", "conv", "conv_state", "pend_meta"), outputs=True):
+    """The paged run's records equal the flat run's at ``keys`` (and the real requests' outputs); nothing was
+    written outside the pages' views; the slots no request used kept theirs."""
     for r, (f, p) in enumerate(zip(flat, pag)):
         offs = torch.tensor([0] + f["lens"]).cumsum(0).tolist()
         for n, s in enumerate(SLOTS):                          # (padded rows' outputs: unspecified in a prefill)
-            if s >= 0:
+            if outputs and s >= 0:
                 assert torch.equal(p["o"][offs[n]:offs[n + 1]], f["o"][offs[n]:offs[n + 1]]), (r, f["kind"], n)
-        for key in ("ssm", "conv", "conv_state", "pend_meta"):
+        for key in keys:
             assert torch.equal(p[key], f[key]), (r, f["kind"], key)
     assert not page_gaps(raw, paged).any(), "a kernel wrote outside the cache's views"
     untouched = [s for s in range(paged.num_slots) if s not in SLOTS]
@@ -78,14 +80,8 @@ def test_vk_state_blocks_are_read_and_written_in_place(ops):
     exact: the conv windows, the metadata, the untouched slots and the pages' unused bytes."""
     dt, dev = (torch.float32, DEV) if ops is fs else (torch.float64, "cpu")
     flat, pag, paged, raw, base = _run_both(ops, dt, dt, dev, "vk")
-    for r, (f, p) in enumerate(zip(flat, pag)):
-        for key in ("conv", "conv_state", "pend_meta"):
-            assert torch.equal(p[key], f[key]), (r, f["kind"], key)
+    _assert_same(flat, pag, paged, raw, base, keys=("conv", "conv_state", "pend_meta"), outputs=False)
     assert paged.ssm_state.stride(2) == 1                        # (still the [V, K] layout: written in place)
-    assert not page_gaps(raw, paged).any(), "a kernel wrote outside the cache's views"
-    untouched = [s for s in range(paged.num_slots) if s not in SLOTS]
-    for name in ("ssm_state", "conv_state"):
-        assert torch.equal(getattr(paged, name)[untouched], getattr(base, name)[untouched])
 
 
 @pytest.mark.skipif(not GPU, reason="bf16 and the pipelined forward (one long sequence) run on a CUDA device only")
