@@ -53,7 +53,7 @@ def gdn_grad_case(family: str, p: dict, dtype: torch.dtype, chunk_size: int, qui
         B, T, HV, V, K = p["B"], p["T"], p["HV"], p["V"], p["K"]
         N = len(p["cu"]) - 1 if p.get("cu") is not None else B
         do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(dtype)
-        dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64).float()
+        dht = torch.randn(N, HV, *((V, K) if p.get("vk") else (K, V)), generator=gen, dtype=torch.float64).float()
         extra = dict(output_final_state=True, chunk_size=chunk_size)
         cot_lo = (do.to(device), dht.to(device))
         cot_hi = (do.double().to(device), dht.double().to(device))
@@ -86,6 +86,7 @@ def _gdn_grad_families(quick: bool) -> dict:
             "qk-l2norm-fused-gating": (dict(base, T=70, l2=True, fused=True), (64,)),
             "strong-decay-gva4": (dict(base, T=50, HV=4, K=16, V=16, gate="strong"), (32,)),
             "no-init-T1": (dict(base, T=1, init=False), (16,)),
+            "fla-logits-neg-eigval-vk": (dict(base, T=50, K=32, V=16, logits=True, neg=True, vk=True), (16,)),
         }
     base = dict(B=2, T=512, H=2, HV=4, K=128, V=128, gate="mid", init=True)
     fams = {
@@ -103,6 +104,7 @@ def _gdn_grad_families(quick: bool) -> dict:
         # state pass): BV 32 at B = 4 (256 (sequence, head, 64-column) programs), BV 64 at B = 8 (512)
         "qwen3next-B4-bv32": dict(base, B=4, T=192, H=16, HV=32, l2=True),
         "qwen3next-B8-bv64": dict(base, B=8, T=130, H=16, HV=32, l2=True),
+        "fla-logits-neg-eigval-vk-K64-V96": dict(base, T=200, K=64, V=96, logits=True, neg=True, vk=True),
     }
     return {k: (v, CHUNK_SIZES) for k, v in fams.items()}
 

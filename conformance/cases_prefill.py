@@ -69,7 +69,9 @@ def gdn_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int) -> tupl
     """Inputs for one gated-delta-rule case: (low-precision kwargs, float64 kwargs of the same values).
 
     p: B, T, H, HV, K, V, gate, init, cu (list or None), l2 (qk-l2norm), fused (gating),
-    strided. Low precision: q, k, v, beta (and the raw gate a when fused) in ``dtype``; g, A_log,
+    strided; fla 0.6.0's keywords: logits (beta as logits, use_beta_sigmoid_in_kernel), neg (allow_neg_eigval:
+    beta in [0, 2)), vk (state_v_first: the initial state drawn [N, HV, V, K]). Low precision:
+    q, k, v, beta (and the raw gate a when fused) in ``dtype``; g, A_log,
     dt_bias, initial_state in float32 (their serving dtypes). float64 = the rounded values, upcast.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -119,9 +121,18 @@ def gdn_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int) -> tupl
         dt_bias = r(HV) - 4.0
         lo.update(g=a.to(dtype).to(device), A_log=A_log.float().to(device), dt_bias=dt_bias.float().to(device))
         hi.update(g=lo["g"].double(), A_log=lo["A_log"].double(), dt_bias=lo["dt_bias"].double())
+    if p.get("logits"):   # beta as logits of either sign (the keyword applies the sigmoid in both packages)
+        logits = 2 * r(*lo["beta"].shape)
+        lo["beta"] = logits.to(lo["beta"].dtype).to(device)
+        hi["beta"] = lo["beta"].double()
+        flags = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=bool(p.get("neg")))
+        lo.update(flags)
+        hi.update(flags)
     if p.get("init"):
-        S0 = (0.5 * r(N, HV, K, V)).float().to(device)
+        S0 = (0.5 * (r(N, HV, V, K) if p.get("vk") else r(N, HV, K, V))).float().to(device)
         lo["initial_state"], hi["initial_state"] = S0, S0.double()
+    if p.get("vk"):
+        lo["state_v_first"] = hi["state_v_first"] = True
     if cu is not None:
         cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
         lo["cu_seqlens"] = hi["cu_seqlens"] = cu_t
@@ -167,6 +178,9 @@ def _gdn_families(quick: bool) -> dict:
             "qk-l2norm": dict(base, T=100, l2=True, init=True),
             "fused-gating": dict(base, T=100, fused=True, init=True),
             "K64-V48": dict(base, T=70, HV=1, K=64, V=48),
+            # fla 0.6.0's keywords: beta as logits, beta in [0, 2), [V, K] states (K != V), varlen
+            "fla-logits-neg-eigval-vk": dict(base, T=90, K=32, V=16, cu=[0, 37, 90], init=True, logits=True,
+                                             neg=True, vk=True),
         }
     base = dict(B=2, T=1024, H=2, HV=4, K=128, V=128, gate="mid", init=True)
     return {
@@ -195,13 +209,17 @@ def _gdn_families(quick: bool) -> dict:
                                    cu=[0, 1, 65, 128, 200, 263, 264, 400, 527, 600, 700, 777, 900, 960, 1023, 1100,
                                        1200]),
         "T16384-pipelined": dict(base, B=1, T=16384, H=1, HV=2),
+        # fla 0.6.0's keywords: beta as logits in [0, 2) (allow_neg_eigval: transitions with negative eigenvalues)
+        # and [V, K] states, at K != V; and at Qwen3-Next's heads on the fused path (l2norm) with beta up to 2
+        "fla-logits-neg-eigval-vk-K64-V96": dict(base, T=500, K=64, V=96, logits=True, neg=True, vk=True),
+        "qwen3next-B4-neg-eigval": dict(base, B=4, T=300, H=16, HV=32, l2=True, logits=True, neg=True),
     }
 
 
 def _recurrent_families(quick: bool) -> dict:
     fams = _gdn_families(quick)
     keep = (["dense-T63-gva2", "T1-init", "varlen-empty-len1", "gva4", "strided-slices", "qk-l2norm",
-             "fused-gating", "T129-strong-decay"] if quick else list(fams))
+             "fused-gating", "T129-strong-decay", "fla-logits-neg-eigval-vk"] if quick else list(fams))
     out = {k: fams[k] for k in keep}
     if not quick:  # the time loop is sequential: keep the full-matrix lengths moderate
         out = {k: dict(v, T=min(v["T"], 1024)) if "cu" not in v else v for k, v in out.items()}

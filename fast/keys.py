@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from refgdn.capture import CompileKey
-from refgdn.checks import host_offsets_known
+from refgdn.checks import fla_keywords, host_offsets_known
 
 from . import chunk as _chunk
 from . import conv as _conv
@@ -312,7 +312,9 @@ def _fp64(*ts) -> bool:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64, cu_seqlens_cpu=None, *, device=None,
+                           chunk_size=64, cu_seqlens_cpu=None, *, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
+                           cp_context=None, head_first=False, device=None,
                            offsets_known: Optional[bool] = None, slots: bool = False) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
@@ -323,7 +325,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     is given or they are known in the current scope. Varlen with N >= 2 without them, and without autograd or
     torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
     (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
-    ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS)."""
+    ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
+    as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off)."""
+    beta, initial_state, A_log, dt_bias, _ = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -404,9 +410,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None,
-                               dt_bias=None) -> List[CompileKey]:
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, *,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                               use_gate_in_kernel=None, chunk_indices=None, cp_context=None,
+                               head_first=False) -> List[CompileKey]:
     """Keys of fast.recurrent_gated_delta_rule: one kernel (float64 runs refgdn: no keys)."""
+    beta, initial_state, A_log, dt_bias, _ = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape

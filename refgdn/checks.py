@@ -269,6 +269,81 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     return N
 
 
+# fla 0.6.0's keywords beyond this API's (fla.ops.gated_delta_rule.chunk_gated_delta_rule's signature), so a call
+# written for fla runs unchanged: keyword-only in both packages (fla's positional order differs after
+# output_final_state: its 9th is use_qk_l2norm_in_kernel, this API's -- and vLLM's vendored fla's -- cu_seqlens)
+FLA_DEFAULTS = dict(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                    use_gate_in_kernel=None, chunk_indices=None, cp_context=None, head_first=False)
+
+
+def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel=False,
+                 allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
+                 cp_context=None, head_first=False) -> tuple:
+    """fla 0.6.0's keyword arguments mapped onto this API's -> (beta, initial_state, A_log, dt_bias, state_v_first).
+    Runs first in both packages' chunk_gated_delta_rule and recurrent_gated_delta_rule, so they mean the same.
+
+    use_beta_sigmoid_in_kernel: beta holds logits [B, T, HV]; beta = sigmoid(beta) in float32 (float64 for float64
+        logits), as fla's fused_beta_sigmoid, times 2 with allow_neg_eigval (beta in [0, 2): the transition
+        I - beta k k^T may have eigenvalue -1 < 1 - beta < 0). allow_neg_eigval needs it, as in fla.
+    state_v_first: initial_state is [N, HV, V, K] (S^T per head) and the final state comes back [N, HV, V, K],
+        contiguous. initial_state is read in place through a transposed view; fast's kernels write the final state
+        in that layout directly.
+    use_gate_in_kernel: None (default): g is the raw gate input exactly when A_log is given (this API's rule);
+        True: it is, A_log [HV] is required and dt_bias defaults to zeros; False: g is the log-decay and A_log /
+        dt_bias are ignored (fla's meaning).
+    chunk_indices: accepted (cu_seqlens required) and not read: the chunk tables come from cu_seqlens' checked
+        values (fla takes it to skip building them).
+    cp_context (context parallelism) is not supported; head_first must be False (vLLM's vendored fla passes it;
+        [B, H, T, ...] inputs are refused, as fla refuses them).
+    Raises ValueError naming the argument, before anything is computed."""
+    flags = dict(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 state_v_first=state_v_first, head_first=head_first)
+    for name, f in flags.items():
+        if type(f) is not bool:
+            raise ValueError(f"{name} must be a bool, got {f!r}")
+    if use_gate_in_kernel is not None and type(use_gate_in_kernel) is not bool:
+        raise ValueError(f"use_gate_in_kernel must be None or a bool, got {use_gate_in_kernel!r}")
+    if head_first:
+        raise ValueError("head_first=True ([B, H, T, ...] inputs) is not supported (fla removed it too): pass q, k, "
+                         "v as [B, T, H, K] / [B, T, HV, V] and g, beta as [B, T, HV]")
+    if cp_context is not None:
+        raise ValueError("cp_context (fla's context parallelism) is not supported: pass None")
+    if chunk_indices is not None and cu_seqlens is None:
+        raise ValueError("chunk_indices is for varlen calls: pass cu_seqlens with it (the chunk tables are built "
+                         "from cu_seqlens' checked values; chunk_indices is not read)")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(beta))")
+    if use_gate_in_kernel is False:
+        A_log = dt_bias = None
+    elif use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log [HV] (g is then the raw gate input)")
+        if dt_bias is None and isinstance(A_log, torch.Tensor):
+            dt_bias = torch.zeros_like(A_log)
+    if use_beta_sigmoid_in_kernel:
+        _need_tensor("beta", beta)
+        _need_float("beta", beta)
+        logits = beta.to(torch.promote_types(beta.dtype, torch.float32))
+        beta = torch.sigmoid(logits) * 2 if allow_neg_eigval else torch.sigmoid(logits)
+    if state_v_first and initial_state is not None:
+        _need_tensor("initial_state", initial_state, 4)
+        if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4:
+            want = (v.shape[2], v.shape[3], q.shape[3])
+            if tuple(initial_state.shape[1:]) != want:
+                raise ValueError(f"initial_state must have shape [N, HV, V, K] = [N, {want[0]}, {want[1]}, "
+                                 f"{want[2]}] with state_v_first=True, got {_shape(initial_state)}")
+        initial_state = initial_state.transpose(-1, -2)                 # [N, HV, V, K] -> [N, HV, K, V] (a view)
+    return beta, initial_state, A_log, dt_bias, state_v_first
+
+
+def final_state_v_first(final: Optional[torch.Tensor], state_v_first: bool) -> Optional[torch.Tensor]:
+    """The final state [N, HV, K, V] as state_v_first asks: [N, HV, V, K] contiguous (no copy when it already is,
+    e.g. fast's final state written in that layout)."""
+    if final is None or not state_v_first:
+        return final
+    return final.transpose(-1, -2).contiguous()
+
+
 def check_activation(activation) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'silu' (alias 'swish'), got {activation!r}")

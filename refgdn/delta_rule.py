@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .checks import check_chunk_size, check_gdn_inputs, host_offsets, one_host_read
+from .checks import (check_chunk_size, check_gdn_inputs, final_state_v_first, fla_keywords, host_offsets,
+                     one_host_read)
 from .gating import compute_dtype, l2norm, softplus
 
 
@@ -47,7 +48,9 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_i
         g = -torch.exp(A_log.to(dt)) * softplus(g.to(dt) + dt_bias.to(dt))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q.to(dt)), l2norm(k.to(dt))
-    S0 = initial_state.to(dt) if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=dt)
+    # contiguous: the oracle's result must not depend on the state's layout (a [V, K] view's matmuls would sum in
+    # another order)
+    S0 = initial_state.to(dt).contiguous() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=dt)
     return dict(q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.to(dt), beta=beta.to(dt), S0=S0, N=N, G=HV // H,
                 scale=K ** -0.5 if scale is None else float(scale), dtype=dt)
 
@@ -57,7 +60,9 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_i
 # --------------------------------------------------------------------------------------------
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, *,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                               use_gate_in_kernel=None, chunk_indices=None, cp_context=None, head_first=False):
     """Gated delta rule as a plain time loop: the base truth every other form is checked against.
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   (HV % H == 0)
@@ -71,7 +76,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     scale defaults to K ** -0.5. use_qk_l2norm_in_kernel normalises q and k first
     (x / sqrt(sum x^2 + 1e-6)). With A_log and dt_bias ([HV]) given, `g` is the raw gate input a and
     g = -exp(A_log) * softplus(a + dt_bias) is applied first. Plain torch: autograd gives gradients.
+    The keyword-only arguments are fla 0.6.0's (beta as logits, [V, K] states, ...): refgdn.checks.fla_keywords.
     """
+    beta, initial_state, A_log, dt_bias, vk = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     p = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias)
     B, T, H, K = q.shape
     G = p["G"]
@@ -93,7 +102,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         finals.append(rearrange(S, "h j k v -> (h j) k v"))
     o = torch.stack(o_parts) if cu_seqlens is None else torch.cat(o_parts)[None]
     o = o.to(v.dtype)
-    return o, (torch.stack(finals) if output_final_state else None)
+    return o, final_state_v_first(torch.stack(finals) if output_final_state else None, vk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +230,9 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
 @one_host_read   # cu_seqlens' values read to the host once per call (or taken from cu_seqlens_cpu)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64, cu_seqlens_cpu=None):
+                           chunk_size=64, cu_seqlens_cpu=None, *, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
+                           cp_context=None, head_first=False):
     """Gated delta rule in the chunked WY/UT form (same function as the recurrent form).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   (HV % H == 0)
@@ -237,8 +248,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     computed per chunk of BT tokens in five steps: 1 chunk_cumsum, 2 wy_repr, 3 w_u, 4 state_passing,
     5 chunk_output (each importable from refgdn.delta_rule). Other arguments as in
-    recurrent_gated_delta_rule.
+    recurrent_gated_delta_rule (fla 0.6.0's keywords included).
     """
+    beta, initial_state, A_log, dt_bias, vk = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     p = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
                  chunk_size, cu_seqlens_cpu)
     B, T = q.shape[:2]
@@ -259,4 +273,4 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         o = torch.stack(o_parts)
     else:
         o = torch.cat(o_parts)[None]
-    return o.to(v.dtype), (torch.stack(finals) if output_final_state else None)
+    return o.to(v.dtype), final_state_v_first(torch.stack(finals) if output_final_state else None, vk)

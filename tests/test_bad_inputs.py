@@ -174,6 +174,18 @@ BAD = [
     Bad("prefill-cu-too-short", "cu_seqlens", lambda o, w: w.prefill(o, cu_seqlens=_i([0]), initial_state=None)),
     Bad("prefill-chunk-size", "chunk_size", lambda o, w: w.prefill(o, chunk_size=24)),
     Bad("prefill-scale", "scale", lambda o, w: w.prefill(o, scale="0.5")),
+    # fla 0.6.0's keywords (refgdn.checks.fla_keywords)
+    Bad("prefill-fla-head-first", "head_first", lambda o, w: w.prefill(o, head_first=True)),
+    Bad("prefill-fla-cp-context", "cp_context", lambda o, w: w.prefill(o, cp_context=object())),
+    Bad("prefill-fla-neg-eigval-alone", "allow_neg_eigval", lambda o, w: w.prefill(o, allow_neg_eigval=True)),
+    Bad("prefill-fla-flag-not-bool", "state_v_first", lambda o, w: w.prefill(o, state_v_first=1)),
+    Bad("prefill-fla-gate-without-A_log", "A_log", lambda o, w: w.prefill(o, use_gate_in_kernel=True)),
+    Bad("prefill-fla-chunk-indices-dense", "chunk_indices", lambda o, w: w.prefill(
+        o, cu_seqlens=None, initial_state=None, chunk_indices=_i([[0, 0]]))),
+    Bad("prefill-fla-v-first-shape", "initial_state", lambda o, w: w.prefill(  # [N, HV, K, V] where [N, HV, V, K]
+        o, state_v_first=True, v=w.v[..., :V // 2], initial_state=w.h0[..., :V // 2])),
+    Bad("prefill-fla-beta-logits-int", "beta", lambda o, w: w.prefill(
+        o, use_beta_sigmoid_in_kernel=True, beta=_m(w.beta, dtype=torch.int32))),
     Bad("prefill-gating-half", "A_log and dt_bias", lambda o, w: w.prefill(o, A_log=torch.zeros(HV, device=DEVICE))),
     # ---------------------------------------------------------------- conv (causal_conv1d, update)
     Bad("conv-x-rank", "x", lambda o, w: w.conv(o, x=w.xc[0])),

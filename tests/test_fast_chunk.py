@@ -793,3 +793,60 @@ def test_update_x2_needs_bf16():
     q, k, v, g, beta, S0 = gdn_inputs(1, 32, 1, 2, 16, 16, dtype=torch.float16, device=DEV, init=True)
     with pytest.raises(ValueError, match="update_x2.*bfloat16"):
         fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, S0, True, None, True, update_x2=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# fla 0.6.0's keywords
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fla_keywords_fast_passes_the_rule(op, dtype):
+    """Beta as logits with allow_neg_eigval (beta in [0, 2)) and [N, HV, V, K] states (K != V), varlen: fast against
+    refgdn by the rule (refgdn's meaning of the keywords is checked exactly in test_refgdn_delta_rule); the final
+    state comes back [N, HV, V, K], contiguous."""
+    low, hi = _inputs(1, 50, 1, 2, 16, 8, dtype, seed=23, init=True, N=2)
+    gen = torch.Generator().manual_seed(24)
+    logits = (2 * torch.randn(1, 50, 2, generator=gen)).to(dtype).to(DEV)
+    h0 = low[5].transpose(-1, -2).contiguous()                        # [N, HV, V, K]
+    low = low[:4] + [logits, h0]
+    hi = [t.double() for t in low]
+    kw = dict(cu_seqlens=torch.tensor([0, 17, 50], dtype=torch.int32, device=DEV), use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True, state_v_first=True)
+    extra = dict(chunk_size=16) if op == "chunk_gated_delta_rule" else {}
+    _, s_f = _compare_op(f"{op}/fla-keywords", getattr(fast, op), getattr(refgdn, op), low, hi, dtype, **kw, **extra)
+    assert s_f.shape == (2, 2, 8, 16) and s_f.is_contiguous()
+
+
+def test_final_v_first_writes_the_transposed_layout():
+    """chunk_gated_delta_rule_fwd(final_v_first=True): the state pass writes the final state into [N, HV, V, K]
+    storage through its strides; the values are the [K, V] call's, bit for bit (the same registers stored)."""
+    low, _ = _inputs(2, 40, 1, 2, 16, 8, torch.float32, seed=25, init=True)
+    q, k, v, g, beta, h0 = low
+    _, s_kv = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, h0, True, chunk_size=16)
+    _, s_vk = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, h0, True, chunk_size=16, final_v_first=True)
+    assert s_vk.shape == s_kv.shape and s_vk.transpose(-1, -2).is_contiguous()
+    assert torch.equal(s_vk, s_kv)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="fla's kernels run on a GPU only")
+def test_fla_keywords_mean_what_fla_0_6_means():
+    """The same call with fla 0.6.0's keywords through fla itself: fla's results pass the conformance rule against
+    refgdn's float64 truth of our reading of the keywords (a transposed state or an unscaled beta would not), as
+    fast's do. bf16, varlen, K != V."""
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    low, hi = _inputs(1, 300, 2, 4, 128, 64, torch.bfloat16, seed=26, init=True, N=3)
+    logits = (2 * torch.randn(1, 300, 4, generator=torch.Generator().manual_seed(27))).to(torch.bfloat16).to(DEV)
+    h0 = low[5].transpose(-1, -2).contiguous()                        # [N, HV, V, K]
+    low = low[:4] + [logits, h0]
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              cu_seqlens=torch.tensor([0, 100, 101, 300], dtype=torch.long, device=DEV),
+              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True)
+    q, k, v, g, b = low[:5]
+    o_t, s_t = refgdn.chunk_gated_delta_rule(*(t.double() for t in low[:5]), **dict(kw, initial_state=h0.double()))
+    o_r, s_r = refgdn.chunk_gated_delta_rule(q, k, v, g, b, **kw)
+    for name, impl in (("fast", fast.chunk_gated_delta_rule), ("fla", fla.chunk_gated_delta_rule)):
+        o, s = impl(q, k, v, g, b, **kw)
+        assert s.shape == (3, 4, 64, 128)
+        _conform(f"{name}/o", o, o_r, o_t)
+        _conform(f"{name}/final_state", s, s_r, s_t, dtype=torch.bfloat16)

@@ -579,3 +579,15 @@ def test_fast_bwd_reuses_the_forwards_kernel1_outputs_bf16(monkeypatch, l2, gate
     assert launches == []
     for name, x, y in zip(("dq", "dk", "dv", "dbeta"), grads, (rerun[0], rerun[1], rerun[2], rerun[4])):
         assert torch.equal(x, y), name
+
+
+def test_fast_grad_through_fla_keywords():
+    """Gradients with beta as logits (allow_neg_eigval) and an [N, HV, V, K] initial state pass the rule: the logits'
+    sigmoid and the state's transposition are differentiated around the custom op."""
+    def fn(ops, **kw):
+        o, S = ops.chunk_gated_delta_rule(**kw, output_final_state=True, chunk_size=16, use_beta_sigmoid_in_kernel=True,
+                                          allow_neg_eigval=True, state_v_first=True)
+        return (o * o.detach().cos()).sum() + (S * S.detach().sin()).sum()
+
+    got = _fast_vs_ref(fn, _fast_inputs(T=30))
+    assert set(got) == {"q", "k", "v", "g", "beta", "initial_state"}

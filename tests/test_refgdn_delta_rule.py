@@ -246,3 +246,32 @@ def test_bad_input_raises_value_error(op_name, bad):
         getattr(refgdn, op_name)(**args)
     if state is not None:
         assert torch.equal(state, before)
+
+
+# ----------------------------------------------------------------------------------------------
+# fla 0.6.0's keywords: the same function on transformed inputs (refgdn.checks.fla_keywords)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("neg", [False, True], ids=["sigmoid", "2-sigmoid"])
+def test_fla_keywords_are_the_transformed_call(op, neg):
+    """use_beta_sigmoid_in_kernel (+ allow_neg_eigval), state_v_first, use_gate_in_kernel and chunk_indices mean
+    what fla 0.6.0 says: bit for bit the plain call on inputs the test transforms itself (float64), K != V so a
+    transposition mix-up cannot pass."""
+    f = getattr(refgdn, op)
+    q, k, v, g, _, S0 = gdn_inputs(1, 37, 1, 2, 8, 6, seed=21, init=True, N=2)
+    logits = 3 * torch.randn(1, 37, 2, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    beta = (2 if neg else 1) * torch.sigmoid(logits)
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    A_log, dt_bias = torch.rand(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    want_o, want_s = f(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu)
+    got_o, got_s = f(q, k, v, g, logits, initial_state=S0.transpose(-1, -2).contiguous(), output_final_state=True,
+                     cu_seqlens=cu, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, state_v_first=True,
+                     use_gate_in_kernel=False, A_log=A_log, dt_bias=dt_bias,     # (ignored: g is the log-decay)
+                     chunk_indices=torch.zeros(2, 2, dtype=torch.int32))        # (accepted, not read)
+    assert torch.equal(got_o, want_o)
+    assert got_s.shape == (2, 2, 6, 8) and got_s.is_contiguous() and torch.equal(got_s, want_s.transpose(-1, -2))
+    # use_gate_in_kernel=True without dt_bias: softplus(a + 0)
+    want_o, _ = f(q, k, v, g, beta, A_log=A_log, dt_bias=torch.zeros(2, dtype=torch.float64), cu_seqlens=cu)
+    got_o, _ = f(q, k, v, g, beta, A_log=A_log, use_gate_in_kernel=True, cu_seqlens=cu)
+    assert torch.equal(got_o, want_o)

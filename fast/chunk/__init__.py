@@ -98,13 +98,14 @@ are no float64 kernels).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 import refgdn
-from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, host_offsets_known,
-                           host_offsets_later, one_host_read)
+from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again,
+                           final_state_v_first, fla_keywords, host_offsets_known, host_offsets_later, one_host_read)
 
 from ..launch import SignaturePlans, shape_key, varlen_key
 
@@ -134,7 +135,9 @@ from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           chunk_size=64, cu_seqlens_cpu=None):
+                           chunk_size=64, cu_seqlens_cpu=None, *, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
+                           cp_context=None, head_first=False):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]
     -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
 
@@ -160,7 +163,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
+
+    fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
+    strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
+    vk = False
+    if (use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False or state_v_first is not False
+            or use_gate_in_kernel is not None or chunk_indices is not None or cp_context is not None
+            or head_first is not False):
+        beta, initial_state, A_log, dt_bias, vk = fla_keywords(
+            q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
     # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
     # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
@@ -177,26 +191,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                          cu_seqlens_cpu,       # with cu_seqlens_cpu: its values stand for cu_seqlens' in this call
                          offset_values=not behind)
         if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):         # (refgdn checks the values itself)
-            return refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                                 cu_seqlens_cpu)
+            o, final = refgdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                     cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                                     cu_seqlens_cpu)
+            return o, final_state_v_first(final, vk)
         _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):     # (the op checks the values)
         o, final, *_ = library.chunk_gated_delta_rule_op(
             q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
             bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
-        return o, (final if output_final_state else None)
+        return o, final_state_v_first(final if output_final_state else None, vk)
     if plan is None:
         plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
-    if plan is None:
-        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                          offsets_unchecked=behind)
-    with plan:
-        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                          offsets_unchecked=behind)
+    with plan if plan is not None else contextlib.nullcontext():
+        o, final = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                              use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
+                                              offsets_unchecked=behind, final_v_first=vk)
+    return o, final_state_v_first(final, vk)       # (written [N, HV, V, K] already: no copy)
 
 
 # ============================================================================================
@@ -262,7 +274,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
                                offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
-                               update_x2: bool = False):
+                               update_x2: bool = False, final_v_first: bool = False):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -289,7 +301,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     place at slot slot_rows[n, 0] (-1: start from zeros / write nothing); the final state returned is that ssm_state.
     Its values were checked on the device (distinct slots in range): the state pass reads each slot's block before
     any program writes it. update_x2 (bf16 inputs; fast.serving.gdn_prefill's): the state update in two bf16 terms
-    (fast.chunk.state's UPDATE_X2: half the final state's error, 3-9 % more device time)."""
+    (fast.chunk.state's UPDATE_X2: half the final state's error, 3-9 % more device time). final_v_first: the final
+    state is allocated [N, HV, V, K] and returned as its [N, HV, K, V] view (fla's state_v_first: the state pass
+    writes through its strides)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -320,7 +334,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         h0, final = initial_state, (initial_state if output_final_state else None)
         slots = (slot_rows, True, output_final_state)
     else:
-        final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+        final = None
+        if output_final_state:
+            final = (torch.empty(N, HV, V, K, dtype=torch.float32, device=dev).transpose(-1, -2) if final_v_first
+                     else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev))
         h0 = initial_state                                                # (read in place: any strides)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
@@ -371,7 +388,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, *,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                               use_gate_in_kernel=None, chunk_indices=None, cp_context=None, head_first=False):
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V]
     -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
 
@@ -379,12 +398,16 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     refgdn.recurrent_gated_delta_rule's twin: one Triton program per (V-block, sequence, value head)
     walks the tokens with the state in registers, all math in fp32. Same arguments as
-    chunk_gated_delta_rule (no chunk_size). float64 inputs run refgdn.
+    chunk_gated_delta_rule (no chunk_size; fla 0.6.0's keywords included). float64 inputs run refgdn.
     """
+    beta, initial_state, A_log, dt_bias, vk = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
     if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return refgdn.recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias)
+        o, final = refgdn.recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                     cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias)
+        return o, final_state_v_first(final, vk)
     _check_fast_limits(q.shape[3], v.shape[3])
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -395,7 +418,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     if N * HV == 0:
-        return o, final
+        return o, final_state_v_first(final, vk)
     cfg = recurrent_config(K, V)
     BV = cfg.pop("BV")
     recurrent_kernel[(cdiv(V, BV), N * HV)](
@@ -406,4 +429,4 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
         USE_H0=h0 is not None, STORE_HT=final is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
-    return o, final
+    return o, final_state_v_first(final, vk)
