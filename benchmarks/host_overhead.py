@@ -176,7 +176,7 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     out.append(("checks: cached (_checked_plan hit)", t(lambda: fs._checked_plan("decode", *step, None, "silu",
                                                                                    False))))
     out.append(("signature: step_signature alone", t(lambda: rs.step_signature(*step, None, "silu"))))
-    guard = fs._LAST["decode"][1]
+    guard = _last_entry(fs, "decode")[1]
     tensors = rs.step_tensors(*step, absent=fs.ABSENT)
     out.append(("signature: the last entry's MetaGuard check alone (what a hit runs instead)",
                 t(lambda: guard.check(*tensors))))
@@ -212,6 +212,11 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
     return out
 
 
+def _last_entry(fs, mode: str) -> tuple:
+    """fast.serving's last remembered entry of ``mode`` (its _LAST is keyed by (mode, batch dims))."""
+    return next(v for k, v in reversed(list(fs._LAST.items())) if k[0] == mode)
+
+
 def launch_rows(args, iters: int, repeats: int, sync) -> list:
     """(GPU) The cached decode's pieces, each alone, with the real launches (one sync per batch of calls):
     each kernel through its plan's Relaunch, the compiled launcher alone (Triton's, no checks), the conv
@@ -222,7 +227,7 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
     from triton.runtime import driver
     x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
     fs.gdn_decode(*args)                                            # the plan and its Relaunch objects
-    p = fs._LAST["decode"][2]
+    p = _last_entry(fs, "decode")[2]
     dev = cache.ssm_state.device
     y = torch.empty(p.y_shape, dtype=p.act_dtype, device=dev)
     o = torch.empty(p.o_shape, dtype=p.act_dtype, device=dev)

@@ -177,8 +177,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                 has_initial_state=None, scale=None, activation="silu", check_values=False, cu_seqlens_cpu=None, *,
                 device=None) -> List[CompileKey]:
     """Keys of fast.gdn_prefill, in launch order: prefill_rows_kernel, gdn_materialize's step kernels (int32 slots),
-    causal_conv1d's and the chunked forward's in their slot forms (chunk size 64, the offsets known on the host:
-    the op reads them first). float64 runs refgdn: no keys."""
+    causal_conv1d's and the chunked forward's in their slot forms (chunk size and conv tile PREFILL_CHUNK, the
+    offsets known on the host: the op reads them first). float64 runs refgdn: no keys."""
     if _fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state):
         return []
     T, N = mixed_qkv.shape[0], state_indices.shape[0]
@@ -200,7 +200,7 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
                          device=device, slots=True)
     out += chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV, dtype=a.dtype),
                                   e(1, T, HV, dtype=_F32), scale, cache.ssm_state, True, cu_seqlens, True, A_log,
-                                  dt_bias, 64, device=device, offsets_known=True, slots=True)
+                                  dt_bias, _serving.PREFILL_CHUNK, device=device, offsets_known=True, slots=True)
     return out
 
 
@@ -213,8 +213,9 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
     fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
     call runs (default x's; CUDA float32 compute takes the approximate silu). slots: gdn_prefill's form
-    (initial_state a cache's conv_state, read and written at int32 slot rows: the kernels' SLOTS). (A pinned
-    BT grows when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
+    (initial_state a cache's conv_state, read and written at int32 slot rows: the kernels' SLOTS; its tiles are
+    fast.serving.PREFILL_CHUNK rows). (An unpinned BT grows when a grid would exceed 65535 row blocks: > 1M tokens
+    at BT = 16, not modelled.)"""
     B, T, D = x.shape
     W = weight.shape[1]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -223,6 +224,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
         return []
     out = []
     cfg = _conv.conv_fwd_config(T, D, W, x.element_size())
+    if slots:
+        cfg["BT"] = _serving.PREFILL_CHUNK
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,

@@ -1228,7 +1228,15 @@ def _launch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, stat
 PLAN_CACHE_SIZE = 64     # signatures kept (the oldest dropped): batch sizes x modes x cache geometries
 # key -> entry (extras, guard, value); value: _StepPlan (steps), (N, launch) (accept), (N, inputs, plan) (materialize)
 _PLANS = PlanCache(PLAN_CACHE_SIZE)
-_LAST: dict = {}         # mode -> the entry of its last call that passed the checks (compared first: _checked_entry)
+# (mode, batch dims) -> the entry of the last call of that mode and batch size that passed the checks (compared first:
+# _checked_entry); a serving stream's sizes change from call to call, and each keeps its own last entry
+_LAST: dict = {}
+LAST_SLOTS = 64          # (mode, batch dims) slots kept in _LAST (all forgotten when a new one would exceed it)
+
+
+def _dim0(t):
+    """A tensor's first dim (None for anything else): the cheap batch-size hint of _checked_entry's last entries."""
+    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None
 
 
 def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
@@ -1259,13 +1267,14 @@ def _checked_plan(mode: str, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_
         return _build_plan(*args, activation, mode, reuse=reuse)
     extras = (mode, step_config, conv_config, type(cache), type(scale), type(activation), activation)
     plan = _checked_entry(mode, extras, rs.step_tensors, args,
-                          lambda: rs.step_signature(*args, scale, activation), checked)
+                          lambda: rs.step_signature(*args, scale, activation), checked,
+                          (_dim0(state_indices), _dim0(mixed_qkv)))
     if check_values:                      # check_step_inputs' value rules: host reads, every call
         raise_first(step_value_faults(cache, state_indices, cu_seqlens, plan.T)[1])
     return plan
 
 
-def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature, checked):
+def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature, checked, hint=None):
     """What a call needs beyond its arguments (a plan, its launches, constants): the value remembered when a
     call with the same signature passed the checks before, else ``checked(reuse)``, which runs the full
     checks (raising on bad input: nothing is remembered) and builds the value (reuse: whether it will be
@@ -1273,10 +1282,15 @@ def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature,
 
     extras: the call's non-tensor inputs to the checks and the config functions in use (a tuple of types,
     functions, str / None; the mode first); tensors_of(*args, absent=ABSENT): the tensors its signature covers
-    (ABSENT for a None optional one); signature(): its signature. The mode's last entry is compared first:
-    extras, then the tensors' metadata through the entry's MetaGuard (one C++ call: no signature is built). On
-    a miss the signature is looked up (_PLANS), and on a miss there the call is checked in full."""
-    last = _LAST.get(mode)
+    (ABSENT for a None optional one); signature(): its signature; hint: the call's batch dims (hashable, cheap;
+    e.g. _dim0 of state_indices). The last entry of the mode at that hint is compared first: extras, then the
+    tensors' metadata through the entry's MetaGuard (one C++ call: no signature is built); the hint only picks
+    which entry's guard is tried, the guard decides. On a miss the signature is looked up (_PLANS), and on a
+    miss there the call is checked in full. Per batch size, so a serving stream whose batch sizes change from
+    call to call still finds its entries without a signature (gdn_prefill's materialize: ~40 us of host work
+    per call on an H200 host before)."""
+    slot = (mode, hint)
+    last = _LAST.get(slot)
     if last is not None and last[0] == extras:
         try:
             if last[1].check(*tensors_of(*args, absent=ABSENT)):
@@ -1292,14 +1306,20 @@ def _checked_entry(mode: str, extras: tuple, tensors_of, args: tuple, signature,
     if entry is None:
         value = checked(True)
     elif entry[1].check(*tensors):
-        _LAST[mode] = entry
+        _remember_last(slot, entry)
         return entry[2]
     else:   # same signature, guard missed: e.g. made outside torch.inference_mode (dispatch keys): a new guard
         value = entry[2]
     entry = (extras, MetaGuard(tensors), value)
     _PLANS.put(key, entry)
-    _LAST[mode] = entry
+    _remember_last(slot, entry)
     return value
+
+
+def _remember_last(slot: tuple, entry: tuple) -> None:
+    if slot not in _LAST and len(_LAST) >= LAST_SLOTS:
+        _LAST.clear()
+    _LAST[slot] = entry
 
 
 def clear_plan_cache() -> None:
@@ -1359,6 +1379,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
 
 PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
+PREFILL_CHUNK = 64    # gdn_prefill's chunk size, and its conv's rows per tile: both tile by the same table
 
 
 def prefill_update_x2(dtype: torch.dtype) -> bool:
@@ -1461,14 +1482,15 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
         # 2. the written slots' pending tokens folded in (their committed state is what the request continues from)
         _materialize(cache, rows[2 * N:])
         # 3. conv, reading and writing the slots' windows in place
+        # (its tiles PREFILL_CHUNK rows, as the chunked forward's chunks: one varlen table, built and uploaded once)
         y, _ = conv_forward(mixed_qkv[None], conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
-                            slot_rows=slot_rows)
+                            config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows)
         y = y[0]
         q, k, v = rs.split_qkv(y, H, K, HV)
         beta = torch.sigmoid(b.float())                        # float32, as refgdn's
         # 4. l2norm, gating and the chunked delta rule, reading and writing the slots' states in place
         o, _ = chunk_gated_delta_rule_fwd(q[None], k[None], v[None], a[None], beta[None], scale, cache.ssm_state,
-                                          True, cu_seqlens, True, A_log, dt_bias, slot_rows=slot_rows,
+                                          True, cu_seqlens, True, A_log, dt_bias, PREFILL_CHUNK, slot_rows=slot_rows,
                                           update_x2=prefill_update_x2(q.dtype))
     _check_if_free(cache)
     return o[0]
@@ -1490,7 +1512,7 @@ def gdn_accept(cache: GDNStateCache, state_indices, num_accepted, check_values: 
         return N, Relaunch(accept_kernel, (cdiv(N, ACCEPT_BLOCK),), dict(BN=ACCEPT_BLOCK, BC=32, num_warps=4), reuse)
     args = (cache, state_indices, num_accepted)
     N, launch = _checked_entry("accept", ("accept", type(cache)), rs.accept_tensors, args,
-                               lambda: rs.accept_signature(*args), checked)
+                               lambda: rs.accept_signature(*args), checked, _dim0(state_indices))
     if check_values:                      # check_accept_inputs' value rules: host reads, every call
         raise_first(accept_value_faults(cache, state_indices, num_accepted)[1])
     if N == 0:
@@ -1530,7 +1552,7 @@ def _materialize(cache: GDNStateCache, state_indices, check_values: bool = False
     args = (cache, state_indices)
     N, inputs, zeros_cu, plan = _checked_entry("materialize", ("materialize", step_config, conv_config, type(cache)),
                                                rs.materialize_tensors, args, lambda: rs.materialize_signature(*args),
-                                               checked)
+                                               checked, _dim0(state_indices))
     if check_values:
         raise_first(step_value_faults(cache, state_indices, None, N)[1])
     _run(plan, *inputs, cache, state_indices, zeros_cu, None)

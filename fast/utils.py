@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from refgdn.checks import host_offsets
+from refgdn.checks import host_offsets, scope_memo
 
 
 _INTERPRETING = None     # TRITON_INTERPRET as read by the first is_interpreting() call
@@ -92,8 +92,15 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTabl
     check inside its one_host_read scope, or the caller's cu_seqlens_cpu: no read); the four tables are
     built with numpy into one buffer (each part 16-byte aligned) and copied to the device in one transfer,
     from pinned memory without blocking on a GPU (a pageable copy would wait for every kernel queued
-    before it). No device kernel runs. Use outside CUDA-graph capture.
+    before it). No device kernel runs. Use outside CUDA-graph capture. Inside a one_host_read scope the tables are
+    kept per (cu_seqlens, chunk_size) until it ends: fast.gdn_prefill's conv and chunked forward tile by the same
+    64 rows and share one build and one upload.
     """
+    memo = scope_memo()
+    key = ("varlen_chunk_tables", id(cu_seqlens), chunk_size)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and hit[0] is cu_seqlens:
+        return hit[1]
     offs = host_offsets(cu_seqlens)                                        # list of ints (validated by the op)
     wide = cu_seqlens.dtype == torch.int64
     build = _table_words_small if len(offs) <= SMALL_TABLES and offs[-1] <= SMALL_TABLES * chunk_size else \
@@ -105,7 +112,10 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> VarlenTabl
     else:
         dev = host.to(cu_seqlens.device)
     checked = dev[tail:].view(torch.int64) if wide else dev[tail:]
-    return VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:n_off], checked, dev[o_ord:o_ord + n_off - 1])
+    tables = VarlenTables(dev[head:head + 2 * NT].view(NT, 2), dev[:n_off], checked, dev[o_ord:o_ord + n_off - 1])
+    if memo is not None:
+        memo[key] = (cu_seqlens, tables)
+    return tables
 
 
 # Tables of at most this many sequences and chunks are built in Python lists (numpy's per-call overhead, ~1-2 us

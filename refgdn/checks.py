@@ -113,6 +113,13 @@ def one_host_read(fn):
     return wrapped
 
 
+def scope_memo() -> Optional[dict]:
+    """The current :func:`one_host_read_scope`'s memo (None outside one): host work derived from a tensor's values
+    (fast's varlen chunk tables) may be kept there under a key of its own, beside the offsets (keyed by id), and is
+    forgotten with them when the outermost scope ends."""
+    return getattr(_HOST, "memo", None)
+
+
 def host_offsets(cu_seqlens: torch.Tensor) -> List[int]:
     """cu_seqlens' values as a list of ints: a host read (a sync on a GPU), once per tensor inside a
     :func:`one_host_read_scope` (the list is shared: callers must not modify it)."""

@@ -437,8 +437,10 @@ def test_store_is_bounded(monkeypatch):
     fs._PLANS.put(("test", [1]), 1)                                   # unhashable: not stored, no error
     assert fs._PLANS.get(("test", [1])) is None and fs._PLANS.get(None) is None
     fs.clear_plan_cache()
-    # through the ops: 5 batch sizes, a bound of 3 -> the first ones are checked again
+    # through the ops: 5 batch sizes, a bound of 3 -> the first ones are checked again (one last entry kept per
+    # mode, so an evicted signature is not found there either)
     monkeypatch.setattr(fs._PLANS, "size", 3)
+    monkeypatch.setattr(fs, "LAST_SLOTS", 1)
     calls = []
     monkeypatch.setattr(fs, "check_step_inputs", lambda *a, **k: calls.append(a[8].shape[0]) or
                         rs.check_step_inputs(*a, **k))
@@ -447,6 +449,25 @@ def test_store_is_bounded(monkeypatch):
         fast.gdn_decode(*w.decode_args(n))
     assert len(fs._PLANS) == 3
     assert calls == [1, 2, 3, 4, 1]                                     # 1 was dropped, 4 was kept
+    assert len(fs._LAST) == 1
+
+
+def test_last_entries_per_batch_size(monkeypatch):
+    """A stream whose batch size changes from call to call finds each size's last entry by its guard alone: no
+    signature is built (refgdn.serving.step_signature) after each size's first call; _LAST stays bounded."""
+    fs.clear_plan_cache()
+    built = []
+    real = rs.step_signature
+    monkeypatch.setattr(rs, "step_signature", lambda *a, **k: built.append(a[8].shape[0]) or real(*a, **k))
+    w = World()
+    for n in (1, 2, 3, 1, 2, 3, 1, 2, 3):
+        fast.gdn_decode(*w.decode_args(n))
+    assert built == [1, 2, 3]
+    fs._LAST.clear()
+    monkeypatch.setattr(fs, "LAST_SLOTS", 2)
+    for n in (1, 2, 3, 4):                                             # each inserted again, past the bound
+        fast.gdn_decode(*w.decode_args(n))
+        assert len(fs._LAST) <= 2
 
 
 def test_concurrent_misses_evict_safely(monkeypatch):

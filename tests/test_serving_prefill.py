@@ -348,6 +348,23 @@ def test_host_offsets_copy_spares_the_read(monkeypatch):
     assert len(reads) == 1                             # without it: one read per call, shared by every kernel
 
 
+def test_conv_and_chunk_share_one_varlen_table(monkeypatch):
+    """gdn_prefill's conv tiles by the chunked forward's 64 rows, so one varlen table is built and uploaded per call
+    (fast.utils.varlen_chunk_tables, kept in the call's one_host_read scope); a later call builds its own."""
+    import fast.utils as fu
+    layer, cache, x, a, b = _fault_setup()
+    cu = _cu([4, 5])
+    idx = torch.tensor([0, 1], device=DEV)
+    built = []
+    for name in ("_table_words", "_table_words_small"):
+        real = getattr(fu, name)
+        monkeypatch.setattr(fu, name, lambda offs, BT, wide, real=real: built.append(BT) or real(offs, BT, wide))
+    fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV), cu_seqlens_cpu=cu)
+    assert built == [fs.PREFILL_CHUNK]
+    fs.gdn_prefill(x, a, b, *_args(layer), cache, idx, cu.to(DEV), cu_seqlens_cpu=cu)
+    assert built == [fs.PREFILL_CHUNK] * 2
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_fuzz_fast_prefill_against_refgdn(data):
