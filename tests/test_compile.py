@@ -232,3 +232,24 @@ def test_varlen_with_host_offsets_compiles_fullgraph():
     for eager, compiled in ((gdn(q, k, v, g, beta, cu, cu_cpu), cgdn(q, k, v, g, beta, cu, cu_cpu)),
                             (conv(x, w, cu, cu_cpu), cconv(x, w, cu, cu_cpu))):
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+def test_fla_keywords_compile_fullgraph():
+    """fla 0.6.0's keywords (beta as logits with allow_neg_eigval, [N, HV, V, K] states) under
+    torch.compile(fullgraph=True): the mapping (refgdn.checks.fla_keywords) traces without a graph break, and the
+    outputs are the eager ones."""
+    (q, k, v, g, beta), _ = _varlen_inputs(DEVICE)
+    N, HV, K, V = 4, v.shape[2], q.shape[3], v.shape[3]
+    h0 = torch.randn(N, HV, V, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    cu = torch.tensor([0, 7, 7, 30, 40], dtype=torch.int32, device=DEVICE)
+
+    def gdn(q, k, v, g, logits, h0, cu):
+        return fast.chunk_gated_delta_rule(q, k, v, g, logits, initial_state=h0, cu_seqlens=cu,
+                                           output_final_state=True, chunk_size=16, use_beta_sigmoid_in_kernel=True,
+                                           allow_neg_eigval=True, state_v_first=True)
+    torch._dynamo.reset()
+    cgdn = torch.compile(gdn, fullgraph=True, backend="aot_eager")
+    logits = 3 * beta - 1.5
+    eager, compiled = gdn(q, k, v, g, logits, h0, cu), cgdn(q, k, v, g, logits, h0, cu)
+    assert compiled[1].shape == (N, HV, V, K)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
