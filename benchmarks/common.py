@@ -86,12 +86,34 @@ def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5, warmup
     return statistics.median(out)
 
 
+def core_busy(cores, window: float = 0.1) -> dict:
+    """core -> the fraction of ``window`` seconds it spent busy (Linux /proc/stat, two reads); {} where unreadable."""
+    def read() -> dict:
+        out = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                    ticks = [int(x) for x in vals]
+                    out[int(name[3:])] = (sum(ticks), ticks[3] + (ticks[4] if len(ticks) > 4 else 0))  # total, idle
+        return out
+    try:
+        a = read()
+        time.sleep(window)
+        b = read()
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {c: 1 - (b[c][1] - a[c][1]) / max(1, b[c][0] - a[c][0]) for c in a if c in b}
+
+
 class one_core:
     """Context manager: the process runs on one CPU core inside the block (``core``, else the environment's
-    REFGDN_BENCH_CORE, else the highest-numbered core it may use), its former affinity restored after. For rows
-    bound by host work (eager decode, short prefills): unpinned, one server host read the same code 1.5-2x apart in
-    different processes (RESULTS.md, 2026-11-27); pinned with `taskset -c 3`, the same rows agreed within ~10 % but
-    for rare outliers. No-op where the OS has no affinity call. ``.core``: the core pinned to, or None."""
+    REFGDN_BENCH_CORE, else the idlest core it may use over 0.1 s, the highest-numbered among equals), its former
+    affinity restored after. For rows bound by host work (eager decode, short prefills): unpinned, one server host
+    read the same code 1.5-2x apart in different processes (RESULTS.md, 2026-11-27); pinned with `taskset -c 3`,
+    the same rows agreed within ~10 % but for rare outliers. The idlest core rather than a fixed one: after a
+    conformance run a GPU host's load average was still 2-9 and the pinned rows read 1.5-2x high (RESULTS.md,
+    2026-11-27 10:58). No-op where the OS has no affinity call. ``.core``: the core pinned to, or None."""
 
     def __init__(self, core: Optional[int] = None):
         self.core, self.saved = core, None
@@ -102,7 +124,8 @@ class one_core:
             if self.core is None and os.environ.get("REFGDN_BENCH_CORE", "").isdigit():
                 self.core = int(os.environ["REFGDN_BENCH_CORE"])
             if self.core is None or self.core not in self.saved:
-                self.core = max(self.saved)
+                busy = core_busy(self.saved)
+                self.core = max(self.saved, key=lambda c: (-round(busy.get(c, 0.0), 2), c))
             os.sched_setaffinity(0, {self.core})
         else:
             self.core = None

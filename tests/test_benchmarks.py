@@ -172,9 +172,10 @@ def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
     assert tuned.cache_results is True and wrapped.fn.cache_results is False   # restored afterwards
 
 
-def test_one_core_pins_and_restores():
-    """benchmarks.common.one_core: one core inside the block (the highest allowed, or the one asked for -- by
-    argument or REFGDN_BENCH_CORE -- if allowed), the former affinity after it, also when the block raises."""
+def test_one_core_pins_and_restores(monkeypatch):
+    """benchmarks.common.one_core: one core inside the block (the idlest allowed, the highest among equals, or the
+    one asked for -- by argument or REFGDN_BENCH_CORE -- if allowed), the former affinity after it, also when the
+    block raises."""
     import os
 
     from benchmarks import common
@@ -183,8 +184,14 @@ def test_one_core_pins_and_restores():
             assert pin.core is None
         return
     before = os.sched_getaffinity(0)
+    busy = common.core_busy(before, window=0.02)
+    assert set(busy) <= before and all(0.0 <= b <= 1.0 for b in busy.values())
+    monkeypatch.setattr(common, "core_busy", lambda cores: {c: 0.5 for c in cores})     # all equal: the highest
     with common.one_core() as pin:
         assert os.sched_getaffinity(0) == {max(before)} == {pin.core}
+    monkeypatch.setattr(common, "core_busy", lambda cores: {c: 0.0 if c == min(cores) else 0.9 for c in cores})
+    with common.one_core() as pin:                                                     # the idlest
+        assert os.sched_getaffinity(0) == {min(before)} == {pin.core}
     assert os.sched_getaffinity(0) == before
     os.environ["REFGDN_BENCH_CORE"] = str(min(before))
     try:
