@@ -1379,7 +1379,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
 
 PREFILL_BLOCK = 64       # requests per step of prefill_rows_kernel's loop (fixed: one variant for every N)
-PREFILL_CHUNK = 64    # gdn_prefill's chunk size, and its conv's rows per tile: both tile by the same table
+PREFILL_CHUNK = 64       # gdn_prefill's chunk size, and its conv's rows per tile: both tile by the same table
 
 
 def prefill_update_x2(dtype: torch.dtype) -> bool:
