@@ -261,6 +261,10 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
         for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
             check_float_param(name, t, (HV,), "[HV]", device)
     check_scale(scale)
+    if isinstance(cu_seqlens, bool):      # fla 0.6.0's positional order: its 9th argument is the l2norm flag
+        raise ValueError(f"cu_seqlens must be a torch.Tensor or None, got {cu_seqlens}: fla 0.6.0's 9th positional "
+                         "argument is use_qk_l2norm_in_kernel, this API's (and older fla's, vLLM's) is cu_seqlens; "
+                         "pass the flags by keyword")
     check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens)
     if cu_seqlens is not None:
         N = check_cu_seqlens(cu_seqlens, B, T, device, values=offset_values)

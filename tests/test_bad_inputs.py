@@ -184,6 +184,8 @@ BAD = [
         o, cu_seqlens=None, initial_state=None, chunk_indices=_i([[0, 0]]))),
     Bad("prefill-fla-v-first-shape", "initial_state", lambda o, w: w.prefill(  # [N, HV, K, V] where [N, HV, V, K]
         o, state_v_first=True, v=w.v[..., :V // 2], initial_state=w.h0[..., :V // 2])),
+    Bad("prefill-fla-positional-l2norm", "use_qk_l2norm_in_kernel", lambda o, w: o.chunk_gated_delta_rule(
+        w.q, w.k, w.v, w.g, w.beta, None, None, True, True)),       # fla 0.6.0's 9th positional: the l2norm flag
     Bad("prefill-fla-beta-logits-int", "beta", lambda o, w: w.prefill(
         o, use_beta_sigmoid_in_kernel=True, beta=_m(w.beta, dtype=torch.int32))),
     Bad("prefill-gating-half", "A_log and dt_bias", lambda o, w: w.prefill(o, A_log=torch.zeros(HV, device=DEVICE))),
