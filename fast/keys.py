@@ -313,6 +313,15 @@ def _fp64(*ts) -> bool:
     return any(t is not None and t.dtype == torch.float64 for t in ts)
 
 
+def _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, *flags) -> tuple:
+    """refgdn.checks.fla_keywords' mapping, for the keys: (beta, initial_state, A_log, dt_bias). beta, A_log and
+    dt_bias go through it as meta tensors, so a key function computes no sigmoid and allocates nothing on a device
+    (the keys read dtypes and which tensors exist)."""
+    def meta(t):
+        return t.to(device="meta") if isinstance(t, torch.Tensor) else t
+    return fla_keywords(q, v, meta(beta), initial_state, meta(A_log), meta(dt_bias), cu_seqlens, *flags)[:4]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
                            chunk_size=64, cu_seqlens_cpu=None, *, use_beta_sigmoid_in_kernel=False,
@@ -330,9 +339,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
     as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off)."""
-    beta, initial_state, A_log, dt_bias, _ = fla_keywords(
-        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
+    beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                                      use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                                                      use_gate_in_kernel, chunk_indices, cp_context, head_first)
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -418,9 +427,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_gate_in_kernel=None, chunk_indices=None, cp_context=None,
                                head_first=False) -> List[CompileKey]:
     """Keys of fast.recurrent_gated_delta_rule: one kernel (float64 runs refgdn: no keys)."""
-    beta, initial_state, A_log, dt_bias, _ = fla_keywords(
-        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
+    beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                                      use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                                                      use_gate_in_kernel, chunk_indices, cp_context, head_first)
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape

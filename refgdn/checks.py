@@ -283,9 +283,6 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
 # fla 0.6.0's keywords beyond this API's (fla.ops.gated_delta_rule.chunk_gated_delta_rule's signature), so a call
 # written for fla runs unchanged: keyword-only in both packages (fla's positional order differs after
 # output_final_state: its 9th is use_qk_l2norm_in_kernel, this API's -- and vLLM's vendored fla's -- cu_seqlens)
-FLA_DEFAULTS = dict(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                    use_gate_in_kernel=None, chunk_indices=None, cp_context=None, head_first=False)
-
 
 def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel=False,
                  allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
@@ -306,7 +303,11 @@ def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta
         values (fla takes it to skip building them).
     cp_context (context parallelism) is not supported; head_first must be False (vLLM's vendored fla passes it;
         [B, H, T, ...] inputs are refused, as fla refuses them).
-    Raises ValueError naming the argument, before anything is computed."""
+    Raises ValueError naming the argument, before anything is computed. All at their defaults (every call not
+    written for fla): the arguments come back as they are, at the cost of one comparison per keyword."""
+    if (use_beta_sigmoid_in_kernel is False and allow_neg_eigval is False and state_v_first is False
+            and use_gate_in_kernel is None and chunk_indices is None and cp_context is None and head_first is False):
+        return beta, initial_state, A_log, dt_bias, False
     flags = dict(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                  state_v_first=state_v_first, head_first=head_first)
     for name, f in flags.items():

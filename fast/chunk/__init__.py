@@ -168,13 +168,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
     strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
-    vk = False
-    if (use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False or state_v_first is not False
-            or use_gate_in_kernel is not None or chunk_indices is not None or cp_context is not None
-            or head_first is not False):
-        beta, initial_state, A_log, dt_bias, vk = fla_keywords(
-            q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-            state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
+    beta, initial_state, A_log, dt_bias, vk = fla_keywords(
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
     # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
     # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
