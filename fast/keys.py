@@ -199,8 +199,9 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     out += causal_conv1d(e(1, T, D), conv_weight, conv_bias, activation, cache.conv_state, True, cu_seqlens,
                          device=device, slots=True)
     out += chunk_gated_delta_rule(e(1, T, H, K), e(1, T, H, K), e(1, T, HV, V), e(1, T, HV, dtype=a.dtype),
-                                  e(1, T, HV, dtype=_F32), scale, cache.ssm_state, True, cu_seqlens, True, A_log,
-                                  dt_bias, _serving.PREFILL_CHUNK, device=device, offsets_known=True, slots=True)
+                                  e(1, T, HV, dtype=b.dtype), scale, cache.ssm_state, True, cu_seqlens, True, A_log,
+                                  dt_bias, _serving.PREFILL_CHUNK, device=device, offsets_known=True, slots=True,
+                                  beta_logits=1)
     return out
 
 
@@ -327,7 +328,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            chunk_size=64, cu_seqlens_cpu=None, *, use_beta_sigmoid_in_kernel=False,
                            allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
                            cp_context=None, head_first=False, device=None,
-                           offsets_known: Optional[bool] = None, slots: bool = False) -> List[CompileKey]:
+                           offsets_known: Optional[bool] = None, slots: bool = False,
+                           beta_logits: Optional[int] = None) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -338,10 +340,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
     (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
-    as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off)."""
+    as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off), beta's logits
+    in kernel 1 as the op takes them (fast.chunk.kernel_beta_logits; beta_logits given: gdn_prefill's raw b)."""
+    if beta_logits is None:
+        beta_logits = _chunk.kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta,
+                                                initial_state, A_log, dt_bias)
+    logits_dtype = beta.dtype if beta_logits else None
+    if beta_logits:                                           # (fla_keywords maps no beta: kernel 1 reads the logits)
+        use_beta_sigmoid_in_kernel = allow_neg_eigval = False
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
+    beta_dtype = _F32 if beta_logits else beta.dtype          # the beta kernels 2-3 read
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -380,9 +390,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  PREC=_chunk._fp32_prec(kdt), INV_PREC=_chunk.INV_PRECISION[kdt],
                  INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(None, kdt), DOT_F32=interp,
                  UPCAST=False,
-                 PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS),
-            dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
-                 kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
+                 PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS,
+                 BETA_LOGITS=beta_logits),
+            dict(k=kdt, g=g.dtype, beta=logits_dtype if beta_logits else beta_dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32,
+                 Gl=_F32, A=kdt, kn=kdt if l2 else None, Bo=_F32, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
     if fused and l2 and B * T * H:                          # q's row scales for the fused pass (output.py)
         cfg = _chunk._cfg("row_scales", _chunk.row_scales_config(K))
@@ -393,7 +404,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
         hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
-        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype)     # v_new from A (FROM_A)
+        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta_dtype)     # v_new from A (FROM_A)
         qo = dict(q=q.dtype, o=v.dtype) if fused else dict(q=k.dtype, o=v.dtype)
         out.append(CompileKey.make(
             "chunk_state_kernel",
@@ -426,7 +437,12 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                                use_gate_in_kernel=None, chunk_indices=None, cp_context=None,
                                head_first=False) -> List[CompileKey]:
-    """Keys of fast.recurrent_gated_delta_rule: one kernel (float64 runs refgdn: no keys)."""
+    """Keys of fast.recurrent_gated_delta_rule: one kernel (float64 runs refgdn: no keys; beta's logits in the
+    kernel as the op takes them: fast.chunk.kernel_beta_logits)."""
+    logits = _chunk.kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, initial_state,
+                                       A_log, dt_bias)
+    if logits:                                                # (the kernel reads the logits)
+        use_beta_sigmoid_in_kernel = allow_neg_eigval = False
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
@@ -443,7 +459,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
              GATE=A_log is not None, L2NORM=bool(use_qk_l2norm_in_kernel), USE_H0=initial_state is not None,
              STORE_HT=bool(output_final_state), THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype)),
+             PRECISE=_chunk._precise(v.dtype), BETA_LOGITS=logits),
         dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias),
              h0=_dt(initial_state), o=v.dtype, ht=_F32 if output_final_state else None, cu_seqlens=_dt(cu_seqlens)),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]

@@ -212,6 +212,32 @@ def test_keys_match_fast_launches():
     assert len(log.launched) == 13 + prefill
 
 
+def test_keys_match_beta_logits_launches():
+    """Beta as logits (fla's use_beta_sigmoid_in_kernel, allow_neg_eigval): without autograd the chunk op's kernel 1
+    and the recurrent kernel take the logits (BETA_LOGITS 2) and the state pass reads kernel 1's float32 beta;
+    fast.keys predicts those launches exactly (traced_ops raises otherwise), and with a gradient wanted the custom
+    op maps beta with torch, so kernel 1 is keyed BETA_LOGITS 0."""
+    H, HV, K, V = 1, 2, 16, 16
+    gen = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    q, k, v = r(1, 20, H, K), r(1, 20, H, K), r(1, 20, HV, V)
+    g, logits = -torch.rand(1, 20, HV, generator=gen).to(DEV), r(1, 20, HV).half()
+    F = traced_ops(fast)
+    kw = dict(output_final_state=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    log = KeyLog()
+    with recording(log):
+        F.chunk_gated_delta_rule(q, k, v, g, logits, chunk_size=16, **kw)
+        F.recurrent_gated_delta_rule(q, k, v, g, logits, **kw)
+    by = {key.kernel: key for key in log.launched}
+    assert dict(by["chunk_kkt_inv_kernel"].constexprs)["BETA_LOGITS"] == 2
+    assert dict(by["chunk_kkt_inv_kernel"].dtypes)["beta"] == str(torch.float16)      # (keys hold dtype names)
+    assert dict(by["chunk_state_kernel"].dtypes)["beta"] == str(torch.float32)
+    assert dict(by["recurrent_kernel"].constexprs)["BETA_LOGITS"] == 2
+    keys = fk.chunk_gated_delta_rule(q, k, v, g, logits.requires_grad_(), chunk_size=16, **kw)
+    kkt = [key for key in keys if key.kernel == "chunk_kkt_inv_kernel"][0]
+    assert dict(kkt.constexprs)["BETA_LOGITS"] == 0 and dict(kkt.dtypes)["beta"] == str(torch.float32)
+
+
 def test_every_fast_op_declares_its_compile_key():
     """fast.keys has a key function for every public fast op, with the op's parameters (then keyword-only extras)."""
     import inspect

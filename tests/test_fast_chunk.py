@@ -818,6 +818,40 @@ def test_fla_keywords_fast_passes_the_rule(op, dtype):
     assert s_f.shape == (2, 2, 8, 16) and s_f.is_contiguous()
 
 
+@pytest.mark.parametrize("logits", [1, 2], ids=["sigmoid", "neg-eigval"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_beta_logits_in_kernel_1(logits, varlen):
+    """beta given as logits (fla's use_beta_sigmoid_in_kernel; gdn_prefill's raw b): kernel 1 forms beta = sigmoid
+    (x 2 with allow_neg_eigval) in fp32 and stores it for the state pass. The stored beta passes the rule against
+    the float64 sigmoid (refgdn's torch.sigmoid in fp32 as the oracle), and the whole forward is bit for bit the
+    forward given that stored beta (the same fp32 values enter every kernel), fused pass and unfused alike."""
+    from fast.chunk.common import _Chunks
+    from fast.chunk.wy import _launch_kkt
+    N = 3 if varlen else 1
+    low, _ = _inputs(2 if not varlen else 1, 45, 1, 2, 16, 8, torch.float16, seed=31, init=True,
+                     N=N if varlen else None)
+    q, k, v, g, _, h0 = low
+    B, T, HV = v.shape[0], v.shape[1], v.shape[2]
+    gen = torch.Generator().manual_seed(32)
+    b = (4 * torch.randn(B, T, HV, generator=gen)).to(torch.float16)
+    b[..., 0, :] = torch.tensor([-30.0, 12.0]).to(torch.float16)        # far tails: no overflow, no NaN
+    b = b.to(DEV)
+    cu = torch.tensor([0, 9, 9, 45], dtype=torch.int32, device=DEV) if varlen else None
+    # the stage: kernel 1 alone, its fp32 beta against the float64 sigmoid
+    G = torch.empty(B, T, HV, device=DEV)
+    A = torch.empty(B, T, HV, 16, dtype=k.dtype, device=DEV)
+    bo = torch.full((B, T, HV), float("nan"), device=DEV)
+    _launch_kkt(k, g, b, None, None, G, None, A, None, _Chunks(B, T, 16, cu), T, HV, 16, l2norm=False,
+                load_g=False, store_g=True, do_a=True, precise=False, beta_logits=logits, beta_out=bo)
+    _conform("beta", bo, torch.sigmoid(b.float()) * logits, torch.sigmoid(b.double()) * logits)
+    # the forward: bit for bit the call given kernel 1's beta
+    for fuse in (False, True):
+        kw = dict(cu_seqlens=cu, chunk_size=16, fuse_output=fuse)
+        o1, s1 = fc.chunk_gated_delta_rule_fwd(q, k, v, g, b, None, h0, True, beta_logits=logits, **kw)
+        o2, s2 = fc.chunk_gated_delta_rule_fwd(q, k, v, g, bo, None, h0, True, **kw)
+        assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
 def test_final_v_first_writes_the_transposed_layout():
     """chunk_gated_delta_rule_fwd(final_v_first=True): the state pass writes the final state into [N, HV, V, K]
     storage through its strides; the values are the [K, V] call's, bit for bit (the same registers stored)."""

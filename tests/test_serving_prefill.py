@@ -121,10 +121,10 @@ def test_prefill_then_decode_equals_one_longer_prefill():
         assert torch.equal(two.conv_state, one.conv_state)
 
 
-def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None):
+def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None, beta_kw=None):
     """What gdn_prefill replaces (the model's prefill before it): materialize, gather the states (zeros without
-    one), the varlen conv and chunked forward (``chunk``, default ops.chunk_gated_delta_rule), scatter the final
-    states."""
+    one), the varlen conv and chunked forward (``chunk``, default ops.chunk_gated_delta_rule, given b as beta's
+    logits through ``beta_kw``, default fla's use_beta_sigmoid_in_kernel), scatter the final states."""
     W, H, K, HV = cache.W, cache.H, cache.K, cache.HV
     dev = x.device
     idx = torch.tensor(slots, device=dev)
@@ -142,9 +142,10 @@ def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None):
     k = y[:, H * K:2 * H * K].unflatten(1, (H, K))
     v = y[:, 2 * H * K:].unflatten(1, (HV, -1))
     chunk = ops.chunk_gated_delta_rule if chunk is None else chunk
-    o, final = chunk(q[None], k[None], v[None], a[None], torch.sigmoid(b.float())[None], initial_state=h0,
+    o, final = chunk(q[None], k[None], v[None], a[None], b.float()[None], initial_state=h0,
                      output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, A_log=layer["A_log"],
-                     dt_bias=layer["dt_bias"])
+                     dt_bias=layer["dt_bias"], **(dict(use_beta_sigmoid_in_kernel=True) if beta_kw is None
+                                                  else beta_kw))
     sl = torch.tensor([slots[n] for n in real], device=dev, dtype=torch.long)
     rows = torch.tensor(real, device=dev, dtype=torch.long)
     cache.ssm_state[sl] = final[rows].to(cache.ssm_state.dtype)
@@ -210,7 +211,8 @@ def test_fast_prefill_long_sequence_bit_for_bit_gpu(T):
     got, want = base.clone(), base.clone()
     o = fs.gdn_prefill(x, a, b, *_args(layer), got, torch.tensor([2], device="cuda"), _cu([T], "cuda"))
     o_ref = _compose(fast, x, a, b, layer, want, [2], [T], [True],
-                     chunk=functools.partial(fast.chunk.chunk_gated_delta_rule_fwd, update_x2=True))
+                     chunk=functools.partial(fast.chunk.chunk_gated_delta_rule_fwd, update_x2=True),
+                     beta_kw=dict(beta_logits=1))
     assert torch.equal(o, o_ref)
     for f, g in zip(got.tensors(), want.tensors()):
         assert torch.equal(f, g)

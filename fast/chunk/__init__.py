@@ -164,13 +164,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
 
-    fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval
+    (beta's sigmoid formed in kernel 1 when no gradient is wanted: kernel_beta_logits),
     state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
     strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
+    logits = kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, initial_state, A_log,
+                                dt_bias)
     beta, initial_state, A_log, dt_bias, vk = fla_keywords(
-        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, False if logits else use_beta_sigmoid_in_kernel,
+        False if logits else allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_indices, cp_context,
+        head_first)
     # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
     # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
     # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
@@ -179,6 +183,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
     sig = _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
                           dt_bias, chunk_size, cu_seqlens, cu_seqlens_cpu)
+    if logits and sig is not None:
+        sig = (*sig, logits)                 # (kernel 1's variant, and the dtype of the beta the later kernels read)
     plan = _PLANS.get(sig)
     if plan is not None and not behind and not torch.compiler.is_compiling():
         check_offsets_again(cu_seqlens, cu_seqlens_cpu, q.shape[1])     # (the values' rules, on every call)
@@ -203,8 +209,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     with plan if plan is not None else contextlib.nullcontext():
         o, final = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                               use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                              offsets_unchecked=behind, final_v_first=vk)
+                                              offsets_unchecked=behind, final_v_first=vk, beta_logits=logits)
     return o, final_state_v_first(final, vk)       # (written [N, HV, V, K] already: no copy)
+
+
+def kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, *rest) -> int:
+    """How chunk_gated_delta_rule takes beta given as logits (fla's use_beta_sigmoid_in_kernel): 1 (sigmoid) or 2
+    (allow_neg_eigval: 2 sigmoid) when kernel 1 applies it (chunk_gated_delta_rule_fwd's beta_logits), 0 when
+    refgdn.checks.fla_keywords maps beta with torch instead: no logits, the custom op (autograd and
+    torch.compile differentiate torch's sigmoid), float64 (refgdn runs), or arguments fla_keywords rejects with
+    its own message. rest: initial_state, A_log, dt_bias as the caller passed them (fast.keys asks the same)."""
+    if (use_beta_sigmoid_in_kernel is not True or type(allow_neg_eigval) is not bool
+            or not isinstance(beta, torch.Tensor) or not beta.is_floating_point()):
+        return 0
+    from .. import library
+    tensors = [t for t in (q, k, v, g, beta, *rest) if isinstance(t, torch.Tensor)]
+    if _is_fp64(*tensors) or library.wants_graph(*tensors):
+        return 0
+    return 2 if allow_neg_eigval else 1
 
 
 # ============================================================================================
@@ -270,7 +292,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
                                offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
-                               update_x2: bool = False, final_v_first: bool = False):
+                               update_x2: bool = False, final_v_first: bool = False, beta_logits: int = 0):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -299,7 +321,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     any program writes it. update_x2 (bf16 inputs; fast.serving.gdn_prefill's): the state update in two bf16 terms
     (fast.chunk.state's UPDATE_X2: half the final state's error, 3-9 % more device time). final_v_first: the final
     state is allocated [N, HV, V, K] and returned as its [N, HV, K, V] view (fla's state_v_first: the state pass
-    writes through its strides)."""
+    writes through its strides). beta_logits 1 / 2 (fla's use_beta_sigmoid_in_kernel, with allow_neg_eigval for 2;
+    fast.serving.gdn_prefill's raw b): beta holds logits [B, T, HV]; kernel 1 forms beta = sigmoid(beta) (x 2) in
+    fp32 and stores it for the later kernels (no torch launches)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -325,6 +349,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
+    # beta from logits: formed by kernel 1, read by the later kernels (beta_in: what kernel 1 reads)
+    beta_in, beta = beta, (torch.empty(B, T, HV, dtype=torch.float32, device=dev) if beta_logits else beta)
+    bl = dict(beta_logits=beta_logits, beta_out=beta) if beta_logits else {}
     slots = None
     if slot_rows is not None:                                            # the cache's ssm_state, in place
         h0, final = initial_state, (initial_state if output_final_state else None)
@@ -339,13 +366,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
-        pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
+        pipelined_forward(q, k, v, g, beta_in, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
-                          update_x2=update_x2)
+                          update_x2=update_x2, **bl)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
-    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
+    _launch_kkt(k, g, beta_in, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
-                inv_method=inv_method)
+                inv_method=inv_method, **bl)
     qs = None
     if fused and l2:                                                     # q's row scales for the fused pass
         qs = torch.empty(B, T, H, dtype=torch.float32, device=dev)
@@ -394,11 +421,15 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     refgdn.recurrent_gated_delta_rule's twin: one Triton program per (V-block, sequence, value head)
     walks the tokens with the state in registers, all math in fp32. Same arguments as
-    chunk_gated_delta_rule (no chunk_size; fla 0.6.0's keywords included). float64 inputs run refgdn.
+    chunk_gated_delta_rule (no chunk_size; fla 0.6.0's keywords included: beta's logits go to the kernel). float64
+    inputs run refgdn.
     """
+    logits = kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, initial_state, A_log,
+                                dt_bias)
     beta, initial_state, A_log, dt_bias, vk = fla_keywords(
-        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, False if logits else use_beta_sigmoid_in_kernel,
+        False if logits else allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_indices, cp_context,
+        head_first)
     N = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
     if _is_fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         o, final = refgdn.recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -424,5 +455,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV,
         IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
         USE_H0=h0 is not None, STORE_HT=final is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
+        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg,
+        **(dict(BETA_LOGITS=logits) if logits else {}))
     return o, final_state_v_first(final, vk)

@@ -7,7 +7,7 @@ that several kernels (and fast.chunk_bwd's) call, and the host helpers of every 
 Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_chunk_rows`` (and the
 chunk's rows, their mask and flat (token, head) index, for the chunk-parallel kernels), ``_seq_head`` (a
 sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
-range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
+range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` (beta, or its logits' sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
 (tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
 head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``,
 ``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
@@ -167,6 +167,21 @@ def _gate(a, A_log_h, dt_bias_h, THRESHOLD: tl.constexpr, PRECISE: tl.constexpr)
     x = a + dt_bias_h
     sp = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + tl.log(1.0 + _exp(-tl.abs(x), PRECISE)))
     return -_exp(A_log_h, PRECISE) * sp
+
+
+@triton.jit
+def _beta_of(b, m, BETA_LOGITS: tl.constexpr, PRECISE: tl.constexpr):
+    """beta in fp32 from what the caller passed as beta: BETA_LOGITS 0, beta itself; 1, its logits (beta =
+    sigmoid(b)); 2, beta = 2 sigmoid(b) (fla's allow_neg_eigval). Rows outside the mask m: 0, as loaded.
+    sigmoid without overflow: exp only of -|b| <= 0 (exp(-b) would overflow for b << 0)."""
+    b = b.to(tl.float32)
+    if BETA_LOGITS != 0:
+        e = _exp(-tl.abs(b), PRECISE)
+        s = tl.where(b >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        if BETA_LOGITS == 2:
+            s = s * 2.0
+        b = tl.where(m, s, 0.0)
+    return b
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..utils import is_interpreting, next_pow2
-from .common import _exp, _gate, _seq_coords
+from .common import _beta_of, _exp, _gate, _seq_coords
 
 
 # ============================================================================================
@@ -29,6 +29,7 @@ def recurrent_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
+    BETA_LOGITS: tl.constexpr = 0,
 ):
     """Per (V-block, sequence, value head), for each token t in order (all in fp32):
 
@@ -36,7 +37,8 @@ def recurrent_kernel(
 
     q, k: [B, T, H, K], v: [B, T, HV, V], g, beta: [B, T, HV] (strided, unit last-dim stride for q, k, v);
     h0, ht: [N, HV, K, V] fp32; o: [B, T, HV, V] contiguous. grid = (cdiv(V, BV), N * HV).
-    PRECISE (fp32 inputs): range-reduced exp (``_exp``).
+    PRECISE (fp32 inputs): range-reduced exp (``_exp``). BETA_LOGITS 1 / 2: beta holds logits, beta = sigmoid
+    (x 2) formed per token (common._beta_of).
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -69,7 +71,7 @@ def recurrent_kernel(
         b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
-        b_beta = tl.load(b_base + t64 * s_bt).to(tl.float32)
+        b_beta = _beta_of(tl.load(b_base + t64 * s_bt), True, BETA_LOGITS, PRECISE)
         if GATE:
             b_g = _gate(b_g, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
         if L2NORM:

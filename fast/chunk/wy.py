@@ -26,7 +26,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
-                     _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
+                     _beta_of, _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec,
+                     _gate,
                      _gdiff, _is_fp64, _l2norm_rows, _precise, _unit_last, _upcast)
 
 
@@ -181,7 +182,7 @@ def _store_a(A, tok, m_r, X, j: tl.constexpr, BT: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_kkt_inv_kernel(
     k, g, beta, A_log, dt_bias,             # inputs
-    G, Gl, A, kn,                           # outputs (G an input with LOAD_G)
+    G, Gl, A, kn, Bo,                       # outputs (G an input with LOAD_G)
     cu_seqlens, chunk_indices, T, NT,
     s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -189,7 +190,7 @@ def chunk_kkt_inv_kernel(
     LOAD_G: tl.constexpr, STORE_G: tl.constexpr, DO_A: tl.constexpr, HPP: tl.constexpr,
     PREC: tl.constexpr, INV_PREC: tl.constexpr, INV_DIAG_PREC: tl.constexpr, INV_ROWS: tl.constexpr,
     DOT_F32: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISE: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr,
+    PRECISE: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr, BETA_LOGITS: tl.constexpr = 0,
 ):
     """Per (chunk, HPP value heads of one key head): G = cumsum(g); kn = l2norm(k); A = (I + L)^-1.
 
@@ -207,6 +208,8 @@ def chunk_kkt_inv_kernel(
         A_ij = -A_ii sum_{j <= m < i} L_im A_mj                  (block forward substitution)
     Switches: LOAD_G (G given, no cumsum, Gl = 0), STORE_G, DO_A (else only G); UPCAST: k tiles are
     converted to fp32 after the load (the backward's fp32 recompute of 16-bit k, without an fp32 copy).
+    BETA_LOGITS (with DO_A; common._beta_of): beta holds logits, beta = sigmoid (x 2 for 2) is formed here and
+    stored to Bo [B, T, HV] fp32 (contiguous, G's indexing), which the later kernels read as beta.
     """
     pid = tl.program_id(0)
     i_c = pid // (HV // HPP)
@@ -272,13 +275,13 @@ def chunk_kkt_inv_kernel(
         G0, Gl0, acc = _g_block(g_base, s_gt, r0, m0, G, Gl, tok0, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                 STORE_G, THRESHOLD, PRECISE)
         if DO_A:
-            b0 = tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0).to(tl.float32)
+            b0 = _beta_of(tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0), m0, BETA_LOGITS, PRECISE)
         if BT >= 32:
             tok1 = tok0 + 16 * HV
             G1, Gl1, acc = _g_block(g_base, s_gt, r1, m1, G, Gl, tok1, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                     STORE_G, THRESHOLD, PRECISE)
             if DO_A:
-                b1 = tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0).to(tl.float32)
+                b1 = _beta_of(tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0), m1, BETA_LOGITS, PRECISE)
         if BT >= 64:
             tok2 = tok0 + 32 * HV
             G2, Gl2, acc = _g_block(g_base, s_gt, r2, m2, G, Gl, tok2, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
@@ -287,10 +290,17 @@ def chunk_kkt_inv_kernel(
             G3, Gl3, acc = _g_block(g_base, s_gt, r3, m3, G, Gl, tok3, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                     STORE_G, THRESHOLD, PRECISE)
             if DO_A:
-                b2 = tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0).to(tl.float32)
-                b3 = tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0).to(tl.float32)
+                b2 = _beta_of(tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0), m2, BETA_LOGITS, PRECISE)
+                b3 = _beta_of(tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0), m3, BETA_LOGITS, PRECISE)
 
         if DO_A:
+            if BETA_LOGITS != 0:                                 # the fp32 beta the later kernels read
+                tl.store(Bo + tok0, b0, mask=m0)
+                if BT >= 32:
+                    tl.store(Bo + tok0 + 16 * HV, b1, mask=m1)
+                if BT >= 64:
+                    tl.store(Bo + tok0 + 32 * HV, b2, mask=m2)
+                    tl.store(Bo + tok0 + 48 * HV, b3, mask=m3)
             # ---- the lower blocks of L for this head --------------------------------------------
             L00 = _l_block(KK00, b0, G0, Gl0, G0, Gl0, m0, True, PRECISE)
             L11 = L00
@@ -462,8 +472,11 @@ def _inv_rows(inv_method: Optional[str] = None, dtype: Optional[torch.dtype] = N
 
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
                 l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None,
-                cfg_over: Optional[dict] = None, configs: Optional[dict] = None, inv_method: Optional[str] = None):
+                cfg_over: Optional[dict] = None, configs: Optional[dict] = None, inv_method: Optional[str] = None,
+                beta_logits: int = 0, beta_out: Optional[torch.Tensor] = None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
+    beta_logits 1 / 2 (do_a): beta holds logits; the kernel writes beta = sigmoid (x 2) into beta_out [B, T, HV]
+    fp32 (contiguous), for the later kernels to read as beta;
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
     prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
     the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state; kernels 1
@@ -488,8 +501,10 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_DIAG_PREC=inv_diag_prec,
         INV_ROWS=_inv_rows(inv_method, pdt), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
         PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **cfg)
+    if beta_logits:
+        kw["BETA_LOGITS"] = beta_logits
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
-        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
+        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn, G if beta_out is None else beta_out,
         ch.cu_seqlens, ch.indices, T, ch.NT,
         *k.stride()[:3], *g.stride(), *beta.stride())
 
