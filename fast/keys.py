@@ -345,13 +345,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if beta_logits is None:
         beta_logits = _chunk.kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta,
                                                 initial_state, A_log, dt_bias)
-    logits_dtype = beta.dtype if beta_logits else None
-    if beta_logits:                                           # (fla_keywords maps no beta: kernel 1 reads the logits)
+    if beta_logits:                                           # (fla_keywords maps no beta: the kernels read the logits)
         use_beta_sigmoid_in_kernel = allow_neg_eigval = False
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
-    beta_dtype = _F32 if beta_logits else beta.dtype          # the beta kernels 2-3 read
     if _fp64(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return []
     B, T, H, K = q.shape
@@ -392,8 +390,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  UPCAST=False,
                  PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS,
                  BETA_LOGITS=beta_logits),
-            dict(k=kdt, g=g.dtype, beta=logits_dtype if beta_logits else beta_dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32,
-                 Gl=_F32, A=kdt, kn=kdt if l2 else None, Bo=_F32, cu_seqlens=cu, chunk_indices=tab),
+            dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
+                 kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
     if fused and l2 and B * T * H:                          # q's row scales for the fused pass (output.py)
         cfg = _chunk._cfg("row_scales", _chunk.row_scales_config(K))
@@ -404,7 +402,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
         hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
-        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta_dtype)     # v_new from A (FROM_A)
+        wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype)     # v_new from A (FROM_A)
         qo = dict(q=q.dtype, o=v.dtype) if fused else dict(q=k.dtype, o=v.dtype)
         out.append(CompileKey.make(
             "chunk_state_kernel",
@@ -414,7 +412,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
                  PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
-                 HT_SLOTS=slots and bool(output_final_state)),
+                 HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,

@@ -15,6 +15,7 @@ import fast
 import refgdn
 from conformance.core import Check, evaluate
 from fast import chunk as fc
+from fast.chunk.common import _beta_of
 from refgdn import delta_rule as dr
 from tests.helpers import gdn_inputs
 
@@ -818,38 +819,51 @@ def test_fla_keywords_fast_passes_the_rule(op, dtype):
     assert s_f.shape == (2, 2, 8, 16) and s_f.is_contiguous()
 
 
+@triton.jit
+def _beta_of_probe(b, out, n, LOGITS: tl.constexpr, PRECISE: tl.constexpr, BN: tl.constexpr):
+    o = tl.arange(0, BN)
+    m = o < n
+    tl.store(out + o, _beta_of(tl.load(b + o, mask=m, other=0.0), m, LOGITS, PRECISE), mask=m)
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["tl-exp", "precise-exp"])
 @pytest.mark.parametrize("logits", [1, 2], ids=["sigmoid", "neg-eigval"])
+def test_beta_of_against_the_float64_sigmoid(logits, precise):
+    """fast.chunk.common._beta_of, the one formula every kernel that reads beta as logits applies: by the rule
+    against the float64 sigmoid (x 2), torch's float32 sigmoid as the oracle, far tails included (no overflow, no
+    NaN: exp only of -|b|)."""
+    gen = torch.Generator().manual_seed(33)
+    b = torch.cat([8 * torch.randn(200, generator=gen), torch.tensor([-104.0, -88.0, -30.0, 0.0, 30.0, 88.0, 104.0])])
+    b = b.to(DEV)
+    out = torch.full_like(b, float("nan"))
+    _beta_of_probe[(1,)](b, out, b.numel(), LOGITS=logits, PRECISE=precise, BN=256)
+    assert torch.isfinite(out).all()
+    _conform("beta", out, torch.sigmoid(b) * logits, torch.sigmoid(b.double()) * logits)
+
+
+@pytest.mark.parametrize("logits", [1, 2], ids=["sigmoid", "neg-eigval"])
+@pytest.mark.parametrize("path", ["fused", "unfused", "w-u", "no-prefetch"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_beta_logits_in_kernel_1(logits, varlen):
-    """beta given as logits (fla's use_beta_sigmoid_in_kernel; gdn_prefill's raw b): kernel 1 forms beta = sigmoid
-    (x 2 with allow_neg_eigval) in fp32 and stores it for the state pass. The stored beta passes the rule against
-    the float64 sigmoid (refgdn's torch.sigmoid in fp32 as the oracle), and the whole forward is bit for bit the
-    forward given that stored beta (the same fp32 values enter every kernel), fused pass and unfused alike."""
-    from fast.chunk.common import _Chunks
-    from fast.chunk.wy import _launch_kkt
-    N = 3 if varlen else 1
+def test_beta_logits_in_the_kernels(logits, path, varlen):
+    """beta given as logits (fla's use_beta_sigmoid_in_kernel; gdn_prefill's raw b): kernel 1, the state pass (beta
+    loaded one chunk ahead or not), and kernel 2 on its path each form sigmoid (x 2) after the load. The forward
+    passes the rule against refgdn's float64 truth of sigmoid(logits) on every path, fused pass and unfused."""
     low, _ = _inputs(2 if not varlen else 1, 45, 1, 2, 16, 8, torch.float16, seed=31, init=True,
-                     N=N if varlen else None)
+                     N=3 if varlen else None)
     q, k, v, g, _, h0 = low
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
-    gen = torch.Generator().manual_seed(32)
-    b = (4 * torch.randn(B, T, HV, generator=gen)).to(torch.float16)
-    b[..., 0, :] = torch.tensor([-30.0, 12.0]).to(torch.float16)        # far tails: no overflow, no NaN
-    b = b.to(DEV)
+    b = (4 * torch.randn(B, T, HV, generator=torch.Generator().manual_seed(32))).to(torch.float16).to(DEV)
     cu = torch.tensor([0, 9, 9, 45], dtype=torch.int32, device=DEV) if varlen else None
-    # the stage: kernel 1 alone, its fp32 beta against the float64 sigmoid
-    G = torch.empty(B, T, HV, device=DEV)
-    A = torch.empty(B, T, HV, 16, dtype=k.dtype, device=DEV)
-    bo = torch.full((B, T, HV), float("nan"), device=DEV)
-    _launch_kkt(k, g, b, None, None, G, None, A, None, _Chunks(B, T, 16, cu), T, HV, 16, l2norm=False,
-                load_g=False, store_g=True, do_a=True, precise=False, beta_logits=logits, beta_out=bo)
-    _conform("beta", bo, torch.sigmoid(b.float()) * logits, torch.sigmoid(b.double()) * logits)
-    # the forward: bit for bit the call given kernel 1's beta
-    for fuse in (False, True):
-        kw = dict(cu_seqlens=cu, chunk_size=16, fuse_output=fuse)
-        o1, s1 = fc.chunk_gated_delta_rule_fwd(q, k, v, g, b, None, h0, True, beta_logits=logits, **kw)
-        o2, s2 = fc.chunk_gated_delta_rule_fwd(q, k, v, g, bo, None, h0, True, **kw)
-        assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    kw = dict(cu_seqlens=cu, chunk_size=16, fuse_output=path == "fused", from_a=path != "w-u",
+              configs={"state": {"PREFETCH_BETA": path != "no-prefetch"}} if path != "w-u" else None)
+    o, s = fc.chunk_gated_delta_rule_fwd(q, k, v, g, b, None, h0, True, beta_logits=logits, **kw)
+    beta_r, beta_t = torch.sigmoid(b.float()) * logits, torch.sigmoid(b.double()) * logits
+    rkw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=16)
+    o_r, s_r = refgdn.chunk_gated_delta_rule(q, k, v, g, beta_r, **rkw)
+    o_t, s_t = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta_t,
+                                             **dict(rkw, initial_state=h0.double()))
+    _conform("o", o, o_r, o_t)
+    _conform("final_state", s, s_r, s_t, dtype=torch.float16)
 
 
 def test_final_v_first_writes_the_transposed_layout():

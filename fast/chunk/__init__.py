@@ -165,7 +165,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
 
     fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval
-    (beta's sigmoid formed in kernel 1 when no gradient is wanted: kernel_beta_logits),
+    (beta's sigmoid formed in the kernels when no gradient is wanted: kernel_beta_logits),
     state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
     strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
@@ -215,7 +215,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 def kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, *rest) -> int:
     """How chunk_gated_delta_rule takes beta given as logits (fla's use_beta_sigmoid_in_kernel): 1 (sigmoid) or 2
-    (allow_neg_eigval: 2 sigmoid) when kernel 1 applies it (chunk_gated_delta_rule_fwd's beta_logits), 0 when
+    (allow_neg_eigval: 2 sigmoid) when the kernels apply it (chunk_gated_delta_rule_fwd's beta_logits), 0 when
     refgdn.checks.fla_keywords maps beta with torch instead: no logits, the custom op (autograd and
     torch.compile differentiate torch's sigmoid), float64 (refgdn runs), or arguments fla_keywords rejects with
     its own message. rest: initial_state, A_log, dt_bias as the caller passed them (fast.keys asks the same)."""
@@ -322,8 +322,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     (fast.chunk.state's UPDATE_X2: half the final state's error, 3-9 % more device time). final_v_first: the final
     state is allocated [N, HV, V, K] and returned as its [N, HV, K, V] view (fla's state_v_first: the state pass
     writes through its strides). beta_logits 1 / 2 (fla's use_beta_sigmoid_in_kernel, with allow_neg_eigval for 2;
-    fast.serving.gdn_prefill's raw b): beta holds logits [B, T, HV]; kernel 1 forms beta = sigmoid(beta) (x 2) in
-    fp32 and stores it for the later kernels (no torch launches)."""
+    fast.serving.gdn_prefill's raw b): beta holds logits [B, T, HV]; each kernel that reads beta forms sigmoid(beta)
+    (x 2) in fp32 after its load, by one formula (fast.chunk.common._beta_of): no torch launch, nothing stored."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -349,9 +349,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
-    # beta from logits: formed by kernel 1, read by the later kernels (beta_in: what kernel 1 reads)
-    beta_in, beta = beta, (torch.empty(B, T, HV, dtype=torch.float32, device=dev) if beta_logits else beta)
-    bl = dict(beta_logits=beta_logits, beta_out=beta) if beta_logits else {}
+    bl = dict(beta_logits=beta_logits) if beta_logits else {}            # beta from logits, in each kernel reading it
     slots = None
     if slot_rows is not None:                                            # the cache's ssm_state, in place
         h0, final = initial_state, (initial_state if output_final_state else None)
@@ -366,11 +364,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
-        pipelined_forward(q, k, v, g, beta_in, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
+        pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
                           update_x2=update_x2, **bl)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
-    _launch_kkt(k, g, beta_in, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
+    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
                 inv_method=inv_method, **bl)
     qs = None
@@ -394,11 +392,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2)
+                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, **bl)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs)
+        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs, **bl)
         _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out,
                       slots=slots, update_x2=update_x2)
     if not fused:

@@ -89,16 +89,14 @@ def _bounds(NT: int, S: int, BT: int, T: int, weights: Optional[tuple] = None) -
 class _Segment:
     """One segment's views of the call's [1, T, ...] tensors and of h [NT, ...] (sliced once per call: every slice
     costs host time), its length T and its chunk bookkeeping."""
-    __slots__ = ("T", "ch", "q", "k", "kk", "v", "g", "beta", "bo", "G", "Gl", "A", "kn", "w", "u", "v_new", "o",
-                 "h")
+    __slots__ = ("T", "ch", "q", "k", "kk", "v", "g", "beta", "G", "Gl", "A", "kn", "w", "u", "v_new", "o", "h")
 
-    def __init__(self, bounds: tuple, BT: int, q, k, kk, v, g, beta, bo, G, Gl, A, kn, w, u, v_new, o, h):
+    def __init__(self, bounds: tuple, BT: int, q, k, kk, v, g, beta, G, Gl, A, kn, w, u, v_new, o, h):
         c0, c1, t0, t1 = bounds
         sl = slice(t0, t1)
         self.T, self.ch, self.h = t1 - t0, _Chunks(1, t1 - t0, BT, None), h[c0:c1]
         self.q, self.k, self.kk, self.v = q[:, sl], k[:, sl], kk[:, sl], v[:, sl]
         self.g, self.beta = g[:, sl], beta[:, sl]
-        self.bo = self.beta if bo is None else bo[:, sl]            # the beta kernels 2-3 read
         self.G, self.A, self.v_new, self.o = G[:, sl], A[:, sl], v_new[:, sl], o[:, sl]
         self.Gl, self.kn, self.w, self.u = (None if x is None else x[:, sl] for x in (Gl, kn, w, u))
 
@@ -106,15 +104,15 @@ class _Segment:
 def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], final: Optional[torch.Tensor],
                       A_log, dt_bias, G, Gl, A, kn, o, BT: int, segments: int, *, l2: bool, precise: bool,
                       from_a: bool, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                      slot_rows: Optional[torch.Tensor] = None, update_x2: bool = False, beta_logits: int = 0,
-                      beta_out: Optional[torch.Tensor] = None) -> None:
+                      slot_rows: Optional[torch.Tensor] = None, update_x2: bool = False,
+                      beta_logits: int = 0) -> None:
     """Kernels 1-4 of chunk_gated_delta_rule_fwd for one dense sequence, pipelined over ``segments`` segments
     (module docstring). Inputs as the forward's, [1, T, ...]; G, Gl (or None), A, kn (or None), o: the forward's
     buffers, written here; h0: [1, HV, K, V] fp32 or None; final: [1, HV, K, V] fp32 or None (written).
     slot_rows ([1, 2] int32, the serving prefill's): h0 and final are a slot cache's ssm_state, read by the first
     segment's pass and written by the last's (the state kernel's H0_SLOTS / HT_SLOTS). update_x2: the state
-    kernel's UPDATE_X2, in every segment's pass. beta_logits 1 / 2: beta holds logits; each segment's kernel 1
-    writes its rows of beta_out ([1, T, HV] fp32), which its later kernels read (as the forward's)."""
+    kernel's UPDATE_X2, in every segment's pass. beta_logits 1 / 2: beta holds logits (every kernel reading beta
+    forms its sigmoid, as the forward's)."""
     T, HV, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     NT = cdiv(T, BT)
     dev = q.device
@@ -135,9 +133,10 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
     def produce(s: _Segment):                                            # kernels 1 (and 2) of a segment
         _launch_kkt(s.k, s.g, s.beta, A_log, dt_bias, s.G, s.Gl, s.A, s.kn, s.ch, s.T, HV, BT, l2norm=l2,
                     load_g=False, store_g=True, do_a=True, precise=precise, configs=configs, inv_method=inv_method,
-                    beta_logits=beta_logits, beta_out=None if beta_out is None else s.bo)
+                    beta_logits=beta_logits)
         if not from_a:
-            _launch_w_u(s.kk, s.v, s.bo, s.G, s.A, s.w, s.u, s.ch, s.T, BT, precise=precise, configs=configs)
+            _launch_w_u(s.kk, s.v, s.beta, s.G, s.A, s.w, s.u, s.ch, s.T, BT, precise=precise, configs=configs,
+                        beta_logits=beta_logits)
         ready = torch.cuda.Event()
         ready.record(main)
         return ready
@@ -147,9 +146,9 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
         with torch.cuda.stream(side):
             ends = (i == 0, i == len(segs) - 1)                            # (the cache's state read, written)
             _launch_state(s.kk, s.w, s.u, s.G, s.Gl, carry[i], s.h, s.v_new, carry[i + 1], s.ch, 1, s.T, BT,
-                          precise=precise, configs=configs, wy=(s.A, s.v, s.bo) if from_a else None,
+                          precise=precise, configs=configs, wy=(s.A, s.v, s.beta) if from_a else None,
                           slots=(slot_rows, *ends) if slot_rows is not None and any(ends) else None,
-                          update_x2=update_x2)
+                          update_x2=update_x2, beta_logits=beta_logits)
             done = torch.cuda.Event()
             done.record(side)
         return done
@@ -159,7 +158,7 @@ def pipelined_forward(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor]
         _launch_output(s.q, s.kk, s.v_new, s.h, s.G, s.Gl, s.o, s.ch, s.T, BT, scale, l2norm_q=l2, precise=precise,
                        configs=configs)
 
-    segs = [_Segment(b, BT, q, k, kk, v, g, beta, beta_out, G, Gl, A, kn, w, u, v_new, o, h) for b in parts]
+    segs = [_Segment(b, BT, q, k, kk, v, g, beta, G, Gl, A, kn, w, u, v_new, o, h) for b in parts]
     # how many segments' kernel 1 the caller's stream queues ahead of a segment's kernel 4 (a benchmark may set it)
     ahead = knobs.get("ahead", 1)
     side.wait_stream(main)                                               # the inputs, produced before the call

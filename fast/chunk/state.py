@@ -22,7 +22,8 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
-from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec, _is_fp64,
+from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
+                     _is_fp64,
                      _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
 
@@ -43,7 +44,7 @@ def chunk_state_kernel(
     PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
-    H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False,
+    H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False, BETA_LOGITS: tl.constexpr = 0,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -75,7 +76,8 @@ def chunk_state_kernel(
 
     PREFETCH_BETA (FROM_A; state_prefetch_beta): beta's rows, HV elements apart, are too narrow for the
     compiler's asynchronous copies, so their load would wait in every chunk: the next chunk's beta is loaded one
-    chunk ahead instead.
+    chunk ahead instead. BETA_LOGITS (FROM_A): beta holds logits; beta = sigmoid (x 2 for 2) is formed after the
+    load (common._beta_of, kernel 1's formula).
 
     UPDATE_X2 (bf16 inputs; the serving prefill, whose final state lives on in the cache): the update's decayed
     v_new stays fp32 and enters K^T v_new as two bf16 terms (hi + lo, _dot_split), one more dot per chunk. Of the
@@ -136,10 +138,11 @@ def chunk_state_kernel(
         if FROM_A:
             b_A = tl.load(A + tok[:, None] * BT + o_t[None, :], mask=m_r[:, None], other=0.0).to(b_k.dtype)
             if PREFETCH_BETA:
-                b_beta = b_beta_next.to(tl.float32)
+                b_beta = _beta_of(b_beta_next, m_r, BETA_LOGITS, PRECISE)
                 b_beta_next = tl.load(b_base + (rows + BT).to(tl.int64) * s_bt, mask=rows + BT < eos, other=0.0)
             else:
-                b_beta = tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
+                b_beta = _beta_of(tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0), m_r, BETA_LOGITS,
+                                  PRECISE)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
             b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
             if not OUTPUT:
@@ -279,13 +282,13 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
-                  slots: Optional[tuple] = None, update_x2: bool = False):
+                  slots: Optional[tuple] = None, update_x2: bool = False, beta_logits: int = 0):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
     kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
-    forward). out: (q, o, scale, qs): step 5 fused in (the kernel's OUTPUT): o written, h and v_new
-    (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
+    forward; beta_logits 1 / 2: beta holds logits, the kernel's BETA_LOGITS). out: (q, o, scale, qs): step 5
+    fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
@@ -326,6 +329,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
         kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None) if prefetch is None
                                else bool(prefetch))
+        if beta_logits:
+            kw["BETA_LOGITS"] = beta_logits
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
         ch.cu_seqlens, ch.offsets, ch.order, slot_rows, T, ch.NT, float(scale),

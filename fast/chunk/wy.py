@@ -182,7 +182,7 @@ def _store_a(A, tok, m_r, X, j: tl.constexpr, BT: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_kkt_inv_kernel(
     k, g, beta, A_log, dt_bias,             # inputs
-    G, Gl, A, kn, Bo,                       # outputs (G an input with LOAD_G)
+    G, Gl, A, kn,                           # outputs (G an input with LOAD_G)
     cu_seqlens, chunk_indices, T, NT,
     s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -208,8 +208,8 @@ def chunk_kkt_inv_kernel(
         A_ij = -A_ii sum_{j <= m < i} L_im A_mj                  (block forward substitution)
     Switches: LOAD_G (G given, no cumsum, Gl = 0), STORE_G, DO_A (else only G); UPCAST: k tiles are
     converted to fp32 after the load (the backward's fp32 recompute of 16-bit k, without an fp32 copy).
-    BETA_LOGITS (with DO_A; common._beta_of): beta holds logits, beta = sigmoid (x 2 for 2) is formed here and
-    stored to Bo [B, T, HV] fp32 (contiguous, G's indexing), which the later kernels read as beta.
+    BETA_LOGITS (common._beta_of): beta holds logits; beta = sigmoid (x 2 for 2) is formed where it is loaded,
+    here and in each later kernel that reads beta (nothing stored: the same fp32 formula in each).
     """
     pid = tl.program_id(0)
     i_c = pid // (HV // HPP)
@@ -294,13 +294,6 @@ def chunk_kkt_inv_kernel(
                 b3 = _beta_of(tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0), m3, BETA_LOGITS, PRECISE)
 
         if DO_A:
-            if BETA_LOGITS != 0:                                 # the fp32 beta the later kernels read
-                tl.store(Bo + tok0, b0, mask=m0)
-                if BT >= 32:
-                    tl.store(Bo + tok0 + 16 * HV, b1, mask=m1)
-                if BT >= 64:
-                    tl.store(Bo + tok0 + 32 * HV, b2, mask=m2)
-                    tl.store(Bo + tok0 + 48 * HV, b3, mask=m3)
             # ---- the lower blocks of L for this head --------------------------------------------
             L00 = _l_block(KK00, b0, G0, Gl0, G0, Gl0, m0, True, PRECISE)
             L11 = L00
@@ -373,7 +366,7 @@ def chunk_w_u_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, BETA_LOGITS: tl.constexpr = 0,
 ):
     """Per (chunk, value head): w = A (beta exp(G) K) [BT, K], u = A (beta V) [BT, V].
 
@@ -381,7 +374,8 @@ def chunk_w_u_kernel(
     G: [B, T, HV] fp32, A: [B, T, HV, BT] (zeros above the diagonal), w: [B, T, HV, K],
     u: [B, T, HV, V] (contiguous). A is rounded to k's dtype for the dots (it is stored so on the
     main path). exp(G) <= 1 (G: cumsum of g <= 0). grid = (chunks * HV,), head fastest. UPCAST: k and v
-    tiles converted to fp32 after the load (the backward's fp32 recompute of 16-bit inputs).
+    tiles converted to fp32 after the load (the backward's fp32 recompute of 16-bit inputs). BETA_LOGITS: beta
+    holds logits (common._beta_of).
     """
     pid = tl.program_id(0)
     i_c = pid // HV
@@ -393,7 +387,8 @@ def chunk_w_u_kernel(
     m_rk = m_r[:, None] & (o_k < K)[None, :]
     m_rv = m_r[:, None] & (o_v < V)[None, :]
 
-    b_beta = tl.load(beta + i_b * s_bb + i_h * s_bh + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0).to(tl.float32)
+    b_beta = _beta_of(tl.load(beta + i_b * s_bb + i_h * s_bh + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0), m_r,
+                      BETA_LOGITS, PRECISE)
     b_G = tl.load(G + tok, mask=m_r, other=0.0)
     b_A = tl.load(A + tok[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_r[:, None], other=0.0)
     b_k = tl.load(k + i_b * s_kb + (i_h // GROUP) * s_kh + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
@@ -473,10 +468,9 @@ def _inv_rows(inv_method: Optional[str] = None, dtype: Optional[torch.dtype] = N
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
                 l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None,
                 cfg_over: Optional[dict] = None, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                beta_logits: int = 0, beta_out: Optional[torch.Tensor] = None):
+                beta_logits: int = 0):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
-    beta_logits 1 / 2 (do_a): beta holds logits; the kernel writes beta = sigmoid (x 2) into beta_out [B, T, HV]
-    fp32 (contiguous), for the later kernels to read as beta;
+    beta_logits 1 / 2: beta holds logits, beta = sigmoid (x 2) formed in the kernel (its BETA_LOGITS);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
     prec_of: None, or (dot input_precision, dtype whose INV_PRECISION / INV_DIAG_PRECISION apply) for
     the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state; kernels 1
@@ -504,14 +498,14 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     if beta_logits:
         kw["BETA_LOGITS"] = beta_logits
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
-        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn, G if beta_out is None else beta_out,
+        k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
         ch.cu_seqlens, ch.indices, T, ch.NT,
         *k.stride()[:3], *g.stride(), *beta.stride())
 
 
 def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None,
-                configs: Optional[dict] = None):
-    """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]."""
+                configs: Optional[dict] = None, beta_logits: int = 0):
+    """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]; beta_logits as _launch_kkt's."""
     H, K = k.shape[2], k.shape[3]
     HV, V = v.shape[2], v.shape[3]
     BK, BV = _blocks(K, V)
@@ -522,6 +516,8 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
         PRECISE=precise, UPCAST=_upcast(prec_of),
         **_cfg("w_u", w_u_config(K, V), configs))
+    if beta_logits:
+        kw["BETA_LOGITS"] = beta_logits
     return launch(chunk_w_u_kernel, (ch.total * HV,), kw,
         k, v, beta, G, A, w, u,
         ch.cu_seqlens, ch.indices, T, ch.NT,
