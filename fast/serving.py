@@ -848,7 +848,8 @@ def gdn_step_kernel(
     if PDL:
         p_s = (ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK
                + o_v[None, :] * SV)
-        b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
+        if TMAX != 0:                               # (materialize reads its block after the verdict: below)
+            b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
         if TMAX == 1 and not KEEP_PENDING:
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
             # T = N), so the first head's a, b (inputs of earlier launches) load before the wait and
@@ -873,8 +874,15 @@ def gdn_step_kernel(
     m_vv = m_v & _as_block(valid, o_v)
     m_s = m_k[:, None] & m_vv[None, :]
     if not PDL:
-        # the state block of the first head: the one read of it, issued right after the verdict
         p_s = ssm + slot * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK + o_v[None, :] * SV
+    if TMAX == 0:
+        # materialize: a slot with no pending token keeps its state as it is, so its blocks are not even read (a
+        # prefill's materialize of requests without drafts reads nothing: 2 MB per request at Qwen3-Next's shape)
+        count = tl.load(snap + i_n * 5 + 1)
+        m_s = m_s & _as_block(count > 0, o_v)[None, :]
+        b_next = tl.load(p_s, mask=m_s, other=0)
+    elif not PDL:
+        # the state block of the first head: the one read of it, issued right after the verdict
         b_next = tl.load(p_s, mask=m_s, other=0)
 
     count = tl.load(snap + i_n * 5 + 1)              # clamped to [0, TCAP] by conv_step_kernel
