@@ -329,7 +329,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
                            cp_context=None, head_first=False, device=None,
                            offsets_known: Optional[bool] = None, slots: bool = False,
-                           beta_logits: Optional[int] = None) -> List[CompileKey]:
+                           beta_logits: int = 0) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -340,11 +340,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
     (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
-    as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off), beta's logits
-    in kernel 1 as the op takes them (fast.chunk.kernel_beta_logits; beta_logits given: gdn_prefill's raw b)."""
-    if beta_logits is None:
-        beta_logits = _chunk.kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta,
-                                                initial_state, A_log, dt_bias)
+    as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off). beta_logits
+    1 / 2: beta holds logits the kernels take (gdn_prefill's raw b; chunk_gated_delta_rule_fwd's beta_logits)."""
     if beta_logits:                                           # (fla_keywords maps no beta: the kernels read the logits)
         use_beta_sigmoid_in_kernel = allow_neg_eigval = False
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
@@ -410,7 +407,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
-                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused),
+                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused, beta.dtype),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),

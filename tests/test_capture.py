@@ -213,10 +213,10 @@ def test_keys_match_fast_launches():
 
 
 def test_keys_match_beta_logits_launches():
-    """Beta as logits (fla's use_beta_sigmoid_in_kernel, allow_neg_eigval): without autograd the chunk op's kernel 1
-    and state pass and the recurrent kernel take the logits (BETA_LOGITS 2, beta in its own dtype); fast.keys
-    predicts those launches exactly (traced_ops raises otherwise), and with a gradient wanted the custom op maps
-    beta with torch, so kernel 1 is keyed BETA_LOGITS 0 on a float32 beta."""
+    """Beta as logits (fla's use_beta_sigmoid_in_kernel, allow_neg_eigval): the chunk op maps it with torch (float32
+    beta, so the state pass loads it one chunk ahead: state_prefetch_beta), the recurrent kernel takes the logits
+    (BETA_LOGITS 2, beta in its own dtype); fast.keys predicts those launches exactly (traced_ops raises otherwise).
+    With a gradient wanted the recurrent op maps with torch too."""
     H, HV, K, V = 1, 2, 16, 16
     gen = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
@@ -229,14 +229,13 @@ def test_keys_match_beta_logits_launches():
         F.chunk_gated_delta_rule(q, k, v, g, logits, chunk_size=16, **kw)
         F.recurrent_gated_delta_rule(q, k, v, g, logits, **kw)
     by = {key.kernel: key for key in log.launched}
-    assert dict(by["chunk_kkt_inv_kernel"].constexprs)["BETA_LOGITS"] == 2
-    assert dict(by["chunk_kkt_inv_kernel"].dtypes)["beta"] == str(torch.float16)      # (keys hold dtype names)
-    assert dict(by["chunk_state_kernel"].constexprs)["BETA_LOGITS"] == 2
-    assert dict(by["chunk_state_kernel"].dtypes)["beta"] == str(torch.float16)
+    for name in ("chunk_kkt_inv_kernel", "chunk_state_kernel"):        # (keys hold dtype names)
+        assert dict(by[name].constexprs)["BETA_LOGITS"] == 0 and dict(by[name].dtypes)["beta"] == str(torch.float32)
+    assert dict(by["chunk_state_kernel"].constexprs)["PREFETCH_BETA"] is True
     assert dict(by["recurrent_kernel"].constexprs)["BETA_LOGITS"] == 2
-    keys = fk.chunk_gated_delta_rule(q, k, v, g, logits.requires_grad_(), chunk_size=16, **kw)
-    kkt = [key for key in keys if key.kernel == "chunk_kkt_inv_kernel"][0]
-    assert dict(kkt.constexprs)["BETA_LOGITS"] == 0 and dict(kkt.dtypes)["beta"] == str(torch.float32)
+    assert dict(by["recurrent_kernel"].dtypes)["beta"] == str(torch.float16)
+    key = fk.recurrent_gated_delta_rule(q, k, v, g, logits.requires_grad_(), **kw)[0]
+    assert dict(key.constexprs)["BETA_LOGITS"] == 0 and dict(key.dtypes)["beta"] == str(torch.float32)
 
 
 def test_every_fast_op_declares_its_compile_key():

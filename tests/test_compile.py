@@ -237,8 +237,7 @@ def test_varlen_with_host_offsets_compiles_fullgraph():
 def test_fla_keywords_compile_fullgraph():
     """fla 0.6.0's keywords (beta as logits with allow_neg_eigval, [N, HV, V, K] states) under
     torch.compile(fullgraph=True): the mapping (refgdn.checks.fla_keywords) traces without a graph break, and the
-    outputs are the eager ones for beta mapped the custom op's way (torch's sigmoid, differentiable; an eager call
-    without autograd takes the logits into kernel 1 instead: test_fast_chunk's test_beta_logits_in_kernel_1)."""
+    outputs are the eager ones."""
     (q, k, v, g, beta), _ = _varlen_inputs(DEVICE)
     N, HV, K, V = 4, v.shape[2], q.shape[3], v.shape[3]
     h0 = torch.randn(N, HV, V, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
@@ -251,10 +250,6 @@ def test_fla_keywords_compile_fullgraph():
     torch._dynamo.reset()
     cgdn = torch.compile(gdn, fullgraph=True, backend="aot_eager")
     logits = 3 * beta - 1.5
-    compiled = cgdn(q, k, v, g, logits, h0, cu)
-    eager = fast.chunk_gated_delta_rule(q, k, v, g, 2 * torch.sigmoid(logits.float()),
-                                        initial_state=h0.transpose(-1, -2), cu_seqlens=cu, output_final_state=True,
-                                        chunk_size=16)
-    eager = (eager[0], eager[1].transpose(-1, -2))
+    eager, compiled = gdn(q, k, v, g, logits, h0, cu), cgdn(q, k, v, g, logits, h0, cu)
     assert compiled[1].shape == (N, HV, V, K)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))

@@ -123,8 +123,8 @@ def test_prefill_then_decode_equals_one_longer_prefill():
 
 def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None, beta_kw=None):
     """What gdn_prefill replaces (the model's prefill before it): materialize, gather the states (zeros without
-    one), the varlen conv and chunked forward (``chunk``, default ops.chunk_gated_delta_rule, given b as beta's
-    logits through ``beta_kw``, default fla's use_beta_sigmoid_in_kernel), scatter the final states."""
+    one), the varlen conv and chunked forward (``chunk``, default fast's forward given b as beta's logits, as
+    gdn_prefill runs it; beta_kw: how ``chunk`` takes them), scatter the final states."""
     W, H, K, HV = cache.W, cache.H, cache.K, cache.HV
     dev = x.device
     idx = torch.tensor(slots, device=dev)
@@ -141,11 +141,11 @@ def _compose(ops, x, a, b, layer, cache, slots, lens, has, chunk=None, beta_kw=N
     q = y[:, :H * K].unflatten(1, (H, K))
     k = y[:, H * K:2 * H * K].unflatten(1, (H, K))
     v = y[:, 2 * H * K:].unflatten(1, (HV, -1))
-    chunk = ops.chunk_gated_delta_rule if chunk is None else chunk
+    if chunk is None:
+        chunk, beta_kw = fast.chunk.chunk_gated_delta_rule_fwd, dict(beta_logits=1)
     o, final = chunk(q[None], k[None], v[None], a[None], b.float()[None], initial_state=h0,
                      output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, A_log=layer["A_log"],
-                     dt_bias=layer["dt_bias"], **(dict(use_beta_sigmoid_in_kernel=True) if beta_kw is None
-                                                  else beta_kw))
+                     dt_bias=layer["dt_bias"], **beta_kw)
     sl = torch.tensor([slots[n] for n in real], device=dev, dtype=torch.long)
     rows = torch.tensor(real, device=dev, dtype=torch.long)
     cache.ssm_state[sl] = final[rows].to(cache.ssm_state.dtype)

@@ -164,17 +164,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
     kernels: gradients of q, k, v, g (or of a, A_log, dt_bias with fused gating), beta, initial_state.
 
-    fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval
-    (beta's sigmoid formed in the kernels when no gradient is wanted: kernel_beta_logits),
+    fla 0.6.0's keywords (keyword-only; refgdn.checks.fla_keywords): use_beta_sigmoid_in_kernel, allow_neg_eigval,
     state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
     strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
-    logits = kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, initial_state, A_log,
-                                dt_bias)
+    # (beta's logits go through torch's sigmoid here, not the kernels' beta_logits: a float32 beta costs the fused
+    # state pass nothing, where the sigmoid in the pass cost it 20-70 us: RESULTS.md, 2026-11-27)
     beta, initial_state, A_log, dt_bias, vk = fla_keywords(
-        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, False if logits else use_beta_sigmoid_in_kernel,
-        False if logits else allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_indices, cp_context,
-        head_first)
+        q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
     # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
     # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
@@ -183,8 +181,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
     sig = _call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, A_log,
                           dt_bias, chunk_size, cu_seqlens, cu_seqlens_cpu)
-    if logits and sig is not None:
-        sig = (*sig, logits)                 # (kernel 1's variant, and the dtype of the beta the later kernels read)
     plan = _PLANS.get(sig)
     if plan is not None and not behind and not torch.compiler.is_compiling():
         check_offsets_again(cu_seqlens, cu_seqlens_cpu, q.shape[1])     # (the values' rules, on every call)
@@ -209,16 +205,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     with plan if plan is not None else contextlib.nullcontext():
         o, final = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                               use_qk_l2norm_in_kernel, A_log, dt_bias, chunk_size,
-                                              offsets_unchecked=behind, final_v_first=vk, beta_logits=logits)
+                                              offsets_unchecked=behind, final_v_first=vk)
     return o, final_state_v_first(final, vk)       # (written [N, HV, V, K] already: no copy)
 
 
 def kernel_beta_logits(use_beta_sigmoid_in_kernel, allow_neg_eigval, q, k, v, g, beta, *rest) -> int:
-    """How chunk_gated_delta_rule takes beta given as logits (fla's use_beta_sigmoid_in_kernel): 1 (sigmoid) or 2
-    (allow_neg_eigval: 2 sigmoid) when the kernels apply it (chunk_gated_delta_rule_fwd's beta_logits), 0 when
-    refgdn.checks.fla_keywords maps beta with torch instead: no logits, the custom op (autograd and
-    torch.compile differentiate torch's sigmoid), float64 (refgdn runs), or arguments fla_keywords rejects with
-    its own message. rest: initial_state, A_log, dt_bias as the caller passed them (fast.keys asks the same)."""
+    """How recurrent_gated_delta_rule takes beta given as logits (fla's use_beta_sigmoid_in_kernel): 1 (sigmoid) or
+    2 (allow_neg_eigval: 2 sigmoid) when its kernel applies it per token (BETA_LOGITS), 0 when
+    refgdn.checks.fla_keywords maps beta with torch instead: no logits, a gradient wanted or torch.compile tracing,
+    float64 (refgdn runs), or arguments fla_keywords rejects with its own message. rest: initial_state, A_log,
+    dt_bias as the caller passed them (fast.keys asks the same). (The chunk op maps with torch: a sigmoid in its
+    fused state pass costs more than torch's launch.)"""
     if (use_beta_sigmoid_in_kernel is not True or type(allow_neg_eigval) is not bool
             or not isinstance(beta, torch.Tensor) or not beta.is_floating_point()):
         return 0

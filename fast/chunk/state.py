@@ -249,7 +249,8 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
-def state_prefetch_beta(N: int, HV: int, V: int, BV: int, device: torch.device, fused: bool) -> bool:
+def state_prefetch_beta(N: int, HV: int, V: int, BV: int, device: torch.device, fused: bool,
+                        beta_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether the FROM_A pass loads beta one chunk ahead (the kernel's PREFETCH_BETA): where each program walks
     its chunks latency-bound, i.e. the unfused pass (one program per SM or fewer) and the fused one while its
     programs fit one wave (two blocks per SM: 255 registers and 115 KB of shared memory each, cuOccupancy on an
@@ -257,8 +258,14 @@ def state_prefetch_beta(N: int, HV: int, V: int, BV: int, device: torch.device, 
     thread, ptxas sm_90) cost more than the wait. H200, Triton 3.6, bf16, Qwen3-Next shape, outputs bit for bit
     equal, device ms (torch.profiler) without / with: B=4 T=4096 (256 fused programs) 0.505 / 0.486; B=1 T=16384
     0.769 / 0.688, T=65536 2.898 / 2.633 (the state pass alone 2.54 / 2.19); the 16-sequence varlen mix (1024
-    fused programs) 0.864 / 0.879 (RESULTS.md, 2026-11-26). The interpreter: always (the CPU tests run it)."""
+    fused programs) 0.864 / 0.879 (RESULTS.md, 2026-11-26). The interpreter: always (the CPU tests run it).
+    A 4-byte beta (float32, e.g. torch.sigmoid(b.float())): always. Its in-loop load is wide enough for the
+    compiler's pipeliner to turn into an asynchronous copy of scattered 4-byte rows, which nearly doubles the pass:
+    the varlen mix's fused state kernel 1280 us without against 671 with (bf16 beta 707 / 675), H200, Triton 3.6,
+    2026-11-27 (RESULTS.md)."""
     if is_interpreting() or not fused:
+        return True
+    if beta_dtype is not None and beta_dtype.itemsize >= 4:
         return True
     return N * HV * cdiv(V, BV) <= 2 * _num_sms(device)
 
@@ -327,7 +334,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     if slots is not None:
         slot_rows, kw["H0_SLOTS"], kw["HT_SLOTS"] = slots
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
-        kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None) if prefetch is None
+        kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None, beta.dtype)
+                               if prefetch is None
                                else bool(prefetch))
         if beta_logits:
             kw["BETA_LOGITS"] = beta_logits
