@@ -1443,9 +1443,9 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     verdicts: slot range, duplicates, a verify awaiting its accept; the first fault into cache.err, raised by
     ``cache.check()``, on a CPU device by the op itself; a failed or padded request reads and writes nothing),
     gdn_materialize of the verified slots (their pending tokens folded in), fast.causal_conv1d's two kernels and
-    the chunked forward's (fast.chunk; beta = sigmoid(b) formed in its kernel 1, as g from raw a). cu_seqlens' values are read on the host (a sync, none with
-    cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and checked there: bad offsets raise refgdn's
-    first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
+    the chunked forward's (fast.chunk; g and beta = sigmoid(b) formed in its kernels from raw a and b). cu_seqlens'
+    values are read on the host (a sync, none with cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and
+    checked there: bad offsets raise refgdn's first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
     The cache's tensors may have any layout the decode accepts (e.g. ssm_state and conv_state as page-strided views
     of one buffer per slot, as vLLM's hybrid cache allocates them). float64 runs refgdn. Inside CUDA-graph
     capture it raises refgdn.capture.HostSyncInCapture before anything runs (its per-call host work could not be
@@ -1495,8 +1495,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
                             config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows)
         y = y[0]
         q, k, v = rs.split_qkv(y, H, K, HV)
-        # 4. l2norm, gating (g from raw a; beta = sigmoid(b) in float32, as refgdn's, formed by kernel 1) and the
-        # chunked delta rule, reading and writing the slots' states in place
+        # 4. l2norm, gating (g from raw a; beta = sigmoid(b) in float32, as refgdn's, formed by each kernel reading
+        # it: no torch launch on this host-bound path) and the chunked delta rule, the slots' states in place
         o, _ = chunk_gated_delta_rule_fwd(q[None], k[None], v[None], a[None], b[None], scale, cache.ssm_state,
                                           True, cu_seqlens, True, A_log, dt_bias, PREFILL_CHUNK, slot_rows=slot_rows,
                                           update_x2=prefill_update_x2(q.dtype), beta_logits=1)

@@ -168,8 +168,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     state_v_first (initial and final states [N, HV, V, K]: the state pass reads and writes that layout through its
     strides, no copy), use_gate_in_kernel, chunk_indices, cp_context, head_first.
     """
-    # (beta's logits go through torch's sigmoid here, not the kernels' beta_logits: a float32 beta costs the fused
-    # state pass nothing, where the sigmoid in the pass cost it 20-70 us: RESULTS.md, 2026-11-27)
+    # (beta's logits go through torch's sigmoid here, not the kernels' beta_logits: its two launches cost less than
+    # the sigmoid in the fused state pass, 20-70 us at the prefill table's sizes: RESULTS.md, 2026-11-27)
     beta, initial_state, A_log, dt_bias, vk = fla_keywords(
         q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
