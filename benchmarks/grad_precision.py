@@ -57,28 +57,11 @@ def _patched(dt: torch.dtype, pair):
 
 
 def interpreter_bf16_round_to_nearest() -> None:
-    """Make the Triton interpreter's fp32 -> bf16 casts round to nearest even, as a GPU's cvt.rn does, in
-    this process. Triton 3.9's interpreter truncates them (runtime/interpreter.py: cast_impl calls
-    _convert_float with no rounding mode: the low 16 bits are dropped), so every bf16 value a kernel
-    stores or rounds in the interpreter carries up to twice a GPU's error, always toward zero, and CPU
-    runs of the bf16 variants read worse than a GPU would. NaN payloads are not preserved (none arise)."""
-    import numpy as np
-
+    """The Triton interpreter's fp32 -> bf16 casts round to nearest even in this process, as a GPU's do
+    (fast.utils.install_interpreter_bf16_round_to_nearest, which says why)."""
     import fast  # noqa: F401  (first: it sets TRITON_INTERPRET=1 on a machine without a GPU)
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
-    if getattr(ti._convert_float, "_rne", False):
-        return
-    real = ti._convert_float
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):
-        if rounding_mode is None and input_dtype == tl.float32 and output_dtype == tl.bfloat16:
-            bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint32).astype(np.uint64)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16               # round half to even
-            return bits.astype(np.uint16).reshape(np.shape(input))
-        return real(input, input_dtype, output_dtype, rounding_mode)
-    convert._rne = True
-    ti._convert_float = convert
+    from fast.utils import install_interpreter_bf16_round_to_nearest
+    install_interpreter_bf16_round_to_nearest()
 
 
 def _case_worst(dt: torch.dtype, pair, quick: bool, device: str, family: str, BT: int, rne: bool = False):

@@ -33,11 +33,22 @@ def seed_of(name: str) -> int:
 
 
 def dtypes_for(device: str) -> list:
-    """float32 and float16 everywhere; bfloat16 on CUDA only (the interpreter's bf16 dots are wrong)."""
+    """float32, float16 and bfloat16. On CPU (the Triton interpreter) bfloat16 needs the interpreter's fp32 -> bf16
+    casts to round to nearest as a GPU's do: the runner runs those cases inside
+    fast.utils.interpreter_bf16_round_to_nearest (the kernels' dots already take fp32 operands there, since the
+    interpreter's bf16 dots are wrong); where that cannot act on the installed Triton, no bfloat16 on CPU."""
     out = [torch.float32, torch.float16]
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or _interpreter_bf16_ok():
         out.append(torch.bfloat16)
     return out
+
+
+def _interpreter_bf16_ok() -> bool:
+    try:
+        from fast.utils import interpreter_bf16_rne_supported
+    except ImportError:
+        return False
+    return interpreter_bf16_rne_supported()
 
 
 def _fast(name: str) -> Optional[Callable]:

@@ -7,6 +7,7 @@ graph-captured paths must precompute their tables outside.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -33,6 +34,64 @@ def is_interpreting() -> bool:
     if _INTERPRETING is None:
         _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return _INTERPRETING
+
+
+def _rne_convert(real):
+    """Triton's interpreter float conversion with fp32 -> bf16 rounding half to even (else ``real``)."""
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if rounding_mode is None and input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint32).astype(np.uint64)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16               # round half to even
+            return bits.astype(np.uint16).reshape(np.shape(input))
+        return real(input, input_dtype, output_dtype, rounding_mode)
+    convert._rne = True
+    return convert
+
+
+def _interpreter_module():
+    """Triton's interpreter module when its float conversion is the one this file knows how to wrap, else None."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:  # noqa: BLE001 - no interpreter in this Triton
+        return None
+    return ti if callable(getattr(ti, "_convert_float", None)) else None
+
+
+def interpreter_bf16_rne_supported() -> bool:
+    """Whether :func:`interpreter_bf16_round_to_nearest` can act on the installed Triton (its interpreter's float
+    conversion is ``triton.runtime.interpreter._convert_float``: Triton 3.4 to 3.9)."""
+    return _interpreter_module() is not None
+
+
+def install_interpreter_bf16_round_to_nearest() -> bool:
+    """For the rest of this process, the Triton interpreter's fp32 -> bf16 casts round to nearest even, as a GPU's
+    cvt.rn does. Triton's interpreter truncates them (cast_impl calls _convert_float with no rounding mode: the low
+    16 bits are dropped), so every bf16 value a kernel stores or rounds there carries up to twice a GPU's error,
+    always toward zero, and bf16 runs read worse on a CPU than on a GPU. NaN payloads are not preserved (none
+    arise). Returns whether it is in effect (False: an unknown interpreter, left as it is)."""
+    ti = _interpreter_module()
+    if ti is None:
+        return False
+    if not getattr(ti._convert_float, "_rne", False):
+        ti._convert_float = _rne_convert(ti._convert_float)
+    return True
+
+
+@contextlib.contextmanager
+def interpreter_bf16_round_to_nearest():
+    """Within the block, the interpreter's fp32 -> bf16 casts round to nearest even (as
+    install_interpreter_bf16_round_to_nearest); the previous conversion is restored after it. Nothing happens
+    where the interpreter is not the one this file knows (or kernels run on a GPU: the interpreter is unused)."""
+    ti = _interpreter_module()
+    if ti is None or getattr(ti._convert_float, "_rne", False):
+        yield
+        return
+    real = ti._convert_float
+    ti._convert_float = _rne_convert(real)
+    try:
+        yield
+    finally:
+        ti._convert_float = real
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,6 +1,7 @@
 """The conformance runner in-process: a quick subset passes, the JSON report has its fields, and the
 rule can fail (a perturbed fast result, a raising case, a one-ulp change in an exact check)."""
 import json
+import types
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ def test_quick_subset_passes_and_writes_report(tmp_path, capsys):
     assert records and all(FIELDS <= set(r) for r in records)
     assert {r["op"] for r in records} == set(SUBSET.split(","))
     assert all(r["passed"] for r in records)
-    dtypes = {"float32", "float16"} | ({"bfloat16"} if DEVICE == "cuda" else set())  # no bf16 on CPU
-    assert {r["dtype"] for r in records} == dtypes
+    # bf16 on CPU too, its cases run with the interpreter's casts rounding as a GPU's (cases_prefill.dtypes_for)
+    assert {r["dtype"] for r in records} == {"float32", "float16", "bfloat16"}
     assert all(r["draft_steps"] is None for r in records)
     assert "refgdn error" in out and "passed, 0 failed" in out
 
@@ -43,6 +44,33 @@ def test_chunk_records_carry_chunk_size(tmp_path):
     assert {r["chunk_size"] for r in records} == set(cases_prefill.CHUNK_SIZES)
     assert {r["check"] for r in records} == {"o", "final_state"}
     assert rc == 0, [r for r in records if not r["passed"]]
+
+
+def test_bf16_cases_round_casts_to_nearest_only_inside_the_case():
+    """On CPU a bfloat16 case runs inside fast.utils.interpreter_bf16_round_to_nearest (the interpreter truncates
+    fp32 -> bf16 casts; a GPU rounds to nearest even), and the interpreter's own conversion is back after it, so
+    no other test sees the change. The wrapped conversion rounds half to even, as cvt.rn.bf16.f32 does."""
+    import numpy as np
+    import triton.language as tl
+
+    from fast.utils import interpreter_bf16_rne_supported, interpreter_bf16_round_to_nearest
+    if DEVICE == "cuda" or not interpreter_bf16_rne_supported():
+        pytest.skip("the Triton interpreter's conversion is not in use / not the known one")
+    from triton.runtime import interpreter as ti
+    before = ti._convert_float
+    x = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 3 * 2 ** -9, 1 + 2 ** -9, -(1 + 3 * 2 ** -9)],
+                 dtype=np.float32)                           # ties to even (down, up), above and below a half
+    with interpreter_bf16_round_to_nearest():
+        got = ti._convert_float(x, tl.float32, tl.bfloat16, None)
+    assert ti._convert_float is before
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)   # torch: RNE
+    assert np.array_equal(np.asarray(got, dtype=np.uint16), want)
+    assert not np.array_equal(np.asarray(before(x, tl.float32, tl.bfloat16, None), dtype=np.uint16), want)
+    seen = []
+    case = types.SimpleNamespace(dtype=torch.bfloat16, op="probe", case="probe", chunk_size=None, draft_steps=None,
+                                 run=lambda device: seen.append(getattr(ti._convert_float, "_rne", False)) or [])
+    runner.run_case(case, DEVICE)
+    assert seen == [True] and ti._convert_float is before
 
 
 def test_perturbed_fast_result_is_reported_failed(tmp_path, monkeypatch):

@@ -479,17 +479,13 @@ def test_fast_grad_validation_unchanged():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def gpu_bf16_casts(monkeypatch):
+def gpu_bf16_casts():
     """In the Triton interpreter, fp32 -> bf16 casts round to nearest even for the test, as a GPU's cvt.rn does
     (the interpreter truncates them: every bf16 value a kernel rounds would carry up to twice a GPU's error,
-    benchmarks.grad_precision.interpreter_bf16_round_to_nearest). Restored after the test; nothing on a GPU."""
-    from fast.utils import is_interpreting
-    if is_interpreting():
-        from triton.runtime import interpreter as ti
-
-        from benchmarks.grad_precision import interpreter_bf16_round_to_nearest
-        monkeypatch.setattr(ti, "_convert_float", ti._convert_float)      # restored at teardown
-        interpreter_bf16_round_to_nearest()
+    fast.utils.interpreter_bf16_round_to_nearest). Restored after the test; nothing on a GPU."""
+    from fast.utils import interpreter_bf16_round_to_nearest
+    with interpreter_bf16_round_to_nearest():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
