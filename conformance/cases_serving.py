@@ -291,6 +291,13 @@ def cases(quick: bool, device: str) -> list:
                                  slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16, V=8, drafts=(0, 2, 3), rounds=2,
                                  decode_every=1, max_draft=3, seed=53, paged=(align, layout),
                                  prefills=[((21, 4, 0), (True, False, True))]))
+    # bf16 activations at interpreter sizes, float32 and bfloat16 states: verify rounds, decodes, a prefill. CPU only
+    # (the interpreter's fp32 -> bf16 casts round to nearest as a GPU's: conformance.runner's bf16 cases); a GPU runs
+    # the bf16 families at Qwen3-Next's head size below
+    for sdt, sname in (((torch.float32, "fp32"), (torch.bfloat16, "bf16")) if not device.startswith("cuda") else ()):
+        out.append(_serving_case(f"small-bf16-state{sname}", N=3, slots=[2, -1, 0], num_slots=4, H=2, HV=4, K=16, V=8,
+                                 drafts=(0, 2, 3), rounds=2, decode_every=1, max_draft=3, dtype=torch.bfloat16,
+                                 state_dtype=sdt, seed=71, prefills=[((21, 4, 0), (True, False, True))]))
     # the full (non-quick) matrix: wider heads, more requests and rounds
     out.append(_serving_case("wide-mixed-k", N=6, slots=[7, 2, -1, 5, 0, 3], num_slots=8, H=2, HV=4, K=64, V=64,
                              drafts=tuple(range(8)), rounds=5, decode_every=2, seed=19, quick=False))
