@@ -59,7 +59,8 @@ def _interpreter_module():
 
 def interpreter_bf16_rne_supported() -> bool:
     """Whether :func:`interpreter_bf16_round_to_nearest` can act on the installed Triton (its interpreter's float
-    conversion is ``triton.runtime.interpreter._convert_float``: Triton 3.4 to 3.9)."""
+    conversion is ``triton.runtime.interpreter._convert_float``, as in Triton 3.9; looked up by name, so another
+    layout leaves the interpreter as it is and this returns False)."""
     return _interpreter_module() is not None
 
 
@@ -81,8 +82,8 @@ def install_interpreter_bf16_round_to_nearest() -> bool:
 def interpreter_bf16_round_to_nearest():
     """Within the block, the interpreter's fp32 -> bf16 casts round to nearest even (as
     install_interpreter_bf16_round_to_nearest); the previous conversion is restored after it. Nothing happens
-    where the interpreter is not the one this file knows (or kernels run on a GPU: the interpreter is unused)."""
-    ti = _interpreter_module()
+    where kernels do not run in the interpreter, or where it is not the one this file knows."""
+    ti = _interpreter_module() if is_interpreting() else None
     if ti is None or getattr(ti._convert_float, "_rne", False):
         yield
         return
