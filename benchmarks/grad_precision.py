@@ -56,20 +56,13 @@ def _patched(dt: torch.dtype, pair):
                                RECOMPUTE_KKT=kk, STAGE_GRAD_DOT=sg)
 
 
-def interpreter_bf16_round_to_nearest() -> None:
-    """The Triton interpreter's fp32 -> bf16 casts round to nearest even in this process, as a GPU's do
-    (fast.utils.install_interpreter_bf16_round_to_nearest, which says why)."""
-    import fast  # noqa: F401  (first: it sets TRITON_INTERPRET=1 on a machine without a GPU)
-    from fast.utils import install_interpreter_bf16_round_to_nearest
-    install_interpreter_bf16_round_to_nearest()
-
-
 def _case_worst(dt: torch.dtype, pair, quick: bool, device: str, family: str, BT: int, rne: bool = False):
     """(family, worst ratio, where) of one gradient case of the matrix, run under the variant `pair`."""
     from conformance import cases_grad
     from conformance.core import evaluate
     if rne:
-        interpreter_bf16_round_to_nearest()
+        from fast.utils import install_interpreter_bf16_round_to_nearest   # (fast first sets TRITON_INTERPRET)
+        install_interpreter_bf16_round_to_nearest()
     p, _ = cases_grad._gdn_grad_families(quick)[family]
     case = cases_grad.gdn_grad_case(family, p, dt, BT, quick)
     try:
@@ -121,11 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes for the cases (spawned; default 1)")
     ap.add_argument("--interpreter-rne", action="store_true",
                     help="interpreter only: fp32 -> bf16 casts round to nearest even as on a GPU (see "
-                         "interpreter_bf16_round_to_nearest); the default keeps the interpreter's truncation, "
-                         "which CI's runs see")
+                         "fast.utils.install_interpreter_bf16_round_to_nearest, as conformance's bf16 cases run in "
+                         "CI); the default keeps the interpreter's truncation")
     args = ap.parse_args(argv)
     if args.interpreter_rne:
-        interpreter_bf16_round_to_nearest()
+        from fast.utils import install_interpreter_bf16_round_to_nearest   # (fast first sets TRITON_INTERPRET)
+        install_interpreter_bf16_round_to_nearest()
     dt = getattr(torch, args.dtype)
     device = "cuda" if common.gpu_available() else "cpu"
     rows = []

@@ -11,7 +11,6 @@ the exception's message; the run goes on.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
@@ -101,8 +100,7 @@ def run_case(c, device: str) -> list:
 
     t0 = time.perf_counter()
     try:
-        with _gpu_like_casts(c, device):
-            checks = c.run(device)
+        checks = c.checks(device)
         if not checks:
             raise RuntimeError("case returned no checks")
         records = []
@@ -118,17 +116,6 @@ def run_case(c, device: str) -> list:
     for r in records:
         r["seconds"] = dt
     return records
-
-
-def _gpu_like_casts(c, device: str):
-    """A bfloat16 case on CPU runs with the Triton interpreter's fp32 -> bf16 casts rounding to nearest even, as a
-    GPU's do (fast.utils.interpreter_bf16_round_to_nearest; the interpreter truncates them, which roughly doubles
-    every in-kernel bf16 rounding error, all toward zero). Restored after the case."""
-    import torch
-    if device.startswith("cuda") or c.dtype != torch.bfloat16:
-        return contextlib.nullcontext()
-    from fast.utils import interpreter_bf16_round_to_nearest
-    return interpreter_bf16_round_to_nearest()
 
 
 class Progress:

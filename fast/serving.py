@@ -1445,7 +1445,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     gdn_materialize of the verified slots (their pending tokens folded in), fast.causal_conv1d's two kernels and
     the chunked forward's (fast.chunk; g and beta = sigmoid(b) formed in its kernels from raw a and b). cu_seqlens'
     values are read on the host (a sync, none with cu_seqlens_cpu: eager prefill, not for CUDA-graph capture) and
-    checked there: bad offsets raise refgdn's first fault before anything runs. check_values=True checks every value rule on the host first (more reads).
+    checked there: bad offsets raise refgdn's first fault before anything runs. check_values=True checks every
+    value rule on the host first (more reads).
     The cache's tensors may have any layout the decode accepts (e.g. ssm_state and conv_state as page-strided views
     of one buffer per slot, as vLLM's hybrid cache allocates them). float64 runs refgdn. Inside CUDA-graph
     capture it raises refgdn.capture.HostSyncInCapture before anything runs (its per-call host work could not be

@@ -22,13 +22,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _bf16_casts_as_on_a_gpu(request):
-    """A test parametrized with a bfloat16 argument (the dtype itself, or a conformance Case of that dtype) runs, in
-    the Triton interpreter, with fp32 -> bf16 casts rounding to nearest even as a GPU's cvt.rn does (the interpreter
-    truncates them: every in-kernel bf16 rounding would err up to twice as much, all toward zero), as the
-    conformance runner runs its bf16 cases; restored after the test (fast.utils.interpreter_bf16_round_to_nearest;
-    on a GPU, or with an interpreter it does not know, nothing changes)."""
+    """A test parametrized with a bfloat16 dtype runs, in the Triton interpreter, with fp32 -> bf16 casts rounding to
+    nearest even as a GPU's cvt.rn does (the interpreter truncates them: every in-kernel bf16 rounding would err up
+    to twice as much, all toward zero), as the matrix runs a bfloat16 conformance Case (conformance.core.Case.checks);
+    restored after the test (fast.utils.interpreter_bf16_round_to_nearest; on a GPU, or with an interpreter it does
+    not know, nothing changes)."""
     params = getattr(getattr(request.node, "callspec", None), "params", {})
-    if not any(v is torch.bfloat16 or getattr(v, "dtype", None) is torch.bfloat16 for v in params.values()):
+    if not any(v is torch.bfloat16 for v in params.values()):
         yield
         return
     from fast.utils import interpreter_bf16_round_to_nearest

@@ -1,7 +1,6 @@
 """The conformance runner in-process: a quick subset passes, the JSON report has its fields, and the
 rule can fail (a perturbed fast result, a raising case, a one-ulp change in an exact check)."""
 import json
-import types
 
 import pytest
 import torch
@@ -47,7 +46,7 @@ def test_chunk_records_carry_chunk_size(tmp_path):
 
 
 def test_bf16_cases_round_casts_to_nearest_only_inside_the_case():
-    """On CPU a bfloat16 case runs inside fast.utils.interpreter_bf16_round_to_nearest (the interpreter truncates
+    """On CPU the matrix runs a bfloat16 Case (Case.checks) inside fast.utils.interpreter_bf16_round_to_nearest (the interpreter truncates
     fp32 -> bf16 casts; a GPU rounds to nearest even), and the interpreter's own conversion is back after it, so
     no other test sees the change. The wrapped conversion rounds half to even, as cvt.rn.bf16.f32 does."""
     import numpy as np
@@ -67,8 +66,8 @@ def test_bf16_cases_round_casts_to_nearest_only_inside_the_case():
     assert np.array_equal(np.asarray(got, dtype=np.uint16), want)
     assert not np.array_equal(np.asarray(before(x, tl.float32, tl.bfloat16, None), dtype=np.uint16), want)
     seen = []
-    case = types.SimpleNamespace(dtype=torch.bfloat16, op="probe", case="probe", chunk_size=None, draft_steps=None,
-                                 run=lambda device: seen.append(getattr(ti._convert_float, "_rne", False)) or [])
+    case = Case("probe", "probe", torch.bfloat16,
+                run=lambda device: seen.append(getattr(ti._convert_float, "_rne", False)) or [])
     runner.run_case(case, DEVICE)
     assert seen == [True] and ti._convert_float is before
 

@@ -478,25 +478,15 @@ def test_fast_grad_validation_unchanged():
 # fast's backward kernels stage by stage against refgdn's stage twins (conformance rule per stage)
 # ----------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def gpu_bf16_casts():
-    """In the Triton interpreter, fp32 -> bf16 casts round to nearest even for the test, as a GPU's cvt.rn does
-    (the interpreter truncates them: every bf16 value a kernel rounds would carry up to twice a GPU's error,
-    fast.utils.interpreter_bf16_round_to_nearest). Restored after the test; nothing on a GPU."""
-    from fast.utils import interpreter_bf16_round_to_nearest
-    with interpreter_bf16_round_to_nearest():
-        yield
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
-def test_fast_backward_stages_match_refgdn_stages(dtype, gpu_bf16_casts):
+def test_fast_backward_stages_match_refgdn_stages(dtype):
     """Every intermediate of fast.chunk_bwd (recomputed h, dv_local, dh, dv_new, dh0, stage 3's dq/dk/dG,
     3b's dw, stage 4's dk/dv/dbeta and dg) against the refgdn stage chain on the same rounded inputs: truth in
     float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
     padding), GVA 2, with initial state and final-state cotangent. bfloat16 runs in the interpreter too:
     its dots take fp32 operands holding bf16 values (exact), tf32 operands are modelled by truncation, and
-    bf16 casts round to nearest as on a GPU (gpu_bf16_casts: the bf16 default's 16-bit products in dv_local,
+    bf16 casts round to nearest as on a GPU (conftest, for a bf16-parametrized test: the bf16 default's 16-bit products in dv_local,
     dh, dw and the WY backward, fast.chunk_bwd.STAGE_GRAD_DOT, read 1.12x the rule's bound on dw with the
     interpreter's truncating casts, and pass with the GPU's rounding).
     K = 32: two K-blocks of 16 in the interpreter, so stage 3's per-block partial dG and stage 4's two

@@ -346,7 +346,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     Gl = torch.empty_like(G) if precise else None                        # its rounding error (fp32 inputs)
     A = torch.empty(B, T, HV, BT, dtype=k.dtype, device=dev)             # (I + L)^-1 per chunk
     kn = torch.empty(B, T, H, K, dtype=k.dtype, device=dev) if l2 else None
-    bl = dict(beta_logits=beta_logits) if beta_logits else {}            # beta from logits, in each kernel reading it
     slots = None
     if slot_rows is not None:                                            # the cache's ssm_state, in place
         h0, final = initial_state, (initial_state if output_final_state else None)
@@ -363,11 +362,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
-                          update_x2=update_x2, **bl)
+                          update_x2=update_x2, beta_logits=beta_logits)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
-                inv_method=inv_method, **bl)
+                inv_method=inv_method, beta_logits=beta_logits)
     qs = None
     if fused and l2:                                                     # q's row scales for the fused pass
         qs = torch.empty(B, T, H, dtype=torch.float32, device=dev)
@@ -389,11 +388,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, **bl)
+                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, beta_logits=beta_logits)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs, **bl)
+        _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs, beta_logits=beta_logits)
         _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out,
                       slots=slots, update_x2=update_x2)
     if not fused:
@@ -450,6 +449,5 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV,
         IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
         USE_H0=h0 is not None, STORE_HT=final is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg,
-        **(dict(BETA_LOGITS=logits) if logits else {}))
+        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), BETA_LOGITS=logits, **cfg)
     return o, final_state_v_first(final, vk)

@@ -7,8 +7,8 @@ that several kernels (and fast.chunk_bwd's) call, and the host helpers of every 
 Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_chunk_rows`` (and the
 chunk's rows, their mask and flat (token, head) index, for the chunk-parallel kernels), ``_seq_head`` (a
 sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
-range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` (beta, or its logits' sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32``
-(tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
+range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` (beta, or its logits' sigmoid),
+``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
 head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``,
 ``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
 """

@@ -295,7 +295,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
     forward; beta_logits 1 / 2: beta holds logits, the kernel's BETA_LOGITS). out: (q, o, scale, qs): step 5
-    fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32 (output.row_scales; use_qk_l2norm_in_kernel) or None.
+    fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32
+    (output.row_scales; use_qk_l2norm_in_kernel) or None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
@@ -327,7 +328,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         IS_VARLEN=ch.varlen, USE_H0=h0 is not None, STORE_HT=ht is not None,
         PREC=_fp32_prec(k.dtype if wy is not None else w.dtype) if prec_of is None else prec_of[0],
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
-        OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, UPDATE_X2=update_x2, **cfg)
+        OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, UPDATE_X2=update_x2, BETA_LOGITS=beta_logits,
+        **cfg)
     if update_x2 and k.dtype != torch.bfloat16:
         raise ValueError(f"update_x2 splits into bfloat16 terms: k must be bfloat16, got {k.dtype}")
     slot_rows = None
@@ -337,8 +339,6 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None, beta.dtype)
                                if prefetch is None
                                else bool(prefetch))
-        if beta_logits:
-            kw["BETA_LOGITS"] = beta_logits
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
         ch.cu_seqlens, ch.offsets, ch.order, slot_rows, T, ch.NT, float(scale),

@@ -494,9 +494,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_PREC=INV_PRECISION[pdt],
         INV_DIAG_PREC=inv_diag_prec,
         INV_ROWS=_inv_rows(inv_method, pdt), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
-        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, **cfg)
-    if beta_logits:
-        kw["BETA_LOGITS"] = beta_logits
+        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, BETA_LOGITS=beta_logits, **cfg)
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
         k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
         ch.cu_seqlens, ch.indices, T, ch.NT,
@@ -515,9 +513,7 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
         PRECISE=precise, UPCAST=_upcast(prec_of),
-        **_cfg("w_u", w_u_config(K, V), configs))
-    if beta_logits:
-        kw["BETA_LOGITS"] = beta_logits
+        BETA_LOGITS=beta_logits, **_cfg("w_u", w_u_config(K, V), configs))
     return launch(chunk_w_u_kernel, (ch.total * HV,), kw,
         k, v, beta, G, A, w, u,
         ch.cu_seqlens, ch.indices, T, ch.NT,
