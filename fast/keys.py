@@ -341,9 +341,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
     as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off). beta_logits
-    1 / 2: beta holds logits the kernels take (gdn_prefill's raw b; chunk_gated_delta_rule_fwd's beta_logits)."""
-    if beta_logits:                                           # (fla_keywords maps no beta: the kernels read the logits)
-        use_beta_sigmoid_in_kernel = allow_neg_eigval = False
+    1 / 2: beta holds logits the kernels take (gdn_prefill's raw b, with fla's keywords at their defaults;
+    chunk_gated_delta_rule_fwd's beta_logits)."""
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
