@@ -406,7 +406,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  USE_H0=initial_state is not None, STORE_HT=bool(output_final_state),
                  PREC=_chunk._fp32_prec(k.dtype), DOT_F32=interp, PRECISE=precise, UPCAST=False, FROM_A=True,
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
-                 PREFETCH_BETA=_chunk.state_prefetch_beta(N, HV, V, cfg["BV"], dev, fused, beta.dtype),
+                 PREFETCH_BETA=_chunk.state_prefetch_beta(fused, varlen, beta.dtype, l2 and fused),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),

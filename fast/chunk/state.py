@@ -249,25 +249,25 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
-def state_prefetch_beta(N: int, HV: int, V: int, BV: int, device: torch.device, fused: bool,
-                        beta_dtype: Optional[torch.dtype] = None) -> bool:
-    """Whether the FROM_A pass loads beta one chunk ahead (the kernel's PREFETCH_BETA): where each program walks
-    its chunks latency-bound, i.e. the unfused pass (one program per SM or fewer) and the fused one while its
-    programs fit one wave (two blocks per SM: 255 registers and 115 KB of shared memory each, cuOccupancy on an
-    H200). With more programs the pass is throughput-bound and the extra live registers (spills 300 -> 352 B per
-    thread, ptxas sm_90) cost more than the wait. H200, Triton 3.6, bf16, Qwen3-Next shape, outputs bit for bit
-    equal, device ms (torch.profiler) without / with: B=4 T=4096 (256 fused programs) 0.505 / 0.486; B=1 T=16384
-    0.769 / 0.688, T=65536 2.898 / 2.633 (the state pass alone 2.54 / 2.19); the 16-sequence varlen mix (1024
-    fused programs) 0.864 / 0.879 (RESULTS.md, 2026-11-26). The interpreter: always (the CPU tests run it).
-    A 4-byte beta (float32, e.g. torch.sigmoid(b.float())): always. Its in-loop load is wide enough for the
-    compiler's pipeliner to turn into an asynchronous copy of scattered 4-byte rows, which nearly doubles the pass:
-    the varlen mix's fused state kernel 1280 us without against 671 with (bf16 beta 707 / 675), H200, Triton 3.6,
-    2026-11-27 (RESULTS.md)."""
-    if is_interpreting() or not fused:
+def state_prefetch_beta(fused: bool, varlen: bool, beta_dtype: Optional[torch.dtype] = None,
+                        l2norm: bool = False) -> bool:
+    """Whether the FROM_A pass loads beta one chunk ahead (the kernel's PREFETCH_BETA). Where the load sits changes
+    what the compiler's software pipeline makes of it (an asynchronous copy of scattered rows, or a load in the
+    chunk's own body) and how many registers stay live, and the winner follows the compiled variant (beta's width,
+    L2NORM, IS_VARLEN), not the program count, so the rule is measured:
+    - the interpreter (the CPU tests), the unfused pass (one program per SM or fewer, latency-bound), and the fused
+      varlen pass: always. The 16-sequence varlen mix, state kernel, us, without / with: bf16 beta 686-692 / 665-667
+      (no l2norm in the kernel 696-698 / 659-660), float32 1264 / 663-665 (758 / 672-676), logits 737-740 / 732-735
+      (759-763 / 720-721);
+    - the fused dense pass: for a 4-byte beta with l2norm in the kernel, for a 2-byte one (values or logits)
+      without it. B=4 T=4096, us, without / with: bf16 beta 393-395 / 405 (no l2norm 403-404 / 402-403), float32
+      636-638 / 418-422 (364-365 / 412), logits 402-404 / 426-427 (407-409 / 408-409); B=8 T=2048 and B=16 T=1024
+      the same way (bf16 395 / 406-410, float32 without l2norm 365-372 / 418-432); B=2 T=8192 within 1-4 %.
+    H200, Triton 3.6, bf16, Qwen3-Next shape, two alternating rounds in one process, outputs bit for bit equal
+    (RESULTS.md, 2026-11-27 "The state pass's beta prefetch, re-measured")."""
+    if is_interpreting() or not fused or varlen:
         return True
-    if beta_dtype is not None and beta_dtype.itemsize >= 4:
-        return True
-    return N * HV * cdiv(V, BV) <= 2 * _num_sms(device)
+    return (beta_dtype is not None and beta_dtype.itemsize >= 4) == bool(l2norm)
 
 
 def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) -> bool:
@@ -336,7 +336,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     if slots is not None:
         slot_rows, kw["H0_SLOTS"], kw["HT_SLOTS"] = slots
     if wy is not None:                                  # (without FROM_A there is no beta to load: the default)
-        kw["PREFETCH_BETA"] = (state_prefetch_beta(N, HV, V, BV, k.device, out is not None, beta.dtype)
+        kw["PREFETCH_BETA"] = (state_prefetch_beta(out is not None, ch.varlen, beta.dtype, qs is not None)
                                if prefetch is None
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
