@@ -262,7 +262,7 @@ def state_prefetch_beta(fused: bool, varlen: bool, beta_dtype: Optional[torch.dt
     - the fused dense pass: for a 4-byte beta with l2norm in the kernel, for a 2-byte one (values or logits)
       without it. B=4 T=4096, us, without / with: bf16 beta 393-395 / 405 (no l2norm 403-404 / 402-403), float32
       636-638 / 418-422 (364-365 / 412), logits 402-404 / 426-427 (407-409 / 408-409); B=8 T=2048 and B=16 T=1024
-      the same way (bf16 395 / 406-410, float32 without l2norm 365-372 / 418-432); B=2 T=8192 within 1-4 %.
+      the same way (bf16 395-405 / 406-422, float32 without l2norm 365-372 / 418-432); B=2 T=8192 within 1-4 %.
     H200, Triton 3.6, bf16, Qwen3-Next shape, two alternating rounds in one process, outputs bit for bit equal
     (RESULTS.md, 2026-11-27 "The state pass's beta prefetch, re-measured")."""
     if is_interpreting() or not fused or varlen:
