@@ -214,8 +214,9 @@ def test_keys_match_fast_launches():
 
 def test_keys_match_beta_logits_launches():
     """Beta as logits (fla's use_beta_sigmoid_in_kernel, allow_neg_eigval): the chunk op maps it with torch (float32
-    beta, so the state pass loads it one chunk ahead: state_prefetch_beta), the recurrent kernel takes the logits
-    (BETA_LOGITS 2, beta in its own dtype); fast.keys predicts those launches exactly (traced_ops raises otherwise).
+    beta; this unfused pass loads it one chunk ahead, as state_prefetch_beta rules), the recurrent kernel takes the
+    logits (BETA_LOGITS 2, beta in its own dtype); fast.keys predicts those launches exactly (traced_ops raises
+    otherwise).
     With a gradient wanted the recurrent op maps with torch too."""
     H, HV, K, V = 1, 2, 16, 16
     gen = torch.Generator().manual_seed(1)
