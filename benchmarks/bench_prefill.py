@@ -396,6 +396,57 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
+# (B, T or None for the varlen mix): the fused pass's programs 128 / 256 / 512 / 1024 dense, and 1024 varlen
+PREFETCH_SWEEP_CASES = ((2, 8192), (4, 4096), (8, 2048), (16, 1024), (1, None))
+
+
+def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32", "logits"), l2norms=(True, False),
+                   rounds: int = 2, iters: int = 10) -> list:
+    """The state pass's beta prefetch (the kernel's PREFETCH_BETA) off and on, alternating ``rounds`` times in one
+    process, beside fast.chunk.state.state_prefetch_beta's pick: per case, beta form ("bf16" / "fp32" values, or
+    bf16 "logits" with beta_logits=1, gdn_prefill's form) and l2norm in the kernel, the state kernel's mean device
+    us over ``iters`` calls (torch.profiler; None without CUDA) for each, and whether o is bit for bit the same
+    both ways (it must be: the load moves, the arithmetic does not). Passed as the forward's
+    ``configs={"state": {"PREFETCH_BETA": ...}}``. How the rule of 2026-11-27 was chosen; rerun it on a new Triton:
+    python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.prefetch_sweep('cuda')]"."""
+    from fast.chunk import chunk_gated_delta_rule_fwd
+    from fast.chunk.state import state_fuses_output, state_prefetch_beta
+
+    rows = []
+    for B, T in cases:
+        lens = varlen_lengths() if T is None else None
+        N = len(lens) if lens else B
+        for l2 in l2norms:
+            q, k, v, g, beta0, kw = chunk_case_inputs(T or VARLEN_TOTAL, lens, B, device, l2norm=l2)
+            forms = dict(bf16=(beta0.to(torch.bfloat16), {}), fp32=(beta0.float(), {}),
+                         logits=(torch.logit(beta0.float().clamp(1e-3, 1 - 1e-3)).to(torch.bfloat16),
+                                 dict(beta_logits=1)))
+            for name in betas:
+                beta, extra = forms[name]
+                fused = state_fuses_output(N, HV, K, V, q.device)
+                times, outs = {False: [], True: []}, {}
+                for _ in range(rounds):
+                    for ahead in (False, True):
+                        def fwd():
+                            return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, **kw, **extra,
+                                                              configs={"state": {"PREFETCH_BETA": ahead}})
+                        outs.setdefault(ahead, fwd()[0])
+                        if torch.cuda.is_available():
+                            times[ahead] += [t * 1e3 for n, t, _ in _kernel_times(fwd, iters)
+                                             if n == "chunk_state_kernel"]
+                pick = state_prefetch_beta(fused, lens is not None and N > 1, beta.dtype, l2 and fused)
+                rows.append(dict(case=f"B={B} T={T}" if lens is None else f"varlen {N} seqs", beta=name, l2norm=l2,
+                                 fused=fused, rule="on" if pick else "off",
+                                 **{"off us": [round(t, 1) for t in times[False]] or None,
+                                    "on us": [round(t, 1) for t in times[True]] or None},
+                                 equal=torch.equal(outs[False], outs[True])))
+                print(rows[-1], file=sys.stderr)
+            del q, k, v, g, beta0, kw, forms
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 # the state pass's chunk size: (B, T, fused), chunk sizes, and per chunk size the configs beside the pinned one
 CHUNK_PROBE_CASES = ((1, 16384, False), (4, 4096, True))
 CHUNK_PROBE_BTS = (32, 64, 128)

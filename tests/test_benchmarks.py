@@ -102,6 +102,23 @@ def test_bench_chunk_runs_every_case_at_a_tiny_shape(monkeypatch, l2norm):
         assert r["ms"] is not None and r["ms"] > 0 and "fast:" not in r["note"], r
 
 
+def test_prefetch_sweep_at_a_tiny_shape(monkeypatch):
+    """prefetch_sweep end to end on the test device at a tiny shape: a row per case, beta form and l2norm, the
+    forward's output bit for bit the same with beta loaded ahead or not, times on a GPU only, and the rule's pick
+    as fast.chunk.state.state_prefetch_beta gives it (every pass prefetches in the interpreter)."""
+    import benchmarks.bench_prefill as bp
+    for name, value in dict(H=1, HV=2, K=16, V=16, CHUNK=16, VARLEN_TOTAL=40).items():
+        monkeypatch.setattr(bp, name, value)
+    monkeypatch.setattr(bp, "varlen_lengths", lambda: [5, 16, 1, 18])
+    rows = bp.prefetch_sweep(DEVICE, cases=((2, 32), (1, None)), rounds=1, iters=1)
+    assert [(r["case"], r["beta"], r["l2norm"]) for r in rows] == [
+        (c, b, l2) for c in ("B=2 T=32", "varlen 4 seqs") for l2 in (True, False) for b in ("bf16", "fp32", "logits")]
+    for r in rows:
+        assert r["equal"], r
+        assert (r["off us"] is not None and r["on us"] is not None) == (DEVICE != "cpu"), r
+        assert DEVICE != "cpu" or r["rule"] == "on", r
+
+
 def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
     """serving_prefill_rows end to end on the test device at a tiny shape: a stream of varlen prefills whose shapes
     change every call (several token and sequence counts), fast's chunk and conv1d rows with their timings."""
