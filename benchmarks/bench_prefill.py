@@ -416,6 +416,7 @@ def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32
     for B, T in cases:
         lens = varlen_lengths() if T is None else None
         N = len(lens) if lens else B
+        fused = state_fuses_output(N, HV, K, V, torch.device(device))
         for l2 in l2norms:
             q, k, v, g, beta0, kw = chunk_case_inputs(T or VARLEN_TOTAL, lens, B, device, l2norm=l2)
             forms = dict(bf16=(beta0.to(torch.bfloat16), {}), fp32=(beta0.float(), {}),
@@ -423,7 +424,6 @@ def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32
                                  dict(beta_logits=1)))
             for name in betas:
                 beta, extra = forms[name]
-                fused = state_fuses_output(N, HV, K, V, q.device)
                 times, outs = {False: [], True: []}, {}
                 for _ in range(rounds):
                     for ahead in (False, True):

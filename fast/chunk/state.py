@@ -74,9 +74,9 @@ def chunk_state_kernel(
     before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
     last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
 
-    PREFETCH_BETA (FROM_A; state_prefetch_beta): beta's rows, HV elements apart, are too narrow for the
-    compiler's asynchronous copies, so their load would wait in every chunk: the next chunk's beta is loaded one
-    chunk ahead instead. BETA_LOGITS (FROM_A): beta holds logits; beta = sigmoid (x 2 for 2) is formed after the
+    PREFETCH_BETA (FROM_A): the next chunk's beta (rows HV elements apart) is loaded one chunk ahead instead of in
+    its own chunk; which placement the compiler's pipeline serves better depends on the variant (state_prefetch_beta,
+    measured). BETA_LOGITS (FROM_A): beta holds logits; beta = sigmoid (x 2 for 2) is formed after the
     load (common._beta_of, kernel 1's formula).
 
     UPDATE_X2 (bf16 inputs; the serving prefill, whose final state lives on in the cache): the update's decayed
