@@ -396,8 +396,9 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     return rows
 
 
-# (B, T or None for the varlen mix): the fused pass's programs 128 / 256 / 512 / 1024 dense, and 1024 varlen
-PREFETCH_SWEEP_CASES = ((2, 8192), (4, 4096), (8, 2048), (16, 1024), (1, None))
+# (B, T or None for the varlen mix): the fused pass's programs 128 / 256 / 512 / 1024 dense, and 1024 varlen; then
+# B=1, the unfused pass (pipelined over two segments at T=16384; not in the 2026-11-27 run)
+PREFETCH_SWEEP_CASES = ((2, 8192), (4, 4096), (8, 2048), (16, 1024), (1, None), (1, 16384))
 
 
 def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32", "logits"), l2norms=(True, False),
