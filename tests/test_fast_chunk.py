@@ -898,3 +898,54 @@ def test_fla_keywords_mean_what_fla_0_6_means():
         assert s.shape == (3, 4, 64, 128)
         _conform(f"{name}/o", o, o_r, o_t)
         _conform(f"{name}/final_state", s, s_r, s_t, dtype=torch.bfloat16)
+
+
+def test_fused_state_pass_fits_two_programs_per_sm_on_sm90():
+    """Fresh process, the stand-in sm_90 driver (benchmarks/sm90.py: Triton's real compile, nothing runs): every fused
+    state-pass variant the rules pick (beta bf16, float32 or bf16 logits; l2norm in the kernel or not; dense B=4 and
+    a 16-sequence varlen call at Qwen3-Next's heads) takes at most fast.chunk.state.SMEM_TWO_PER_SM bytes of shared
+    memory, so two programs share an SM as the pinned config assumes. One pipelined 4-byte copy more per chunk
+    crosses it and halves the pass's occupancy: a float32 beta loaded in its own chunk beside L2NORM's row scales
+    took 115716 B and ran ~2x slower on an H200 (RESULTS.md, 2026-11-27); the script reports that variant too."""
+    from tests.test_launch import _run_stand_in
+    _run_stand_in("""
+        import torch
+        import fast.chunk as fc
+        from fast.chunk.state import SMEM_TWO_PER_SM
+        fc.state._num_sms = lambda device: 132                      # an H100 SXM / H200
+        seen = []
+        def on_compile(name, kernel):
+            if name == "chunk_state_kernel":
+                seen.append(kernel.metadata.shared)
+        real = sys.modules["triton.runtime.jit"].JITFunction.run
+        def recording(self, *a, **k):
+            kernel = real(self, *a, **k)
+            on_compile(self.__name__, kernel)
+            return kernel
+        sys.modules["triton.runtime.jit"].JITFunction.run = recording
+        K = V = 128
+        x = lambda *s: torch.randn(*s).to(torch.bfloat16)
+        picked = []
+        for N in (None, 16):                                        # dense B=4; varlen, 16 sequences
+            B, T = (4, 128) if N is None else (1, 16 * 64)
+            cu = torch.arange(0, T + 1, T // N) if N else None
+            for l2 in (True, False):
+                for beta, extra in ((torch.rand(B, T, 32).to(torch.bfloat16), {}), (torch.rand(B, T, 32), {}),
+                                    (torch.randn(B, T, 32).to(torch.bfloat16), dict(beta_logits=1))):
+                    n0 = len(seen)
+                    fc.chunk_gated_delta_rule_fwd(x(B, T, 16, K), x(B, T, 16, K), x(B, T, 32, V),
+                                                  -torch.rand(B, T, 32), beta,
+                                                  initial_state=torch.randn(N or B, 32, K, V),
+                                                  output_final_state=True, cu_seqlens=cu, chunk_size=64,
+                                                  use_qk_l2norm_in_kernel=l2, **extra)
+                    assert len(seen) == n0 + 1, (N, l2, beta.dtype, seen[n0:])
+                    picked.append(((N, l2, str(beta.dtype), bool(extra)), seen[-1]))
+        over = [p for p in picked if p[1] > SMEM_TWO_PER_SM]
+        assert not over, (over, SMEM_TWO_PER_SM)
+        n0 = len(seen)
+        fc.chunk_gated_delta_rule_fwd(x(4, 128, 16, K), x(4, 128, 16, K), x(4, 128, 32, V), -torch.rand(4, 128, 32),
+                                      torch.rand(4, 128, 32), output_final_state=True, chunk_size=64,
+                                      use_qk_l2norm_in_kernel=True, configs={"state": {"PREFETCH_BETA": False}})
+        print("picked", picked, "float32 beta in its chunk beside l2norm:", seen[n0:], "limit", SMEM_TWO_PER_SM)
+        print("OK")
+    """)

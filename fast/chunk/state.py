@@ -249,6 +249,13 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
+# Shared memory per program under which two fused-pass programs fit one SM of an H100 / H200 (228 KB per SM, 1 KB
+# reserved per block: 2 * (115712 + 1024) = 233472). The fused pass's pipelined copies sit just under it: one more
+# 4-byte copy per chunk crosses it and halves the pass's occupancy (state_prefetch_beta; tests/test_fast_chunk.py
+# compiles every variant the rules pick for sm_90 and checks it).
+SMEM_TWO_PER_SM = 115712
+
+
 def state_prefetch_beta(fused: bool, varlen: bool, beta_dtype: Optional[torch.dtype] = None,
                         l2norm: bool = False) -> bool:
     """Whether the FROM_A pass loads beta one chunk ahead (the kernel's PREFETCH_BETA). Where the load sits changes
@@ -264,7 +271,10 @@ def state_prefetch_beta(fused: bool, varlen: bool, beta_dtype: Optional[torch.dt
       636-638 / 418-422 (364-365 / 412), logits 402-404 / 426-427 (407-409 / 408-409); B=8 T=2048 and B=16 T=1024
       the same way (bf16 395-405 / 406-422, float32 without l2norm 365-372 / 418-432); B=2 T=8192 within 1-4 %.
     H200, Triton 3.6, bf16, Qwen3-Next shape, two alternating rounds in one process, outputs bit for bit equal
-    (RESULTS.md, 2026-11-27 "The state pass's beta prefetch, re-measured")."""
+    (RESULTS.md, 2026-11-27 "The state pass's beta prefetch, re-measured"). The two ~2x cells (a float32 beta in
+    its chunk beside L2NORM's row scales: 636 and 1264 us) are an occupancy cliff, not a schedule: that variant's
+    pipelined copies take 115716 B of shared memory (Triton 3.6 and 3.9, sm_90a), 4 B over SMEM_TWO_PER_SM, so one
+    program runs per SM instead of two; every variant these rules pick stays under it."""
     if is_interpreting() or not fused or varlen:
         return True
     return (beta_dtype is not None and beta_dtype.itemsize >= 4) == bool(l2norm)
