@@ -8,7 +8,9 @@ it cannot see a GPU compile error (e.g. a runtime branch that changes a variable
 shared memory exceeds the 227 KB an H100/H200 block may use, or register spills. This script installs a
 stand-in Triton driver that reports an sm_90 target, makes every launch a compile-only warmup (nothing
 runs; outputs stay garbage), runs fast.chunk_bwd / fast.conv_bwd's host code on CPU tensors, and runs the
-bundled ptxas on each compiled kernel's PTX for the register and spill counts. It relies on Triton
+bundled ptxas on each compiled kernel's PTX for the register and spill counts. "per SM" is how many of the kernel's
+blocks one H100 / H200 SM holds, and by which limit (benchmarks.sm90.blocks_per_sm): a config a few bytes over a
+shared-memory step runs at half the occupancy it was tuned for (RESULTS.md, 2026-11-27, the fused state pass). It relies on Triton
 internals (``triton.runtime.driver.set_active``, ``JITFunction.run``): written against Triton 3.9; the GPU
 machine's Triton may allocate differently, so keep margins.
 
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
         print("compile_check: run it in a fresh process (python -m benchmarks.compile_check)")
         return 2
     compiled = []
-    from .sm90 import install_compile_only             # before fast / triton load: real compiles
+    from .sm90 import blocks_per_sm, install_compile_only   # before fast / triton load: real compiles
     install_compile_only(lambda name, kernel: compiled.append((name, kernel)))
     import torch
     import triton
@@ -123,8 +125,14 @@ def main(argv=None) -> int:
         info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
                 if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]
         os.unlink(f.name)
+        regs = next((int(w) for ln in info for w, nxt in zip(ln.split(), ln.split()[1:])
+                     if nxt.rstrip(",") == "registers"), None)
+        per_sm = ""
+        if regs is not None:           # blocks per SM, and the limit that sets it (the others' counts beside)
+            lim = blocks_per_sm(kernel.metadata.num_warps, kernel.metadata.shared, regs)
+            per_sm = f" | per SM {lim['blocks']} (smem {lim['smem']}, regs {lim['regs']}, warps {lim['warps']})"
         print(f"{name:28s} warps={kernel.metadata.num_warps:2d} smem={kernel.metadata.shared:7d} | "
-              + " | ".join(info))
+              + " | ".join(info) + per_sm)
     return 0
 
 

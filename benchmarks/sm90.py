@@ -11,6 +11,24 @@ import os
 from typing import Callable, Optional
 
 
+# An H100 SXM / H200 SM (sm_90): what bounds how many blocks (programs) of a kernel it holds at once
+SMEM_PER_SM = 233472            # 228 KB of shared memory per SM
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver's reserve per resident block
+REGS_PER_SM = 65536
+MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 64, 32
+
+
+def blocks_per_sm(num_warps: int, shared: int, registers: int) -> dict:
+    """How many blocks of a compiled kernel one sm_90 SM holds, by each limit and overall: ``shared`` bytes of shared
+    memory and ``registers`` per thread (ptxas' count; allocated per warp in units of 256) for ``num_warps`` warps."""
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    limits = dict(smem=SMEM_PER_SM // (shared + SMEM_RESERVED_PER_BLOCK),
+                  regs=REGS_PER_SM // max(1, regs_per_warp * num_warps),
+                  warps=MAX_WARPS_PER_SM // num_warps)
+    limits["blocks"] = min(MAX_BLOCKS_PER_SM, *limits.values())
+    return limits
+
+
 def install_compile_only(on_compile: Optional[Callable] = None) -> None:
     """Make every Triton launch a compile-only warmup on a stand-in sm_90 driver (nothing runs: outputs
     stay garbage). on_compile(kernel_name, compiled_kernel) is called after each launch."""

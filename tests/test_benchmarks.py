@@ -221,3 +221,18 @@ def test_one_core_pins_and_restores(monkeypatch):
             assert os.sched_getaffinity(0) == {min(before)}
             raise RuntimeError
     assert os.sched_getaffinity(0) == before
+
+
+def test_blocks_per_sm_at_the_sm90_limits():
+    """benchmarks.sm90.blocks_per_sm (compile_check's per-SM column) at the limits it encodes: shared memory (228 KB
+    per SM, 1 KB reserved per block: the fused state pass's 115712 B fit twice, 115716 once), registers allocated
+    per warp in units of 256 (255 per thread in 4 warps: two blocks; 232 in 8 warps: one), warps (64 per SM) and
+    blocks (32 per SM)."""
+    from benchmarks.sm90 import blocks_per_sm
+    from fast.chunk.state import SMEM_TWO_PER_SM
+    assert blocks_per_sm(4, SMEM_TWO_PER_SM, 200)["smem"] == 2
+    assert blocks_per_sm(4, SMEM_TWO_PER_SM + 4, 200) == dict(smem=1, regs=2, warps=16, blocks=1)
+    assert blocks_per_sm(4, 1000, 255)["blocks"] == 2 and blocks_per_sm(4, 1000, 248)["blocks"] == 2
+    assert blocks_per_sm(4, 1000, 240)["regs"] == 2 and blocks_per_sm(4, 1000, 168)["regs"] == 3
+    assert blocks_per_sm(8, 0, 230)["blocks"] == 1
+    assert blocks_per_sm(1, 0, 32)["blocks"] == 32 and blocks_per_sm(32, 0, 32)["blocks"] == 2
