@@ -8,11 +8,11 @@ it cannot see a GPU compile error (e.g. a runtime branch that changes a variable
 shared memory exceeds the 227 KB an H100/H200 block may use, or register spills. This script installs a
 stand-in Triton driver that reports an sm_90 target, makes every launch a compile-only warmup (nothing
 runs; outputs stay garbage), runs fast.chunk_bwd / fast.conv_bwd's host code on CPU tensors, and runs the
-bundled ptxas on each compiled kernel's PTX for the register and spill counts. "per SM" is how many of the kernel's
-blocks one H100 / H200 SM holds, and by which limit (benchmarks.sm90.blocks_per_sm): a config a few bytes over a
-shared-memory step runs at half the occupancy it was tuned for (RESULTS.md, 2026-11-27, the fused state pass). It relies on Triton
-internals (``triton.runtime.driver.set_active``, ``JITFunction.run``): written against Triton 3.9; the GPU
-machine's Triton may allocate differently, so keep margins.
+bundled ptxas on each compiled kernel's PTX for the register and spill counts. "per SM" is how many of the
+kernel's blocks one H100 / H200 SM holds, and by which limit (benchmarks.sm90.blocks_per_sm): a config a few bytes
+over a shared-memory step runs at half the occupancy it was tuned for (RESULTS.md, 2026-11-27, the fused state
+pass). It relies on Triton internals (``triton.runtime.driver.set_active``, ``JITFunction.run``): written against
+Triton 3.9; the GPU machine's Triton may allocate differently, so keep margins.
 
 Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fused gating at 64), plus the
 16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);

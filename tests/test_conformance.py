@@ -46,9 +46,10 @@ def test_chunk_records_carry_chunk_size(tmp_path):
 
 
 def test_bf16_cases_round_casts_to_nearest_only_inside_the_case():
-    """On CPU the matrix runs a bfloat16 Case (Case.checks) inside fast.utils.interpreter_bf16_round_to_nearest (the interpreter truncates
-    fp32 -> bf16 casts; a GPU rounds to nearest even), and the interpreter's own conversion is back after it, so
-    no other test sees the change. The wrapped conversion rounds half to even, as cvt.rn.bf16.f32 does."""
+    """On CPU the matrix runs a bfloat16 Case (Case.checks) inside fast.utils.interpreter_bf16_round_to_nearest
+    (the interpreter truncates fp32 -> bf16 casts; a GPU rounds to nearest even), and the interpreter's own
+    conversion is back after it, so no other test sees the change. The wrapped conversion rounds half to even, as
+    cvt.rn.bf16.f32 does."""
     import numpy as np
     import triton.language as tl
 

@@ -486,9 +486,9 @@ def test_fast_backward_stages_match_refgdn_stages(dtype):
     float64, oracle in float32, fast's error within the conformance rule. Dense, T a multiple of BT (no
     padding), GVA 2, with initial state and final-state cotangent. bfloat16 runs in the interpreter too:
     its dots take fp32 operands holding bf16 values (exact), tf32 operands are modelled by truncation, and
-    bf16 casts round to nearest as on a GPU (conftest, for a bf16-parametrized test: the bf16 default's 16-bit products in dv_local,
-    dh, dw and the WY backward, fast.chunk_bwd.STAGE_GRAD_DOT, read 1.12x the rule's bound on dw with the
-    interpreter's truncating casts, and pass with the GPU's rounding).
+    bf16 casts round to nearest as on a GPU (conftest, for a bf16-parametrized test: the bf16 default's 16-bit
+    products in dv_local, dh, dw and the WY backward, fast.chunk_bwd.STAGE_GRAD_DOT, read 1.12x the rule's bound
+    on dw with the interpreter's truncating casts, and pass with the GPU's rounding).
     K = 32: two K-blocks of 16 in the interpreter, so stage 3's per-block partial dG and stage 4's two
     passes over K are both exercised."""
     from fast import chunk_bwd as fb

@@ -7,10 +7,11 @@ that several kernels (and fast.chunk_bwd's) call, and the host helpers of every 
 Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos), ``_chunk_rows`` (and the
 chunk's rows, their mask and flat (token, head) index, for the chunk-parallel kernels), ``_seq_head`` (a
 sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
-range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` (beta, or its logits' sigmoid),
-``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_gdiff``. Host helpers: ``_num_sms``, ``_blocks`` (padded
-head dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``,
-``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
+range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` / ``_load_beta`` (beta, or its logits'
+sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_gdiff``.
+Host helpers: ``_num_sms``, ``_blocks`` (padded head dims), ``_cfg`` (pinned config + benchmark overrides),
+``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks``
+(dense / varlen chunk bookkeeping).
 """
 from __future__ import annotations
 
@@ -182,6 +183,13 @@ def _beta_of(b, m, BETA_LOGITS: tl.constexpr, PRECISE: tl.constexpr):
             s = s * 2.0
         b = tl.where(m, s, 0.0)
     return b
+
+
+@triton.jit
+def _load_beta(p, rows, m, s_bt, BETA_LOGITS: tl.constexpr, PRECISE: tl.constexpr):
+    """beta in fp32 at ``rows`` (masked rows: 0) of one (sequence, value head)'s column ``p`` (row stride s_bt):
+    _beta_of of the load."""
+    return _beta_of(tl.load(p + rows.to(tl.int64) * s_bt, mask=m, other=0.0), m, BETA_LOGITS, PRECISE)
 
 
 @triton.jit

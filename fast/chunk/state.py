@@ -23,8 +23,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _is_fp64,
-                     _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
+                     _is_fp64, _load_beta, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last,
+                     _upcast)
 from .output import _output_block
 
 
@@ -141,8 +141,7 @@ def chunk_state_kernel(
                 b_beta = _beta_of(b_beta_next, m_r, BETA_LOGITS, PRECISE)
                 b_beta_next = tl.load(b_base + (rows + BT).to(tl.int64) * s_bt, mask=rows + BT < eos, other=0.0)
             else:
-                b_beta = _beta_of(tl.load(b_base + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0), m_r, BETA_LOGITS,
-                                  PRECISE)
+                b_beta = _load_beta(b_base, rows, m_r, s_bt, BETA_LOGITS, PRECISE)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
             b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
             if not OUTPUT:

@@ -26,9 +26,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
-                     _beta_of, _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec,
-                     _gate,
-                     _gdiff, _is_fp64, _l2norm_rows, _precise, _unit_last, _upcast)
+                     _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
+                     _gdiff, _is_fp64, _l2norm_rows, _load_beta, _precise, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -275,13 +274,13 @@ def chunk_kkt_inv_kernel(
         G0, Gl0, acc = _g_block(g_base, s_gt, r0, m0, G, Gl, tok0, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                 STORE_G, THRESHOLD, PRECISE)
         if DO_A:
-            b0 = _beta_of(tl.load(b_base + r0.to(tl.int64) * s_bt, mask=m0, other=0.0), m0, BETA_LOGITS, PRECISE)
+            b0 = _load_beta(b_base, r0, m0, s_bt, BETA_LOGITS, PRECISE)
         if BT >= 32:
             tok1 = tok0 + 16 * HV
             G1, Gl1, acc = _g_block(g_base, s_gt, r1, m1, G, Gl, tok1, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                     STORE_G, THRESHOLD, PRECISE)
             if DO_A:
-                b1 = _beta_of(tl.load(b_base + r1.to(tl.int64) * s_bt, mask=m1, other=0.0), m1, BETA_LOGITS, PRECISE)
+                b1 = _load_beta(b_base, r1, m1, s_bt, BETA_LOGITS, PRECISE)
         if BT >= 64:
             tok2 = tok0 + 32 * HV
             G2, Gl2, acc = _g_block(g_base, s_gt, r2, m2, G, Gl, tok2, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
@@ -290,8 +289,8 @@ def chunk_kkt_inv_kernel(
             G3, Gl3, acc = _g_block(g_base, s_gt, r3, m3, G, Gl, tok3, acc, A_log_h, dt_bias_h, GATE, LOAD_G,
                                     STORE_G, THRESHOLD, PRECISE)
             if DO_A:
-                b2 = _beta_of(tl.load(b_base + r2.to(tl.int64) * s_bt, mask=m2, other=0.0), m2, BETA_LOGITS, PRECISE)
-                b3 = _beta_of(tl.load(b_base + r3.to(tl.int64) * s_bt, mask=m3, other=0.0), m3, BETA_LOGITS, PRECISE)
+                b2 = _load_beta(b_base, r2, m2, s_bt, BETA_LOGITS, PRECISE)
+                b3 = _load_beta(b_base, r3, m3, s_bt, BETA_LOGITS, PRECISE)
 
         if DO_A:
             # ---- the lower blocks of L for this head --------------------------------------------
@@ -387,8 +386,7 @@ def chunk_w_u_kernel(
     m_rk = m_r[:, None] & (o_k < K)[None, :]
     m_rv = m_r[:, None] & (o_v < V)[None, :]
 
-    b_beta = _beta_of(tl.load(beta + i_b * s_bb + i_h * s_bh + rows.to(tl.int64) * s_bt, mask=m_r, other=0.0), m_r,
-                      BETA_LOGITS, PRECISE)
+    b_beta = _load_beta(beta + i_b * s_bb + i_h * s_bh, rows, m_r, s_bt, BETA_LOGITS, PRECISE)
     b_G = tl.load(G + tok, mask=m_r, other=0.0)
     b_A = tl.load(A + tok[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_r[:, None], other=0.0)
     b_k = tl.load(k + i_b * s_kb + (i_h // GROUP) * s_kh + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
