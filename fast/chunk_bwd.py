@@ -163,6 +163,14 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
 # 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
+# FROM_A (chunk_gated_delta_rule_bwd's from_a; 16-bit inputs since 2026-11-27): the recompute's state pass forms
+# v_new = A (beta (V - exp(G) K S)) as the forward's does (fast.chunk.state's FROM_A, S and r split like the rest of
+# the recompute), so kernel 2 forms only w, which the reverse pass reads, and u is neither stored nor read back. H200,
+# Triton 3.6, bench_train's shape, same process: kernel 2 248 -> 142 us, the state kernel (forward + recompute) 773
+# -> 858, fwd+bwd 3.621 -> 3.594 ms. More accurate for 16-bit inputs (the subtraction before A's product, in fp32,
+# instead of u and w rounded to 16 bits first): quick families in the interpreter with round-to-nearest casts, worst
+# ratio bf16 0.876 -> 0.497 (ddt_bias, fused gating), fp16 0.523 -> 0.469. float32 keeps kernel 2's path: its worst
+# went 0.335 -> 0.671 (dg, strided-slices at BT 16: 2.6e-7 -> 1.7e-6).
 # QK_GRAD_STORAGE: how the per-value-head dq and dk (stage 3's dq, stage 4's total dk; stage 5 sums them over the
 # GVA group, through the l2norm, and casts) are stored, per input dtype: None fp32; "16-bit" the inputs' dtype, a
 # rounding before the group sum and the l2norm backward as well as the one after (precision hazard: that backward
@@ -393,11 +401,14 @@ def bwd_dqkwg_kernel(
     dq: [B, T, HV, K] fp32 or 16-bit (host: QK_GRAD_STORAGE), dk: [B, T, HV, K] fp32 (per value head);
     dG: [NK, B, T, HV] fp32, one partial sum per K-block
     (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
-    grid = (chunks * HV, NK): each program owns the K columns of its block, V in blocks of BV inside;
-    (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
+    grid = (chunks * HV * NK,), K-block fastest: each program owns the K columns of its block, V in blocks of BV
+    inside; (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
     """
-    pid = tl.program_id(0)
-    i_kb = tl.program_id(1)
+    # K-block fastest: the NK programs of one (chunk, head) run together, so all but the first read v_new and dO
+    # (all of V, in every K-block's program) from L2 (H200, bench_train's shape: 984 -> 957 us against the
+    # K-blocks a grid dimension apart, 2026-11-27)
+    pid = tl.program_id(0) // (BK // BKC)
+    i_kb = tl.program_id(0) % (BK // BKC)
     i_c = pid // HV
     i_h = pid % HV
     i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
@@ -707,6 +718,13 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
         # stages at BV 64 need 254 KB of shared memory, over the limit)
         BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms else max(BV, 32)
+        if store16 and BV == 64 and BK <= 128:
+            # 16-bit storage at BV 64 (a program per SM and more): 4 warps, one stage. 48 KB of shared memory and
+            # 255 registers (4 B of spills; sm_90a, Triton 3.6) hold two programs per SM, where 8 warps and two
+            # stages (137 KB) hold one: bench_train's 256 programs run in one wave instead of two. H200, Triton
+            # 3.6, bench_train's shape, this kernel 458 -> 424 us (4 warps at BV 32 two stages 479, 8 warps at
+            # BV 128 543; benchmarks/RESULTS.md, 2026-11-27)
+            return dict(BV=64, num_warps=4, num_stages=1)
         # 16-bit storage (q, k, w read as 16-bit tiles): two stages fit and prefetch the next chunk (H100,
         # Triton 3.6, bench_train's shape: fwd+bwd 7.03 ms vs 7.17 with one stage)
         return dict(BV=min(BV, BVmax), num_warps=8, num_stages=2 if store16 else 1)
@@ -778,7 +796,8 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
                                stages: Optional[dict] = None, *, configs: Optional[dict] = None,
-                               precision: Optional[tuple] = None, kkt: Optional[tuple] = None):
+                               precision: Optional[tuple] = None, kkt: Optional[tuple] = None,
+                               from_a: Optional[bool] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
@@ -801,6 +820,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     kkt: (A, G, kn or None), kernel 1's outputs kept by the forward (chunk_gated_delta_rule_fwd's keep_kkt; the
     custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
     run the forward's way (those exact values); ignored otherwise.
+    from_a (benchmark knob): True, the recompute's state pass forms v_new from A as the forward's does, and kernel 2
+    forms w only; False, kernel 2 forms w and u and the pass reads them; None (the default): True for 16-bit inputs,
+    False for float32 (module comment FROM_A).
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -876,8 +898,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                     cfg_over=dict(num_warps=2) if fp32_gpu and K <= 128 and not as_fwd else None, configs=configs)
     ku = kn if l2 else k_in.contiguous()                                 # the k the recurrence used
     qu = _l2norm_fwd(q, sdt) if l2 else q.contiguous()                   # likewise q ([B, T, H, K])
+    # w for the reverse pass (stage 2). from_a: the recompute's state pass forms v_new = A (beta (V - exp(G) K S))
+    # itself, as the forward does, so kernel 2 forms w only (u is never stored or read back)
+    if from_a is None:
+        from_a = dt != torch.float32
     w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=sdt, device=dev)
+    u = None if from_a else torch.empty(B, T, HV, V, dtype=sdt, device=dev)
     _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
     # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
     # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
@@ -898,8 +924,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             st_over.update(BV=64, num_warps=4)
     # fp32 tiles: BV 64 from two programs per SM (the rule measured for this recompute; the forward takes
     # BV 64 from half a program per SM)
-    _launch_state(ku, w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise, prec_of=prec_of,
-                  cfg_over=st_over, configs=configs, bv64_programs=2 * _num_sms(dev) if fp32_gpu else None)
+    _launch_state(ku, None if from_a else w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise,
+                  prec_of=prec_of, cfg_over=st_over, configs=configs,
+                  bv64_programs=2 * _num_sms(dev) if fp32_gpu else None, wy=(A, v, beta) if from_a else None)
     del u
 
     Glx = G if Gl is None else Gl
@@ -964,7 +991,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         post = stage_gprec.get("dqkwg_post", stage_gprec.get("dqkwg", gprec))      # ds K, ds^T Q
-        bwd_dqkwg_kernel[(ch.total * HV, NKG)](
+        bwd_dqkwg_kernel[(ch.total * HV * NKG,)](
             qu, ku, v_new, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
             B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32")
         if stages is not None:

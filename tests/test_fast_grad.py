@@ -254,6 +254,27 @@ def test_fast_bwd_other_recompute_modes_pass_the_rule_fp16(family, BT, mode):
     assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
 
 
+@pytest.mark.parametrize("dtype,from_a", [pytest.param(torch.bfloat16, False, id="bf16-kernel2-u"),
+                                            pytest.param(torch.float32, True, id="fp32-from-a")])
+@pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("strided-slices", 16)])
+def test_fast_bwd_recompute_both_ways_pass_the_rule(family, BT, dtype, from_a):
+    """The recompute's other v_new path on the matrix's own quick gradient cases (the matrix runs each dtype's
+    default: fast.chunk_bwd's FROM_A, the state pass forming v_new from A for 16-bit inputs, kernel 2's u for
+    float32): bf16 through kernel 2's u (from_a=False, the benchmarks' baseline), float32 from A. Every gradient
+    passes the rule (bf16: the interpreter's casts round to nearest, conftest)."""
+    import functools
+    from unittest import mock
+
+    from conformance import cases_grad
+    from fast import chunk_bwd as cb
+    p, _ = cases_grad._gdn_grad_families(True)[family]
+    case = cases_grad.gdn_grad_case(family, p, dtype, BT, True)
+    bwd = functools.partial(cb.chunk_gated_delta_rule_bwd, from_a=from_a)
+    with mock.patch.object(cb, "chunk_gated_delta_rule_bwd", bwd):
+        results = [(c.name, evaluate(c)) for c in case.run(DEV)]
+    assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
+
+
 def test_fast_bwd_bad_storage_raises():
     from fast import chunk_bwd as cb
     x = torch.randn(1, 4, 1, 16, device=DEV).half()

@@ -144,12 +144,17 @@ def chunk_state_kernel(
                 b_beta = _load_beta(b_base, rows, m_r, s_bt, BETA_LOGITS, PRECISE)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
             b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
+            if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
+                b_hc = b_h
             if not OUTPUT:
                 tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
-            # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A
+            # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A (the split
+            # recompute keeps it fp32)
             b_r = (b_vr.to(tl.float32) - _exp(b_G, PRECISE)[:, None] * _dot(b_k, b_hc, PREC, DOT_F32)) \
                 * b_beta[:, None]
-            b_v = _dot(b_A, b_r.to(b_k.dtype), PREC, DOT_F32)                          # v_new = A r
+            if PREC != "bf16x2":
+                b_r = b_r.to(b_k.dtype)
+            b_v = _dot(b_A, b_r, PREC, DOT_F32)                                        # v_new = A r
         else:
             b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
             if UPCAST:

@@ -365,9 +365,9 @@ def chunk_w_u_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
-    UPCAST: tl.constexpr, BETA_LOGITS: tl.constexpr = 0,
+    UPCAST: tl.constexpr, BETA_LOGITS: tl.constexpr = 0, DO_U: tl.constexpr = True,
 ):
-    """Per (chunk, value head): w = A (beta exp(G) K) [BT, K], u = A (beta V) [BT, V].
+    """Per (chunk, value head): w = A (beta exp(G) K) [BT, K], u = A (beta V) [BT, V] (DO_U; else w only).
 
     k: [B, T, H, K], v: [B, T, HV, V], beta: [B, T, HV] (strided, unit last-dim stride for k, v);
     G: [B, T, HV] fp32, A: [B, T, HV, BT] (zeros above the diagonal), w: [B, T, HV, K],
@@ -391,11 +391,13 @@ def chunk_w_u_kernel(
     b_A = tl.load(A + tok[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_r[:, None], other=0.0)
     b_k = tl.load(k + i_b * s_kb + (i_h // GROUP) * s_kh + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
                   mask=m_rk, other=0.0)
-    b_v = tl.load(v + i_b * s_vb + i_h * s_vh + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :],
-                  mask=m_rv, other=0.0)
+    if DO_U:
+        b_v = tl.load(v + i_b * s_vb + i_h * s_vh + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :],
+                      mask=m_rv, other=0.0)
     if UPCAST:
         b_k = b_k.to(tl.float32)
-        b_v = b_v.to(tl.float32)
+        if DO_U:
+            b_v = b_v.to(tl.float32)
     # dot operands in the tiles' dtype; the backward's split recompute ("bf16x2") keeps A as stored and the
     # scaled tiles in fp32 (_dot splits fp32 operands)
     b_kb = b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]
@@ -404,13 +406,14 @@ def chunk_w_u_kernel(
         b_kb = b_kb.to(b_k.dtype)
     b_w = _dot(b_A, b_kb, PREC, DOT_F32)
     tl.store(w + tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_rk)
-    b_vb = b_v.to(tl.float32) * b_beta[:, None]
-    b_Av = b_A
-    if PREC != "bf16x2":
-        b_vb = b_vb.to(b_v.dtype)
-        b_Av = b_A.to(b_v.dtype)
-    b_u = _dot(b_Av, b_vb, PREC, DOT_F32)
-    tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
+    if DO_U:
+        b_vb = b_v.to(tl.float32) * b_beta[:, None]
+        b_Av = b_A
+        if PREC != "bf16x2":
+            b_vb = b_vb.to(b_v.dtype)
+            b_Av = b_A.to(b_v.dtype)
+        b_u = _dot(b_Av, b_vb, PREC, DOT_F32)
+        tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
 
 
 # ============================================================================================
@@ -501,7 +504,8 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
 
 def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise: bool, prec_of=None,
                 configs: Optional[dict] = None, beta_logits: int = 0):
-    """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]; beta_logits as _launch_kkt's."""
+    """Kernel 2. k: [B, T, H, K] (normalised already when asked), A: [B, T, HV, BT]; beta_logits as _launch_kkt's.
+    u None: w only (the backward's recompute, whose state pass forms v_new from A)."""
     H, K = k.shape[2], k.shape[3]
     HV, V = v.shape[2], v.shape[3]
     BK, BV = _blocks(K, V)
@@ -511,9 +515,9 @@ def _launch_w_u(k, v, beta, G, A, w, u, ch: _Chunks, T: int, BT: int, *, precise
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, PREC=_fp32_prec(k.dtype) if prec_of is None else prec_of[0], DOT_F32=is_interpreting(),
         PRECISE=precise, UPCAST=_upcast(prec_of),
-        BETA_LOGITS=beta_logits, **_cfg("w_u", w_u_config(K, V), configs))
+        BETA_LOGITS=beta_logits, DO_U=u is not None, **_cfg("w_u", w_u_config(K, V), configs))
     return launch(chunk_w_u_kernel, (ch.total * HV,), kw,
-        k, v, beta, G, A, w, u,
+        k, v, beta, G, A, w, w if u is None else u,
         ch.cu_seqlens, ch.indices, T, ch.NT,
         *k.stride()[:3], *v.stride()[:3], *beta.stride())
 
