@@ -248,8 +248,11 @@ def sweep_rows(device: str, stages=None) -> list:
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
     # the WY backward at BKC 64 (16-bit products, since dw and dv_new are stored 16-bit) faulted likewise (H100,
-    # Triton 3.6, 2026-11-25: 4 warps, BV 32, one stage): those rows last too
-    grid.sort(key=lambda sc: sc[0] == "wy" and sc[1].get("BKC") == 64 or sc[1].get("BV") == 16)
+    # Triton 3.6, 2026-11-25: 4 warps, BV 32, one stage): those rows last too. So did the recompute's state pass at
+    # one stage and BV 32 or 16 (H200, Triton 3.6, 2026-11-27; compute-sanitizer: an out-of-range shared-memory
+    # address at a tl.dot, so a compiler fault, not an index of ours; BV 64 at one stage and every two-stage row ran)
+    grid.sort(key=lambda sc: sc[0] == "wy" and sc[1].get("BKC") == 64 or sc[1].get("BV") == 16
+              or sc[0] == "state" and sc[1].get("num_stages") == 1 and sc[1].get("BV", 64) < 64)
     rows = []
     fault = None          # a device fault (illegal address) poisons the CUDA context: later rows cannot run
     for stage, cfg in [("pinned", {})] + grid:          # the pinned configs first: the sweep's own baseline
