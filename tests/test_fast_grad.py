@@ -254,14 +254,8 @@ def test_fast_bwd_other_recompute_modes_pass_the_rule_fp16(family, BT, mode):
     assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
 
 
-@pytest.mark.parametrize("dtype,from_a", [pytest.param(torch.bfloat16, False, id="bf16-kernel2-u"),
-                                            pytest.param(torch.float32, True, id="fp32-from-a")])
-@pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("strided-slices", 16)])
-def test_fast_bwd_recompute_both_ways_pass_the_rule(family, BT, dtype, from_a):
-    """The recompute's other v_new path on the matrix's own quick gradient cases (the matrix runs each dtype's
-    default: fast.chunk_bwd's FROM_A, the state pass forming v_new from A for 16-bit inputs, kernel 2's u for
-    float32): bf16 through kernel 2's u (from_a=False, the benchmarks' baseline), float32 from A. Every gradient
-    passes the rule (bf16: the interpreter's casts round to nearest, conftest)."""
+def _grad_case_results(family, BT, dtype, from_a):
+    """The quick gradient case's checks with chunk_gated_delta_rule_bwd's from_a set: [(name, evaluate result)]."""
     import functools
     from unittest import mock
 
@@ -271,8 +265,31 @@ def test_fast_bwd_recompute_both_ways_pass_the_rule(family, BT, dtype, from_a):
     case = cases_grad.gdn_grad_case(family, p, dtype, BT, True)
     bwd = functools.partial(cb.chunk_gated_delta_rule_bwd, from_a=from_a)
     with mock.patch.object(cb, "chunk_gated_delta_rule_bwd", bwd):
-        results = [(c.name, evaluate(c)) for c in case.run(DEV)]
-    assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
+        return [(c.name, evaluate(c)) for c in case.run(DEV)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])      # (conftest: casts round to nearest)
+@pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("strided-slices", 16)])
+def test_fast_bwd_recompute_from_a_bf16_beats_kernel2(family, BT, dtype):
+    """bf16: the recompute's v_new from A (the default, fast.chunk_bwd's FROM_A) passes the rule, and its worst
+    ratio is no larger than kernel 2's path's (from_a=False: u and w rounded to 16 bits before the subtraction),
+    the reason it is the default (interpreter, casts rounding to nearest: conftest). On an H200 (Triton 3.6)
+    kernel 2's path fails the fused-gating case (dA_log / ddt_bias over 1), which the GPU's full matrix, with
+    other shapes, does not show."""
+    got = _grad_case_results(family, BT, dtype, None)
+    old = _grad_case_results(family, BT, dtype, False)
+    worst = max(r["ratio"] for _, r in got)
+    assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
+    assert worst <= max(r["ratio"] for _, r in old), ([(n, r["ratio"]) for n, r in got],
+                                                       [(n, r["ratio"]) for n, r in old])
+
+
+@pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("strided-slices", 16)])
+def test_fast_bwd_recompute_from_a_float32_passes_the_rule(family, BT):
+    """float32 keeps kernel 2's path by default (its dg error grew from A: fast.chunk_bwd's FROM_A); the path from
+    A still passes the rule there."""
+    got = _grad_case_results(family, BT, torch.float32, True)
+    assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
 
 
 def test_fast_bwd_bad_storage_raises():
