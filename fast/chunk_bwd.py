@@ -16,12 +16,13 @@ the whole model's forward, and the recompute costs about one forward without its
 Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
 Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
 
-  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, u, h, v_new   fast.chunk kernels 1-3
+  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, h, v_new      fast.chunk kernels 1-3 (16-bit
+         inputs: kernel 2 forms w only and the state pass v_new from A, as the forward's; FROM_A below)
   1. ``bwd_dv_local_kernel``  grid (chunks * HV)      dv_local = scale ((Q K^T) M)^T dO      (chunk_dv_local)
   2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
          dh[c] = dS ;  dv_new = dv_local + exp(G_L - G) (K dS) ;
          dS <- exp(G_L) dS + scale (Q exp(G))^T dO - w^T dv_new ;   dh0 = dS at the start
-  3. ``bwd_dqkwg_kernel``     grid (chunks * HV, K-blocks)  dq, dk, dG through the         (chunk_bwd_dqkwg)
+  3. ``bwd_dqkwg_kernel``     grid (chunks * HV * K-blocks)  dq, dk, dG through the        (chunk_bwd_dqkwg)
          output and the state update; dG = rowsum(Q dq) - rowsum(K dk) (+ the G_L terms at the last row)
          as one partial sum per K-block, its intra-chunk part as rowsum(P) - colsum(P) with
          P = ((dO v_new^T) M) * (Q K^T) off the diagonal

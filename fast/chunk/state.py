@@ -67,12 +67,15 @@ def chunk_state_kernel(
     UPCAST (the backward's fp32 recompute): w and k tiles converted to fp32 after the load, so both dots keep
     S and v_new in fp32.
 
-    FROM_A (the forward): w and u are never formed. With w = A diag(beta exp(G)) K and u = A diag(beta) V
-    (kernel 2's definitions),  v_new = u - w S = A (beta (V - exp(G) (K S))):  one [BT, K] x [K, BV] dot with
-    k's tile (the tile the update reads anyway), the difference in fp32, then a [BT, BT] x [BT, BV] dot with A
-    (kernel 1's output, k's dtype), rounded to the dot dtype once, after the subtraction (u and w are rounded
-    before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta: [B, T, HV] (strided; unit
-    last-dim stride for v) stand for w and u, which are then not read (kernel 2 does not run).
+    FROM_A (the forward; the backward's recompute for 16-bit inputs, fast.chunk_bwd): w and u are not read.
+    With w = A diag(beta exp(G)) K and u = A diag(beta) V (kernel 2's definitions),
+        v_new = u - w S = A (beta (V - exp(G) (K S))):
+    one [BT, K] x [K, BV] dot with k's tile (the tile the update reads anyway), the difference in fp32, then a
+    [BT, BT] x [BT, BV] dot with A (kernel 1's output, k's dtype), rounded to the dot dtype once, after the
+    subtraction (u and w are rounded before it on the other path). A: [B, T, HV, BT], v: [B, T, HV, V] and beta:
+    [B, T, HV] (strided; unit last-dim stride for v) stand for w and u (kernel 2 does not run in the forward; the
+    backward runs it for w alone). PREC "bf16x2" (the backward's split recompute): S and r stay fp32, split into
+    bf16 hi + lo in the dots (common._dot_split), as on the other path.
 
     PREFETCH_BETA (FROM_A): the next chunk's beta (rows HV elements apart) is loaded one chunk ahead instead of in
     its own chunk; which placement the compiler's pipeline serves better depends on the variant (state_prefetch_beta,
