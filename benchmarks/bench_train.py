@@ -65,22 +65,25 @@ def _fast_knob_call(configs=None, precision=None):
     configs, per-stage backward config overrides; precision, a (grad_dot, recompute) pair replacing the
     dtype's defaults ((None, None): the 16-bit backward, faster and less accurate). A local autograd
     Function over fast.chunk's and fast.chunk_bwd's internal entry points (the custom op takes no knobs);
-    inputs as in _fast_call (l2norm, chunk CHUNK, no initial state)."""
+    inputs as in _fast_call (l2norm, chunk CHUNK, no initial state). Kernel 1's outputs are kept from the forward
+    and passed to the backward, as the custom op does (the backward uses them where it would rerun kernel 1
+    exactly as the forward did: fast.chunk_bwd.reuses_forward_kkt), so the default knobs time what the op runs."""
     from fast import chunk as fc, chunk_bwd as cb
 
     class _Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, g, beta):
             ctx.save_for_backward(q, k, v, g, beta)
-            return fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, None, False, None, True,
-                                                 chunk_size=CHUNK)[0]
+            o, _, ctx.kkt = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, None, False, None, True,
+                                                          chunk_size=CHUNK, keep_kkt=True)
+            return o
 
         @staticmethod
         def backward(ctx, do):
             q, k, v, g, beta = ctx.saved_tensors
             dq, dk, dv, dg, dbeta = cb.chunk_gated_delta_rule_bwd(
                 q, k, v, g, beta, do, None, None, None, None, True, chunk_size=CHUNK,
-                configs=configs, precision=precision)[:5]
+                configs=configs, precision=precision, kkt=ctx.kkt)[:5]
             return dq, dk, dv, dg, dbeta
 
     return _Fn.apply
