@@ -74,6 +74,14 @@ gradients. Per kernel at 53767e8: stage 3 1032 us, the state pass (forward and r
 forward + backward (custom op) 4.79 -> 4.13 ms, fla 4.44 in the same process as the latter. Tried and slower:
 stage 3 with one program per key head walking its value heads (dq summed over the group in the kernel): half the
 programs, 552 B of spills per thread, stage 3 1036 -> 1890 us.
+Now (2026-11-27, H200, Triton 3.6, same shape; benchmarks/RESULTS.md "The backward's recompute from A"): forward +
+backward 3.603 ms (fla 3.865 in the same process), forward 0.536; per kernel (us): stage 3 951, the state pass
+(forward and recompute) 858, the WY backward 654, the reverse pass 421, stage 1 147, kernel 2 (w only) 142, stage
+5 124, stage 3b 124, kernel 1 (forward only) 119. What bounds the ratio to the forward: counting multiply-adds per
+chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the forward's fused pass and kernel
+1 do ~4.9 M and this backward ~22 M (recompute 6, stage 1 1, stage 2 3, stage 3 6.5, stage 3b 1, stage 4 4.5), so
+forward + backward is ~5.5x the forward's work; at the forward's own rate that is ~5.5x its time (measured 6.7x:
+the backward's kernels run at ~0.8x the forward's rate). The 16-bit backward would still be ~4.5x.
 """
 from __future__ import annotations
 
