@@ -79,9 +79,9 @@ backward 3.603 ms (fla 3.865 in the same process), forward 0.536; per kernel (us
 (forward and recompute) 858, the WY backward 654, the reverse pass 421, stage 1 147, kernel 2 (w only) 142, stage
 5 124, stage 3b 124, kernel 1 (forward only) 119. What bounds the ratio to the forward: counting multiply-adds per
 chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the forward's fused pass and kernel
-1 do ~4.9 M and this backward ~22 M (recompute 6, stage 1 1, stage 2 3, stage 3 6.5, stage 3b 1, stage 4 4.5), so
-forward + backward is ~5.5x the forward's work; at the forward's own rate that is ~5.5x its time (measured 6.7x:
-the backward's kernels run at ~0.8x the forward's rate). The 16-bit backward would still be ~4.5x.
+1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1 1.0, stage 2 3.2, stage 3 6.8, stage 3b 1.0, stage
+4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the forward's own rate (measured 6.7x: the
+backward's kernels run at ~0.75x the forward's rate). Without the splits (the 16-bit backward) it would be ~4.1x.
 """
 from __future__ import annotations
 
