@@ -949,3 +949,26 @@ def test_fused_state_pass_fits_two_programs_per_sm_on_sm90():
         print("picked", picked, "float32 beta in its chunk beside l2norm:", seen[n0:], "limit", SMEM_TWO_PER_SM)
         print("OK")
     """)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a GPU compiler fault: the interpreter has no such variant")
+@pytest.mark.parametrize("row", [pytest.param(36, id="row36"), pytest.param(40, id="row40"),
+                                 pytest.param(136, id="row136"), pytest.param(48, id="row48-aligned")])
+def test_state_pass_k_rows_not_16_aligned_gpu(row):
+    """k as a view whose row stride is not a multiple of 16 elements (a fused projection's slice): Triton 3.6
+    compiled the unfused state pass with v_new from A (BV 16, 4 warps, K = 32, BT 64) into a kernel that faulted or
+    returned a wrong o (fast.chunk.common._rows16). The state pass now reads an aligned copy of such a k: o and the
+    final state bit for bit those of the call with k contiguous (the quick conformance family "strided-slices"'
+    geometry, bf16)."""
+    B, T, H, HV, K, V = 2, 63, 1, 2, 32, 32
+    (q, k, v, g, beta, S0), _ = _inputs(B, T, H, HV, K, V, torch.bfloat16, init=True)
+    buf = torch.zeros(B, T, H, row, dtype=k.dtype, device=DEV)
+    k_view = buf[..., :K]
+    k_view.copy_(k)
+    assert k_view.stride(1) == H * row and not torch.equal(torch.tensor(k_view.stride()), torch.tensor(k.stride()))
+    got = fast.chunk_gated_delta_rule(q, k_view, v, g, beta, initial_state=S0, output_final_state=True,
+                                      chunk_size=64)
+    want = fast.chunk_gated_delta_rule(q, k.contiguous(), v, g, beta, initial_state=S0, output_final_state=True,
+                                       chunk_size=64)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

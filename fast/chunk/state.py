@@ -23,8 +23,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _is_fp64, _load_beta, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _unit_last,
-                     _upcast)
+                     _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk, _seq_head,
+                     _unit_last, _upcast)
 from .output import _output_block
 
 
@@ -318,6 +318,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
     H, K = k.shape[2], k.shape[3]
+    k = _rows16(k)                                      # (a Triton 3.6 miscompile otherwise: common._rows16)
     if out is not None:
         q, o, scale, qs = out
         HV, V = o.shape[2], o.shape[3]
