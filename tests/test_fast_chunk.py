@@ -972,3 +972,25 @@ def test_state_pass_k_rows_not_16_aligned_gpu(row):
                                        chunk_size=64)
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("shape,row,offset,copied", [
+    pytest.param((2, 63, 1, 32), 136, 64, True, id="fused-projection-slice"),
+    pytest.param((1, 5, 3, 40), 40, 0, True, id="contiguous-K40"),
+    pytest.param((2, 7, 2, 32), 32, 4, True, id="contiguous-base-8B-off"),
+    pytest.param((2, 7, 2, 32), 48, 0, False, id="aligned-view"),
+    pytest.param((2, 7, 2, 32), 32, 0, False, id="contiguous"),
+])
+def test_rows16_layout(shape, row, offset, copied):
+    """fast.chunk.common._rows16 (the state pass's k on a GPU; its layout logic checked here on CPU tensors): a tensor
+    whose strides but the last are multiples of 16 elements, on a 16-byte aligned base, comes back as itself; any
+    other comes back as a copy with the same values and shape whose strides and base are."""
+    from fast.chunk.common import _rows16
+    B, T, H, K = shape
+    buf = torch.randn(B * T * H * row + offset).to(torch.bfloat16)
+    x = buf[offset:offset + B * T * H * row].view(B, T, H, row)[..., :K]
+    y = _rows16(x, cuda_only=False)
+    assert torch.equal(y, x) and y.shape == x.shape and y.stride(-1) == 1
+    assert (y is not x) == copied
+    assert y.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in y.stride()[:-1])
+    assert _rows16(x) is x                                  # a CPU tensor: nothing to do (cuda_only)

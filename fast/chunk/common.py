@@ -297,10 +297,10 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def _rows16(x: torch.Tensor) -> torch.Tensor:
+def _rows16(x: torch.Tensor, cuda_only: bool = True) -> torch.Tensor:
     """x itself when every stride but the last (unit) is a multiple of 16 elements and its base is 16-byte aligned;
-    else a copy laid out so (rows padded to a multiple of 16 elements, viewed back to x's shape). CUDA only: the
-    interpreter has no such variant.
+    else a copy laid out so (rows padded to a multiple of 16 elements, viewed back to x's shape). CUDA only (the
+    interpreter has no such variant) unless cuda_only is False (the CPU test of the layout).
 
     Why: Triton specialises an integer argument divisible by 16, and pointer alignment, into its own compiled
     variant, and Triton 3.6 miscompiles the state pass's variant for a k whose row strides are not: the unfused pass
@@ -310,7 +310,7 @@ def _rows16(x: torch.Tensor) -> torch.Tensor:
     36, 40 and 136 faulted, 48 and 64 did not (2026-11-27, benchmarks/RESULTS.md). Callers with aligned rows (every
     contiguous k with H K % 16 == 0, vLLM's fused projections at Qwen3-Next's sizes, l2norm's normalised copy) pay
     nothing."""
-    if (x.device.type != "cuda" or x.numel() == 0
+    if ((cuda_only and x.device.type != "cuda") or x.numel() == 0
             or (x.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in x.stride()[:-1]))):
         return x
     pad = -(-x.shape[-1] // 16) * 16
