@@ -16,7 +16,7 @@ the whole model's forward, and the recompute costs about one forward without its
 Backward stages (BT = chunk size; M_ij = exp(G_i - G_j) [i >= j]; G_L: G at the chunk's last token).
 Each has a refgdn twin in refgdn.delta_rule_bwd (same math in readable PyTorch), checked on its own:
 
-  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, h, v_new      fast.chunk kernels 1-3 (16-bit
+  0. recompute  G, kn (= l2norm(k)), A (unless kept), w, u, h, v_new   fast.chunk kernels 1-3 (bf16
          inputs: kernel 2 forms w only and the state pass v_new from A, as the forward's; FROM_A below)
   1. ``bwd_dv_local_kernel``  grid (chunks * HV)      dv_local = scale ((Q K^T) M)^T dO      (chunk_dv_local)
   2. ``bwd_dh_kernel``        grid (V-blocks, N * HV)  reverse over chunks, dS from dht:    (state_passing_bwd)
@@ -172,14 +172,16 @@ RECOMPUTE_STORAGE = MappingProxyType({torch.bfloat16: "16-bit", torch.float16: "
 # On a GPU (H200, Triton 3.6): kernel 1 684 -> 398 us with "forward" (tf32/tf32/16-bit; all kernels 5983 ->
 # 5684 us); the full bf16 gradient families pass with it (worst 0.759 / 0.764 above). The bf16 default.
 RECOMPUTE_KKT = MappingProxyType({torch.bfloat16: "forward", torch.float16: "recompute", torch.float32: "recompute"})
-# FROM_A (chunk_gated_delta_rule_bwd's from_a; 16-bit inputs since 2026-11-27): the recompute's state pass forms
+# FROM_A (chunk_gated_delta_rule_bwd's from_a; bf16 inputs since 2026-11-27): the recompute's state pass forms
 # v_new = A (beta (V - exp(G) K S)) as the forward's does (fast.chunk.state's FROM_A, S and r split like the rest of
 # the recompute), so kernel 2 forms only w, which the reverse pass reads, and u is neither stored nor read back. H200,
 # Triton 3.6, bench_train's shape, same process: kernel 2 248 -> 142 us, the state kernel (forward + recompute) 773
 # -> 858, fwd+bwd 3.621 -> 3.594 ms. More accurate for 16-bit inputs (the subtraction before A's product, in fp32,
 # instead of u and w rounded to 16 bits first): quick families in the interpreter with round-to-nearest casts, worst
-# ratio bf16 0.876 -> 0.497 (ddt_bias, fused gating), fp16 0.523 -> 0.469. float32 keeps kernel 2's path: its worst
-# went 0.335 -> 0.671 (dg, strided-slices at BT 16: 2.6e-7 -> 1.7e-6).
+# ratio bf16 0.876 -> 0.497 (ddt_bias, fused gating), fp16 0.523 -> 0.469; on an H200 kernel 2's path fails the quick
+# fused-gating family in bf16 (dA_log / ddt_bias over 1). float32 keeps kernel 2's path: its worst went 0.335 ->
+# 0.671 (dg, strided-slices at BT 16: 2.6e-7 -> 1.7e-6). fp16 keeps it too until timed: its tf32x3 recompute pass
+# spills more from A (sm_90a, Triton 3.6, bench shape: 1840 B against 1556) and no GPU run has measured it.
 # QK_GRAD_STORAGE: how the per-value-head dq and dk (stage 3's dq, stage 4's total dk; stage 5 sums them over the
 # GVA group, through the l2norm, and casts) are stored, per input dtype: None fp32; "16-bit" the inputs' dtype, a
 # rounding before the group sum and the l2norm backward as well as the one after (precision hazard: that backward
@@ -703,7 +705,7 @@ def dv_local_bwd_config(K: int, V: int) -> dict:
 
 
 def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False,
-                  tf32_operands: bool = False, store16: bool = False) -> dict:
+                  tf32_operands: bool = False, store16: bool = False, sixteen_bit: bool = False) -> dict:
     """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
     programs (parallelism) against redundant q/k/w reads. num_stages 2 prefetches the next chunk's
     q, k, w; with fp32 operands (fp32 recompute) 1: at BT = 64, K = 128, BV = 32 two stages took 226 KB
@@ -727,8 +729,9 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
         # stages at BV 64 need 254 KB of shared memory, over the limit)
         BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms else max(BV, 32)
-        if store16 and BV == 64 and BK <= 128:
-            # 16-bit storage at BV 64 (a program per SM and more): 4 warps, one stage. 48 KB of shared memory and
+        if store16 and sixteen_bit and BV == 64 and BK <= 128:
+            # 16-bit storage and 16-bit products (sixteen_bit: the bf16 default, STAGE_GRAD_DOT's dh None) at BV 64
+            # (a program per SM and more): 4 warps, one stage. 48 KB of shared memory and
             # 255 registers (4 B of spills; sm_90a, Triton 3.6) hold two programs per SM, where 8 warps and two
             # stages (137 KB) hold one: bench_train's 256 programs run in one wave instead of two. H200, Triton
             # 3.6, bench_train's shape, this kernel 458 -> 424 us (4 warps at BV 32 two stages 479, 8 warps at
@@ -830,8 +833,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     custom op passes them where reuses_forward_kkt(dtype)): used, and kernel 1 not run, when kernel 1 would
     run the forward's way (those exact values); ignored otherwise.
     from_a (benchmark knob): True, the recompute's state pass forms v_new from A as the forward's does, and kernel 2
-    forms w only; False, kernel 2 forms w and u and the pass reads them; None (the default): True for 16-bit inputs,
-    False for float32 (module comment FROM_A).
+    forms w only; False, kernel 2 forms w and u and the pass reads them; None (the default): True for bf16 inputs,
+    False for the others (module comment FROM_A).
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -910,7 +913,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # w for the reverse pass (stage 2). from_a: the recompute's state pass forms v_new = A (beta (V - exp(G) K S))
     # itself, as the forward does, so kernel 2 forms w only (u is never stored or read back)
     if from_a is None:
-        from_a = dt != torch.float32
+        from_a = dt == torch.bfloat16
     w = torch.empty(B, T, HV, K, dtype=sdt, device=dev)
     u = None if from_a else torch.empty(B, T, HV, V, dtype=sdt, device=dev)
     _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
@@ -990,7 +993,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
         # ---- 2. reverse state pass ----------------------------------------------------------------
         cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
-                                        store16=store16),
+                                        store16=store16, sixteen_bit=stage_gprec.get("dh", gprec) is None),
                    configs)
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None

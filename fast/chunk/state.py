@@ -67,7 +67,7 @@ def chunk_state_kernel(
     UPCAST (the backward's fp32 recompute): w and k tiles converted to fp32 after the load, so both dots keep
     S and v_new in fp32.
 
-    FROM_A (the forward; the backward's recompute for 16-bit inputs, fast.chunk_bwd): w and u are not read.
+    FROM_A (the forward; the backward's recompute for bf16 inputs, fast.chunk_bwd): w and u are not read.
     With w = A diag(beta exp(G)) K and u = A diag(beta) V (kernel 2's definitions),
         v_new = u - w S = A (beta (V - exp(G) (K S))):
     one [BT, K] x [K, BV] dot with k's tile (the tile the update reads anyway), the difference in fp32, then a
