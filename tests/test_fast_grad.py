@@ -229,6 +229,28 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
 # fast against refgdn autograd, by the conformance rule
 # ----------------------------------------------------------------------------------------------
 
+def _grad_case_results(family, BT, dtype, **patch):
+    """The conformance matrix's quick gradient case ``family`` at chunk size BT in ``dtype``, run with the attributes
+    ``patch`` of fast.chunk_bwd replaced (mock.patch.multiple): [(check name, evaluate's result)]."""
+    from unittest import mock
+
+    from conformance import cases_grad
+    from fast import chunk_bwd as cb
+    p, _ = cases_grad._gdn_grad_families(True)[family]
+    case = cases_grad.gdn_grad_case(family, p, dtype, BT, True)
+    with mock.patch.multiple(cb, **patch):
+        return [(c.name, evaluate(c)) for c in case.run(DEV)]
+
+
+def _with_from_a(from_a):
+    """fast.chunk_bwd.chunk_gated_delta_rule_bwd with its from_a knob set (the custom op calls it by module attribute,
+    so patching it reaches the op)."""
+    import functools
+
+    from fast import chunk_bwd as cb
+    return dict(chunk_gated_delta_rule_bwd=functools.partial(cb.chunk_gated_delta_rule_bwd, from_a=from_a))
+
+
 @pytest.mark.parametrize("mode", ["fp32-storage", "kkt-forward"])
 @pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("varlen-empty-len1", 32)])
 def test_fast_bwd_other_recompute_modes_pass_the_rule_fp16(family, BT, mode):
@@ -238,34 +260,15 @@ def test_fast_bwd_other_recompute_modes_pass_the_rule_fp16(family, BT, mode):
     RECOMPUTE_STORAGE None). kkt-forward: kernel 1 recomputed exactly as the forward ran it (RECOMPUTE_KKT
     "forward", experimental). The default (16-bit storage, kernel 1 in fp32) runs in the matrix itself."""
     from types import MappingProxyType
-    from unittest import mock
 
-    from conformance import cases_grad
     from fast import chunk_bwd as cb
-    p, _ = cases_grad._gdn_grad_families(True)[family]
-    case = cases_grad.gdn_grad_case(family, p, torch.float16, BT, True)
     if mode == "fp32-storage":
         patch = dict(RECOMPUTE_STORAGE=MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: None}))
     else:
         patch = dict(RECOMPUTE_STORAGE=MappingProxyType({**cb.RECOMPUTE_STORAGE, torch.float16: "16-bit"}),
                      RECOMPUTE_KKT=MappingProxyType({**cb.RECOMPUTE_KKT, torch.float16: "forward"}))
-    with mock.patch.multiple(cb, **patch):
-        results = [(c.name, evaluate(c)) for c in case.run(DEV)]
+    results = _grad_case_results(family, BT, torch.float16, **patch)
     assert results and all(r["passed"] for _, r in results), [(n, r["ratio"]) for n, r in results]
-
-
-def _grad_case_results(family, BT, dtype, from_a):
-    """The quick gradient case's checks with chunk_gated_delta_rule_bwd's from_a set: [(name, evaluate result)]."""
-    import functools
-    from unittest import mock
-
-    from conformance import cases_grad
-    from fast import chunk_bwd as cb
-    p, _ = cases_grad._gdn_grad_families(True)[family]
-    case = cases_grad.gdn_grad_case(family, p, dtype, BT, True)
-    bwd = functools.partial(cb.chunk_gated_delta_rule_bwd, from_a=from_a)
-    with mock.patch.object(cb, "chunk_gated_delta_rule_bwd", bwd):
-        return [(c.name, evaluate(c)) for c in case.run(DEV)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])      # (conftest: casts round to nearest)
@@ -276,8 +279,8 @@ def test_fast_bwd_recompute_from_a_bf16_beats_kernel2(family, BT, dtype):
     the reason it is the default (interpreter, casts rounding to nearest: conftest). On an H200 (Triton 3.6)
     kernel 2's path fails the fused-gating case (dA_log / ddt_bias over 1), which the GPU's full matrix, with
     other shapes, does not show."""
-    got = _grad_case_results(family, BT, dtype, None)
-    old = _grad_case_results(family, BT, dtype, False)
+    got = _grad_case_results(family, BT, dtype, **_with_from_a(None))
+    old = _grad_case_results(family, BT, dtype, **_with_from_a(False))
     worst = max(r["ratio"] for _, r in got)
     assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
     assert worst <= max(r["ratio"] for _, r in old), ([(n, r["ratio"]) for n, r in got],
@@ -288,7 +291,7 @@ def test_fast_bwd_recompute_from_a_bf16_beats_kernel2(family, BT, dtype):
 def test_fast_bwd_recompute_from_a_float32_passes_the_rule(family, BT):
     """float32 keeps kernel 2's path by default (its dg error grew from A: fast.chunk_bwd's FROM_A); the path from
     A still passes the rule there."""
-    got = _grad_case_results(family, BT, torch.float32, True)
+    got = _grad_case_results(family, BT, torch.float32, **_with_from_a(True))
     assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
 
 
