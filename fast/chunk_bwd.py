@@ -548,6 +548,7 @@ def bwd_wy_kernel(
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISE: tl.constexpr, THRESHOLD: tl.constexpr,
     GPREC: tl.constexpr, EMU_TF32: tl.constexpr,
+    K1_STAGES: tl.constexpr = 1, V_STAGES: tl.constexpr = 1, K2_STAGES: tl.constexpr = 1,
 ):
     """Per (chunk, value head), through w = A Kb, u = A Vb (Kb = beta exp(G) K, Vb = beta V), A = (I + L)^-1:
 
@@ -593,7 +594,7 @@ def bwd_wy_kernel(
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     # pass 1 over K: dA += dw Kb^T, dKb = A^T dw and its row-sum terms, K K^T (dk is not touched: pass 2
     # recomputes dKb, one more read of dw instead of a second fp32 read + write of dk)
-    for i_k in range(0, BK // BKC):
+    for i_k in tl.range(0, BK // BKC, num_stages=K1_STAGES):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -605,7 +606,7 @@ def bwd_wy_kernel(
         b_dbeta += tl.sum(b_dKb * b_kf * b_eG[:, None], 1)
         b_dG += tl.sum(b_dKb * b_Kb, 1)
         b_KK += _dot(b_k, tl.trans(b_k), PREC, DOT_F32)
-    for i_v in range(0, (V + BV - 1) // BV):
+    for i_v in tl.range(0, (V + BV - 1) // BV, num_stages=V_STAGES):
         o_v = i_v * BV + tl.arange(0, BV)
         m_rv = m_r[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + i_b * s_vb + i_h * s_vh + r64[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
@@ -630,7 +631,7 @@ def bwd_wy_kernel(
     # R K + R^T K is one product
     b_Rs = b_R + tl.trans(b_R)
     # pass 2 over K: dk += beta exp(G) dKb + (R + R^T) K  (dKb = A^T dw again: the same dot as pass 1's)
-    for i_k in range(0, BK // BKC):
+    for i_k in tl.range(0, BK // BKC, num_stages=K2_STAGES):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -783,11 +784,20 @@ def wy_bwd_config(K: int, V: int, sixteen_bit: bool = False) -> dict:
     Triton 3.6, bench_train --sweep wy, 2026-11-25 01:55, on a tree with a slower stage-3 variant that was not
     kept, this WY kernel; 8 warps 5.89-6.04, two stages no better, BKC 64 faulted: bench_train's sweep comment;
     the WY kernel then took 714 us against 781 in the next profiles). With fp32 or tf32 products BV 64 spills
-    more (sm_90, Triton 3.9, small shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32."""
+    more (sm_90, Triton 3.9, small shape: fp16 inputs 536 -> 1176 B, fp32 7.4 -> 42.9 KB), so BV stays 32.
+    Per-loop pipelining (K1_STAGES, V_STAGES, K2_STAGES: the kernel's three loops; the kernel's num_stages 1
+    leaves the others alone). Under ncu (H200, Triton 3.6, bench_train's shape, 2026-11-27) the kernel waited
+    on its loads (long scoreboard the largest stall; pass 2's dk load alone 10 % of the stall samples).
+    Same process, fwd+bwd ms, pinned 3.52-3.55: K2 two stages 3.520-3.525, **three 3.472-3.483** (bit for bit,
+    sixteen_bit's pin), V two 3.570-3.579; K1 two stages faults (illegal memory access), and every variant
+    with K1 pipelined returned other gradients (max difference 0.06: the same miscompile, not a rounding), so
+    pass 1 is never pipelined. fp16 / fp32 products keep one stage (not timed)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
-    return dict(BKC=min(32, BK), BV=min(64 if sixteen_bit else 32, BVmax), num_warps=4, num_stages=1)
+    if sixteen_bit:
+        return dict(BKC=min(32, BK), BV=min(64, BVmax), num_warps=4, num_stages=1, K2_STAGES=3)
+    return dict(BKC=min(32, BK), BV=min(32, BVmax), num_warps=4, num_stages=1)
 
 
 def _l2norm_fwd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
