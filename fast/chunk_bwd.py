@@ -82,8 +82,9 @@ programs per SM (255 registers: 12.5 % occupancy) and waits mostly on loads (lon
 (maxnreg 168 / 208) were slower for each of stages 2, 3 and 4 (spills). What bounds the ratio to the forward:
 counting multiply-adds per chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the
 forward's fused pass and kernel 1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1 1.0, stage 2 3.2,
-stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the forward's own rate (measured 6.5x: the
-backward's kernels run at ~0.77x the forward's rate). Without the splits (the 16-bit backward) it would be ~4.1x.
+stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the
+forward's own rate (measured 6.5x: the backward's kernels run at ~0.77x the forward's rate). Without the splits (the
+16-bit backward) it would be ~4.1x.
 """
 from __future__ import annotations
 
