@@ -396,12 +396,13 @@ def bwd_dh_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def bwd_dqkwg_kernel(
-    q, k, v_new, h, dh, G, Gl, do, dq, dk, dG,
+    q, k, v_new, v_lo, h, dh, G, Gl, do, dq, dk, dG,
     cu_seqlens, chunk_indices, T, NT, scale, s_dG,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr,
     GPREC: tl.constexpr, EMU_TF32: tl.constexpr, GPREC_POST: tl.constexpr, EMU_POST: tl.constexpr,
+    VN_SPLIT: tl.constexpr = False,
 ):
     """Per (chunk, value head, K-block of BKC), with h = h[c] (chunk start) and dh = dh[c] (chunk end):
 
@@ -413,6 +414,9 @@ def bwd_dqkwg_kernel(
 
     q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; h, dh: [chunks, HV, K, V];
     dq: [B, T, HV, K] fp32 or 16-bit (host: QK_GRAD_STORAGE), dk: [B, T, HV, K] fp32 (per value head);
+    VN_SPLIT (bf16 inputs, GPREC "bf16x2", 16-bit dh): v_new arrives as its bf16 hi (v_new) and lo (v_lo) terms,
+    stored so by the recompute's state pass: the same operands and products as splitting an fp32 v_new here
+    (bit for bit), without the split or an fp32 tile in shared memory; else v_lo is not read.
     dG: [NK, B, T, HV] fp32, one partial sum per K-block
     (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
     grid = (chunks * HV * NK,), K-block fastest: each program owns the K columns of its block, V in blocks of BV
@@ -446,11 +450,17 @@ def bwd_dqkwg_kernel(
         b_h = tl.load(h + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
         b_dh = tl.load(dh + h_base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
         b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
+        if VN_SPLIT:
+            b_vl = tl.load(v_lo + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         # v_new is fp32 when GPREC is set (the backward's recompute stores it so), else 16-bit
         b_dq += _gdot(b_do, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
-        b_ds += _gdot(b_do, tl.trans(b_vn), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
-        b_dk += _gdot(b_vn, tl.trans(b_dh), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+        if VN_SPLIT:                    # _dot_split's products of the two terms, in its order
+            b_ds += (_dot(b_do, tl.trans(b_vn), None, DOT_F32) + _dot(b_do, tl.trans(b_vl), None, DOT_F32))
+            b_dk += (_dot(b_vn, tl.trans(b_dh), None, DOT_F32) + _dot(b_vl, tl.trans(b_dh), None, DOT_F32))
+        else:
+            b_ds += _gdot(b_do, tl.trans(b_vn), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
+            b_dk += _gdot(b_vn, tl.trans(b_dh), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
 
     b_q = tl.load(q + qk_off[:, None] + o_k[None, :], mask=m_rk, other=0.0)
@@ -829,7 +839,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
                                use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
                                stages: Optional[dict] = None, *, configs: Optional[dict] = None,
                                precision: Optional[tuple] = None, kkt: Optional[tuple] = None,
-                               from_a: Optional[bool] = None):
+                               from_a: Optional[bool] = None, vn_split: Optional[bool] = None):
     """Gradients of fast.chunk_gated_delta_rule (refgdn.delta_rule_bwd.chunk_gated_delta_rule_bwd's twin).
 
     q, k: [B, T, H, K]  v: [B, T, HV, V]  g, beta: [B, T, HV]  do: [B, T, HV, V]  dht: [N, HV, K, V] or None
@@ -855,6 +865,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     from_a (benchmark knob): True, the recompute's state pass forms v_new from A as the forward's does, and kernel 2
     forms w only; False, kernel 2 forms w and u and the pass reads them; None (the default): True for bf16 inputs,
     False for the others (module comment FROM_A).
+    vn_split (test knob): False stores v_new in fp32 and stage 3 splits it where the default would store its bf16
+    hi + lo terms (bf16 inputs, stage 3's bf16x2 products, 16-bit dh: the state kernel's VN_SPLIT); the
+    gradients are the same bits either way. None: the default rule.
     """
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
@@ -943,7 +956,17 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     hv_dt = cdt if gprec is None else torch.float32
     state_dt = sdt if store16 else hv_dt                                 # h here, dh in stage 2
     h = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
-    v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
+    # bf16x2 products in stage 3 on a 16-bit dh: v_new stored as its bf16 hi + lo terms (the state kernel's
+    # VN_SPLIT), the operands stage 3 would split an fp32 v_new into (ncu, H200: the split and the fp32 tile's
+    # shared-memory traffic were ~10 % of stage 3's stall samples)
+    vn_split = (vn_split is not False and dt == torch.bfloat16 and hv_dt == torch.float32
+                and state_dt == torch.bfloat16 and stage_gprec.get("dqkwg", gprec) == "bf16x2")
+    if vn_split:
+        vn2 = torch.empty(2, B, T, HV, V, dtype=torch.bfloat16, device=dev)
+        v_new, vn_lo = vn2[0], vn2[1]
+    else:
+        v_new = torch.empty(B, T, HV, V, dtype=hv_dt, device=dev)
+        vn_lo = None
     h0 = initial_state.contiguous() if initial_state is not None else None
     # shared memory: the state kernel pipelines its k, w, u loads over num_stages = 3; with fp32 tiles at
     # BT = 64, K = 128, BV = 32 that is 246 KB (Triton 3.9, sm_90), over the 227 KB an H100/H200 block
@@ -958,7 +981,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     # BV 64 from half a program per SM)
     _launch_state(ku, None if from_a else w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise,
                   prec_of=prec_of, cfg_over=st_over, configs=configs,
-                  bv64_programs=2 * _num_sms(dev) if fp32_gpu else None, wy=(A, v, beta) if from_a else None)
+                  bv64_programs=2 * _num_sms(dev) if fp32_gpu else None, wy=(A, v, beta) if from_a else None,
+                  vn_lo=vn_lo)
     del u
 
     Glx = G if Gl is None else Gl
@@ -1025,10 +1049,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         post = stage_gprec.get("dqkwg_post", stage_gprec.get("dqkwg", gprec))      # ds K, ds^T Q
         bwd_dqkwg_kernel[(ch.total * HV * NKG,)](
-            qu, ku, v_new, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32")
+            qu, ku, v_new, v_new if vn_lo is None else vn_lo, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens,
+            ch.indices, T, ch.NT, scale,
+            B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32",
+            VN_SPLIT=vn_split)
         if stages is not None:
-            stages.update(h=h.clone(), v_new=v_new.clone(), dv_local=dv_local.clone(), dh=dh.clone(),
+            stages.update(h=h.clone(), v_new=v_new.clone() if vn_lo is None else v_new.float() + vn_lo.float(), dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
                           dk3=dk.clone(), dG3=dG.sum(0))
         # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------

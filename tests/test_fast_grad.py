@@ -16,6 +16,7 @@ import fast
 import refgdn
 from conformance.core import Check, evaluate
 from fast.chunk_bwd import _gdot
+from fast.utils import interpreter_bf16_round_to_nearest
 from refgdn import conv_bwd as rcb
 from refgdn import delta_rule as rd
 from refgdn import delta_rule_bwd as rb
@@ -229,9 +230,9 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
 # fast against refgdn autograd, by the conformance rule
 # ----------------------------------------------------------------------------------------------
 
-def _grad_case_results(family, BT, dtype, **patch):
+def _grad_case_checks(family, BT, dtype, **patch):
     """The conformance matrix's quick gradient case ``family`` at chunk size BT in ``dtype``, run with the attributes
-    ``patch`` of fast.chunk_bwd replaced (mock.patch.multiple): [(check name, evaluate's result)]."""
+    ``patch`` of fast.chunk_bwd replaced (mock.patch.multiple): [(Check, evaluate's result)]."""
     from unittest import mock
 
     from conformance import cases_grad
@@ -239,7 +240,12 @@ def _grad_case_results(family, BT, dtype, **patch):
     p, _ = cases_grad._gdn_grad_families(True)[family]
     case = cases_grad.gdn_grad_case(family, p, dtype, BT, True)
     with mock.patch.multiple(cb, **patch):
-        return [(c.name, evaluate(c)) for c in case.run(DEV)]
+        return [(c, evaluate(c)) for c in case.run(DEV)]
+
+
+def _grad_case_results(family, BT, dtype, **patch):
+    """_grad_case_checks' results by check name: [(check name, evaluate's result)]."""
+    return [(c.name, r) for c, r in _grad_case_checks(family, BT, dtype, **patch)]
 
 
 def _with_from_a(from_a):
@@ -285,6 +291,40 @@ def test_fast_bwd_recompute_from_a_bf16_beats_kernel2(family, BT, dtype):
     assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
     assert worst <= max(r["ratio"] for _, r in old), ([(n, r["ratio"]) for n, r in got],
                                                        [(n, r["ratio"]) for n, r in old])
+
+
+@pytest.mark.parametrize("family,BT", [pytest.param("qk-l2norm-fused-gating", 64, id="fused-gating-BT64"),
+                                       pytest.param("varlen-empty-len1", 32, id="varlen-BT32"),
+                                       pytest.param("strided-slices", 16, id="strided-BT16")])
+def test_fast_bwd_v_new_split_terms_are_the_same_bits(family, BT):
+    """bf16: the recompute stores v_new as its bf16 hi + lo terms (the state kernel's VN_SPLIT) and stage 3 takes them
+    as its operands, where before it stored fp32 and split it there: every gradient bit for bit the same (the same
+    split of the same fp32 values, the same products in the same order). The knob is chunk_gated_delta_rule_bwd's
+    vn_split; the custom op calls the function by module attribute, so patching it reaches the op."""
+    import functools
+
+    from fast import chunk_bwd as cb
+    spy = []
+    real = cb._launch_state
+
+    def launch_spy(*a, **kw):
+        spy.append(kw.get("vn_lo") is not None)
+        return real(*a, **kw)
+
+    def grads(split):
+        spy.clear()
+        patch = dict(_launch_state=launch_spy,
+                     chunk_gated_delta_rule_bwd=functools.partial(cb.chunk_gated_delta_rule_bwd, vn_split=split))
+        with interpreter_bf16_round_to_nearest():
+            checks = {c.name: c.fast for c, _ in _grad_case_checks(family, BT, torch.bfloat16, **patch)}
+        return checks, list(spy)
+
+    on, spy_on = grads(None)
+    off, spy_off = grads(False)
+    assert spy_on and all(spy_on) and not any(spy_off), (spy_on, spy_off)   # the default splits; False does not
+    assert on.keys() == off.keys() and on
+    for name in on:
+        assert torch.equal(on[name], off[name]), name
 
 
 @pytest.mark.parametrize("family,BT", [("qk-l2norm-fused-gating", 64), ("strided-slices", 16)])

@@ -23,7 +23,7 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk, _seq_head,
+                     _hi_lo, _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk, _seq_head,
                      _unit_last, _upcast)
 from .output import _output_block
 
@@ -45,6 +45,7 @@ def chunk_state_kernel(
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
     H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False, BETA_LOGITS: tl.constexpr = 0,
+    VN_SPLIT: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -65,7 +66,9 @@ def chunk_state_kernel(
     not depend on S are issued per chunk, so the compiler's software pipeline (num_stages) prefetches the next
     chunk's w, u, k, G while this one computes. PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
     UPCAST (the backward's fp32 recompute): w and k tiles converted to fp32 after the load, so both dots keep
-    S and v_new in fp32.
+    S and v_new in fp32. VN_SPLIT (the backward's bf16x2 recompute; not with OUTPUT): v_new stored as its bf16
+    hi + lo terms (common._hi_lo), hi in v_new and lo in o, the operands stage 3 of the backward would split it
+    into (fast.chunk_bwd): the same bytes as fp32, no split and no fp32 tile there.
 
     FROM_A (the forward; the backward's recompute for bf16 inputs, fast.chunk_bwd): w and u are not read.
     With w = A diag(beta exp(G)) K and u = A diag(beta) V (kernel 2's definitions),
@@ -185,6 +188,10 @@ def chunk_state_kernel(
             b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, b_qs, m_r, scale, BT, L2NORM,
                                 True, PREC, DOT_F32, PRECISE, EPS)
             tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
+        elif VN_SPLIT:
+            b_vh, b_vl = _hi_lo(b_v, v_new.dtype.element_ty)
+            tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vh, mask=m_rv)
+            tl.store(o + tok[:, None] * V + o_v[None, :], b_vl, mask=m_rv)
         else:
             tl.store(v_new + tok[:, None] * V + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
@@ -306,26 +313,35 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
-                  slots: Optional[tuple] = None, update_x2: bool = False, beta_logits: int = 0):
+                  slots: Optional[tuple] = None, update_x2: bool = False, beta_logits: int = 0,
+                  vn_lo: Optional[torch.Tensor] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
     kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
     wy: (A, v, beta) instead of w and u (then None): v_new from A in the pass (the kernel's FROM_A; the
     forward; beta_logits 1 / 2: beta holds logits, the kernel's BETA_LOGITS). out: (q, o, scale, qs): step 5
     fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32
-    (output.row_scales; use_qk_l2norm_in_kernel) or None.
+    (output.row_scales; use_qk_l2norm_in_kernel) or None. vn_lo: v_new's low bf16 term (the kernel's VN_SPLIT, the
+    backward's bf16x2 recompute; v_new then bf16 and holding the high term), else None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
     H, K = k.shape[2], k.shape[3]
     k = _rows16(k)                                      # (a Triton 3.6 miscompile otherwise: common._rows16)
     if out is not None:
+        if vn_lo is not None:
+            raise ValueError("vn_lo: v_new's low term is stored only without the fused output (out)")
         q, o, scale, qs = out
         HV, V = o.shape[2], o.shape[3]
         h = v_new = o                                   # (not written)
     else:
         q, o, scale, qs = k, v_new, 1.0, None           # (not read)
         HV, V = v_new.shape[2], v_new.shape[3]
+        if vn_lo is not None:
+            if vn_lo.shape != v_new.shape or {v_new.dtype, vn_lo.dtype} != {torch.bfloat16}:
+                raise ValueError(f"vn_lo: v_new's low term, bfloat16 and shaped as v_new {tuple(v_new.shape)}; got "
+                                 f"{vn_lo.dtype} {tuple(vn_lo.shape)} beside v_new's {v_new.dtype}")
+            o = vn_lo                                   # (VN_SPLIT: the low term's store)
     if N * HV == 0:
         return
     BK, _ = _blocks(K, V)
@@ -348,6 +364,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         DOT_F32=is_interpreting(), PRECISE=precise, UPCAST=_upcast(prec_of), FROM_A=wy is not None,
         OUTPUT=out is not None, L2NORM=qs is not None, EPS=L2NORM_EPS, UPDATE_X2=update_x2, BETA_LOGITS=beta_logits,
         **cfg)
+    if vn_lo is not None:
+        kw["VN_SPLIT"] = True
     if update_x2 and k.dtype != torch.bfloat16:
         raise ValueError(f"update_x2 splits into bfloat16 terms: k must be bfloat16, got {k.dtype}")
     slot_rows = None
