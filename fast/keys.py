@@ -408,7 +408,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  OUTPUT=fused, L2NORM=l2 and fused, EPS=_chunk.L2NORM_EPS,
                  PREFETCH_BETA=_chunk.state_prefetch_beta(fused, varlen, beta.dtype, l2 and fused),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
-                 HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits),
+                 HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits,
+                 VN_SPLIT=False),                             # (the backward's recompute only)
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
