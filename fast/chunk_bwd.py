@@ -74,16 +74,16 @@ gradients. Per kernel at 53767e8: stage 3 1032 us, the state pass (forward and r
 forward + backward (custom op) 4.79 -> 4.13 ms, fla 4.44 in the same process as the latter. Tried and slower:
 stage 3 with one program per key head walking its value heads (dq summed over the group in the kernel): half the
 programs, 552 B of spills per thread, stage 3 1036 -> 1890 us.
-Now (2026-11-27 18:04, H200, Triton 3.6, same shape; benchmarks/RESULTS.md "The backward's loads, pipelined"):
-forward + backward 3.483 ms (fla 3.863 in the same process), forward 0.537; per kernel (us): stage 3 893, the state
-pass (forward and recompute) 864, the WY backward 599, the reverse pass 422, stage 1 148, kernel 2 (w only) 142,
-stage 5 124, stage 3b 124, kernel 1 (forward only) 119. Under ncu every large backward kernel holds two 4-warp
+Now (2026-11-27 18:25, H200, Triton 3.6, same shape; benchmarks/RESULTS.md "The backward's loads, pipelined", "v_new
+as two bf16 terms"): forward + backward 3.335 ms (fla 3.886 in the same process), forward 0.543; per kernel (us):
+the state pass (forward and recompute) 853, stage 3 731, the WY backward 601, the reverse pass 425, stage 1 149,
+kernel 2 (w only) 141, stage 5 124, stage 3b 123, kernel 1 (forward only) 120. Under ncu every large backward kernel holds two 4-warp
 programs per SM (255 registers: 12.5 % occupancy) and waits mostly on loads (long scoreboard); register caps
 (maxnreg 168 / 208) were slower for each of stages 2, 3 and 4 (spills). What bounds the ratio to the forward:
 counting multiply-adds per chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the
 forward's fused pass and kernel 1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1 1.0, stage 2 3.2,
 stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the
-forward's own rate (measured 6.5x: the backward's kernels run at ~0.77x the forward's rate). Without the splits (the
+forward's own rate (measured 6.1x: the backward's kernels run at ~0.8x the forward's rate). Without the splits (the
 16-bit backward) it would be ~4.1x.
 """
 from __future__ import annotations
