@@ -77,9 +77,10 @@ programs, 552 B of spills per thread, stage 3 1036 -> 1890 us.
 Now (2026-11-27 18:25, H200, Triton 3.6, same shape; benchmarks/RESULTS.md "The backward's loads, pipelined", "v_new
 as two bf16 terms"): forward + backward 3.335 ms (fla 3.886 in the same process), forward 0.543; per kernel (us):
 the state pass (forward and recompute) 853, stage 3 731, the WY backward 601, the reverse pass 425, stage 1 149,
-kernel 2 (w only) 141, stage 5 124, stage 3b 123, kernel 1 (forward only) 120. Under ncu every large backward kernel holds two 4-warp
-programs per SM (255 registers: 12.5 % occupancy) and waits mostly on loads (long scoreboard); register caps
-(maxnreg 168 / 208) were slower for each of stages 2, 3 and 4 (spills). What bounds the ratio to the forward:
+kernel 2 (w only) 141, stage 5 124, stage 3b 123, kernel 1 (forward only) 120. Under ncu every large backward
+kernel holds two 4-warp programs per SM (255 registers: 12.5 % occupancy) and waits mostly on loads (long
+scoreboard); register caps (maxnreg 168 / 208) were slower for each of stages 2, 3 and 4 (spills). What bounds the
+ratio to the forward:
 counting multiply-adds per chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the
 forward's fused pass and kernel 1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1 1.0, stage 2 3.2,
 stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the
@@ -1054,7 +1055,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32",
             VN_SPLIT=vn_split)
         if stages is not None:
-            stages.update(h=h.clone(), v_new=v_new.clone() if vn_lo is None else v_new.float() + vn_lo.float(), dv_local=dv_local.clone(), dh=dh.clone(),
+            vn_full = v_new.clone() if vn_lo is None else v_new.float() + vn_lo.float()   # (the terms' sum)
+            stages.update(h=h.clone(), v_new=vn_full, dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
                           dk3=dk.clone(), dG3=dG.sum(0))
         # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------

@@ -23,8 +23,8 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _hi_lo, _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk, _seq_head,
-                     _unit_last, _upcast)
+                     _hi_lo, _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk,
+                     _seq_head, _unit_last, _upcast)
 from .output import _output_block
 
 
