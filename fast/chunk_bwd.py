@@ -40,8 +40,9 @@ lo ("bf16x2": ~16 mantissa bits from 16-bit tensor-core dots), the other stages'
 operand are 16-bit (STAGE_GRAD_DOT), and kernel 1 is recomputed exactly as the forward ran it; for fp16 inputs the
 recompute runs in fp32 (tf32x3 products) on the exact fp32 values of 16-bit tiles:
 the intermediates (normalised q / k, A, w, u, h, dh) are stored in the inputs' 16-bit dtype and every
-kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32, and
-products with a gradient operand take fp32 operands; gradients that are summed further (dq, dk, dw,
+kernel converts them after the load (kernels 1-2 convert the raw k / v tiles: UPCAST). v_new is fp32 (for bf16:
+stored as the two bf16 terms stage 3's split products take, VN_SPLIT), and products with a gradient operand take
+fp32 operands; gradients that are summed further (dq, dk, dw,
 dv_new, dG) are fp32, except dw and dv_new where every product that reads them is 16-bit (the bf16
 default: stored rounded, exactly what those products would round them to), dv_local with them, and dq / dk
 per value head for bf16 (QK_GRAD_STORAGE). The 16-bit variant (both precisions None) is faster and fails the
@@ -80,12 +81,11 @@ the state pass (forward and recompute) 853, stage 3 731, the WY backward 601, th
 kernel 2 (w only) 141, stage 5 124, stage 3b 123, kernel 1 (forward only) 120. Under ncu every large backward
 kernel holds two 4-warp programs per SM (255 registers: 12.5 % occupancy) and waits mostly on loads (long
 scoreboard); register caps (maxnreg 168 / 208) were slower for each of stages 2, 3 and 4 (spills). What bounds the
-ratio to the forward:
-counting multiply-adds per chunk and value head (BT 64, K = V = 128; a split bf16x2 operand counts twice), the
-forward's fused pass and kernel 1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1 1.0, stage 2 3.2,
-stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its time at the
-forward's own rate (measured 6.1x: the backward's kernels run at ~0.8x the forward's rate). Without the splits (the
-16-bit backward) it would be ~4.1x.
+ratio to the forward: counting multiply-adds per chunk and value head (BT 64, K = V = 128; a split bf16x2 operand
+counts twice), the forward's fused pass and kernel 1 do ~5.6 M and this backward ~22.5 M (recompute 6.3, stage 1
+1.0, stage 2 3.2, stage 3 6.8, stage 3b 1.0, stage 4 4.2), so forward + backward is ~5x the forward's work: ~5x its
+time at the forward's own rate (measured 6.1x: the backward's kernels run at ~0.8x the forward's rate). Without
+the splits (the 16-bit backward) it would be ~4.1x.
 """
 from __future__ import annotations
 
@@ -138,9 +138,9 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16:
 # None keeps the recompute's dtype (fp32 with RECOMPUTE_PRECISION set); "16-bit" stores them in the
 # inputs' dtype while every kernel still computes on their (exactly converted) fp32 values: half the
 # bytes of the fp32 recompute. v_new stays fp32 (rounding it too failed: quick bf16 families, worst ratio
-# 1.24 on da with fused gating). Simulated in the interpreter by rounding each fp32 buffer in place after
-# the kernel that writes it: kn + qu + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54),
-# each alone <= 0.69; the implementation, with the interpreter's bf16 casts rounding to nearest as a GPU's
+# 1.24 on da with fused gating; bf16 stores its hi + lo terms, which keep what stage 3 uses of it: VN_SPLIT).
+# Simulated in the interpreter by rounding each fp32 buffer in place after the kernel that writes it: kn + qu
+# + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54), each alone <= 0.69; the implementation, with the interpreter's bf16 casts rounding to nearest as a GPU's
 # do (benchmarks.grad_precision --interpreter-rne): 0.84 (fp16 inputs: 0.52). Compiles for sm_90 (Triton
 # 3.9) at BT 16 / 32 / 64. The default for 16-bit inputs since the GPU gradient conformance matrix passed with
 # it (H100, Triton 3.6: 495 / 495 checks, bf16 and fp16): fwd+bwd 9.2 -> 7.2 ms at bench_train's shape.
@@ -415,13 +415,13 @@ def bwd_dqkwg_kernel(
 
     q, k: [B, T, H, K] contiguous; v_new, do: [B, T, HV, V]; h, dh: [chunks, HV, K, V];
     dq: [B, T, HV, K] fp32 or 16-bit (host: QK_GRAD_STORAGE), dk: [B, T, HV, K] fp32 (per value head);
-    VN_SPLIT (bf16 inputs, GPREC "bf16x2", 16-bit dh): v_new arrives as its bf16 hi (v_new) and lo (v_lo) terms,
-    stored so by the recompute's state pass: the same operands and products as splitting an fp32 v_new here
-    (bit for bit), without the split or an fp32 tile in shared memory; else v_lo is not read.
     dG: [NK, B, T, HV] fp32, one partial sum per K-block
     (every term of dG is a sum over K; stage 4 adds the NK = BK / BKC partials; s_dG = B T HV).
     grid = (chunks * HV * NK,), K-block fastest: each program owns the K columns of its block, V in blocks of BV
     inside; (dO v_new^T) M, over all of V, is computed by each of the NK programs of a chunk (cheap: [BT, BT]).
+    VN_SPLIT (bf16 inputs, GPREC "bf16x2", 16-bit dh): v_new arrives as its bf16 hi (v_new) and lo (v_lo) terms,
+    stored so by the recompute's state pass: the same operands and products as splitting an fp32 v_new here
+    (bit for bit), without the split or an fp32 tile in shared memory; else v_lo is not read.
     """
     # K-block fastest: the NK programs of one (chunk, head) run together, so all but the first read v_new and dO
     # (all of V, in every K-block's program) from L2 (H200, bench_train's shape: 984 -> 957 us against the
@@ -454,7 +454,8 @@ def bwd_dqkwg_kernel(
         if VN_SPLIT:
             b_vl = tl.load(v_lo + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
         b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_rv, other=0.0)
-        # v_new is fp32 when GPREC is set (the backward's recompute stores it so), else 16-bit
+        # v_new is fp32 when GPREC is set (the backward's recompute stores it so; its bf16 terms with VN_SPLIT),
+        # else 16-bit
         b_dq += _gdot(b_do, tl.trans(b_h), b_do.dtype, GPREC, EMU_TF32, PREC, DOT_F32)
         if VN_SPLIT:                    # _dot_split's products of the two terms, in its order
             b_ds += (_dot(b_do, tl.trans(b_vn), None, DOT_F32) + _dot(b_do, tl.trans(b_vl), None, DOT_F32))
@@ -953,7 +954,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     _launch_w_u(ku, v, beta, G, A, w, u, ch, T, BT, precise=precise, prec_of=prec_of, configs=configs)
     # precision hazard: dG's last-row term exp(G_L) <h, dh> + sum_j k_j . dk_state_j cancels O(sqrt(K V))
     # parts down to O(1): with GPREC set, h and v_new are stored in fp32 (the state kernel stores its
-    # fp32 registers) even when the rest is 16-bit.
+    # fp32 registers) even when the rest is 16-bit (for bf16, h 16-bit and v_new as two bf16 terms: below).
     hv_dt = cdt if gprec is None else torch.float32
     state_dt = sdt if store16 else hv_dt                                 # h here, dh in stage 2
     h = torch.empty(ch.total, HV, K, V, dtype=state_dt, device=dev)
