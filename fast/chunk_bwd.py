@@ -140,8 +140,9 @@ RECOMPUTE_PRECISION = MappingProxyType({torch.bfloat16: "bf16x2", torch.float16:
 # bytes of the fp32 recompute. v_new stays fp32 (rounding it too failed: quick bf16 families, worst ratio
 # 1.24 on da with fused gating; bf16 stores its hi + lo terms, which keep what stage 3 uses of it: VN_SPLIT).
 # Simulated in the interpreter by rounding each fp32 buffer in place after the kernel that writes it: kn + qu
-# + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54), each alone <= 0.69; the implementation, with the interpreter's bf16 casts rounding to nearest as a GPU's
-# do (benchmarks.grad_precision --interpreter-rne): 0.84 (fp16 inputs: 0.52). Compiles for sm_90 (Triton
+# + A + w + u + h + dh together 0.84 (pass; the fp32 default 0.54), each alone <= 0.69; the implementation,
+# with the interpreter's bf16 casts rounding to nearest as a GPU's do (benchmarks.grad_precision
+# --interpreter-rne): 0.84 (fp16 inputs: 0.52). Compiles for sm_90 (Triton
 # 3.9) at BT 16 / 32 / 64. The default for 16-bit inputs since the GPU gradient conformance matrix passed with
 # it (H100, Triton 3.6: 495 / 495 checks, bf16 and fp16): fwd+bwd 9.2 -> 7.2 ms at bench_train's shape.
 # Interpreter caveat for every bf16 figure above: Triton's interpreter casts fp32 -> bf16 by truncation
