@@ -250,6 +250,12 @@ def sweep_rows(device: str, stages=None) -> list:
     grid += [("state", dict(num_stages=s_, num_warps=w, BV=bv)) for s_ in (1, 2, 3) for w in (4, 8) for bv in (32, 64)]
     grid += [("w_u", dict(num_warps=w)) for w in (4, 8)] + [("kkt", dict(num_warps=w)) for w in (1, 2, 4)]
     grid += [(st, dict(num_warps=w, BV=16, num_stages=1)) for st in ("dqkwg", "wy") for w in (4, 8)]
+    # pipeline depth at the pinned tiles (2026-11-27, H200: stage 3 pinned at three stages, the WY backward's pass 2
+    # over K at three; its pass 1 pipelined (K1_STAGES > 1) is a Triton 3.6 miscompile, a fault or wrong gradients,
+    # so it is not swept: fast.chunk_bwd.wy_bwd_config)
+    grid += [("dqkwg", dict(num_stages=s_)) for s_ in (2, 4)]
+    grid += [("wy", dict(K2_STAGES=s_)) for s_ in (1, 2, 4)] + [("wy", dict(V_STAGES=s_)) for s_ in (2, 3)]
+    grid += [("dv_local", dict(num_warps=4, BV=64, num_stages=s_)) for s_ in (2, 3)]
     # the WY backward at BKC 64 (16-bit products, since dw and dv_new are stored 16-bit) faulted likewise (H100,
     # Triton 3.6, 2026-11-25: 4 warps, BV 32, one stage): those rows last too. So did the recompute's state pass at
     # one stage and BV 32 or 16 (H200, Triton 3.6, 2026-11-27; compute-sanitizer: an out-of-range shared-memory
