@@ -658,3 +658,44 @@ def test_fast_grad_through_fla_keywords():
 
     got = _fast_vs_ref(fn, _fast_inputs(T=30))
     assert set(got) == {"q", "k", "v", "g", "beta", "initial_state"}
+
+
+def test_backward_kernels_fit_two_programs_per_sm_on_sm90():
+    """Fresh process, the stand-in sm_90 driver (benchmarks/sm90.py: Triton's real compile, nothing runs): the bf16
+    backward at Qwen3-Next's heads (bench_train's shape, T cut to two chunks) compiles stage 2's reverse pass, stage
+    3, stage 4 and the recompute's state pass with shared memory for two programs per SM. Their pins (RESULTS.md,
+    2026-11-27: stage 3 and stage 4's second pass over K at three pipeline stages, v_new's two bf16 terms) were timed
+    at two programs per SM, the occupancy ncu found them latency-bound at; a tile or a stage more past that halves
+    it. Also: no pinned WY config pipelines its first pass over K (a Triton 3.6 miscompile: a fault, or wrong
+    gradients)."""
+    from fast import chunk_bwd as cb
+    for K, V in ((128, 128), (64, 128), (256, 256), (32, 48)):
+        for sixteen_bit in (True, False):
+            assert cb.wy_bwd_config(K, V, sixteen_bit=sixteen_bit).get("K1_STAGES", 1) == 1, (K, V, sixteen_bit)
+    from tests.test_launch import _run_stand_in
+    _run_stand_in("""
+        import torch
+        import fast.chunk as fc
+        import fast.chunk_bwd as cb
+        from benchmarks.sm90 import blocks_per_sm
+        fc.state._num_sms = lambda device: 132                      # an H100 SXM / H200
+        cb._num_sms = lambda device: 132
+        seen = {}
+        real = sys.modules["triton.runtime.jit"].JITFunction.run
+        def recording(self, *a, **k):
+            kernel = real(self, *a, **k)
+            seen.setdefault(self.__name__, []).append((kernel.metadata.num_warps, kernel.metadata.shared))
+            return kernel
+        sys.modules["triton.runtime.jit"].JITFunction.run = recording
+        B, T, H, HV, K, V = 4, 128, 16, 32, 128, 128
+        x = lambda *s: torch.randn(*s).to(torch.bfloat16)
+        cb.chunk_gated_delta_rule_bwd(x(B, T, H, K), x(B, T, H, K), x(B, T, HV, V), -torch.rand(B, T, HV),
+                                      torch.rand(B, T, HV).to(torch.bfloat16), x(B, T, HV, V),
+                                      use_qk_l2norm_in_kernel=True, chunk_size=64)
+        for name in ("bwd_dh_kernel", "bwd_dqkwg_kernel", "bwd_wy_kernel", "chunk_state_kernel"):
+            assert name in seen, (name, sorted(seen))
+            for warps, shared in seen[name]:
+                assert blocks_per_sm(warps, shared, 0)["smem"] >= 2, (name, warps, shared)
+        print("shared memory per kernel:", {n: seen[n] for n in sorted(seen)})
+        print("OK")
+    """)
