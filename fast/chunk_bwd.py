@@ -760,8 +760,8 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
 
 
-def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False, bf16x2: bool = False) -> dict:
-    """Stage 3: per program a BKC-wide K-block (grid (chunks * HV, BK / BKC)): three [BT, BKC] and one
+def dqkwg_bwd_config(K: int, V: int, rprec: Optional[str] = None) -> dict:
+    """Stage 3: per program a BKC-wide K-block (grid (chunks * HV * BK / BKC,)): three [BT, BKC] and one
     [BT, BT] fp32 accumulators, V in blocks of BV. Before the K split (one program per chunk, [BT, BK]
     accumulators, 8 warps, BV 32) the kernel spilled 312 B per thread with serialised wgmma (sm_90,
     Triton 3.9, bf16 with the fp32 recompute, K = V = 128, BT = 64); split at BKC 64, 8 warps: no spill
@@ -769,8 +769,9 @@ def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False, bf16x2: bool =
     shape): 4 warps spill 96 B; K whole (BKC 128) at 8 warps 72 B. fwd+bwd at bench_train's shape (H100,
     Triton 3.6, one process): pinned 5.13-5.19 ms; BKC 128 / 8 warps 5.47, with BV 64 5.32, with one stage
     5.69; BV 64 5.27; 8 warps 6.08.
-    bf16x2 (the bf16 default: fp32 v_new split into bf16 hi + lo): three stages. Under ncu (H200, Triton 3.6,
-    bench_train's shape, 2026-11-27) the two-stage loop spent 9 % of all its stall samples at the h tile's
+    rprec: the recompute's precision (RECOMPUTE_PRECISION): None, 16-bit operands, one stage; "tf32x3" (fp16's),
+    fp32 operands, two; "bf16x2" (the bf16 default: v_new's bf16 hi + lo terms), three. Under ncu (H200, Triton
+    3.6, bench_train's shape, 2026-11-27) the two-stage loop spent 9 % of all its stall samples at the h tile's
     load, the first of the iteration's prefetched tiles (waiting for them). Three stages (53 KB of shared
     memory; still two programs per SM, by registers): fwd+bwd 3.617-3.622 -> 3.556-3.569 ms; four stages
     3.561-3.576; BV 16 at three / four 3.593-3.624 (same process; gradients bit for bit the pinned ones at
@@ -778,7 +779,7 @@ def dqkwg_bwd_config(K: int, V: int, tf32_operands: bool = False, bf16x2: bool =
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
-    stages = 3 if bf16x2 else 2 if tf32_operands else 1
+    stages = 1 if rprec is None else 3 if rprec == "bf16x2" else 2
     return dict(BKC=min(64, BK), BV=min(32, BVmax), num_warps=4, num_stages=stages)
 
 
@@ -1015,8 +1016,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     dk = torch.empty(B, T, HV, K, **f32)                                 # stage 3's; stage 4 adds to it
     dk_tot = dk if qk_dt == torch.float32 else torch.empty(B, T, HV, K, dtype=qk_dt, device=dev)
     dw = torch.empty(B, T, HV, K, dtype=dw_dt, device=dev)
-    dq_cfg = _cfg("dqkwg", dqkwg_bwd_config(K, V, tf32_operands=rprec is not None,
-                                                     bf16x2=rprec == "bf16x2"), configs)
+    dq_cfg = _cfg("dqkwg", dqkwg_bwd_config(K, V, rprec), configs)
     NKG = BK // dq_cfg["BKC"]                                            # stage 3's K-blocks
     dG = torch.empty(NKG, B, T, HV, **f32)                               # their partial sums of dG
     dv = torch.empty(B, T, HV, V, dtype=dt, device=dev)

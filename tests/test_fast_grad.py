@@ -248,13 +248,13 @@ def _grad_case_results(family, BT, dtype, **patch):
     return [(c.name, r) for c, r in _grad_case_checks(family, BT, dtype, **patch)]
 
 
-def _with_from_a(from_a):
-    """fast.chunk_bwd.chunk_gated_delta_rule_bwd with its from_a knob set (the custom op calls it by module attribute,
-    so patching it reaches the op)."""
+def _with_bwd_knobs(**knobs):
+    """A patch (for _grad_case_checks) of fast.chunk_bwd.chunk_gated_delta_rule_bwd with the keyword knobs set, e.g.
+    from_a or vn_split (the custom op calls it by module attribute, so patching it reaches the op)."""
     import functools
 
     from fast import chunk_bwd as cb
-    return dict(chunk_gated_delta_rule_bwd=functools.partial(cb.chunk_gated_delta_rule_bwd, from_a=from_a))
+    return dict(chunk_gated_delta_rule_bwd=functools.partial(cb.chunk_gated_delta_rule_bwd, **knobs))
 
 
 @pytest.mark.parametrize("mode", ["fp32-storage", "kkt-forward"])
@@ -285,8 +285,8 @@ def test_fast_bwd_recompute_from_a_bf16_beats_kernel2(family, BT, dtype):
     the reason it is the default (interpreter, casts rounding to nearest: conftest). On an H200 (Triton 3.6)
     kernel 2's path fails the fused-gating case (dA_log / ddt_bias over 1), which the GPU's full matrix, with
     other shapes, does not show."""
-    got = _grad_case_results(family, BT, dtype, **_with_from_a(None))
-    old = _grad_case_results(family, BT, dtype, **_with_from_a(False))
+    got = _grad_case_results(family, BT, dtype, **_with_bwd_knobs(from_a=None))
+    old = _grad_case_results(family, BT, dtype, **_with_bwd_knobs(from_a=False))
     worst = max(r["ratio"] for _, r in got)
     assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
     assert worst <= max(r["ratio"] for _, r in old), ([(n, r["ratio"]) for n, r in got],
@@ -300,9 +300,7 @@ def test_fast_bwd_v_new_split_terms_are_the_same_bits(family, BT):
     """bf16: the recompute stores v_new as its bf16 hi + lo terms (the state kernel's VN_SPLIT) and stage 3 takes them
     as its operands, where before it stored fp32 and split it there: every gradient bit for bit the same (the same
     split of the same fp32 values, the same products in the same order). The knob is chunk_gated_delta_rule_bwd's
-    vn_split; the custom op calls the function by module attribute, so patching it reaches the op."""
-    import functools
-
+    vn_split (_with_bwd_knobs)."""
     from fast import chunk_bwd as cb
     spy = []
     real = cb._launch_state
@@ -313,8 +311,7 @@ def test_fast_bwd_v_new_split_terms_are_the_same_bits(family, BT):
 
     def grads(split):
         spy.clear()
-        patch = dict(_launch_state=launch_spy,
-                     chunk_gated_delta_rule_bwd=functools.partial(cb.chunk_gated_delta_rule_bwd, vn_split=split))
+        patch = dict(_launch_state=launch_spy, **_with_bwd_knobs(vn_split=split))
         with interpreter_bf16_round_to_nearest():
             checks = {c.name: c.fast for c, _ in _grad_case_checks(family, BT, torch.bfloat16, **patch)}
         return checks, list(spy)
@@ -331,7 +328,7 @@ def test_fast_bwd_v_new_split_terms_are_the_same_bits(family, BT):
 def test_fast_bwd_recompute_from_a_float32_passes_the_rule(family, BT):
     """float32 keeps kernel 2's path by default (its dg error grew from A: fast.chunk_bwd's FROM_A); the path from
     A still passes the rule there."""
-    got = _grad_case_results(family, BT, torch.float32, **_with_from_a(True))
+    got = _grad_case_results(family, BT, torch.float32, **_with_bwd_knobs(from_a=True))
     assert got and all(r["passed"] for _, r in got), [(n, r["ratio"]) for n, r in got]
 
 

@@ -8,7 +8,8 @@ Jit helpers: ``_chunk_coords`` (global chunk index -> batch row, chunk, bos, eos
 chunk's rows, their mask and flat (token, head) index, for the chunk-parallel kernels), ``_seq_head`` (a
 sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (tl.exp, or
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` / ``_load_beta`` (beta, or its logits'
-sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_gdiff``.
+sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_operand`` (a dot
+operand rounded to the tiles' dtype, or kept fp32 for a split dot), ``_gdiff``.
 Host helpers: ``_num_sms``, ``_blocks`` (padded head dims), ``_cfg`` (pinned config + benchmark overrides),
 ``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks``
 (dense / varlen chunk bookkeeping).
@@ -213,6 +214,16 @@ def _hi_lo(x, DT: tl.constexpr):
     fp32; lo rounds it once)."""
     hi = x.to(DT)
     return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _operand(x, DT: tl.constexpr, PREC: tl.constexpr):
+    """x as an operand of _dot at precision PREC: rounded to DT (the tiles' dtype) for a one-pass dot, or left as it
+    is (fp32) under "bf16x2", whose _dot_split rounds it into two bf16 terms instead (the backward's split
+    recompute)."""
+    if PREC != "bf16x2":
+        x = x.to(DT)
+    return x
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
 from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _hi_lo, _is_fp64, _load_beta, _num_sms, _precise, _rows16, _seq_coords, _seq_first_chunk,
+                     _hi_lo, _is_fp64, _load_beta, _num_sms, _operand, _precise, _rows16, _seq_coords, _seq_first_chunk,
                      _seq_head, _unit_last, _upcast)
 from .output import _output_block
 
@@ -149,25 +149,19 @@ def chunk_state_kernel(
             else:
                 b_beta = _load_beta(b_base, rows, m_r, s_bt, BETA_LOGITS, PRECISE)
             b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
-            b_hc = b_h.to(b_k.dtype)                                # chunk-start state as a dot operand
-            if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
-                b_hc = b_h
+            b_hc = _operand(b_h, b_k.dtype, PREC)                   # chunk-start state as a dot operand
             if not OUTPUT:
                 tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
             # r = beta (v - exp(G) K S) in fp32 (padded rows: beta = 0), rounded once for the dot with A (the split
             # recompute keeps it fp32)
             b_r = (b_vr.to(tl.float32) - _exp(b_G, PRECISE)[:, None] * _dot(b_k, b_hc, PREC, DOT_F32)) \
                 * b_beta[:, None]
-            if PREC != "bf16x2":
-                b_r = b_r.to(b_k.dtype)
-            b_v = _dot(b_A, b_r, PREC, DOT_F32)                                        # v_new = A r
+            b_v = _dot(b_A, _operand(b_r, b_k.dtype, PREC), PREC, DOT_F32)             # v_new = A r
         else:
             b_w = tl.load(w + tok[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
             if UPCAST:
                 b_w = b_w.to(tl.float32)
-            b_hc = b_h.to(b_w.dtype)                                # chunk-start state as a dot operand
-            if PREC == "bf16x2":              # the backward's split recompute: S stays fp32, split in _dot
-                b_hc = b_h
+            b_hc = _operand(b_h, b_w.dtype, PREC)                   # chunk-start state as a dot operand
             # h in its own dtype: w's dtype on the forward path (= b_hc), fp32 for the backward's recompute
             if not OUTPUT:
                 tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -209,9 +203,7 @@ def chunk_state_kernel(
         if UPDATE_X2:                         # the decayed v_new in fp32, multiplied as hi + lo bf16 terms
             b_h += _dot(tl.trans(b_k), b_v, "bf16x2", DOT_F32)
         else:
-            if PREC != "bf16x2":              # (the split recompute keeps the decayed v_new in fp32)
-                b_v = b_v.to(b_k.dtype)
-            b_h += _dot(tl.trans(b_k), b_v, PREC, DOT_F32)                           # + K^T (decayed v_new)
+            b_h += _dot(tl.trans(b_k), _operand(b_v, b_k.dtype, PREC), PREC, DOT_F32)  # + K^T (decayed v_new)
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)

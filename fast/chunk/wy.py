@@ -27,7 +27,7 @@ from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
                      _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
-                     _gdiff, _is_fp64, _l2norm_rows, _load_beta, _precise, _unit_last, _upcast)
+                     _gdiff, _is_fp64, _l2norm_rows, _load_beta, _operand, _precise, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -401,18 +401,12 @@ def chunk_w_u_kernel(
     # dot operands in the tiles' dtype; the backward's split recompute ("bf16x2") keeps A as stored and the
     # scaled tiles in fp32 (_dot splits fp32 operands)
     b_kb = b_k.to(tl.float32) * (b_beta * _exp(b_G, PRECISE))[:, None]
-    if PREC != "bf16x2":
-        b_A = b_A.to(b_k.dtype)
-        b_kb = b_kb.to(b_k.dtype)
-    b_w = _dot(b_A, b_kb, PREC, DOT_F32)
+    b_A = _operand(b_A, b_k.dtype, PREC)
+    b_w = _dot(b_A, _operand(b_kb, b_k.dtype, PREC), PREC, DOT_F32)
     tl.store(w + tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_rk)
     if DO_U:
         b_vb = b_v.to(tl.float32) * b_beta[:, None]
-        b_Av = b_A
-        if PREC != "bf16x2":
-            b_vb = b_vb.to(b_v.dtype)
-            b_Av = b_A.to(b_v.dtype)
-        b_u = _dot(b_Av, b_vb, PREC, DOT_F32)
+        b_u = _dot(_operand(b_A, b_v.dtype, PREC), _operand(b_vb, b_v.dtype, PREC), PREC, DOT_F32)
         tl.store(u + tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_rv)
 
 
