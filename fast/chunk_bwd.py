@@ -714,11 +714,18 @@ def bwd_qk_finish_kernel(
 # host side
 # ============================================================================================
 
-def dv_local_bwd_config(K: int, V: int) -> dict:
-    """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots."""
+def dv_local_bwd_config(K: int, V: int, tiles: torch.dtype = torch.float32) -> dict:
+    """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots over V (tiles: q's and k's dtype as the
+    stage loads them). bf16 tiles (the bf16 default): BV 64 with the V loop pipelined at three stages, so the next
+    dO block loads behind this one's dot: H200, Triton 3.6, bench_train's shape, fwd+bwd 3.464-3.486 -> 3.447-3.452
+    ms, the same bits (RESULTS.md, 2026-11-27 "The backward's loads, pipelined"). Others (fp16 untimed; fp32 tiles
+    double the shared memory) keep BV 128 in one stage."""
+    BVmax = _blocks(K, V)[1]
     if is_interpreting():
-        return dict(BV=min(64, _blocks(K, V)[1]), num_warps=4, num_stages=1)
-    return dict(BV=min(128, _blocks(K, V)[1]), num_warps=4, num_stages=1)
+        return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
+    if tiles == torch.bfloat16:
+        return dict(BV=min(64, BVmax), num_warps=4, num_stages=3)
+    return dict(BV=min(128, BVmax), num_warps=4, num_stages=1)
 
 
 def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: bool = False,
@@ -1038,7 +1045,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V), configs))
+            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V, qu.dtype), configs))
         # ---- 2. reverse state pass ----------------------------------------------------------------
         cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
                                         store16=store16, sixteen_bit=stage_gprec.get("dh", gprec) is None),
