@@ -255,7 +255,8 @@ def sweep_rows(device: str, stages=None) -> list:
     # so it is not swept: fast.chunk_bwd.wy_bwd_config)
     grid += [("dqkwg", dict(num_stages=s_)) for s_ in (2, 4)]
     grid += [("wy", dict(K2_STAGES=s_)) for s_ in (1, 2, 4)] + [("wy", dict(V_STAGES=s_)) for s_ in (2, 3)]
-    grid += [("dv_local", dict(num_warps=4, BV=64, num_stages=s_)) for s_ in (2, 3)]
+    grid += [("dv_local", dict(num_warps=4, BV=64, num_stages=s_)) for s_ in (1, 2)]
+    grid += [("dv_local", dict(num_warps=4, BV=128, num_stages=1))]          # stage 1's pin before 2026-11-27
     # the WY backward at BKC 64 (16-bit products, since dw and dv_new are stored 16-bit) faulted likewise (H100,
     # Triton 3.6, 2026-11-25: 4 warps, BV 32, one stage): those rows last too. So did the recompute's state pass at
     # one stage and BV 32 or 16 (H200, Triton 3.6, 2026-11-27; compute-sanitizer: an out-of-range shared-memory

@@ -717,9 +717,9 @@ def bwd_qk_finish_kernel(
 def dv_local_bwd_config(K: int, V: int, tiles: torch.dtype = torch.float32) -> dict:
     """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots over V (tiles: q's and k's dtype as the
     stage loads them). bf16 tiles (the bf16 default): BV 64 with the V loop pipelined at three stages, so the next
-    dO block loads behind this one's dot: H200, Triton 3.6, bench_train's shape, fwd+bwd 3.464-3.486 -> 3.447-3.452
-    ms, the same bits (RESULTS.md, 2026-11-27 "The backward's loads, pipelined"). Others (fp16 untimed; fp32 tiles
-    double the shared memory) keep BV 128 in one stage."""
+    dO block loads behind this one's dot: Triton 3.6, bench_train's shape, fwd+bwd against BV 128 in one stage, the
+    same bits: H200 3.464-3.486 -> 3.447-3.452 ms, H100 3.606-3.637 -> 3.585-3.589 (RESULTS.md, 2026-11-27). Others
+    (fp16 untimed; fp32 tiles double the shared memory) keep BV 128 in one stage."""
     BVmax = _blocks(K, V)[1]
     if is_interpreting():
         return dict(BV=min(64, BVmax), num_warps=4, num_stages=1)
