@@ -14,9 +14,9 @@ if not _torch.cuda.is_available():
 from .conv import causal_conv1d, causal_conv1d_update
 from .gating import gdn_gating, l2norm
 from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
-from .chunk import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .chunk import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, recurrent_gated_delta_rule
 from . import library  # noqa: F401  (torch.library custom ops + autograd: torch.ops.fast.*)
 
-__all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
-           "gdn_gating", "l2norm", "GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
-           "gdn_materialize"]
+__all__ = ["recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d",
+           "causal_conv1d_update", "gdn_gating", "l2norm", "GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify",
+           "gdn_accept", "gdn_materialize"]

@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from refgdn.capture import CompileKey
-from refgdn.checks import fla_keywords, host_offsets_known
+from refgdn.checks import fla_keywords, fla_recurrent_defaults, host_offsets_known
 
 from . import chunk as _chunk
 from . import conv as _conv
@@ -458,3 +458,17 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias),
              h0=_dt(initial_state), o=v.dtype, ht=_F32 if output_final_state else None, cu_seqlens=_dt(cu_seqlens)),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None) -> List[CompileKey]:
+    """Keys of fast.fused_recurrent_gated_delta_rule: recurrent_gated_delta_rule's, on the arguments it maps."""
+    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
+                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                                      use_gate_in_kernel=use_gate_in_kernel)

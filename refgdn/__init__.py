@@ -2,6 +2,7 @@
 
 Ops (shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; state [N, HV, K, V]):
     recurrent_gated_delta_rule   the time loop, the base truth
+    fused_recurrent_gated_delta_rule   the same under fla 0.6.0's name and argument order
     chunk_gated_delta_rule       the chunked WY/UT form (stages in refgdn.delta_rule)
     causal_conv1d, causal_conv1d_update
     gdn_gating, l2norm
@@ -11,10 +12,10 @@ Serving (refgdn.serving): GDNStateCache, gdn_prefill, gdn_decode, gdn_verify, gd
 decode and speculative verify against a slot cache, with rollback to the accepted prefix.
 """
 from .conv import causal_conv1d, causal_conv1d_update
-from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, recurrent_gated_delta_rule
 from .gating import gdn_gating, l2norm
 from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
 
-__all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
-           "gdn_gating", "l2norm", "GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
-           "gdn_materialize"]
+__all__ = ["recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d",
+           "causal_conv1d_update", "gdn_gating", "l2norm", "GDNStateCache", "gdn_prefill", "gdn_decode", "gdn_verify",
+           "gdn_accept", "gdn_materialize"]

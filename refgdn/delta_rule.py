@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .checks import (check_chunk_size, check_gdn_inputs, final_state_v_first, fla_keywords, host_offsets,
-                     one_host_read)
+from .checks import (check_chunk_size, check_gdn_inputs, final_state_v_first, fla_keywords, fla_recurrent_defaults,
+                     host_offsets, one_host_read)
 from .gating import compute_dtype, l2norm, softplus
 
 
@@ -103,6 +103,32 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     o = torch.stack(o_parts) if cu_seqlens is None else torch.cat(o_parts)[None]
     o = o.to(v.dtype)
     return o, final_state_v_first(torch.stack(finals) if output_final_state else None, vk)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None):
+    """recurrent_gated_delta_rule under fla 0.6.0's name and argument order (fla.ops.gated_delta_rule's
+    fused_recurrent_gated_delta_rule: gk and gv between g and beta, cu_seqlens last), so calls written for fla run
+    unchanged, positional ones included (Hugging Face's Qwen3-Next imports this name).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] or None   initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] or None)
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    g None: no decay; beta None: ones; gk / gv are refused (refgdn.checks.fla_recurrent_defaults).
+    use_gate_in_kernel (fla's bool): False (default) reads g as the log-decay and ignores A_log / dt_bias; True reads
+    it as the raw gate input. The other keywords as recurrent_gated_delta_rule's (refgdn.checks.fla_keywords).
+    """
+    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
+                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                                      use_gate_in_kernel=use_gate_in_kernel)
 
 
 # --------------------------------------------------------------------------------------------

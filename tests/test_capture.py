@@ -195,6 +195,7 @@ def test_keys_match_fast_launches():
         F.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                  chunk_size=fk.bt_rule(20), cu_seqlens=t([0, 5, 20]))
         F.recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        F.fused_recurrent_gated_delta_rule(q, k, v, g, None, None, beta, None, None, True)    # (fla's order)
         F.causal_conv1d(r(1, 20, D), w, bias, "silu", None, True, t([0, 5, 20]))
         F.causal_conv1d_update(r(2, D), r(2, D, W - 1), w, bias, "silu")
         F.gdn_gating(A, r(2, HV), dt, r(2, HV))
@@ -208,8 +209,8 @@ def test_keys_match_fast_launches():
     prefill = 4
     assert "chunk_table_kernel" in names and ("row_scales_kernel" in names) == fused
     assert "chunk_w_u_kernel" not in names and ("chunk_output_kernel" in names) == (not fused)
-    # 2 + 2 + 1 + 2 (serving) + prefill + 1 (recurrent) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
-    assert len(log.launched) == 13 + prefill
+    # 2 + 2 + 1 + 2 (serving) + prefill + 2 (recurrent, under both names) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
+    assert len(log.launched) == 14 + prefill and names.count("recurrent_kernel") == 2
 
 
 def test_keys_match_beta_logits_launches():

@@ -104,7 +104,7 @@ from typing import Optional
 import torch
 
 import refgdn
-from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again,
+from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, fla_recurrent_defaults,
                            final_state_v_first, fla_keywords, host_offsets_known, host_offsets_later, one_host_read)
 
 from ..launch import SignaturePlans, shape_key, varlen_key
@@ -451,3 +451,25 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         USE_H0=h0 is not None, STORE_HT=final is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), BETA_LOGITS=logits, **cfg)
     return o, final_state_v_first(final, vk)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] or None; initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or None).
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    refgdn.fused_recurrent_gated_delta_rule's twin: recurrent_gated_delta_rule (the same kernel) under fla 0.6.0's
+    name and argument order, so calls written for fla's fused_recurrent_gated_delta_rule run unchanged, positional
+    ones included. g None: no decay; beta None: ones; gk / gv refused (refgdn.checks.fla_recurrent_defaults).
+    """
+    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
+                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                                      use_gate_in_kernel=use_gate_in_kernel)
