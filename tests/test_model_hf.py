@@ -214,3 +214,59 @@ def test_our_checkpoint_loads_into_transformers(tmp_path):
     for o, t in zip(ours, theirs):
         rel = ((o - t).abs().max() / t.abs().max()).item()
         assert rel < 1e-10, f"relative error {rel:.3e}"
+
+
+def _hf_kwargs_filter(op):
+    """How transformers hands fla's ops their arguments (its hub-kernel wrapper keeps the keywords the function
+    declares: the layer passes its own kwargs, e.g. use_cache, through): the same filter around a fast op."""
+    import inspect
+    params = inspect.signature(op).parameters
+    return lambda *a, **k: op(*a, **{n: x for n, x in k.items() if n in params})
+
+
+def _hf_prefill_then_step(hf, prompt, token):
+    """transformers' logits of a prompt (the chunked op) and of one cached decode step after it (the recurrent op)."""
+    with torch.no_grad():
+        out = hf(input_ids=prompt[None], use_cache=True)
+        step = hf(input_ids=token[None, None], past_key_values=out.past_key_values, use_cache=True)
+    return out.logits[0], step.logits[0, -1]
+
+
+def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
+    """The drop-in claim, from the other side: transformers' own Qwen3-Next with fast.chunk_gated_delta_rule and
+    fast.fused_recurrent_gated_delta_rule in place of fla's (called with transformers' keywords, through the filter
+    its hub-kernel wrapper applies to fla), float32: a prompt's logits and a cached decode step's pass the
+    conformance rule against transformers' float64 run, with transformers' torch fallbacks in float32 as the
+    reference precision."""
+    import fast
+    path, prompts, _, _ = hf_truth
+    prompt, token = prompts[2], torch.tensor(5)
+    torch_chunk = getattr(hf_mod.torch_chunk_gated_delta_rule, "__wrapped__", hf_mod.torch_chunk_gated_delta_rule)
+    torch_rec = getattr(hf_mod.torch_recurrent_gated_delta_rule, "__wrapped__",
+                        hf_mod.torch_recurrent_gated_delta_rule)
+    load = dict(attn_implementation="eager", experts_implementation="eager")
+    runs = {}
+    for name, dtype, chunk, rec in (("truth", torch.float64, torch_chunk, torch_rec),
+                                    ("ref", torch.float32, torch_chunk, torch_rec),
+                                    ("fast", torch.float32, _hf_kwargs_filter(fast.chunk_gated_delta_rule),
+                                     _hf_kwargs_filter(fast.fused_recurrent_gated_delta_rule))):
+        mp = pytest.MonkeyPatch()
+        try:
+            with (hf_float64(mp) if dtype == torch.float64 else contextlib.nullcontext()):
+                calls = {"chunk": 0, "rec": 0}
+
+                def counted(f, key):
+                    def g(*a, **k):
+                        calls[key] += 1
+                        return f(*a, **k)
+                    return g
+                mp.setattr(hf_mod, "torch_chunk_gated_delta_rule", counted(chunk, "chunk"))
+                mp.setattr(hf_mod, "torch_recurrent_gated_delta_rule", counted(rec, "rec"))
+                hf = transformers.Qwen3NextForCausalLM.from_pretrained(path, dtype=dtype, **load).eval()
+                runs[name] = _hf_prefill_then_step(hf, prompt, token)
+                assert calls == {"chunk": 3, "rec": 3}, (name, calls)      # 3 GDN layers: one prefill, one step
+        finally:
+            mp.undo()
+    for n, what in enumerate(("prompt logits", "decode-step logits")):
+        res = evaluate(Check(what, runs["fast"][n], runs["truth"][n], ref=runs["ref"][n], dtype=torch.float32))
+        assert res["passed"], f"{what}: {res}"
