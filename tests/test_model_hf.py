@@ -225,11 +225,13 @@ def _hf_kwargs_filter(op):
 
 
 def _hf_prefill_then_step(hf, prompt, token):
-    """transformers' logits of a prompt (the chunked op) and of one cached decode step after it (the recurrent op)."""
+    """transformers' logits of a prompt (the chunked op) and of one cached decode step after it (the recurrent op),
+    on the model's device, returned on the CPU."""
+    dev = next(hf.parameters()).device
     with torch.no_grad():
-        out = hf(input_ids=prompt[None], use_cache=True)
-        step = hf(input_ids=token[None, None], past_key_values=out.past_key_values, use_cache=True)
-    return out.logits[0], step.logits[0, -1]
+        out = hf(input_ids=prompt[None].to(dev), use_cache=True)
+        step = hf(input_ids=token[None, None].to(dev), past_key_values=out.past_key_values, use_cache=True)
+    return out.logits[0].cpu(), step.logits[0, -1].cpu()
 
 
 def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
@@ -263,6 +265,7 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
                 mp.setattr(hf_mod, "torch_chunk_gated_delta_rule", counted(chunk, "chunk"))
                 mp.setattr(hf_mod, "torch_recurrent_gated_delta_rule", counted(rec, "rec"))
                 hf = transformers.Qwen3NextForCausalLM.from_pretrained(path, dtype=dtype, **load).eval()
+                hf = hf.to("cpu" if dtype == torch.float64 else DEVICE)   # fast's kernels: native on a GPU
                 runs[name] = _hf_prefill_then_step(hf, prompt, token)
                 assert calls == {"chunk": 3, "rec": 3}, (name, calls)      # 3 GDN layers: one prefill, one step
         finally:
