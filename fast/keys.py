@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from refgdn.capture import CompileKey
-from refgdn.checks import fla_keywords, fla_recurrent_defaults, host_offsets_known
+from refgdn.checks import fla_keywords, fla_recurrent_arguments, host_offsets_known
 
 from . import chunk as _chunk
 from . import conv as _conv
@@ -466,9 +466,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                                      cu_seqlens=None) -> List[CompileKey]:
     """Keys of fast.fused_recurrent_gated_delta_rule: recurrent_gated_delta_rule's, on the arguments it maps."""
-    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
-    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
-                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-                                      use_gate_in_kernel=use_gate_in_kernel)
+    args, kwargs = fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                           use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
+    return recurrent_gated_delta_rule(*args, **kwargs)

@@ -284,8 +284,11 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
 # written for fla runs unchanged: keyword-only in both packages (fla's positional order differs after
 # output_final_state: its 9th is use_qk_l2norm_in_kernel, this API's -- and vLLM's vendored fla's -- cu_seqlens)
 
-def fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel) -> tuple:
-    """fla 0.6.0's fused_recurrent_gated_delta_rule arguments that recurrent_gated_delta_rule does not have -> (g, beta):
+def fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval, state_v_first, cu_seqlens) -> tuple:
+    """fused_recurrent_gated_delta_rule's arguments (fla 0.6.0's order) -> (args, kwargs) of recurrent_gated_delta_rule,
+    the one mapping both packages' fused_recurrent_gated_delta_rule (and fast.keys') use:
 
     g None: no decay (g = 0, [B, T, HV], float32 or float64 as v); beta None: ones [B, T, HV] in v's dtype (fla:
     ones_like(q[..., 0]), the same values where HV == H; logits too with use_beta_sigmoid_in_kernel, as in fla);
@@ -307,7 +310,10 @@ def fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel) -> tuple:
             g = v.new_zeros(v.shape[:3], dtype=torch.promote_types(v.dtype, torch.float32))   # exp(0) = 1: no decay
     if beta is None and shaped:
         beta = v.new_ones(v.shape[:3])
-    return g, beta
+    return ((q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log,
+             dt_bias),
+            dict(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel))
 
 
 def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel=False,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .checks import (check_chunk_size, check_gdn_inputs, final_state_v_first, fla_keywords, fla_recurrent_defaults,
+from .checks import (check_chunk_size, check_gdn_inputs, final_state_v_first, fla_keywords, fla_recurrent_arguments,
                      host_offsets, one_host_read)
 from .gating import compute_dtype, l2norm, softplus
 
@@ -119,16 +119,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
-    g None: no decay; beta None: ones; gk / gv are refused (refgdn.checks.fla_recurrent_defaults).
+    g None: no decay; beta None: ones; gk / gv are refused (refgdn.checks.fla_recurrent_arguments).
     use_gate_in_kernel (fla's bool): False (default) reads g as the log-decay and ignores A_log / dt_bias; True reads
     it as the raw gate input. The other keywords as recurrent_gated_delta_rule's (refgdn.checks.fla_keywords).
     """
-    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
-    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
-                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-                                      use_gate_in_kernel=use_gate_in_kernel)
+    args, kwargs = fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                           use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
+    return recurrent_gated_delta_rule(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

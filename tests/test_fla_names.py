@@ -1,5 +1,5 @@
 """fused_recurrent_gated_delta_rule: fla 0.6.0's name and argument order for recurrent_gated_delta_rule, in both
-packages (refgdn.checks.fla_recurrent_defaults maps the arguments recurrent_gated_delta_rule does not have).
+packages (refgdn.checks.fla_recurrent_arguments maps the arguments recurrent_gated_delta_rule does not have).
 
 Calls written for fla (Hugging Face's Qwen3-Next imports this name) run unchanged, positional ones included: gk and
 gv sit between g and beta, cu_seqlens comes last. A shim that kept recurrent_gated_delta_rule's order would read a

@@ -31,8 +31,8 @@ hf_mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_
 from conformance.core import Check, evaluate  # noqa: E402
 from refgdn.model import Qwen3NextConfig, Qwen3NextModel  # noqa: E402
 
-PROMPT_LENS = (1, 6, 23, 70)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # fast ops: native on a GPU, else the interpreter          # 70 > 64: two chunks in both chunked forms
+PROMPT_LENS = (1, 6, 23, 70)                                  # 70 > 64: two chunks in both chunked forms
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # fast ops: native on a GPU, else the interpreter
 SEED = 1234
 
 

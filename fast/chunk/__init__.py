@@ -104,7 +104,7 @@ from typing import Optional
 import torch
 
 import refgdn
-from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, fla_recurrent_defaults,
+from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, fla_recurrent_arguments,
                            final_state_v_first, fla_keywords, host_offsets_known, host_offsets_later, one_host_read)
 
 from ..launch import SignaturePlans, shape_key, varlen_key
@@ -465,11 +465,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 
     refgdn.fused_recurrent_gated_delta_rule's twin: recurrent_gated_delta_rule (the same kernel) under fla 0.6.0's
     name and argument order, so calls written for fla's fused_recurrent_gated_delta_rule run unchanged, positional
-    ones included. g None: no decay; beta None: ones; gk / gv refused (refgdn.checks.fla_recurrent_defaults).
+    ones included. g None: no decay; beta None: ones; gk / gv refused (refgdn.checks.fla_recurrent_arguments).
     """
-    g, beta = fla_recurrent_defaults(v, g, gk, gv, beta, use_gate_in_kernel)
-    return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, A_log, dt_bias,
-                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-                                      use_gate_in_kernel=use_gate_in_kernel)
+    args, kwargs = fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                           use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
+    return recurrent_gated_delta_rule(*args, **kwargs)
