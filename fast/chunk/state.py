@@ -101,7 +101,9 @@ def chunk_state_kernel(
     once per row: reducing q's tile here in every program cost the B=4 pass 13 % and the varlen mix's 19 %,
     RESULTS.md 2026-11-27). Q S and Q K^T hang off the pass's
     dependent chain (S -> v_new -> S), so they cost throughput, not latency: worth it where the pass is
-    throughput-bound (many (sequence, head) pairs), not at B = 1.
+    throughput-bound (many (sequence, head) pairs), not at B = 1. Q S alone at B = 1 (stored in place of h, kernel 4
+    scaling it instead of forming Q h: half its products, no h in HBM) was tried too and lost, the same bits: the
+    pass +15 %, kernel 4 -13 % (H100, T=16384, 364 -> 418 and 285 -> 249 us; RESULTS.md, 2026-11-27).
     """
     i_v = tl.program_id(0)
     i_n, i_h = _seq_head(tl.program_id(1), seq_order, HV, IS_VARLEN)    # varlen: longest sequences first
