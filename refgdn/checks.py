@@ -46,8 +46,9 @@ def _need_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 def check_float_param(name: str, t, shape: Sequence[int], contract: str, device: torch.device) -> None:
-    """A floating tensor of exactly `shape` (described as `contract`, e.g. "[HV]") on `device`."""
-    _need_tensor(name, t, len(shape))
+    """A floating tensor of exactly `shape` (described as `contract`, e.g. "[HV]") on `device`. A wrong rank gets the
+    same message as a wrong size (the contract and the expected sizes)."""
+    _need_tensor(name, t)
     _need_shape(name, t, shape, contract)
     _need_float(name, t)
     _need_device(name, t, device)

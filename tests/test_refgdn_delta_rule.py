@@ -212,6 +212,9 @@ BAD = {
     "q-int": (lambda a: a.update(q=a["q"].int(), k=a["k"].int(), v=a["v"].int()), "q"),
     "g-shape": (lambda a: a.update(g=a["g"][..., :3]), "g"),
     "beta-shape": (lambda a: a.update(beta=a["beta"][:, :5]), "beta"),
+    # a wrong rank names the contract and the sizes expected, as a wrong size does (fla's older per-V beta)
+    "beta-rank": (lambda a: a.update(beta=a["beta"][..., None].expand(*a["v"].shape)),
+                  r"beta must have shape \[B, T, HV\] = \[1, 8, 4\], got \[1, 8, 4, 4\]"),
     "hv-not-multiple": (lambda a: a.update(v=a["v"][:, :, :3], g=a["g"][..., :3], beta=a["beta"][..., :3],
                                            initial_state=None), "multiple"),
     "state-shape": (lambda a: a.update(initial_state=a["initial_state"][:, :2]), "initial_state"),
