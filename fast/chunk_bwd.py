@@ -714,7 +714,7 @@ def bwd_qk_finish_kernel(
 # host side
 # ============================================================================================
 
-def dv_local_bwd_config(K: int, V: int, tiles: torch.dtype = torch.float32) -> dict:
+def dv_local_bwd_config(K: int, V: int, tiles: torch.dtype) -> dict:
     """Stage 1: one [BT, BT] product then BV-wide [BT, BT] x [BT, BV] dots over V (tiles: q's and k's dtype as the
     stage loads them). bf16 tiles (the bf16 default): BV 64 with the V loop pipelined at three stages, so the next
     dO block loads behind this one's dot: Triton 3.6, bench_train's shape, fwd+bwd against BV 128 in one stage, the

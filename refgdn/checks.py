@@ -285,38 +285,6 @@ def check_gdn_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
 # written for fla runs unchanged: keyword-only in both packages (fla's positional order differs after
 # output_final_state: its 9th is use_qk_l2norm_in_kernel, this API's -- and vLLM's vendored fla's -- cu_seqlens)
 
-def fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                            allow_neg_eigval, state_v_first, cu_seqlens) -> tuple:
-    """fused_recurrent_gated_delta_rule's arguments (fla 0.6.0's order) -> (args, kwargs) of recurrent_gated_delta_rule,
-    the one mapping both packages' fused_recurrent_gated_delta_rule (and fast.keys') use:
-
-    g None: no decay (g = 0, [B, T, HV], float32 or float64 as v); beta None: ones [B, T, HV] in v's dtype (fla:
-    ones_like(q[..., 0]), the same values where HV == H; logits too with use_beta_sigmoid_in_kernel, as in fla);
-    gk / gv (fla's per-key / per-value decays) are refused: this gated delta rule decays per head. use_gate_in_kernel
-    is fla's bool, and True needs g (the raw gate input). Shapes are left to the op's checks (no default is built
-    from a v that is not a 4-D tensor). Raises ValueError naming the argument, before anything is computed."""
-    for name, x in (("gk", gk), ("gv", gv)):
-        if x is not None:
-            raise ValueError(f"{name} (fla's per-{'key' if name == 'gk' else 'value'} decays) is not supported: the "
-                             f"gated delta rule here decays per head; pass the log-decay g [B, T, HV] and {name}=None")
-    if type(use_gate_in_kernel) is not bool:
-        got = "a tensor" if isinstance(use_gate_in_kernel, torch.Tensor) else repr(use_gate_in_kernel)
-        raise ValueError(f"use_gate_in_kernel must be a bool (fla's fused_recurrent_gated_delta_rule), got {got}")
-    shaped = isinstance(v, torch.Tensor) and v.dim() == 4
-    if g is None:
-        if use_gate_in_kernel:
-            raise ValueError("use_gate_in_kernel=True needs g, the raw gate input [B, T, HV]")
-        if shaped:
-            g = v.new_zeros(v.shape[:3], dtype=torch.promote_types(v.dtype, torch.float32))   # exp(0) = 1: no decay
-    if beta is None and shaped:
-        beta = v.new_ones(v.shape[:3])
-    return ((q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log,
-             dt_bias),
-            dict(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                 state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel))
-
-
 def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel=False,
                  allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
                  cp_context=None, head_first=False) -> tuple:
@@ -379,6 +347,38 @@ def fla_keywords(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta
                                  f"{want[2]}] with state_v_first=True, got {_shape(initial_state)}")
         initial_state = initial_state.transpose(-1, -2)                 # [N, HV, V, K] -> [N, HV, K, V] (a view)
     return beta, initial_state, A_log, dt_bias, state_v_first
+
+
+def fla_recurrent_arguments(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval, state_v_first, cu_seqlens) -> tuple:
+    """fused_recurrent_gated_delta_rule's arguments (fla 0.6.0's order) -> (args, kwargs) of recurrent_gated_delta_rule,
+    the one mapping both packages' fused_recurrent_gated_delta_rule (and fast.keys') use:
+
+    g None: no decay (g = 0, [B, T, HV], float32 or float64 as v); beta None: ones [B, T, HV] in v's dtype (fla:
+    ones_like(q[..., 0]), the same values where HV == H; logits too with use_beta_sigmoid_in_kernel, as in fla);
+    gk / gv (fla's per-key / per-value decays) are refused: this gated delta rule decays per head. use_gate_in_kernel
+    is fla's bool, and True needs g (the raw gate input). Shapes are left to the op's checks (no default is built
+    from a v that is not a 4-D tensor). Raises ValueError naming the argument, before anything is computed."""
+    for name, x in (("gk", gk), ("gv", gv)):
+        if x is not None:
+            raise ValueError(f"{name} (fla's per-{'key' if name == 'gk' else 'value'} decays) is not supported: the "
+                             f"gated delta rule here decays per head; pass the log-decay g [B, T, HV] and {name}=None")
+    if type(use_gate_in_kernel) is not bool:
+        got = "a tensor" if isinstance(use_gate_in_kernel, torch.Tensor) else repr(use_gate_in_kernel)
+        raise ValueError(f"use_gate_in_kernel must be a bool (fla's fused_recurrent_gated_delta_rule), got {got}")
+    shaped = isinstance(v, torch.Tensor) and v.dim() == 4
+    if g is None:
+        if use_gate_in_kernel:
+            raise ValueError("use_gate_in_kernel=True needs g, the raw gate input [B, T, HV]")
+        if shaped:
+            g = v.new_zeros(v.shape[:3], dtype=torch.promote_types(v.dtype, torch.float32))   # exp(0) = 1: no decay
+    if beta is None and shaped:
+        beta = v.new_ones(v.shape[:3])
+    return ((q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log,
+             dt_bias),
+            dict(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel))
 
 
 def final_state_v_first(final: Optional[torch.Tensor], state_v_first: bool) -> Optional[torch.Tensor]:
