@@ -11,7 +11,8 @@ and every input gradient is one Check under conformance.core's rule (fast's erro
 A_log or the initial state carry the inputs' rounding too).
 
 Ops: ``chunk_gated_delta_rule_grad`` (dq, dk, dv, dg — or da with fused gating —, dbeta, dinitial_state,
-dA_log, ddt_bias) and ``causal_conv1d_grad`` (dx, dweight, dbias, dinitial_state). Quick: a few
+dA_log, ddt_bias), ``causal_conv1d_grad`` (dx, dweight, dbias, dinitial_state) and ``rms_norm_gated_grad`` (dx, dg,
+dweight, dbias). Quick: a few
 interpreter-sized families, chunk sizes 16/32/64 spread over them, float32 and float16. Full (GPU):
 Qwen3-Next head dims, every chunk size, bfloat16 included.
 """
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .cases_prefill import CHUNK_SIZES, _fast, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs, seed_of
+from .cases_prefill import (CHUNK_SIZES, _fast, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs, norm_case_inputs,
+                            seed_of)
 from .core import Case, Check, DTYPE_NAMES
 
 GDN_GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -152,6 +154,34 @@ def _conv_grad_families(quick: bool) -> dict:
     }
 
 
+def norm_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Case:
+    op = "rms_norm_gated_grad"
+    name = f"{op}/{family}/{DTYPE_NAMES[dtype]}"
+
+    def run(device: str) -> list:
+        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name))
+        gen = torch.Generator().manual_seed(seed_of(name) + 1)
+        dy = torch.randn(lo["x"].shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        names = ("x", "g", "weight", "bias")
+        g_f = _grads(_fast("rms_norm_gated"), lo, names, (dy,))
+        g_r = _grads(_refgdn("rms_norm_gated"), lo, names, (dy,))
+        g_t = _grads(_refgdn("rms_norm_gated"), hi, names, (dy.double(),))
+        return [Check(f"d{n}", g_f[n], g_t[n], g_r[n], dtype=dtype) for n in g_t]
+
+    return Case(op=op, case=family, dtype=dtype, run=run, quick=quick)
+
+
+def _norm_grad_families(quick: bool) -> dict:
+    """The forward's families but the widest (dweight / dbias sum over every row: T x HV rows in the first)."""
+    big = 1 if quick else 64
+    return {
+        "qwen3next-T-HV-V128-strided": dict(shape=(5 * big, 32 if not quick else 4, 128), strided=True),
+        "D100-bias-sigmoid": dict(shape=(3, 7 * big, 100), bias=True, act="sigmoid"),
+        "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
+        "D1": dict(shape=(2, 9 * big, 1), bias=True),
+    }
+
+
 def cases(quick: bool, device: str) -> list:
     """The gradient cases for ``device`` (fast ops missing: none are made)."""
     out = []
@@ -165,4 +195,8 @@ def cases(quick: bool, device: str) -> list:
         for family, p in _conv_grad_families(quick).items():
             for dt in dts:
                 out.append(conv_grad_case(family, p, dt, quick))
+    if _fast("rms_norm_gated") is not None:
+        for family, p in _norm_grad_families(quick).items():
+            for dt in dts:
+                out.append(norm_grad_case(family, p, dt, quick))
     return out

@@ -1,5 +1,5 @@
 """The prefill conformance matrix: chunk/recurrent gated delta rule, causal conv1d (+ update),
-gating and l2norm, each fast op against its refgdn twin.
+gating, l2norm and the gated output norm, each fast op against its refgdn twin.
 
 Every case builds fresh random inputs from its own seed (a hash of its name), rounds them to the
 precision under test, and compares three runs on the *same rounded* inputs:
@@ -393,6 +393,58 @@ def l2norm_case(family: str, shape: tuple, dtype: torch.dtype, quick: bool, stri
 
 
 # ----------------------------------------------------------------------------------------------
+# the gated output norm (rms_norm_gated)
+# ----------------------------------------------------------------------------------------------
+
+def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int) -> tuple[dict, dict]:
+    """rms_norm_gated's inputs (low-precision kwargs, float64 kwargs of the same values). p: shape (leading dims
+    and D), weight / bias (bool), act, strided (x and g as slices of one [..., 2D + 3] projection, the model's
+    layout). Rows' scales span 1e-3 .. 1e2 (tiny rows meet eps), g saturates the sigmoid."""
+    gen = torch.Generator().manual_seed(seed)
+    *lead, D = p["shape"]
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    scale = 10.0 ** (5 * torch.rand(*lead, 1, generator=gen, dtype=torch.float64) - 3)
+    if p.get("strided"):
+        proj = r(*lead, 2 * D + 3)
+        proj[..., :D] *= scale[..., 0:1]
+        proj[..., D + 3:] *= 4
+        proj = proj.to(dtype).to(device)
+        x, g = proj[..., :D], proj[..., D + 3:]
+    else:
+        x = (r(*lead, D) * scale).to(dtype).to(device)
+        g = (4 * r(*lead, D)).to(dtype).to(device)
+    w = (1 + 0.5 * r(D)).to(dtype).to(device) if p.get("weight", True) else None
+    b = (0.5 * r(D)).to(dtype).to(device) if p.get("bias") else None
+    lo = dict(x=x, g=g, weight=w, bias=b, activation=p.get("act", "swish"), eps=1e-6)
+    hi = {k: (v.double() if torch.is_tensor(v) else v) for k, v in lo.items()}
+    return lo, hi
+
+
+def norm_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Case:
+    name = f"rms_norm_gated/{family}/{DTYPE_NAMES[dtype]}"
+
+    def run(device: str) -> list:
+        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name))
+        return [Check("y", _fast("rms_norm_gated")(**lo), _refgdn("rms_norm_gated")(**hi),
+                      _refgdn("rms_norm_gated")(**lo))]
+
+    return Case(op="rms_norm_gated", case=family, dtype=dtype, run=run, quick=quick)
+
+
+def _norm_families(quick: bool) -> dict:
+    """Qwen3-Next's output norm (per value head, D = V = 128, z a slice of the projection), an odd D with bias
+    and the sigmoid gate, no weight, D = 1, and a wide row (one row per block)."""
+    big = 1 if quick else 64
+    return {
+        "qwen3next-T-HV-V128-strided": dict(shape=(5 * big, 32 if not quick else 4, 128), strided=True),
+        "D100-bias-sigmoid": dict(shape=(3, 7 * big, 100), bias=True, act="sigmoid"),
+        "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
+        "D1": dict(shape=(2, 9 * big, 1), bias=True),
+        "D2304-bias": dict(shape=(3 * big, 2304), bias=True),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
 # the matrix
 # ----------------------------------------------------------------------------------------------
 
@@ -427,11 +479,15 @@ def cases(quick: bool, device: str) -> list:
             out.append(l2norm_case("K128", (2, 5 * big, 3, 128), dt, quick))
             out.append(l2norm_case("K100-strided", (3, 7 * big, 100), dt, quick, strided=True))
             out.append(l2norm_case("K32", (50 * big, 32), dt, quick))
+    if _fast("rms_norm_gated") is not None:
+        for family, p in _norm_families(quick).items():
+            for dt in dts:
+                out.append(norm_case(family, p, dt, quick))
     return out
 
 
 def missing_ops() -> list:
     """Prefill ops with no fast twin yet (reported by the runner as skipped)."""
     ops = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
-           "gdn_gating", "l2norm"]
+           "gdn_gating", "l2norm", "rms_norm_gated"]
     return [op for op in ops if _fast(op) is None]

@@ -35,7 +35,7 @@ from . import serving as _serving
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
-           "gdn_materialize", "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm",
+           "gdn_materialize", "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm", "rms_norm_gated",
            "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _I32 = torch.int32
@@ -304,6 +304,24 @@ def l2norm(x, eps=1e-6) -> List[CompileKey]:
     BM = max(1, min(next_pow2(M), max(1, 4096 // BK)))
     return [CompileKey.make("l2norm_kernel", dict(BM=BM, BK=BK, FP64=x.dtype == torch.float64),
                             dict(x=x.dtype, y=x.dtype), dict(num_warps=4 if BK * BM <= 4096 else 8))]
+
+
+def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, prenorm=False,
+                   residual_in_fp32=False, eps=1e-6) -> List[CompileKey]:
+    """Keys of fast.rms_norm_gated's forward: BM depends on the row count (one variant per power of two up to
+    4096 / next_pow2(D)). The backward (rms_norm_gated_bwd_kernel) runs in training only, never in a graph."""
+    from .norm import GATES, norm_config
+    D = x.shape[-1]
+    M = x.numel() // D if D else 0
+    if M == 0:
+        return []
+    cfg = norm_config(M, D)
+    warps = cfg.pop("num_warps")
+    return [CompileKey.make("rms_norm_gated_fwd_kernel",
+                            dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
+                                 FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias)}, **cfg),
+                            dict(x=x.dtype, g=g.dtype, w=_dt(weight), b=_dt(bias), y=x.dtype),
+                            dict(num_warps=warps))]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one 
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     torch.ops.fast.causal_conv1d(x, weight, bias, activation, initial_state, cu_seqlens) -> (y, final_state)
     torch.ops.fast.causal_conv1d_bwd(dy, dfinal, <the forward's inputs>) -> (dx, dweight, dbias, dinitial_state)
+    torch.ops.fast.rms_norm_gated(x, g, weight, bias, activation, eps) -> y
+    torch.ops.fast.rms_norm_gated_bwd(dy, <the forward's inputs>) -> (dx, dg, dweight, dbias)
 
-Users call fast.chunk_gated_delta_rule / fast.causal_conv1d: they validate on the host, then take the
-op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels directly and
-pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
+Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated: they validate on the host,
+then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels directly
+and pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
 on a flag's value being None); the public functions drop it unless output_final_state.
 
 Custom ops cannot return None: gradients that do not exist (no initial state, no fused gating, no bias)
@@ -36,6 +38,7 @@ from . import chunk as _chunk
 from . import chunk_bwd as _chunk_bwd
 from . import conv as _conv
 from . import conv_bwd as _conv_bwd
+from . import norm as _norm
 
 
 def _check_cu_values(cu_seqlens: Optional[Tensor], T: int) -> None:
@@ -218,6 +221,52 @@ def _conv_backward(ctx, dy, dfinal):
 
 
 causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# ============================================================================================
+# gated RMSNorm (the GDN layer's output norm)
+# ============================================================================================
+
+@torch.library.custom_op("fast::rms_norm_gated", mutates_args=())
+def rms_norm_gated_op(x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], activation: str,
+                      eps: float) -> Tensor:
+    """x, g: [..., D] -> y [..., D] (x's dtype, contiguous)."""
+    return _norm.rms_norm_gated_fwd(x, g, weight, bias, activation, eps)
+
+
+@rms_norm_gated_op.register_fake
+def _(x, g, weight, bias, activation, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fast::rms_norm_gated_bwd", mutates_args=())
+def rms_norm_gated_bwd_op(dy: Tensor, x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                          activation: str, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx, dg, dweight, dbias); absent ones (no weight / bias) are empty."""
+    out = _norm.rms_norm_gated_bwd(dy, x, g, weight, bias, activation, eps)
+    return tuple(t if t is not None else x.new_empty(0) for t in out)
+
+
+@rms_norm_gated_bwd_op.register_fake
+def _(dy, x, g, weight, bias, activation, eps):
+    return (x.new_empty(x.shape), g.new_empty(g.shape),
+            weight.new_empty(weight.shape) if weight is not None else x.new_empty(0),
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty(0))
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x, g, weight, bias, activation, eps = inputs
+    ctx.save_for_backward(x, g, weight, bias)       # the inputs only: 1 / rms is recomputed (fast.norm)
+    ctx.activation, ctx.eps = activation, eps
+
+
+def _norm_backward(ctx, dy):
+    x, g, weight, bias = ctx.saved_tensors
+    dx, dg, dw, db = rms_norm_gated_bwd_op(dy, x, g, weight, bias, ctx.activation, ctx.eps)
+    return dx, dg, _none_if_empty(dw, weight is not None), _none_if_empty(db, bias is not None), None, None
+
+
+rms_norm_gated_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
 def wants_graph(*tensors) -> bool:

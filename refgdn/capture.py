@@ -1294,7 +1294,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
 
     The model's GDN layers call (refgdn/model/layers.py): prefill -> gdn_prefill (the rows kernel,
     gdn_materialize, the conv and the chunked forward on the cache's slots); decode -> gdn_decode; verify ->
-    gdn_verify; accept -> gdn_accept. Attention, MLPs and the MTP head are plain torch (no compile keys).
+    gdn_verify; accept -> gdn_accept; then, in each step mode, rms_norm_gated (the output norm, on the step's
+    tokens). Attention, MLPs and the MTP head are plain torch (no compile keys).
     Keys depend on the prefill's packed length T only through next_pow2(T) classes (the conv's configs), on
     its sequence count N through the state pass's
     BV, so T runs over :func:`prefill_classes` and N over 1..max_prefill_seqs.
@@ -1321,20 +1322,27 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     idx = cfg.index_dtype
     steps: Dict[str, set] = {}
 
+    norm_w = e(V)
+
+    def norm(T):
+        # the output norm of a step of T tokens: o [T, HV, V], z a [T, HV, V] slice of the projection (layers.py)
+        z = e(T, HV, 2 * V)[..., V:]
+        return keys.rms_norm_gated(e(T, HV, V), z, norm_w, None, "silu", eps=c.rms_norm_eps)
+
     def decode(N):
         return keys.gdn_decode(e(N, D), e(N, HV), e(N, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx),
-                               device=dev)
+                               device=dev) + norm(N)
 
     def verify(N, T):
         return keys.gdn_verify(e(N * T, D), e(N * T, HV), e(N * T, HV), conv_w, None, A_log, dt_bias, cache,
-                               e(N, dtype=idx), e(N + 1, dtype=torch.int32), device=dev)
+                               e(N, dtype=idx), e(N + 1, dtype=torch.int32), device=dev) + norm(N * T)
 
     def accept(N):
         return keys.gdn_accept(cache, e(N, dtype=idx), e(N, dtype=cfg.accept_dtype))
 
     def prefill(T, N):
         return keys.gdn_prefill(e(T, D), e(T, HV), e(T, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx),
-                                e(N + 1, dtype=torch.int32), e(N, dtype=torch.bool), device=dev)
+                                e(N + 1, dtype=torch.int32), e(N, dtype=torch.bool), device=dev) + norm(T)
 
     for desc in cfg.descriptors():
         if desc.mode == "decode":

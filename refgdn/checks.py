@@ -7,6 +7,7 @@ fast calls the same functions, so both packages reject the same inputs with the 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import threading
 from typing import Callable, List, Optional, Sequence
@@ -442,6 +443,36 @@ def check_conv_update_inputs(x, conv_state, weight, bias=None, activation=None) 
     if conv_state.shape[2] != W - 1:
         raise ValueError(f"conv_state's width must be W-1 = {W - 1} (weight is [D, W={W}]), "
                          f"got shape {_shape(conv_state)}")
+
+
+NORM_GATES = ("swish", "silu", "sigmoid")
+
+
+def check_rms_norm_gated_inputs(x, g, weight, bias=None, activation="swish", residual=None, prenorm=False,
+                                residual_in_fp32=False, eps=1e-6) -> None:
+    """Validate rms_norm_gated (fla's argument order): x, g: [..., D] of one shape, D >= 1; weight, bias: [D] or
+    None; activation "swish" (alias "silu") or "sigmoid"; eps a finite real >= 0. fla's pre-norm residual add
+    (residual, prenorm, residual_in_fp32) is refused unless left at None / False."""
+    _need_tensor("x", x)
+    _need_float("x", x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have shape [..., D] with D >= 1, got {_shape(x)}")
+    D = x.shape[-1]
+    _need_tensor("g", g)
+    _need_shape("g", g, x.shape, "[..., D] (same as x)")
+    _need_float("g", g)
+    _need_device("g", g, x.device)
+    if weight is not None:
+        check_float_param("weight", weight, (D,), "[D]", x.device)
+    if bias is not None:
+        check_float_param("bias", bias, (D,), "[D]", x.device)
+    if activation not in NORM_GATES:
+        raise ValueError(f"activation must be 'swish' (alias 'silu') or 'sigmoid', got {activation!r}")
+    if (not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0):
+        raise ValueError(f"eps must be a finite real number >= 0, got {eps!r}")
+    if residual is not None or prenorm or residual_in_fp32:
+        raise ValueError("residual / prenorm / residual_in_fp32 (fla's pre-norm residual add) are not supported: "
+                         "leave them None / False and add the residual outside the norm")
 
 
 def check_gating_inputs(A_log, a, dt_bias, b) -> None:

@@ -204,6 +204,15 @@ BAD = [
     Bad("gating-b-shape", "b", lambda o, w: o.gdn_gating(w.layer[2], w.a, w.layer[3], w.b[:, :1])),
     Bad("gating-A_log-shape", "A_log", lambda o, w: o.gdn_gating(w.layer[2][:1], w.a, w.layer[3], w.b)),
     Bad("gating-dt_bias-int", "dt_bias", lambda o, w: o.gdn_gating(w.layer[2], w.a, _m(w.layer[3], dtype=I32), w.b)),
+    # ---------------------------------------------------------------- the gated output norm (rms_norm_gated)
+    Bad("norm-g-shape", "g", lambda o, w: o.rms_norm_gated(w.xc, w.xc[..., :5], w.bc)),
+    Bad("norm-weight-shape", "weight", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc[:5])),
+    Bad("norm-bias-int", "bias", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, _m(w.bc, dtype=I32))),
+    Bad("norm-x-int", "x", lambda o, w: o.rms_norm_gated(_m(w.xc, dtype=I32), w.xc, w.bc)),
+    Bad("norm-g-device", "g", lambda o, w: o.rms_norm_gated(w.xc, _m(w.xc, device=ELSEWHERE), w.bc)),
+    Bad("norm-activation", "activation", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, None, "relu")),
+    Bad("norm-eps-negative", "eps", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, eps=-1e-6)),
+    Bad("norm-fla-residual", "residual", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, None, "swish", w.xc)),
     # ---------------------------------------------------------------- decode: shapes (host)
     Bad("decode-mixed_qkv-width", "mixed_qkv", lambda o, w: w.decode(o, [0, 1], mixed_qkv=w.x[:2, :-1])),
     Bad("decode-a-shape", "a", lambda o, w: w.decode(o, [0, 1], a=w.a[:2, :1])),

@@ -200,6 +200,7 @@ def test_keys_match_fast_launches():
         F.causal_conv1d_update(r(2, D), r(2, D, W - 1), w, bias, "silu")
         F.gdn_gating(A, r(2, HV), dt, r(2, HV))
         F.l2norm(q)
+        F.rms_norm_gated(v, r(1, 20, HV, 2 * V)[..., V:], r(V), None, "swish", eps=1e-6)   # z: a strided slice
     names = [key.kernel for key in log.launched]
     assert names.count("gdn_step_kernel") == 3 and "chunk_state_kernel" in names and "accept_kernel" in names
     # prefill: kernels 1 and 3 (the state pass forms v_new itself: kernel 2 never runs in the forward), kernel 4
@@ -210,7 +211,9 @@ def test_keys_match_fast_launches():
     assert "chunk_table_kernel" in names and ("row_scales_kernel" in names) == fused
     assert "chunk_w_u_kernel" not in names and ("chunk_output_kernel" in names) == (not fused)
     # 2 + 2 + 1 + 2 (serving) + prefill + 2 (recurrent, under both names) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
-    assert len(log.launched) == 14 + prefill and names.count("recurrent_kernel") == 2
+    # + 1 (the gated norm)
+    assert len(log.launched) == 15 + prefill and names.count("recurrent_kernel") == 2
+    assert names[-1] == "rms_norm_gated_fwd_kernel"
 
 
 def test_keys_match_beta_logits_launches():
@@ -270,7 +273,7 @@ def test_planner_equals_keys_of_the_eager_run(model):
     missing, extra = p.keys - log.keys, log.keys - p.keys
     assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
     decode = p.for_descriptor(CaptureDescriptor("decode", 4))
-    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel"}
+    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel", "rms_norm_gated_fwd_kernel"}
     assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
 
 

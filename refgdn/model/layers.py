@@ -48,8 +48,10 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """The GDN output norm, gated by z: y = weight * rmsnorm(x) * silu(z) (plain weight, initialised to 1).
 
-    x, z: [..., dim] -> [..., dim] in x.dtype. As HF: the normalised x is rounded to x.dtype before
-    the weight multiplies it; the gate is applied in float32.
+    x, z: [..., dim] -> [..., dim] in x.dtype. Holds the weight (transformers' ``linear_attn.norm.weight``) and eps;
+    the layer applies it through its ops namespace (``ops.rms_norm_gated``, refgdn.norm: float32 inside, rounded
+    once, as fla's FusedRMSNormGated and vLLM's RMSNormGated, which transformers takes when fla is installed; its
+    torch fallback also rounds the normalised x to x.dtype before the weight).
     """
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
@@ -57,12 +59,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dt = compute_dtype(x)
-        xf = x.to(dt)
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        y = self.weight * y
-        return (y.to(dt) * F.silu(z.to(dt))).to(x.dtype)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, ops=None) -> torch.Tensor:
+        """ops: the namespace whose rms_norm_gated runs (refgdn when None)."""
+        if ops is None:
+            from .. import norm as ops
+        return ops.rms_norm_gated(x, z, self.weight, None, "silu", eps=self.eps)
 
 
 class Conv1dWeight(nn.Module):
@@ -260,9 +261,9 @@ class GatedDeltaNet(nn.Module):
         a = rearrange(a, "t h g -> t (h g)")
         return mixed, z, b.contiguous(), a.contiguous()
 
-    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """o, z: [T, HV, V] -> out_proj(gated_norm(o, z)) [T, hidden]."""
-        y = self.norm(o, z.to(o.dtype))
+    def output(self, o: torch.Tensor, z: torch.Tensor, ops) -> torch.Tensor:
+        """o, z: [T, HV, V] -> out_proj(gated_norm(o, z)) [T, hidden] (the norm through ``ops``)."""
+        y = self.norm(o, z, ops)
         return self.out_proj(rearrange(y, "t h v -> t (h v)"))
 
     def forward(self, x: torch.Tensor, ops, gdn_cache, meta: StepMetadata, mode: str,
@@ -285,7 +286,7 @@ class GatedDeltaNet(nn.Module):
                                meta.state_indices, meta.query_start_loc)
         else:
             raise ValueError(f"mode must be 'prefill', 'decode' or 'verify', got {mode!r}")
-        return self.output(o, z)
+        return self.output(o, z, ops)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""Triton kernels for the GDN layer's output norm (refgdn.norm.rms_norm_gated), forward and backward.
+
+    x, g: [..., D]   weight, bias: [D] (or None)  ->  y: [..., D] in x.dtype
+    y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act(g) = g sigmoid(g) ("swish" / "silu") or sigmoid(g)
+
+One memory-bound pass each way, a block of BM whole rows (D <= MAX_D, padded to BD = next_pow2(D)) per program,
+float32 inside (float64 for float64 inputs), rounded once at the store. Rows are addressed as (i // N1, i % N1) at
+two strides, so x and g may be strided views whose leading dims do not merge: the model's z is a [T, HV, V] slice of
+the fused projection (refgdn.model.layers.GatedDeltaNet.project). Pinned configs, never autotuned: the forward runs
+inside decode and verify graphs (DESIGN.md invariant 2).
+
+Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-gate value, a = act(g)):
+
+    dp = dy a ;  dg = dy p act'(g) ;  dn = dp w ;  dx = r (dn - n mean(dn n)) ;  dw = sum_rows dp n ;  db = sum_rows dp
+
+r is recomputed from x (nothing but the inputs is saved); dw and db are summed per program over its rows in float32,
+then over the programs on the host.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from refgdn.checks import check_rms_norm_gated_inputs
+
+from .chunk.common import _num_sms
+from .launch import launch
+from .utils import cdiv, next_pow2
+
+MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
+GATES = {"swish": 0, "silu": 0, "sigmoid": 1}
+
+
+@triton.jit
+def _sigmoid(z):
+    """sigmoid(z) without overflow: exp only of -|z| <= 0."""
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1 / (1 + e), e / (1 + e))
+
+
+@triton.jit
+def _row_ptrs(base, o_m, N1, s0, s1, o_d):
+    """[BM, BD] pointers of rows o_m = (o_m // N1, o_m % N1) at strides (s0, s1), unit column stride."""
+    return base + (o_m // N1 * s0 + o_m % N1 * s1)[:, None] + o_d[None, :]
+
+
+@triton.jit(do_not_specialize=["M"])
+def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+                              D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
+                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr):
+    """x, g: M rows of D (strided, see _row_ptrs); w, b: [D]; y: [M, D] contiguous.
+
+    y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g)
+    """
+    i_m = tl.program_id(0)
+    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    mask = (o_m < M)[:, None] & m_d[None, :]
+    if FP64:
+        cdt = tl.float64
+    else:
+        cdt = tl.float32
+    b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d), mask=mask, other=0).to(cdt)
+    # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
+    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_y = b_x * b_r[:, None]
+    if HAS_W:
+        b_y = b_y * tl.load(w + o_d, mask=m_d, other=0).to(cdt)[None, :]
+    if HAS_B:
+        b_y = b_y + tl.load(b + o_d, mask=m_d, other=0).to(cdt)[None, :]
+    b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d), mask=mask, other=0).to(cdt)
+    b_s = _sigmoid(b_g)
+    if GATE == 0:
+        b_y = b_y * (b_g * b_s)
+    else:
+        b_y = b_y * b_s
+    tl.store(y + o_m[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "ITERS"])
+def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+                              ITERS,
+                              D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
+                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr):
+    """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous;
+    dw_part, db_part: [programs, D] in the compute dtype, this program's sums over its rows (module docstring)."""
+    i_p = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if FP64:
+        cdt = tl.float64
+    else:
+        cdt = tl.float32
+    b_w = tl.full([BD], 1, cdt)
+    if HAS_W:
+        b_w = tl.load(w + o_d, mask=m_d, other=0).to(cdt)
+    b_b = tl.zeros([BD], cdt)
+    if HAS_B:
+        b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
+    acc_w = tl.zeros([BD], cdt)
+    acc_b = tl.zeros([BD], cdt)
+    for i in range(0, ITERS):
+        o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
+        mask = (o_m < M)[:, None] & m_d[None, :]
+        b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d), mask=mask, other=0).to(cdt)
+        b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d), mask=mask, other=0).to(cdt)
+        b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
+        b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        b_n = b_x * b_r[:, None]
+        b_s = _sigmoid(b_g)
+        if GATE == 0:
+            b_a = b_g * b_s
+            b_da = b_s * (1 + b_g * (1 - b_s))           # d/dg of g sigmoid(g)
+        else:
+            b_a = b_s
+            b_da = b_s * (1 - b_s)
+        b_dp = b_dy * b_a                                 # masked rows and columns: dy = 0
+        b_p = b_n * b_w[None, :] + b_b[None, :]
+        tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_dy * b_p * b_da).to(dg.dtype.element_ty), mask=mask)
+        b_dn = b_dp * b_w[None, :]
+        b_dx = b_r[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) / D)[:, None])
+        tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=mask)
+        if HAS_W:
+            acc_w += tl.sum(b_dp * b_n, axis=0)
+        if HAS_B:
+            acc_b += tl.sum(b_dp, axis=0)
+    if HAS_W:
+        tl.store(dw_part + i_p * D + o_d, acc_w, mask=m_d)
+    if HAS_B:
+        tl.store(db_part + i_p * D + o_d, acc_b, mask=m_d)
+
+
+# ============================================================================================
+# host side
+# ============================================================================================
+
+def norm_config(M: int, D: int) -> dict:
+    """BM rows of BD = next_pow2(D) per program, ~4K values a block (fewer rows when M is small: one variant per
+    power of two of M up to 4096 / BD); 4 warps, 8 from 8K values. Pinned (module docstring)."""
+    BD = next_pow2(D)
+    BM = max(1, min(next_pow2(M), 4096 // BD))
+    return dict(BM=BM, BD=BD, num_warps=4 if BM * BD <= 4096 else 8)
+
+
+def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """t: [..., D] -> (t or a contiguous copy, N1, s0, s1): row i of the flattened [M, D] sits at
+    (i // N1) * s0 + (i % N1) * s1 with unit column stride. A copy only where the leading dims but the last do
+    not merge into one stride, or the last dim is strided."""
+    D = t.shape[-1]
+    if t.dim() == 1:
+        return t, 1, 0, 0
+    if D > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    N1 = t.shape[-2]
+    try:
+        v = t.view(-1, N1, D)                           # [..., N1, D] -> [(...), N1, D]
+    except RuntimeError:
+        t = t.contiguous()
+        v = t.view(-1, N1, D)
+    return t, N1, v.stride(0), v.stride(1)
+
+
+def _check_limits(D: int) -> None:
+    if D > MAX_D:
+        raise ValueError(f"x's last dim D must be <= {MAX_D} for fast.rms_norm_gated (one row per block), got {D}")
+
+
+def _kw(x, g, weight, bias, activation, M: int, D: int) -> dict:
+    return dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
+                FP64=torch.float64 in {t.dtype for t in (x, g, weight, bias) if t is not None},
+                **norm_config(M, D))
+
+
+def rms_norm_gated_fwd(x, g, weight, bias, activation: str, eps: float) -> torch.Tensor:
+    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype."""
+    D = x.shape[-1]
+    _check_limits(D)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    M = x.numel() // D
+    if M == 0:
+        return y
+    x2, N1, sx0, sx1 = _rows(x)
+    g2, N1g, sg0, sg1 = _rows(g)
+    kw = _kw(x, g, weight, bias, activation, M, D)
+    grid = (cdiv(M, kw["BM"]),)
+    launch(rms_norm_gated_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, float(eps))
+    return y
+
+
+def rms_norm_gated_bwd(dy, x, g, weight, bias, activation: str, eps: float):
+    """-> (dx, dg, dweight or None, dbias or None) in the dtypes of x, g, weight, bias."""
+    D = x.shape[-1]
+    _check_limits(D)
+    M = x.numel() // D
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    kw = _kw(x, g, weight, bias, activation, M, D)
+    blocks = cdiv(M, kw["BM"])
+    programs = max(1, min(blocks, 4 * _num_sms(x.device)))   # dw / db partial sums: <= 4 rows a SM
+    iters = cdiv(blocks, programs)
+    programs = cdiv(blocks, iters) if blocks else 1
+    cdt = torch.float64 if kw["FP64"] else torch.float32
+    dw_part = torch.zeros(programs, D, dtype=cdt, device=x.device) if weight is not None else None
+    db_part = torch.zeros(programs, D, dtype=cdt, device=x.device) if bias is not None else None
+    if M > 0:
+        x2, N1, sx0, sx1 = _rows(x)
+        g2, _, sg0, sg1 = _rows(g)
+        dy2 = dy.reshape(M, D)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        launch(rms_norm_gated_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg, dw_part, db_part,
+               M, N1, sx0, sx1, sg0, sg1, float(eps), iters)
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dg, dw, db
+
+
+def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tensor], bias=None,
+                   activation: str = "swish", residual=None, prenorm: bool = False, residual_in_fp32: bool = False,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """x, g: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's name and argument order;
+    refgdn.rms_norm_gated's twin).
+
+        y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act: g sigmoid(g) (swish / silu) or sigmoid(g)
+
+    float32 inside (float64 for float64 inputs), rounded once. Differentiable in x, g, weight and bias (through
+    torch.ops.fast.rms_norm_gated when a gradient is wanted or torch.compile traces). D <= 16384.
+    """
+    check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
+    _check_limits(x.shape[-1])
+    from . import library                                                # registers the ops (no cycle at import)
+    if library.wants_graph(x, g, weight, bias):
+        return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))
+    return rms_norm_gated_fwd(x, g, weight, bias, activation, eps)

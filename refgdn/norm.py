@@ -1,0 +1,42 @@
+"""The GDN layer's output norm: an RMSNorm of the core's output o, gated by the activation of z.
+
+    x, g: [..., D]   weight, bias: [D] (or None)  ->  y: [..., D] in x.dtype
+    y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act(g) = g sigmoid(g) ("swish" / "silu") or sigmoid(g)
+
+fla's ``rms_norm_gated`` / ``FusedRMSNormGated`` and vLLM's ``RMSNormGated`` compute this in float32 and round once
+at the end, as here (refgdn.model's GDN layers call it through their ops namespace). transformers' torch
+``Qwen3NextRMSNormGated`` also rounds the normalised x to x's dtype before the weight multiplies it: one rounding
+more for 16-bit x, which the conformance rule's float64 truth sees as error, not as a different definition.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_rms_norm_gated_inputs
+from .gating import compute_dtype
+
+
+def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(g): g sigmoid(g) for "swish" / "silu", sigmoid(g) for "sigmoid" (in g's dtype: upcast first)."""
+    s = torch.sigmoid(g)
+    return g * s if activation in ("swish", "silu") else s
+
+
+def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight, bias=None, activation: str = "swish",
+                   residual=None, prenorm: bool = False, residual_in_fp32: bool = False, eps: float = 1e-6):
+    """x, g: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's name and argument order).
+
+        y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)
+
+    Computed in float32 (float64 when any input is float64), cast back once. residual / prenorm /
+    residual_in_fp32 (fla's pre-norm residual add) must stay None / False. Differentiable (autograd).
+    """
+    check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
+    dt = compute_dtype(x, g, weight, bias)
+    xf = x.to(dt)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)          # mean over the true D
+    if weight is not None:
+        y = y * weight.to(dt)
+    if bias is not None:
+        y = y + bias.to(dt)
+    return (y * gate_activation(g.to(dt), activation)).to(x.dtype)

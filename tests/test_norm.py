@@ -1,0 +1,141 @@
+"""The gated output norm (rms_norm_gated): refgdn against its row-by-row formula and finite differences, fast
+against refgdn (float64 truth, the conformance rule) forward and backward, and the fla-compatible surface."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fast
+import refgdn
+from conformance.core import Check, evaluate
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _rowwise(x, g, w, b, act, eps):
+    """The simplest form: one row at a time, float64, plain arithmetic."""
+    x, g = x.double().reshape(-1, x.shape[-1]), g.double().reshape(-1, x.shape[-1])
+    out = torch.empty_like(x)
+    for i in range(x.shape[0]):
+        r = 1.0 / math.sqrt(sum(float(v) ** 2 for v in x[i]) / x.shape[1] + eps)
+        for j in range(x.shape[1]):
+            y = float(x[i, j]) * r * (float(w[j]) if w is not None else 1.0) + (float(b[j]) if b is not None else 0.0)
+            s = 1.0 / (1.0 + math.exp(-float(g[i, j])))
+            out[i, j] = y * (float(g[i, j]) * s if act in ("swish", "silu") else s)
+    return out
+
+
+@pytest.mark.parametrize("act", ["swish", "silu", "sigmoid"])
+@pytest.mark.parametrize("affine", ["weight-bias", "weight", "none"])
+def test_refgdn_matches_rowwise_formula(act, affine):
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(3, 2, 7, generator=gen, dtype=torch.float64), 4 * torch.randn(3, 2, 7, generator=gen,
+                                                                                       dtype=torch.float64)
+    x[0, 0] *= 1e-4                                   # a tiny row: eps matters
+    w = torch.randn(7, generator=gen, dtype=torch.float64) if affine != "none" else None
+    b = torch.randn(7, generator=gen, dtype=torch.float64) if affine == "weight-bias" else None
+    y = refgdn.rms_norm_gated(x, g, w, b, act, eps=1e-5)
+    torch.testing.assert_close(y.reshape(-1, 7), _rowwise(x, g, w, b, act, 1e-5), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("act", ["swish", "sigmoid"])
+def test_refgdn_gradients_match_finite_differences(act):
+    gen = torch.Generator().manual_seed(1)
+    args = [torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)
+            for s in ((4, 6), (4, 6), (6,), (6,))]
+    assert torch.autograd.gradcheck(lambda x, g, w, b: refgdn.rms_norm_gated(x, g, w, b, act, eps=1e-6), args)
+
+
+def _inputs(shape, dtype, layout, gen, weight=True, bias=True):
+    """x and g [..., D] on DEVICE: "contiguous"; "slices" (x and g halves of one [..., 2D + 3] projection, the model's
+    z); "heads" ([T, HV, D] taken from a [HV, T, D] buffer: leading dims that do not merge into one stride)."""
+    *lead, D = shape
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    if layout == "slices":
+        p = r(*lead, 2 * D + 3).to(dtype).to(DEVICE)
+        x, g = p[..., :D], p[..., D + 3:]
+    elif layout == "heads":
+        x = r(lead[1], lead[0], D).to(dtype).to(DEVICE).transpose(0, 1)
+        g = r(lead[1], lead[0], D).to(dtype).to(DEVICE).transpose(0, 1)
+    else:
+        x, g = r(*shape).to(dtype).to(DEVICE), r(*shape).to(dtype).to(DEVICE)
+    x = x * 3.0
+    w = (1 + 0.3 * r(D)).to(dtype).to(DEVICE) if weight else None
+    b = (0.3 * r(D)).to(dtype).to(DEVICE) if bias else None
+    return x, g, w, b
+
+
+def _conforms(name, fast_t, truth, ref, dtype):
+    res = evaluate(Check(name, fast_t, truth, ref, dtype=dtype))
+    assert res["passed"], f"{name}: {res}"
+
+
+SHAPES = [pytest.param((37, 4, 128), "slices", id="T37-HV4-V128-slices"),
+          pytest.param((5, 3, 100), "heads", id="D100-heads-strided"),
+          pytest.param((1, 32, 128), "contiguous", id="decode-N1-HV32"),
+          pytest.param((9, 1), "contiguous", id="D1"),
+          pytest.param((3, 3000), "contiguous", id="D3000-one-row-a-block"),
+          pytest.param((0, 4, 16), "contiguous", id="empty")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,layout", SHAPES)
+@pytest.mark.parametrize("act", ["swish", "sigmoid"])
+def test_fast_forward_and_backward_conform(dtype, shape, layout, act):
+    """fast's forward and its gradients (dx, dg, dweight, dbias) by the conformance rule: fast's error against the
+    float64 truth at most twice refgdn's own in the same precision (+ the floor)."""
+    gen = torch.Generator().manual_seed(hash((shape, layout, act)) % 2 ** 31)
+    x, g, w, b = _inputs(shape, dtype, layout, gen, bias=act == "sigmoid")
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
+    outs = {}
+    for name, mod, cast in (("fast", fast, None), ("ref", refgdn, None), ("truth", refgdn, torch.float64)):
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_(True) if t is not None else None for t in (x, g, w, b)]
+        y = mod.rms_norm_gated(*leaves, act, eps=1e-6)
+        need = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad(y, need, dy.to(y.dtype)) if y.numel() else [torch.zeros_like(t) for t in need]
+        outs[name] = [y.detach()] + list(grads)
+    assert outs["fast"][0].dtype == dtype and outs["fast"][0].shape == x.shape
+    for i, n in enumerate(["y", "dx", "dg", "dweight", "dbias"][:len(outs["fast"])]):
+        _conforms(n, outs["fast"][i], outs["truth"][i], outs["ref"][i], dtype)
+
+
+def test_fast_equals_refgdn_in_float64():
+    """float64 inputs run float64 kernels: fast and refgdn agree to float64 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    x, g, w, b = _inputs((6, 2, 24), torch.float64, "slices", gen)
+    torch.testing.assert_close(fast.rms_norm_gated(x, g, w, b, "silu"), refgdn.rms_norm_gated(x, g, w, b, "silu"),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_fast_inputs_are_not_written_and_the_output_is_fresh():
+    gen = torch.Generator().manual_seed(4)
+    x, g, w, b = _inputs((4, 3, 32), torch.float32, "slices", gen)
+    before = [t.clone() for t in (x, g, w, b)]
+    y = fast.rms_norm_gated(x, g, w, b)
+    assert y.is_contiguous() and y.data_ptr() not in {t.data_ptr() for t in (x, g, w, b)}
+    assert all(torch.equal(t, u) for t, u in zip((x, g, w, b), before))
+
+
+def test_fla_positional_order_and_limits():
+    """fla 0.6.0's order: (x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps); fast's D limit
+    is its own (refgdn has none), raised before any launch."""
+    gen = torch.Generator().manual_seed(5)
+    x, g, w, _ = _inputs((3, 16), torch.float32, "contiguous", gen, bias=False)
+    a = fast.rms_norm_gated(x, g, w, None, "sigmoid", None, False, False, 1e-3)
+    torch.testing.assert_close(a, refgdn.rms_norm_gated(x, g, w, eps=1e-3, activation="sigmoid"))
+    big = torch.zeros(1, fast.norm.MAX_D + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="D must be <= 16384"):
+        fast.rms_norm_gated(big, big, None)
+    assert refgdn.rms_norm_gated(big, big, None).shape == big.shape
+
+
+def test_custom_op_registration():
+    """torch.library's checks of the autograd / fake registrations of torch.ops.fast.rms_norm_gated."""
+    gen = torch.Generator().manual_seed(6)
+    x, g, w, b = _inputs((3, 2, 16), torch.float32, "slices", gen)
+    args = (x.detach().requires_grad_(), g.detach().requires_grad_(), w.detach().requires_grad_(), b, "swish", 1e-6)
+    torch.library.opcheck(torch.ops.fast.rms_norm_gated.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
