@@ -16,7 +16,8 @@ import traceback
 
 from . import common
 
-MODULES = {"prefill": "benchmarks.bench_prefill", "decode": "benchmarks.bench_decode", "train": "benchmarks.bench_train"}
+MODULES = {"prefill": "benchmarks.bench_prefill", "decode": "benchmarks.bench_decode", "train": "benchmarks.bench_train",
+           "norm": "benchmarks.bench_norm"}
 
 
 def _sections(mod) -> list:

@@ -63,7 +63,7 @@ if [[ $steps == *all* || $steps == *quick* ]]; then
   rc=$((rc | ${PIPESTATUS[0]})); tail -5 "$OUT/conformance-quick.err"
 fi
 if [[ $steps == *all* || $steps == *bench* ]]; then
-  for only in prefill decode; do           # train runs in "extra" (bench_train, with its own time limit)
+  for only in prefill decode norm; do      # train runs in "extra" (bench_train, with its own time limit)
     python3 -m benchmarks --only $only 2>&1 | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))
   done
   python3 -m benchmarks.profile_decode 2>/dev/null | tee -a "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]}))

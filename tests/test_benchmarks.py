@@ -236,3 +236,18 @@ def test_blocks_per_sm_at_the_sm90_limits():
     assert blocks_per_sm(4, 1000, 240)["regs"] == 2 and blocks_per_sm(4, 1000, 168)["regs"] == 3
     assert blocks_per_sm(8, 0, 230)["blocks"] == 1
     assert blocks_per_sm(1, 0, 32)["blocks"] == 32 and blocks_per_sm(32, 0, 32)["blocks"] == 2
+
+
+def test_bench_norm_torch_row_is_transformers_module():
+    """bench_norm's "transformers torch" row times transformers' own Qwen3NextRMSNormGated arithmetic: bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf_mod
+
+    from benchmarks.bench_norm import hf_torch
+    del transformers
+    gen = torch.Generator().manual_seed(0)
+    x, z = (torch.randn(2, 5, 16, generator=gen).bfloat16() for _ in range(2))
+    mod = hf_mod.Qwen3NextRMSNormGated(16, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        mod.weight.copy_(1 + 0.1 * torch.randn(16, generator=gen))
+        assert torch.equal(hf_torch(x, z, mod.weight, 1e-6), mod(x, z))

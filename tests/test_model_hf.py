@@ -237,9 +237,10 @@ def _hf_prefill_then_step(hf, prompt, token):
 def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
     """The drop-in claim, from the other side: transformers' own Qwen3-Next with fast.chunk_gated_delta_rule and
     fast.fused_recurrent_gated_delta_rule in place of fla's (called with transformers' keywords, through the filter
-    its hub-kernel wrapper applies to fla), float32: a prompt's logits and a cached decode step's pass the
-    conformance rule against transformers' float64 run, with transformers' torch fallbacks in float32 as the
-    reference precision."""
+    its hub-kernel wrapper applies to fla) and fast.rms_norm_gated as its gated output norm (Qwen3NextRMSNormGated,
+    which a hub kernel may replace), float32: a prompt's logits and a cached decode step's pass the conformance
+    rule against transformers' float64 run, with transformers' torch fallbacks in float32 as the reference
+    precision."""
     import fast
     path, prompts, _, _ = hf_truth
     prompt, token = prompts[2], torch.tensor(5)
@@ -255,7 +256,7 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
         mp = pytest.MonkeyPatch()
         try:
             with (hf_float64(mp) if dtype == torch.float64 else contextlib.nullcontext()):
-                calls = {"chunk": 0, "rec": 0}
+                calls = {"chunk": 0, "rec": 0, "norm": 0}
 
                 def counted(f, key):
                     def g(*a, **k):
@@ -264,10 +265,15 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
                     return g
                 mp.setattr(hf_mod, "torch_chunk_gated_delta_rule", counted(chunk, "chunk"))
                 mp.setattr(hf_mod, "torch_recurrent_gated_delta_rule", counted(rec, "rec"))
+                if name == "fast":
+                    mp.setattr(hf_mod.Qwen3NextRMSNormGated, "forward", counted(
+                        lambda self, x, gate: fast.rms_norm_gated(x, gate, self.weight, None, self.activation,
+                                                                  eps=self.variance_epsilon), "norm"))
                 hf = transformers.Qwen3NextForCausalLM.from_pretrained(path, dtype=dtype, **load).eval()
                 hf = hf.to("cpu" if dtype == torch.float64 else DEVICE)   # fast's kernels: native on a GPU
                 runs[name] = _hf_prefill_then_step(hf, prompt, token)
-                assert calls == {"chunk": 3, "rec": 3}, (name, calls)      # 3 GDN layers: one prefill, one step
+                # 3 GDN layers: one prefill, one step; fast's norm in each GDN layer of both
+                assert calls == {"chunk": 3, "rec": 3, "norm": 6 if name == "fast" else 0}, (name, calls)
         finally:
             mp.undo()
     for n, what in enumerate(("prompt logits", "decode-step logits")):

@@ -1,0 +1,115 @@
+"""The GDN layer's gated output norm (rms_norm_gated): fast against fla 0.6.0's rms_norm_gated and transformers'
+torch Qwen3NextRMSNormGated, at Qwen3-Next's value heads (HV = 32, V = 128, bf16 activations, a [V] weight).
+
+Rows (``python -m benchmarks --only norm``):
+  - decode, N requests (N x 32 rows of 128): us per call inside a CUDA graph of 32 calls on 32 separate inputs
+    (how a layer's norm costs inside a model's decode graph; launch overhead excluded);
+  - prefill, T = 4096 tokens (131072 rows), forward, and forward + backward: do_bench medians, GB/s from
+
+        bytes = (read x + read z + write y) = 3 M D b                    (forward)
+              + (read x, z, dy + write dx, dz) = 5 M D b                 (backward)      b = 2 bytes (bf16)
+
+    and the fraction of the copy bandwidth measured in this process.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import common
+
+TITLE = "Gated output norm: fast vs fla vs transformers' torch (rms_norm_gated)"
+HV, V, LAYERS = 32, 128, 32
+EPS = 1e-6
+
+
+def hf_torch(x, z, w, eps=EPS):
+    """transformers' Qwen3NextRMSNormGated.forward, as a function (its torch path, 16-bit rounding included)."""
+    dt = x.dtype
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = w * y.to(dt)
+    return (y * torch.nn.functional.silu(z.float())).to(dt)
+
+
+def _impls():
+    import fast
+    out = {"fast": lambda x, z, w: fast.rms_norm_gated(x, z, w, None, "swish", eps=EPS),
+           "transformers torch": hf_torch}
+    try:
+        from fla.modules.fused_norm_gate import rms_norm_gated as fla_norm
+        out["fla"] = lambda x, z, w: fla_norm(x, z, w, None, "swish", eps=EPS)
+    except Exception:  # noqa: BLE001 - fla not installed: its rows are left out
+        pass
+    return out
+
+
+def _inputs(M, dtype=torch.bfloat16, seed=0, grad=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, V, generator=gen, device="cuda", dtype=dtype).requires_grad_(grad)
+    z = torch.randn(M, V, generator=gen, device="cuda", dtype=dtype).requires_grad_(grad)
+    w = (1 + 0.1 * torch.randn(V, generator=gen, device="cuda", dtype=dtype)).requires_grad_(grad)
+    return x, z, w
+
+
+def _graph_us(fn, M: int) -> float:
+    """us per call of fn inside one CUDA graph of LAYERS calls, each on its own inputs."""
+    ins = [_inputs(M, seed=i) for i in range(LAYERS)]
+    for a in ins[:2]:
+        fn(*a)                                                  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for a in ins:
+            fn(*a)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for a in ins:
+            fn(*a)
+    return common.bench(g.replay) * 1e3 / LAYERS
+
+
+def run() -> list:
+    if not common.gpu_available():
+        return []
+    impls = _impls()
+    ceiling = common.copy_bandwidth_gbs()
+    rows = []
+    for N in (1, 32):
+        for name, fn in impls.items():
+            rows.append(dict(what=f"decode N={N} ({N * HV} rows x {V})", impl=name, mode="graph, per call",
+                             us=_graph_us(fn, N * HV)))
+    M = 4096 * HV
+    x, z, w = _inputs(M)
+    xg, zg, wg = _inputs(M, grad=True)
+    dy = torch.randn_like(x)
+    fwd_bytes, bwd_bytes = 3 * M * V * x.element_size(), 5 * M * V * x.element_size()
+    for name, fn in impls.items():
+        fn(x, z, w)
+        ms = common.bench(lambda: fn(x, z, w))
+        gbs = fwd_bytes / (ms * 1e-3) / 1e9
+        rows.append(dict(what=f"prefill T=4096 ({M} rows x {V})", impl=name, mode="forward", us=ms * 1e3,
+                         GBs=gbs, of_copy=gbs / ceiling))
+
+        def fb():
+            xg.grad = zg.grad = wg.grad = None
+            fn(xg, zg, wg).backward(dy)
+        fb()
+        ms = common.bench(fb)
+        gbs = (fwd_bytes + bwd_bytes) / (ms * 1e-3) / 1e9
+        rows.append(dict(what=f"prefill T=4096 ({M} rows x {V})", impl=name, mode="forward + backward",
+                         us=ms * 1e3, GBs=gbs, of_copy=gbs / ceiling))
+    return rows
+
+
+META = {"shape": f"rows of V={V} (HV={HV} value heads per token), bf16 x, z and weight, eps {EPS}",
+        "bytes": "forward 3 M V b (x, z read, y written); backward 5 M V b more (x, z, dy read, dx, dz written)"}
+
+
+if __name__ == "__main__":
+    rows = run()
+    print(common.format_table(rows))
+    if rows:
+        meta = dict(META, ceiling_copy_GBs=common.copy_bandwidth_gbs())
+        common.append_results(TITLE, rows, meta)
