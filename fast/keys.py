@@ -310,7 +310,7 @@ def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, p
                    residual_in_fp32=False, eps=1e-6) -> List[CompileKey]:
     """Keys of fast.rms_norm_gated's forward: BM depends on the row count (one variant per power of two up to
     4096 / next_pow2(D)). The backward (rms_norm_gated_bwd_kernel) runs in training only, never in a graph."""
-    from .norm import GATES, norm_config
+    from .norm import GATES, _rows, norm_config
     D = x.shape[-1]
     M = x.numel() // D if D else 0
     if M == 0:
@@ -319,7 +319,8 @@ def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, p
     warps = cfg.pop("num_warps")
     return [CompileKey.make("rms_norm_gated_fwd_kernel",
                             dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
-                                 FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias)}, **cfg),
+                                 FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias)},
+                                 X_SPLIT=_rows(x)[4], G_SPLIT=_rows(g)[4], **cfg),
                             dict(x=x.dtype, g=g.dtype, w=_dt(weight), b=_dt(bias), y=x.dtype),
                             dict(num_warps=warps))]
 

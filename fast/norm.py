@@ -31,6 +31,7 @@ from .launch import launch
 from .utils import cdiv, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
+BWD_PROGRAMS_PER_SM = 16   # the backward's programs (each walks row blocks, keeping its dw / db partial sums)
 GATES = {"swish": 0, "silu": 0, "sigmoid": 1}
 
 
@@ -42,15 +43,21 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _row_ptrs(base, o_m, N1, s0, s1, o_d):
-    """[BM, BD] pointers of rows o_m = (o_m // N1, o_m % N1) at strides (s0, s1), unit column stride."""
-    return base + (o_m // N1 * s0 + o_m % N1 * s1)[:, None] + o_d[None, :]
+def _row_ptrs(base, o_m, N1, s0, s1, o_d, SPLIT: tl.constexpr):
+    """[BM, BD] pointers, unit column stride, of rows o_m: at o_m * s1 (SPLIT false: the leading dims merge into one
+    stride), else at (o_m // N1) * s0 + (o_m % N1) * s1 (o_m int32 there: a 64-bit division costs ~3x more)."""
+    if SPLIT:
+        o_r = o_m.to(tl.int32)
+        return base + ((o_r // N1).to(tl.int64) * s0 + (o_r % N1).to(tl.int64) * s1)[:, None] + o_d[None, :]
+    else:
+        return base + (o_m * s1)[:, None] + o_d[None, :]
 
 
 @triton.jit(do_not_specialize=["M"])
 def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
                               D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
-                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr):
+                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
+                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
     """x, g: M rows of D (strided, see _row_ptrs); w, b: [D]; y: [M, D] contiguous.
 
     y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g)
@@ -64,15 +71,20 @@ def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
         cdt = tl.float64
     else:
         cdt = tl.float32
-    b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d), mask=mask, other=0).to(cdt)
+    # every load first (one round trip to memory, not one per operand)
+    b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
+    b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
+    if HAS_W:
+        b_w = tl.load(w + o_d, mask=m_d, other=0).to(cdt)
+    if HAS_B:
+        b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
     # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
     b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
     b_y = b_x * b_r[:, None]
     if HAS_W:
-        b_y = b_y * tl.load(w + o_d, mask=m_d, other=0).to(cdt)[None, :]
+        b_y = b_y * b_w[None, :]
     if HAS_B:
-        b_y = b_y + tl.load(b + o_d, mask=m_d, other=0).to(cdt)[None, :]
-    b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d), mask=mask, other=0).to(cdt)
+        b_y = b_y + b_b[None, :]
     b_s = _sigmoid(b_g)
     if GATE == 0:
         b_y = b_y * (b_g * b_s)
@@ -81,13 +93,25 @@ def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
     tl.store(y + o_m[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bwd_loads(x, g, dy, blk, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D: tl.constexpr, BM: tl.constexpr,
+               X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
+    """Row block blk's x, g and dy tiles [BM, BD] as stored (rows past M and padded columns: 0)."""
+    o_m = (blk * BM + tl.arange(0, BM)).to(tl.int64)
+    mask = (o_m < M)[:, None] & m_d[None, :]
+    return (tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0),
+            tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0),
+            tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0))
+
+
 @triton.jit(do_not_specialize=["M", "ITERS"])
 def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
                               ITERS,
                               D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
-                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr):
+                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
+                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
     """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous;
-    dw_part, db_part: [programs, D] in the compute dtype, this program's sums over its rows (module docstring)."""
+    dw_part, db_part: [programs, D] float64, this program's sums over its rows (module docstring)."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -101,14 +125,19 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
     b_b = tl.zeros([BD], cdt)
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
-    acc_w = tl.zeros([BD], cdt)
-    acc_b = tl.zeros([BD], cdt)
+    # dw, db: per-element float64 sums over the program's row blocks, over its rows at the end (the column sums of
+    # many rows are the op's only long reductions: summed this way they are at least as accurate as autograd's)
+    acc_w = tl.zeros([BM, BD], tl.float64)
+    acc_b = tl.zeros([BM, BD], tl.float64)
+    # the next row block's loads issued before this one's arithmetic (the loop is not software-pipelined)
+    n_x, n_g, n_dy = _bwd_loads(x, g, dy, i_p * ITERS, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D, BM, X_SPLIT,
+                                G_SPLIT)
     for i in range(0, ITERS):
         o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
         mask = (o_m < M)[:, None] & m_d[None, :]
-        b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d), mask=mask, other=0).to(cdt)
-        b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d), mask=mask, other=0).to(cdt)
-        b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
+        b_x, b_g, b_dy = n_x.to(cdt), n_g.to(cdt), n_dy.to(cdt)
+        n_x, n_g, n_dy = _bwd_loads(x, g, dy, i_p * ITERS + i + 1, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D, BM,
+                                    X_SPLIT, G_SPLIT)
         b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
         b_n = b_x * b_r[:, None]
         b_s = _sigmoid(b_g)
@@ -125,13 +154,13 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
         b_dx = b_r[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) / D)[:, None])
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=mask)
         if HAS_W:
-            acc_w += tl.sum(b_dp * b_n, axis=0)
+            acc_w += (b_dp * b_n).to(tl.float64)
         if HAS_B:
-            acc_b += tl.sum(b_dp, axis=0)
+            acc_b += b_dp.to(tl.float64)
     if HAS_W:
-        tl.store(dw_part + i_p * D + o_d, acc_w, mask=m_d)
+        tl.store(dw_part + i_p * D + o_d, tl.sum(acc_w, axis=0), mask=m_d)
     if HAS_B:
-        tl.store(db_part + i_p * D + o_d, acc_b, mask=m_d)
+        tl.store(db_part + i_p * D + o_d, tl.sum(acc_b, axis=0), mask=m_d)
 
 
 # ============================================================================================
@@ -139,20 +168,33 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
 # ============================================================================================
 
 def norm_config(M: int, D: int) -> dict:
-    """BM rows of BD = next_pow2(D) per program, ~4K values a block (fewer rows when M is small: one variant per
-    power of two of M up to 4096 / BD); 4 warps, 8 from 8K values. Pinned (module docstring)."""
+    """BM rows of BD = next_pow2(D) per program, ~512 values a block and at least ~16 programs where M allows (a
+    decode step's few rows spread over SMs); one warp per 256 values, 1 to 8. H200, Triton 3.6, bf16, D = 128, us
+    per call in a CUDA graph (scratch sweep, 2026-11-27): M = 32: BM 2 / 1 warp 1.68 (fla 1.98); M = 1024: BM 4 /
+    4 warps 2.30, BM 2 / 2 warps 2.32, BM 32 / 8 warps 3.43 (fla 2.53); M = 131072: BM 4 / 2 warps 26.1, BM 32 / 8
+    warps 27.2 (fla 27.1). One variant per power of two of M until BM saturates. Pinned (module docstring)."""
     BD = next_pow2(D)
-    BM = max(1, min(next_pow2(M), 4096 // BD))
-    return dict(BM=BM, BD=BD, num_warps=4 if BM * BD <= 4096 else 8)
+    BM = max(1, min(next_pow2(M) // 16, 512 // BD))
+    return dict(BM=BM, BD=BD, num_warps=min(8, max(1, BM * BD // 256)))
 
 
-def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
-    """t: [..., D] -> (t or a contiguous copy, N1, s0, s1): row i of the flattened [M, D] sits at
-    (i // N1) * s0 + (i % N1) * s1 with unit column stride. A copy only where the leading dims but the last do
-    not merge into one stride, or the last dim is strided."""
+def norm_bwd_config(M: int, D: int) -> dict:
+    """The backward's blocks: norm_config's BM, one warp per 512 values (its tiles are three: x, g, dy). H200,
+    Triton 3.6, bf16, D = 128, M = 131072, forward + backward in a CUDA graph (scratch sweep, 2026-11-27): BM 4 /
+    1 warp / 16 programs per SM 94.3 us, BM 2 / 1 warp 100.2, 64 programs per SM 104-106, BM 8 / 2 warps 107,
+    BM 32 / 8 warps / 4 per SM 114.7 (fla 84.7)."""
+    cfg = norm_config(M, D)
+    return dict(cfg, num_warps=min(8, max(1, cfg["BM"] * cfg["BD"] // 512)))
+
+
+def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int, bool]:
+    """t: [..., D] -> (t or a contiguous copy, N1, s0, s1, split): row i of the flattened [M, D] sits at
+    (i // N1) * s0 + (i % N1) * s1 with unit column stride; split False when every row is at i * s1 (the leading
+    dims merge into one stride: the kernels skip the division). A copy only where the leading dims but the last
+    do not merge into one stride, or the last dim is strided."""
     D = t.shape[-1]
     if t.dim() == 1:
-        return t, 1, 0, 0
+        return t, 1, 0, D, False
     if D > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     N1 = t.shape[-2]
@@ -161,7 +203,9 @@ def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
     except RuntimeError:
         t = t.contiguous()
         v = t.view(-1, N1, D)
-    return t, N1, v.stride(0), v.stride(1)
+    s0, s1 = v.stride(0), v.stride(1)
+    split = v.shape[0] > 1 and N1 > 1 and s0 != N1 * s1
+    return t, N1, s0, (s1 if N1 > 1 or v.shape[0] == 1 else s0), split
 
 
 def _check_limits(D: int) -> None:
@@ -169,46 +213,51 @@ def _check_limits(D: int) -> None:
         raise ValueError(f"x's last dim D must be <= {MAX_D} for fast.rms_norm_gated (one row per block), got {D}")
 
 
-def _kw(x, g, weight, bias, activation, M: int, D: int) -> dict:
+def _kw(x, g, weight, bias, activation, M: int, D: int, x_split: bool, g_split: bool, config=None,
+        pinned=norm_config) -> dict:
     return dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
                 FP64=torch.float64 in {t.dtype for t in (x, g, weight, bias) if t is not None},
-                **norm_config(M, D))
+                X_SPLIT=x_split, G_SPLIT=g_split, **dict(pinned(M, D), **(config or {})))
 
 
-def rms_norm_gated_fwd(x, g, weight, bias, activation: str, eps: float) -> torch.Tensor:
-    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype."""
+def rms_norm_gated_fwd(x, g, weight, bias, activation: str, eps: float, config: Optional[dict] = None
+                       ) -> torch.Tensor:
+    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype. config: benchmark overrides of
+    norm_config's BM / num_warps (each value its own variant)."""
     D = x.shape[-1]
     _check_limits(D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     M = x.numel() // D
     if M == 0:
         return y
-    x2, N1, sx0, sx1 = _rows(x)
-    g2, N1g, sg0, sg1 = _rows(g)
-    kw = _kw(x, g, weight, bias, activation, M, D)
+    x2, N1, sx0, sx1, x_split = _rows(x)
+    g2, _, sg0, sg1, g_split = _rows(g)          # (g has x's shape: the same N1)
+    kw = _kw(x, g, weight, bias, activation, M, D, x_split, g_split, config)
     grid = (cdiv(M, kw["BM"]),)
     launch(rms_norm_gated_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, float(eps))
     return y
 
 
-def rms_norm_gated_bwd(dy, x, g, weight, bias, activation: str, eps: float):
-    """-> (dx, dg, dweight or None, dbias or None) in the dtypes of x, g, weight, bias."""
+def rms_norm_gated_bwd(dy, x, g, weight, bias, activation: str, eps: float, config: Optional[dict] = None):
+    """-> (dx, dg, dweight or None, dbias or None) in the dtypes of x, g, weight, bias (dx, dg contiguous)."""
     D = x.shape[-1]
     _check_limits(D)
     M = x.numel() // D
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    kw = _kw(x, g, weight, bias, activation, M, D)
+    x2, N1, sx0, sx1, x_split = _rows(x)
+    g2, _, sg0, sg1, g_split = _rows(g)          # (g has x's shape: the same N1)
+    config = dict(config or {})
+    per_sm = config.pop("programs_per_sm", BWD_PROGRAMS_PER_SM)
+    kw = _kw(x, g, weight, bias, activation, M, D, x_split, g_split, config, norm_bwd_config)
     blocks = cdiv(M, kw["BM"])
-    programs = max(1, min(blocks, 4 * _num_sms(x.device)))   # dw / db partial sums: <= 4 rows a SM
+    programs = max(1, min(blocks, per_sm * _num_sms(x.device)))    # dw / db: one partial row per program
     iters = cdiv(blocks, programs)
     programs = cdiv(blocks, iters) if blocks else 1
-    cdt = torch.float64 if kw["FP64"] else torch.float32
-    dw_part = torch.zeros(programs, D, dtype=cdt, device=x.device) if weight is not None else None
-    db_part = torch.zeros(programs, D, dtype=cdt, device=x.device) if bias is not None else None
+    f64 = torch.float64
+    dw_part = torch.zeros(programs, D, dtype=f64, device=x.device) if weight is not None else None
+    db_part = torch.zeros(programs, D, dtype=f64, device=x.device) if bias is not None else None
     if M > 0:
-        x2, N1, sx0, sx1 = _rows(x)
-        g2, _, sg0, sg1 = _rows(g)
         dy2 = dy.reshape(M, D)
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
