@@ -13,8 +13,8 @@ Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-g
 
     dp = dy a ;  dg = dy p act'(g) ;  dn = dp w ;  dx = r (dn - n mean(dn n)) ;  dw = sum_rows dp n ;  db = sum_rows dp
 
-r is recomputed from x (nothing but the inputs is saved); dw and db are summed per program over its rows in float32,
-then over the programs on the host.
+r is recomputed from x (nothing but the inputs is saved); dw and db: each block's column sums in float32, summed over
+a program's blocks in float64, then over the programs on the host (16 programs per SM, BWD_PROGRAMS_PER_SM).
 """
 from __future__ import annotations
 
@@ -93,17 +93,6 @@ def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
     tl.store(y + o_m[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _bwd_loads(x, g, dy, blk, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D: tl.constexpr, BM: tl.constexpr,
-               X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
-    """Row block blk's x, g and dy tiles [BM, BD] as stored (rows past M and padded columns: 0)."""
-    o_m = (blk * BM + tl.arange(0, BM)).to(tl.int64)
-    mask = (o_m < M)[:, None] & m_d[None, :]
-    return (tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0),
-            tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0),
-            tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0))
-
-
 @triton.jit(do_not_specialize=["M", "ITERS"])
 def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
                               ITERS,
@@ -125,19 +114,16 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
     b_b = tl.zeros([BD], cdt)
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
-    # dw, db: per-element float64 sums over the program's row blocks, over its rows at the end (the column sums of
-    # many rows are the op's only long reductions: summed this way they are at least as accurate as autograd's)
-    acc_w = tl.zeros([BM, BD], tl.float64)
-    acc_b = tl.zeros([BM, BD], tl.float64)
-    # the next row block's loads issued before this one's arithmetic (the loop is not software-pipelined)
-    n_x, n_g, n_dy = _bwd_loads(x, g, dy, i_p * ITERS, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D, BM, X_SPLIT,
-                                G_SPLIT)
+    # dw, db: each row block's column sums, accumulated over the program's blocks in float64 (the column sums of many
+    # rows are the op's only long reductions: summed this way they are as accurate as autograd's)
+    acc_w = tl.zeros([BD], tl.float64)
+    acc_b = tl.zeros([BD], tl.float64)
     for i in range(0, ITERS):
         o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
         mask = (o_m < M)[:, None] & m_d[None, :]
-        b_x, b_g, b_dy = n_x.to(cdt), n_g.to(cdt), n_dy.to(cdt)
-        n_x, n_g, n_dy = _bwd_loads(x, g, dy, i_p * ITERS + i + 1, M, N1, s_x0, s_x1, s_g0, s_g1, o_d, m_d, D, BM,
-                                    X_SPLIT, G_SPLIT)
+        b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
+        b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
+        b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
         b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
         b_n = b_x * b_r[:, None]
         b_s = _sigmoid(b_g)
@@ -154,13 +140,13 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
         b_dx = b_r[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) / D)[:, None])
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=mask)
         if HAS_W:
-            acc_w += (b_dp * b_n).to(tl.float64)
+            acc_w += tl.sum(b_dp * b_n, axis=0).to(tl.float64)
         if HAS_B:
-            acc_b += b_dp.to(tl.float64)
+            acc_b += tl.sum(b_dp, axis=0).to(tl.float64)
     if HAS_W:
-        tl.store(dw_part + i_p * D + o_d, tl.sum(acc_w, axis=0), mask=m_d)
+        tl.store(dw_part + i_p * D + o_d, acc_w, mask=m_d)
     if HAS_B:
-        tl.store(db_part + i_p * D + o_d, tl.sum(acc_b, axis=0), mask=m_d)
+        tl.store(db_part + i_p * D + o_d, acc_b, mask=m_d)
 
 
 # ============================================================================================
@@ -182,7 +168,8 @@ def norm_bwd_config(M: int, D: int) -> dict:
     """The backward's blocks: norm_config's BM, one warp per 512 values (its tiles are three: x, g, dy). H200,
     Triton 3.6, bf16, D = 128, M = 131072, forward + backward in a CUDA graph (scratch sweep, 2026-11-27): BM 4 /
     1 warp / 16 programs per SM 94.3 us, BM 2 / 1 warp 100.2, 64 programs per SM 104-106, BM 8 / 2 warps 107,
-    BM 32 / 8 warps / 4 per SM 114.7 (fla 84.7)."""
+    BM 32 / 8 warps / 4 per SM 114.7 (fla 84.7). Tried and slower: the next row block's loads issued a block ahead
+    and per-element float64 sums (101.4 at the pinned config, same process as fla's 85.1)."""
     cfg = norm_config(M, D)
     return dict(cfg, num_warps=min(8, max(1, cfg["BM"] * cfg["BD"] // 512)))
 
