@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .cases_prefill import (CHUNK_SIZES, _fast, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs, norm_case_inputs,
-                            seed_of)
+from .cases_prefill import (CHUNK_SIZES, _fast, _norm_families, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs,
+                            norm_case_inputs, seed_of)
 from .core import Case, Check, DTYPE_NAMES
 
 GDN_GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -173,13 +173,9 @@ def norm_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Cas
 
 def _norm_grad_families(quick: bool) -> dict:
     """The forward's families but the widest (dweight / dbias sum over every row: T x HV rows in the first)."""
-    big = 1 if quick else 64
-    return {
-        "qwen3next-T-HV-V128-strided": dict(shape=(5 * big, 32 if not quick else 4, 128), strided=True),
-        "D100-bias-sigmoid": dict(shape=(3, 7 * big, 100), bias=True, act="sigmoid"),
-        "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
-        "D1": dict(shape=(2, 9 * big, 1), bias=True),
-    }
+    out = _norm_families(quick)
+    del out["D2304-bias"]
+    return out
 
 
 def cases(quick: bool, device: str) -> list:
