@@ -14,7 +14,7 @@ Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-g
     dp = dy a ;  dg = dy p act'(g) ;  dn = dp w ;  dx = r (dn - n mean(dn n)) ;  dw = sum_rows dp n ;  db = sum_rows dp
 
 r is recomputed from x (nothing but the inputs is saved); dw and db: each block's column sums in float32, summed over
-a program's blocks in float64, then over the programs on the host (16 programs per SM, BWD_PROGRAMS_PER_SM).
+a program's blocks in float64, then over the programs on the host (8 programs per SM, BWD_PROGRAMS_PER_SM).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .launch import launch
 from .utils import cdiv, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
-BWD_PROGRAMS_PER_SM = 16   # the backward's programs (each walks row blocks, keeping its dw / db partial sums)
+BWD_PROGRAMS_PER_SM = 8    # the backward's programs (each walks row blocks, keeping its dw / db partial sums)
 GATES = {"swish": 0, "silu": 0, "sigmoid": 1}
 
 
@@ -98,7 +98,7 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
                               ITERS,
                               D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
                               HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
-                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
+                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, STAGES: tl.constexpr = 1):
     """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous;
     dw_part, db_part: [programs, D] float64, this program's sums over its rows (module docstring)."""
     i_p = tl.program_id(0)
@@ -118,7 +118,7 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
     # rows are the op's only long reductions: summed this way they are as accurate as autograd's)
     acc_w = tl.zeros([BD], tl.float64)
     acc_b = tl.zeros([BD], tl.float64)
-    for i in range(0, ITERS):
+    for i in tl.range(0, ITERS, num_stages=STAGES):
         o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
         mask = (o_m < M)[:, None] & m_d[None, :]
         b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
@@ -165,13 +165,15 @@ def norm_config(M: int, D: int) -> dict:
 
 
 def norm_bwd_config(M: int, D: int) -> dict:
-    """The backward's blocks: norm_config's BM, one warp per 512 values (its tiles are three: x, g, dy). H200,
-    Triton 3.6, bf16, D = 128, M = 131072, forward + backward in a CUDA graph (scratch sweep, 2026-11-27): BM 4 /
-    1 warp / 16 programs per SM 94.3 us, BM 2 / 1 warp 100.2, 64 programs per SM 104-106, BM 8 / 2 warps 107,
-    BM 32 / 8 warps / 4 per SM 114.7 (fla 84.7). Tried and slower: the next row block's loads issued a block ahead
-    and per-element float64 sums (101.4 at the pinned config, same process as fla's 85.1)."""
+    """The backward's blocks: norm_config's BM, one warp per 512 values (its tiles are three: x, g, dy), the row-block
+    loop software-pipelined at three stages (STAGES; the same bits as one stage), 8 programs per SM
+    (BWD_PROGRAMS_PER_SM). H200, Triton 3.6, bf16, D = 128, M = 131072, forward + backward in a CUDA graph (scratch
+    sweeps, 2026-11-27, fla 84.7-84.9 in each): BM 4 / 1 warp / 8 per SM / 3 stages 86.6-86.8 us; 16 per SM 88.4,
+    4 stages 94.6, 2 stages 91.2 (16 per SM); BM 2 / 16 per SM / 4 stages 87.7; BM 8 94.8; 2 warps 101.8; one stage
+    94.3-96.2 (16 per SM), 64 per SM 104-106; BM 32 / 8 warps / 4 per SM / one stage 114.7. Tried and slower: the
+    next row block's loads issued a block ahead by hand, with per-element float64 sums (101.4)."""
     cfg = norm_config(M, D)
-    return dict(cfg, num_warps=min(8, max(1, cfg["BM"] * cfg["BD"] // 512)))
+    return dict(cfg, num_warps=min(8, max(1, cfg["BM"] * cfg["BD"] // 512)), STAGES=3)
 
 
 def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int, bool]:
