@@ -848,7 +848,12 @@ def gdn_step_kernel(
     if PDL:
         p_s = (ssm + _own_slot(state_indices, i_n, S) * stride_s_n + i_hv * stride_s_h + o_k[:, None] * SK
                + o_v[None, :] * SV)
-        if TMAX != 0:                               # (materialize reads its block after the verdict: below)
+        if TMAX == 1 and not KEEP_PENDING:
+            # decode: each line of the state is read once, here, and written once after the wait: ask L2 to evict
+            # these first (H200, per layer of a 32-layer graph, three alternating rounds: N = 8 11.776 -> 11.670 us,
+            # N = 1 3.994 -> 3.999; the same hint on the stores, or .cs stores: slower; RESULTS.md 2026-11-27)
+            b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0, eviction_policy="evict_first")
+        elif TMAX != 0:                             # (materialize reads its block after the verdict: below)
             b_next = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0)
         if TMAX == 1 and not KEEP_PENDING:
             # decode: request i_n's one token is row i_n (the conv kernel's bos; L = 1: no cu_seqlens,
