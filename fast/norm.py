@@ -156,9 +156,10 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
 def norm_config(M: int, D: int) -> dict:
     """BM rows of BD = next_pow2(D) per program, ~512 values a block and at least ~16 programs where M allows (a
     decode step's few rows spread over SMs); one warp per 256 values, 1 to 8. H200, Triton 3.6, bf16, D = 128, us
-    per call in a CUDA graph (scratch sweep, 2026-11-27): M = 32: BM 2 / 1 warp 1.68 (fla 1.98); M = 1024: BM 4 /
-    4 warps 2.30, BM 2 / 2 warps 2.32, BM 32 / 8 warps 3.43 (fla 2.53); M = 131072: BM 4 / 2 warps 26.1, BM 32 / 8
-    warps 27.2 (fla 27.1). One variant per power of two of M until BM saturates. Pinned (module docstring)."""
+    per call in a CUDA graph (scratch sweeps, 2026-11-27): M = 32: BM 2 / 1 warp 1.68 (fla 1.89-1.98); M = 1024: BM
+    4 / 4 warps 2.28-2.30, BM 2 / 2 warps 2.32, the pinned BM 4 / 2 warps 2.37-2.39, BM 32 / 8 warps 3.43 (fla
+    2.47-2.53); M = 131072: BM 4 / 2 warps 26.1-26.2, BM 32 / 8 warps 27.2 (fla 27.0-27.1). One variant per power of
+    two of M until BM saturates. Pinned (module docstring)."""
     BD = next_pow2(D)
     BM = max(1, min(next_pow2(M) // 16, 512 // BD))
     return dict(BM=BM, BD=BD, num_warps=min(8, max(1, BM * BD // 256)))
@@ -194,6 +195,8 @@ def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int, bool]:
         v = t.view(-1, N1, D)
     s0, s1 = v.stride(0), v.stride(1)
     split = v.shape[0] > 1 and N1 > 1 and s0 != N1 * s1
+    if split and v.shape[0] * N1 >= 2 ** 31:                # (the split rows' index is int32 in _row_ptrs)
+        return _rows(t.contiguous())
     return t, N1, s0, (s1 if N1 > 1 or v.shape[0] == 1 else s0), split
 
 
