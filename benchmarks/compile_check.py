@@ -18,7 +18,8 @@ Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fuse
 16-bit backward variant and conv1d; bench = bench_train's B 4, H 16, HV 32 (the configs depend on N * HV);
 bench16 = the same with the 16-bit backward; forward = the prefill forward at Qwen3-Next's shape, B 1, B 4 and 16
 sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen3-Next's shape (float32
-state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8.
+state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8; norm = fast.norm's gated output norm at
+V = 128 (decode rows and a T = 4096 prefill, forward and backward).
 
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
 broadcast of a scalar atomic's result).
@@ -35,7 +36,7 @@ import tempfile
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode", "forward"])
+    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode", "forward", "norm"])
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
@@ -90,6 +91,15 @@ def main(argv=None) -> int:
                                           torch.rand(B, T, 32).to(dt), initial_state=torch.randn(N or B, 32, K, V),
                                           output_final_state=True, cu_seqlens=cu, chunk_size=64,
                                           use_qk_l2norm_in_kernel=l2)
+    elif args.shape == "norm":
+        # the gated output norm (fast.norm) at Qwen3-Next's value heads: decode rows (N = 1, 32) and a prefill's
+        import fast.norm as fnm
+        fnm._num_sms = lambda device: 132
+        for M in (32, 1024, 4096 * 32):
+            x, z, w = torch.randn(M, 128).to(dt), torch.randn(M, 128).to(dt), torch.randn(128).to(dt)
+            fnm.rms_norm_gated_fwd(x, z, w, None, "swish", 1e-6)
+            if M > 1024:
+                fnm.rms_norm_gated_bwd(torch.randn(M, 128).to(dt), x, z, w, None, "swish", 1e-6)
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
