@@ -1,0 +1,69 @@
+"""The causal-conv1d package's API (Tri Dao's ``causal_conv1d_fn`` / ``causal_conv1d_update``, which transformers'
+Qwen3-Next and Mamba layers call) over an ops namespace's causal_conv1d / causal_conv1d_update.
+
+    causal_conv1d_fn(x [B, D, T], weight [D, W], ...) -> out [B, D, T]          (channels first)
+    causal_conv1d_update(x [B, D] or [B, D, 1], conv_state [B, D, S >= W-1], ...) -> out like x;
+        conv_state <- [conv_state[..., 1:], x] (the whole buffer shifts; the window is its last W-1 columns + x)
+
+``refgdn.compat`` binds them to refgdn's ops, ``fast.compat`` to fast's: the same mapping, one definition.
+Refused by name (ValueError): ``seq_idx`` (use cu_seqlens with causal_conv1d), the circular-buffer
+``cache_seqlens``, ``conv_state_indices``, and updates of more than one token.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+
+
+def _ops(ops):
+    return sys.modules["refgdn"] if ops is None else ops
+
+
+def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, seq_idx=None,
+                     initial_states: Optional[torch.Tensor] = None, return_final_states: bool = False,
+                     final_states_out: Optional[torch.Tensor] = None, activation: Optional[str] = None, *, ops=None):
+    """x: [B, D, T], weight: [D, W], bias: [D], initial_states: [B, D, W-1] -> out [B, D, T] in x.dtype (a view of a
+    [B, T, D] result), and with return_final_states the last W-1 inputs [B, D, W-1] (written into final_states_out
+    when given). out = act(bias + causal depthwise conv of x), act None or "silu" / "swish"."""
+    if seq_idx is not None:
+        raise ValueError("seq_idx: not supported; pass packed sequences to causal_conv1d with cu_seqlens [N+1]")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [B, D, T] (channels first), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    want_final = bool(return_final_states) or final_states_out is not None
+    y, final = _ops(ops).causal_conv1d(x.transpose(1, 2), weight, bias, activation, initial_states, want_final)
+    out = y.transpose(1, 2)                                      # [B, T, D] -> [B, D, T] (a view)
+    if not want_final:
+        return out
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out, final
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, activation: Optional[str] = None, cache_seqlens=None,
+                         conv_state_indices=None, *, ops=None) -> torch.Tensor:
+    """x: [B, D] or [B, D, 1], conv_state: [B, D, S] with S >= W-1 (updated in place), weight: [D, W], bias: [D] ->
+    out shaped as x. The window is conv_state's last W-1 columns and x; the whole buffer shifts by one column and
+    takes x last (causal-conv1d's semantics; transformers keeps S = W)."""
+    if cache_seqlens is not None or conv_state_indices is not None:
+        raise ValueError("cache_seqlens / conv_state_indices: not supported (a circular or indexed conv state); "
+                         "index the state's rows before the call")
+    squeeze = isinstance(x, torch.Tensor) and x.dim() == 3
+    if squeeze and x.shape[2] != 1:
+        raise ValueError(f"x must be [B, D] or [B, D, 1] (one token per update), got {tuple(x.shape)}")
+    x2 = x[:, :, 0] if squeeze else x
+    W = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if (W is not None and isinstance(conv_state, torch.Tensor) and conv_state.dim() == 3
+            and conv_state.shape[2] > W - 1 >= 0):
+        extra = conv_state.shape[2] - (W - 1)
+        window = conv_state[:, :, extra:]                       # the last W-1 columns: the op's [B, D, W-1] state
+        head = conv_state[:, :, 1:extra + 1].clone()            # read before the op shifts the window
+        y = _ops(ops).causal_conv1d_update(x2, window, weight, bias, activation)   # (its checks raise first)
+        conv_state[:, :, :extra].copy_(head)                    # the older columns shift too
+    else:
+        y = _ops(ops).causal_conv1d_update(x2, conv_state, weight, bias, activation)
+    return y[:, :, None] if squeeze else y

@@ -1,0 +1,81 @@
+"""The causal-conv1d package's API (refgdn.compat, fast.compat) against transformers' torch versions of the same two
+functions (what its Qwen3-Next layer calls when causal-conv1d is not installed) and the conformance rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fast.compat as fc
+import refgdn
+import refgdn.compat as rc
+from conformance.core import Check, evaluate
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+hf_mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+HF_UPDATE = getattr(hf_mod.causal_conv1d_update, "__wrapped__", hf_mod.causal_conv1d_update)
+HF_FN = getattr(hf_mod.causal_conv1d_fn, "__wrapped__", hf_mod.causal_conv1d_fn)
+B, D, W = 3, 40, 4
+
+
+def _conforms(name, got, truth, ref, dtype):
+    res = evaluate(Check(name, got.cpu(), truth, ref.cpu(), dtype=dtype))
+    assert res["passed"], f"{name}: {res}"
+
+
+@pytest.mark.parametrize("S", [W - 1, W, W + 2], ids=lambda s: f"state-width-{s}")
+@pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_update_matches_transformers(S, mod, dtype):
+    """One decode token: the state buffer (any width >= W-1; transformers keeps W) shifts exactly as transformers'
+    torch update shifts it (bit for bit); the output passes the rule against the float64 result, transformers' in
+    `dtype` as the reference."""
+    gen = torch.Generator().manual_seed(S)
+    w, b = (torch.randn(D, W, generator=gen).to(dtype), torch.randn(D, generator=gen).to(dtype))
+    st, x = torch.randn(B, D, S, generator=gen).to(dtype), torch.randn(B, D, 1, generator=gen).to(dtype)
+    ref_state, got_state, truth_state = st.clone(), st.clone().to(DEVICE), st.double()
+    ref = HF_UPDATE(x, ref_state, w, b, "silu")
+    truth = HF_UPDATE(x.double(), truth_state, w.double(), b.double(), "silu")
+    got = mod.causal_conv1d_update(x.to(DEVICE), got_state, w.to(DEVICE), b.to(DEVICE), "silu")
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(got_state.cpu(), ref_state)
+    _conforms("out", got, truth, ref, dtype)
+    y2 = mod.causal_conv1d_update(x[:, :, 0].to(DEVICE), got_state, w.to(DEVICE), b.to(DEVICE), "silu")   # [B, D]
+    assert y2.shape == (B, D)
+
+
+@pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+def test_fn_matches_transformers_and_the_states(mod):
+    """Prefill, channels first: out as transformers' torch causal_conv1d_fn (the rule, float32); with initial states
+    and final states (written into final_states_out), as refgdn.causal_conv1d on the [B, T, D] layout."""
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    x = torch.randn(B, D, 37, generator=gen)
+    got = mod.causal_conv1d_fn(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), activation="silu")
+    assert got.shape == x.shape
+    _conforms("out", got, HF_FN(x.double(), w.double(), b.double(), activation="silu"),
+              HF_FN(x, w, b, activation="silu"), torch.float32)
+    h0 = torch.randn(B, D, W - 1, generator=gen)
+    into = torch.empty(B, D, W - 1, device=DEVICE)
+    out, final = mod.causal_conv1d_fn(x.to(DEVICE), w.to(DEVICE), None, None, h0.to(DEVICE), True, into, None)
+    y_t, f_t = refgdn.causal_conv1d(x.transpose(1, 2).double(), w.double(), None, None, h0.double(), True)
+    y_r, f_r = refgdn.causal_conv1d(x.transpose(1, 2), w, None, None, h0, True)
+    assert final is into
+    _conforms("out", out.transpose(1, 2), y_t, y_r, torch.float32)
+    assert torch.equal(final.cpu(), f_r)                # the last W-1 inputs: copies
+
+
+@pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+def test_refusals_name_the_argument_and_leave_the_state(mod):
+    gen = torch.Generator().manual_seed(8)
+    w, st = torch.randn(D, W, generator=gen).to(DEVICE), torch.randn(B, D, W, generator=gen).to(DEVICE)
+    x = torch.randn(B, D, 1, generator=gen).to(DEVICE)
+    before = st.clone()
+    for call, arg in ((lambda: mod.causal_conv1d_update(x, st, w, cache_seqlens=torch.zeros(B)), "cache_seqlens"),
+                      (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=torch.zeros(B)),
+                       "conv_state_indices"),
+                      (lambda: mod.causal_conv1d_update(x.repeat(1, 1, 2), st, w), "x"),
+                      (lambda: mod.causal_conv1d_update(x, st, w[:5]), "weight"),          # the op's own check
+                      (lambda: mod.causal_conv1d_fn(x, w, seq_idx=torch.zeros(B, 1)), "seq_idx")):
+        with pytest.raises(ValueError, match=arg):
+            call()
+        assert torch.equal(st, before)
