@@ -3,6 +3,7 @@ torch Qwen3NextRMSNormGated, at Qwen3-Next's value heads (HV = 32, V = 128, bf16
 
 Rows (``python -m benchmarks --only norm``):
   - decode, N requests (N x 32 rows of 128): us per call inside a CUDA graph of 32 calls on 32 separate inputs
+    (bench_graphs.per_layer_us)
     (how a layer's norm costs inside a model's decode graph; launch overhead excluded);
   - prefill, T = 4096 tokens (131072 rows), forward, and forward + backward: do_bench medians, GB/s from
 
@@ -13,12 +14,15 @@ Rows (``python -m benchmarks --only norm``):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import common
+from .bench_graphs import per_layer_us
 
 TITLE = "Gated output norm: fast vs fla vs transformers' torch (rms_norm_gated)"
-HV, V, LAYERS = 32, 128, 32
+HV, V = 32, 128
 EPS = 1e-6
 
 
@@ -51,25 +55,6 @@ def _inputs(M, dtype=torch.bfloat16, seed=0, grad=False):
     return x, z, w
 
 
-def _graph_us(fn, M: int) -> float:
-    """us per call of fn inside one CUDA graph of LAYERS calls, each on its own inputs."""
-    ins = [_inputs(M, seed=i) for i in range(LAYERS)]
-    for a in ins[:2]:
-        fn(*a)                                                  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for a in ins:
-            fn(*a)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for a in ins:
-            fn(*a)
-    return common.bench(g.replay) * 1e3 / LAYERS
-
-
 def run() -> list:
     if not common.gpu_available():
         return []
@@ -78,8 +63,9 @@ def run() -> list:
     rows = []
     for N in (1, 32):
         for name, fn in impls.items():
+            # us per call in one CUDA graph of bench_graphs.LAYERS calls, each on its own inputs (a layer in a model)
             rows.append(dict(what=f"decode N={N} ({N * HV} rows x {V})", impl=name, mode="graph, per call",
-                             us=_graph_us(fn, N * HV)))
+                             us=per_layer_us(lambda i: functools.partial(fn, *_inputs(N * HV, seed=i)))))
     M = 4096 * HV
     x, z, w = _inputs(M)
     xg, zg, wg = _inputs(M, grad=True)

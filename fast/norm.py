@@ -4,9 +4,9 @@
     y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act(g) = g sigmoid(g) ("swish" / "silu") or sigmoid(g)
 
 One memory-bound pass each way, a block of BM whole rows (D <= MAX_D, padded to BD = next_pow2(D)) per program,
-float32 inside (float64 for float64 inputs), rounded once at the store. Rows are addressed as (i // N1, i % N1) at
-two strides, so x and g may be strided views whose leading dims do not merge: the model's z is a [T, HV, V] slice of
-the fused projection (refgdn.model.layers.GatedDeltaNet.project). Pinned configs, never autotuned: the forward runs
+float32 inside (float64 for float64 inputs), rounded once at the store. Rows are addressed at one stride, or as
+(i // N1, i % N1) at two where the leading dims do not merge (_rows), so x and g may be strided views without a copy
+(e.g. a [T, HV, V] slice of a fused projection, as the model's z at one value head per key head). Pinned configs, never autotuned: the forward runs
 inside decode and verify graphs (DESIGN.md invariant 2).
 
 Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-gate value, a = act(g)):
@@ -272,7 +272,6 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
     torch.ops.fast.rms_norm_gated when a gradient is wanted or torch.compile traces). D <= 16384.
     """
     check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
-    _check_limits(x.shape[-1])
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, g, weight, bias):
         return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from .. import norm as _norm
 from .cache import KVCache, StepMetadata
 from .config import FULL, Qwen3NextConfig
 
@@ -60,10 +61,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, ops=None) -> torch.Tensor:
-        """ops: the namespace whose rms_norm_gated runs (refgdn when None)."""
-        if ops is None:
-            from .. import norm as ops
-        return ops.rms_norm_gated(x, z, self.weight, None, "silu", eps=self.eps)
+        """ops: the namespace whose rms_norm_gated runs (refgdn's when None)."""
+        return (ops or _norm).rms_norm_gated(x, z, self.weight, None, "silu", eps=self.eps)
 
 
 class Conv1dWeight(nn.Module):
