@@ -3,8 +3,7 @@ torch Qwen3NextRMSNormGated, at Qwen3-Next's value heads (HV = 32, V = 128, bf16
 
 Rows (``python -m benchmarks --only norm``):
   - decode, N requests (N x 32 rows of 128): us per call inside a CUDA graph of 32 calls on 32 separate inputs
-    (bench_graphs.per_layer_us)
-    (how a layer's norm costs inside a model's decode graph; launch overhead excluded);
+    (bench_graphs.per_layer_us: how a layer's norm costs inside a model's decode graph; launch overhead excluded);
   - prefill, T = 4096 tokens (131072 rows), forward, and forward + backward: do_bench medians, GB/s from
 
         bytes = (read x + read z + write y) = 3 M D b                    (forward)
