@@ -19,7 +19,8 @@ Shapes: small = B 1, T 128, H 2, HV 4, K = V = 128 at BT 16/32/64 (l2norm + fuse
 bench16 = the same with the 16-bit backward; forward = the prefill forward at Qwen3-Next's shape, B 1, B 4 and 16
 sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen3-Next's shape (float32
 state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8; norm = fast.norm's gated output norm at
-V = 128 (decode rows and a T = 4096 prefill, forward and backward).
+V = 128 (decode rows and a T = 4096 prefill, forward and backward) and the model's plain norms (hidden 2048,
+head_dim 256).
 
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
 broadcast of a scalar atomic's result).
@@ -97,9 +98,15 @@ def main(argv=None) -> int:
         fnm._num_sms = lambda device: 132
         for M in (32, 1024, 4096 * 32):
             x, z, w = torch.randn(M, 128).to(dt), torch.randn(M, 128).to(dt), torch.randn(128).to(dt)
-            fnm.rms_norm_gated_fwd(x, z, w, None, "swish", 1e-6)
+            fnm.norm_fwd(x, z, w, None, "swish", 1e-6)
             if M > 1024:
-                fnm.rms_norm_gated_bwd(torch.randn(M, 128).to(dt), x, z, w, None, "swish", 1e-6)
+                fnm.norm_bwd(torch.randn(M, 128).to(dt), x, z, w, None, "swish", 1e-6)
+        # the model's plain norms (zero-centred weight): hidden 2048, attention head_dim 256
+        for M, D in ((1, 2048), (4096, 2048), (16, 256)):
+            x, w = torch.randn(M, D).to(dt), torch.randn(D).to(dt)
+            fnm.norm_fwd(x, None, w, None, None, 1e-6, True)
+            if M > 16:
+                fnm.norm_bwd(torch.randn(M, D).to(dt), x, None, w, None, None, 1e-6, True)
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)

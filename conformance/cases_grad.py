@@ -11,8 +11,8 @@ and every input gradient is one Check under conformance.core's rule (fast's erro
 A_log or the initial state carry the inputs' rounding too).
 
 Ops: ``chunk_gated_delta_rule_grad`` (dq, dk, dv, dg — or da with fused gating —, dbeta, dinitial_state,
-dA_log, ddt_bias), ``causal_conv1d_grad`` (dx, dweight, dbias, dinitial_state) and ``rms_norm_gated_grad`` (dx, dg,
-dweight, dbias). Quick: a few
+dA_log, ddt_bias), ``causal_conv1d_grad`` (dx, dweight, dbias, dinitial_state), ``rms_norm_gated_grad`` (dx, dg,
+dweight, dbias) and ``rms_norm_grad`` (dx, dweight, dbias). Quick: a few
 interpreter-sized families, chunk sizes 16/32/64 spread over them, float32 and float16. Full (GPU):
 Qwen3-Next head dims, every chunk size, bfloat16 included.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .cases_prefill import (CHUNK_SIZES, _fast, _norm_families, _refgdn, conv_case_inputs, dtypes_for, gdn_case_inputs,
-                            norm_case_inputs, seed_of)
+from .cases_prefill import (CHUNK_SIZES, _fast, _norm_families, _plain_norm_families, _refgdn, conv_case_inputs,
+                            dtypes_for, gdn_case_inputs, norm_case_inputs, seed_of)
 from .core import Case, Check, DTYPE_NAMES
 
 GDN_GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -154,18 +154,18 @@ def _conv_grad_families(quick: bool) -> dict:
     }
 
 
-def norm_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Case:
-    op = "rms_norm_gated_grad"
+def norm_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool, fwd: str = "rms_norm_gated") -> Case:
+    op = f"{fwd}_grad"
     name = f"{op}/{family}/{DTYPE_NAMES[dtype]}"
 
     def run(device: str) -> list:
-        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name))
+        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name), fwd)
         gen = torch.Generator().manual_seed(seed_of(name) + 1)
         dy = torch.randn(lo["x"].shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
-        names = ("x", "g", "weight", "bias")
-        g_f = _grads(_fast("rms_norm_gated"), lo, names, (dy,))
-        g_r = _grads(_refgdn("rms_norm_gated"), lo, names, (dy,))
-        g_t = _grads(_refgdn("rms_norm_gated"), hi, names, (dy.double(),))
+        names = tuple(n for n in ("x", "g", "weight", "bias") if n in lo)
+        g_f = _grads(_fast(fwd), lo, names, (dy,))
+        g_r = _grads(_refgdn(fwd), lo, names, (dy,))
+        g_t = _grads(_refgdn(fwd), hi, names, (dy.double(),))
         return [Check(f"d{n}", g_f[n], g_t[n], g_r[n], dtype=dtype) for n in g_t]
 
     return Case(op=op, case=family, dtype=dtype, run=run, quick=quick)
@@ -195,4 +195,8 @@ def cases(quick: bool, device: str) -> list:
         for family, p in _norm_grad_families(quick).items():
             for dt in dts:
                 out.append(norm_grad_case(family, p, dt, quick))
+    if _fast("rms_norm") is not None:
+        for family, p in _plain_norm_families(quick).items():
+            for dt in dts:
+                out.append(norm_grad_case(family, p, dt, quick, "rms_norm"))
     return out

@@ -393,13 +393,15 @@ def l2norm_case(family: str, shape: tuple, dtype: torch.dtype, quick: bool, stri
 
 
 # ----------------------------------------------------------------------------------------------
-# the gated output norm (rms_norm_gated)
+# the norms: the gated output norm (rms_norm_gated) and the model's plain one (rms_norm)
 # ----------------------------------------------------------------------------------------------
 
-def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int) -> tuple[dict, dict]:
-    """rms_norm_gated's inputs (low-precision kwargs, float64 kwargs of the same values). p: shape (leading dims
-    and D), weight / bias (bool), act, strided (x and g as slices of one [..., 2D + 3] projection, the model's
-    layout). Rows' scales span 1e-3 .. 1e2 (tiny rows meet eps), g saturates the sigmoid."""
+def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int, op: str = "rms_norm_gated"
+                     ) -> tuple[dict, dict]:
+    """The norm's inputs (low-precision kwargs, float64 kwargs of the same values). p: shape (leading dims and D),
+    weight / bias (bool), act, strided (x and g as slices of one [..., 2D + 3] projection, the model's layout),
+    unit (rms_norm's unit_offset: a zero-centred weight). Rows' scales span 1e-3 .. 1e2 (tiny rows meet eps), g
+    saturates the sigmoid. op "rms_norm": no g, no activation."""
     gen = torch.Generator().manual_seed(seed)
     *lead, D = p["shape"]
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -413,22 +415,24 @@ def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int) -> tup
     else:
         x = (r(*lead, D) * scale).to(dtype).to(device)
         g = (4 * r(*lead, D)).to(dtype).to(device)
-    w = (1 + 0.5 * r(D)).to(dtype).to(device) if p.get("weight", True) else None
+    w = ((0 if p.get("unit") else 1) + 0.5 * r(D)).to(dtype).to(device) if p.get("weight", True) else None
     b = (0.5 * r(D)).to(dtype).to(device) if p.get("bias") else None
-    lo = dict(x=x, g=g, weight=w, bias=b, activation=p.get("act", "swish"), eps=1e-6)
+    if op == "rms_norm":
+        lo = dict(x=x, weight=w, bias=b, eps=1e-6, unit_offset=bool(p.get("unit")))
+    else:
+        lo = dict(x=x, g=g, weight=w, bias=b, activation=p.get("act", "swish"), eps=1e-6)
     hi = {k: (v.double() if torch.is_tensor(v) else v) for k, v in lo.items()}
     return lo, hi
 
 
-def norm_case(family: str, p: dict, dtype: torch.dtype, quick: bool) -> Case:
-    name = f"rms_norm_gated/{family}/{DTYPE_NAMES[dtype]}"
+def norm_case(family: str, p: dict, dtype: torch.dtype, quick: bool, op: str = "rms_norm_gated") -> Case:
+    name = f"{op}/{family}/{DTYPE_NAMES[dtype]}"
 
     def run(device: str) -> list:
-        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name))
-        return [Check("y", _fast("rms_norm_gated")(**lo), _refgdn("rms_norm_gated")(**hi),
-                      _refgdn("rms_norm_gated")(**lo))]
+        lo, hi = norm_case_inputs(p, dtype, device, seed_of(name), op)
+        return [Check("y", _fast(op)(**lo), _refgdn(op)(**hi), _refgdn(op)(**lo))]
 
-    return Case(op="rms_norm_gated", case=family, dtype=dtype, run=run, quick=quick)
+    return Case(op=op, case=family, dtype=dtype, run=run, quick=quick)
 
 
 def _norm_families(quick: bool) -> dict:
@@ -441,6 +445,19 @@ def _norm_families(quick: bool) -> dict:
         "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
         "D1": dict(shape=(2, 9 * big, 1), bias=True),
         "D2304-bias": dict(shape=(3 * big, 2304), bias=True),
+    }
+
+
+def _plain_norm_families(quick: bool) -> dict:
+    """refgdn.model's norms (zero-centred weight): hidden rows (2048), attention's q norm on a slice of the
+    projection (head_dim 256); then a plain weight with bias at an odd D, no weight, D = 1."""
+    big = 1 if quick else 64
+    return {
+        "hidden2048-unit": dict(shape=(3 * big, 2048), unit=True),
+        "T-heads-hd256-strided-unit": dict(shape=(5 * big, 16 if not quick else 2, 256), strided=True, unit=True),
+        "D100-bias": dict(shape=(3, 7 * big, 100), bias=True),
+        "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
+        "D1-unit": dict(shape=(2, 9 * big, 1), unit=True),
     }
 
 
@@ -483,11 +500,15 @@ def cases(quick: bool, device: str) -> list:
         for family, p in _norm_families(quick).items():
             for dt in dts:
                 out.append(norm_case(family, p, dt, quick))
+    if _fast("rms_norm") is not None:
+        for family, p in _plain_norm_families(quick).items():
+            for dt in dts:
+                out.append(norm_case(family, p, dt, quick, "rms_norm"))
     return out
 
 
 def missing_ops() -> list:
     """Prefill ops with no fast twin yet (reported by the runner as skipped)."""
     ops = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update",
-           "gdn_gating", "l2norm", "rms_norm_gated"]
+           "gdn_gating", "l2norm", "rms_norm_gated", "rms_norm"]
     return [op for op in ops if _fast(op) is None]

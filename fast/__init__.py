@@ -13,11 +13,11 @@ if not _torch.cuda.is_available():
 
 from .conv import causal_conv1d, causal_conv1d_update
 from .gating import gdn_gating, l2norm
-from .norm import rms_norm_gated
+from .norm import rms_norm, rms_norm_gated
 from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
 from .chunk import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, recurrent_gated_delta_rule
 from . import library  # noqa: F401  (torch.library custom ops + autograd: torch.ops.fast.*)
 
 __all__ = ["recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d",
-           "causal_conv1d_update", "gdn_gating", "l2norm", "rms_norm_gated", "GDNStateCache", "gdn_prefill",
+           "causal_conv1d_update", "gdn_gating", "l2norm", "rms_norm_gated", "rms_norm", "GDNStateCache", "gdn_prefill",
            "gdn_decode", "gdn_verify", "gdn_accept", "gdn_materialize"]

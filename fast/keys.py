@@ -36,7 +36,7 @@ from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
            "gdn_materialize", "causal_conv1d", "causal_conv1d_update", "gdn_gating", "l2norm", "rms_norm_gated",
-           "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+           "rms_norm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _I32 = torch.int32
 _F32 = torch.float32
@@ -306,23 +306,39 @@ def l2norm(x, eps=1e-6) -> List[CompileKey]:
                             dict(x=x.dtype, y=x.dtype), dict(num_warps=4 if BK * BM <= 4096 else 8))]
 
 
-def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, prenorm=False,
-                   residual_in_fp32=False, eps=1e-6) -> List[CompileKey]:
-    """Keys of fast.rms_norm_gated's forward: BM depends on the row count (one variant per power of two up to
-    4096 / next_pow2(D)). The backward (rms_norm_gated_bwd_kernel) runs in training only, never in a graph."""
-    from .norm import GATES, _rows, norm_config
+def _norm_key(x, g, weight, bias, activation, unit_offset: bool, config) -> List[CompileKey]:
+    """The key of fast.norm's forward launch (norm_fwd): g None for rms_norm (x's rows stand in for g's)."""
+    from .norm import GATES, _rows
     D = x.shape[-1]
     M = x.numel() // D if D else 0
     if M == 0:
         return []
-    cfg = norm_config(M, D)
+    cfg = config(M, D)
     warps = cfg.pop("num_warps")
-    return [CompileKey.make("rms_norm_gated_fwd_kernel",
+    return [CompileKey.make("rms_norm_fwd_kernel",
                             dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
                                  FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias)},
-                                 X_SPLIT=_rows(x)[4], G_SPLIT=_rows(g)[4], **cfg),
-                            dict(x=x.dtype, g=g.dtype, w=_dt(weight), b=_dt(bias), y=x.dtype),
+                                 X_SPLIT=_rows(x)[4], G_SPLIT=_rows(g)[4] if g is not None else False,
+                                 UNIT_W=bool(unit_offset), **cfg),
+                            dict(x=x.dtype, g=(g if g is not None else x).dtype, w=_dt(weight), b=_dt(bias),
+                                 y=x.dtype),
                             dict(num_warps=warps))]
+
+
+def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, prenorm=False,
+                   residual_in_fp32=False, eps=1e-6) -> List[CompileKey]:
+    """Keys of fast.rms_norm_gated's forward: BM depends on the row count (one variant per power of two up to
+    4096 / next_pow2(D)). The backward (rms_norm_bwd_kernel) runs in training only, never in a graph."""
+    from .norm import norm_config
+    return _norm_key(x, g, weight, bias, activation, False, norm_config)
+
+
+def rms_norm(x, weight, bias=None, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False, *,
+             unit_offset=False) -> List[CompileKey]:
+    """Keys of fast.rms_norm's forward: one per D and dtypes, whatever the row count (fast.norm.plain_norm_config).
+    The backward runs in training only, never in a graph."""
+    from .norm import plain_norm_config
+    return _norm_key(x, None, weight, bias, None, unit_offset, plain_norm_config)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one 
     torch.ops.fast.causal_conv1d_bwd(dy, dfinal, <the forward's inputs>) -> (dx, dweight, dbias, dinitial_state)
     torch.ops.fast.rms_norm_gated(x, g, weight, bias, activation, eps) -> y
     torch.ops.fast.rms_norm_gated_bwd(dy, <the forward's inputs>) -> (dx, dg, dweight, dbias)
+    torch.ops.fast.rms_norm(x, weight, bias, eps, unit_offset) -> y
+    torch.ops.fast.rms_norm_bwd(dy, <the forward's inputs>) -> (dx, dweight, dbias)
 
-Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated: they validate on the host,
+Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated / fast.rms_norm: they validate on the host,
 then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels directly
 and pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
 on a flag's value being None); the public functions drop it unless output_final_state.
@@ -231,7 +233,7 @@ causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup_con
 def rms_norm_gated_op(x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], activation: str,
                       eps: float) -> Tensor:
     """x, g: [..., D] -> y [..., D] (x's dtype, contiguous)."""
-    return _norm.rms_norm_gated_fwd(x, g, weight, bias, activation, eps)
+    return _norm.norm_fwd(x, g, weight, bias, activation, eps)
 
 
 @rms_norm_gated_op.register_fake
@@ -243,7 +245,7 @@ def _(x, g, weight, bias, activation, eps):
 def rms_norm_gated_bwd_op(dy: Tensor, x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                           activation: str, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx, dg, dweight, dbias); absent ones (no weight / bias) are empty."""
-    out = _norm.rms_norm_gated_bwd(dy, x, g, weight, bias, activation, eps)
+    out = _norm.norm_bwd(dy, x, g, weight, bias, activation, eps)
     return tuple(t if t is not None else x.new_empty(0) for t in out)
 
 
@@ -267,6 +269,50 @@ def _norm_backward(ctx, dy):
 
 
 rms_norm_gated_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+
+
+# ============================================================================================
+# plain RMSNorm (refgdn.model's norms)
+# ============================================================================================
+
+@torch.library.custom_op("fast::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, unit_offset: bool) -> Tensor:
+    """x: [..., D] -> y [..., D] (x's dtype, contiguous)."""
+    return _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, bias, eps, unit_offset):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fast::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                    unit_offset: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """-> (dx, dweight, dbias); absent ones (no weight / bias) are empty."""
+    dx, _, dw, db = _norm.norm_bwd(dy, x, None, weight, bias, None, eps, unit_offset)
+    return tuple(t if t is not None else x.new_empty(0) for t in (dx, dw, db))
+
+
+@rms_norm_bwd_op.register_fake
+def _(dy, x, weight, bias, eps, unit_offset):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0),
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty(0))
+
+
+def _plain_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, eps, unit_offset = inputs
+    ctx.save_for_backward(x, weight, bias)          # the inputs only: 1 / rms is recomputed (fast.norm)
+    ctx.eps, ctx.unit_offset = eps, unit_offset
+
+
+def _plain_norm_backward(ctx, dy):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = rms_norm_bwd_op(dy, x, weight, bias, ctx.eps, ctx.unit_offset)
+    return dx, _none_if_empty(dw, weight is not None), _none_if_empty(db, bias is not None), None, None
+
+
+rms_norm_op.register_autograd(_plain_norm_backward, setup_context=_plain_norm_setup_context)
 
 
 def wants_graph(*tensors) -> bool:

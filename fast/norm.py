@@ -1,7 +1,9 @@
-"""Triton kernels for the GDN layer's output norm (refgdn.norm.rms_norm_gated), forward and backward.
+"""Triton kernels for the RMSNorms (refgdn.norm): the GDN layer's gated output norm and the model's plain one,
+forward and backward, one pair of kernels for both (GATE 2: no gate).
 
     x, g: [..., D]   weight, bias: [D] (or None)  ->  y: [..., D] in x.dtype
-    y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act(g) = g sigmoid(g) ("swish" / "silu") or sigmoid(g)
+    rms_norm_gated:  y = (x / sqrt(mean(x^2) + eps) * w + bias) * act(g)   act(g) = g sigmoid(g) (swish / silu), sigmoid(g)
+    rms_norm:        y =  x / sqrt(mean(x^2) + eps) * w + bias             w = weight, or 1 + weight (UNIT_W)
 
 One memory-bound pass each way, a block of BM whole rows (D <= MAX_D, padded to BD = next_pow2(D)) per program,
 float32 inside (float64 for float64 inputs), rounded once at the store. Rows are addressed at one stride, or as
@@ -9,7 +11,7 @@ float32 inside (float64 for float64 inputs), rounded once at the store. Rows are
 (e.g. a [T, HV, V] slice of a fused projection, as the model's z at one value head per key head). Pinned configs, never autotuned: the forward runs
 inside decode and verify graphs (DESIGN.md invariant 2).
 
-Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-gate value, a = act(g)):
+Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-gate value, a = act(g), 1 ungated):
 
     dp = dy a ;  dg = dy p act'(g) ;  dn = dp w ;  dx = r (dn - n mean(dn n)) ;  dw = sum_rows dp n ;  db = sum_rows dp
 
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from refgdn.checks import check_rms_norm_gated_inputs
+from refgdn.checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
 
 from .chunk.common import _num_sms
 from .launch import launch
@@ -32,7 +34,7 @@ from .utils import cdiv, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
 BWD_PROGRAMS_PER_SM = 8    # the backward's programs (each walks row blocks, keeping its dw / db partial sums)
-GATES = {"swish": 0, "silu": 0, "sigmoid": 1}
+GATES = {"swish": 0, "silu": 0, "sigmoid": 1, None: 2}    # None: rms_norm (no gate; g unread)
 
 
 @triton.jit
@@ -54,13 +56,14 @@ def _row_ptrs(base, o_m, N1, s0, s1, o_d, SPLIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
-                              D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
-                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
-                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr):
+def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+                        D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
+                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
+                        X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, UNIT_W: tl.constexpr = False):
     """x, g: M rows of D (strided, see _row_ptrs); w, b: [D]; y: [M, D] contiguous.
 
-    y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g)
+    y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g); 2: 1 (g unread)
+    UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms).
     """
     i_m = tl.program_id(0)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -73,9 +76,12 @@ def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
         cdt = tl.float32
     # every load first (one round trip to memory, not one per operand)
     b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
-    b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
+    if GATE != 2:
+        b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
     if HAS_W:
         b_w = tl.load(w + o_d, mask=m_d, other=0).to(cdt)
+        if UNIT_W:
+            b_w = 1 + b_w
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
     # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
@@ -85,22 +91,23 @@ def rms_norm_gated_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
         b_y = b_y * b_w[None, :]
     if HAS_B:
         b_y = b_y + b_b[None, :]
-    b_s = _sigmoid(b_g)
     if GATE == 0:
-        b_y = b_y * (b_g * b_s)
-    else:
-        b_y = b_y * b_s
+        b_y = b_y * (b_g * _sigmoid(b_g))
+    elif GATE == 1:
+        b_y = b_y * _sigmoid(b_g)
     tl.store(y + o_m[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "ITERS"])
-def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
-                              ITERS,
-                              D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
-                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
-                              X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, STAGES: tl.constexpr = 1):
-    """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous;
-    dw_part, db_part: [programs, D] float64, this program's sums over its rows (module docstring)."""
+def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+                        ITERS,
+                        D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
+                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
+                        X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, STAGES: tl.constexpr = 1,
+                        UNIT_W: tl.constexpr = False):
+    """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous
+    (GATE 2: no gate, dg unwritten); dw_part, db_part: [programs, D] float64, this program's sums over its rows
+    (module docstring). UNIT_W: w = 1 + weight (dw's formula is the same)."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -111,6 +118,8 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
     b_w = tl.full([BD], 1, cdt)
     if HAS_W:
         b_w = tl.load(w + o_d, mask=m_d, other=0).to(cdt)
+        if UNIT_W:
+            b_w = 1 + b_w
     b_b = tl.zeros([BD], cdt)
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
@@ -122,20 +131,24 @@ def rms_norm_gated_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s
         o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
         mask = (o_m < M)[:, None] & m_d[None, :]
         b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
-        b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
+        if GATE != 2:
+            b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
         b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
         b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
         b_n = b_x * b_r[:, None]
-        b_s = _sigmoid(b_g)
-        if GATE == 0:
-            b_a = b_g * b_s
-            b_da = b_s * (1 + b_g * (1 - b_s))           # d/dg of g sigmoid(g)
+        if GATE == 2:
+            b_dp = b_dy                                   # no gate: dp = dy, no dg
         else:
-            b_a = b_s
-            b_da = b_s * (1 - b_s)
-        b_dp = b_dy * b_a                                 # masked rows and columns: dy = 0
-        b_p = b_n * b_w[None, :] + b_b[None, :]
-        tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_dy * b_p * b_da).to(dg.dtype.element_ty), mask=mask)
+            b_s = _sigmoid(b_g)
+            if GATE == 0:
+                b_a = b_g * b_s
+                b_da = b_s * (1 + b_g * (1 - b_s))       # d/dg of g sigmoid(g)
+            else:
+                b_a = b_s
+                b_da = b_s * (1 - b_s)
+            b_dp = b_dy * b_a                             # masked rows and columns: dy = 0
+            b_p = b_n * b_w[None, :] + b_b[None, :]
+            tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_dy * b_p * b_da).to(dg.dtype.element_ty), mask=mask)
         b_dn = b_dp * b_w[None, :]
         b_dx = b_r[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) / D)[:, None])
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=mask)
@@ -200,48 +213,70 @@ def _rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int, bool]:
     return t, N1, s0, (s1 if N1 > 1 or v.shape[0] == 1 else s0), split
 
 
+def plain_norm_config(M: int, D: int) -> dict:
+    """rms_norm's forward blocks: BM = 512 / BD rows (at least one) whatever M, one warp per 256 values. One variant per
+    D (and dtypes): refgdn.model's norms run in every step, the MTP head's eager ones of any token count included, so
+    their compile keys must not depend on the row count (norm_config's power-of-two classes would add a variant per
+    class). M is unused (norm_config's signature)."""
+    BD = next_pow2(D)
+    BM = max(1, 512 // BD)
+    return dict(BM=BM, BD=BD, num_warps=min(8, max(1, BM * BD // 256)))
+
+
 def _check_limits(D: int) -> None:
     if D > MAX_D:
-        raise ValueError(f"x's last dim D must be <= {MAX_D} for fast.rms_norm_gated (one row per block), got {D}")
+        raise ValueError(f"x's last dim D must be <= {MAX_D} for fast's RMSNorms (one row per block), got {D}")
 
 
-def _kw(x, g, weight, bias, activation, M: int, D: int, x_split: bool, g_split: bool, config=None,
-        pinned=norm_config) -> dict:
+def _kw(x, g, weight, bias, activation, unit_offset: bool, M: int, D: int, x_split: bool, g_split: bool, config,
+        pinned) -> dict:
     return dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
                 FP64=torch.float64 in {t.dtype for t in (x, g, weight, bias) if t is not None},
-                X_SPLIT=x_split, G_SPLIT=g_split, **dict(pinned(M, D), **(config or {})))
+                X_SPLIT=x_split, G_SPLIT=g_split, UNIT_W=bool(unit_offset), **dict(pinned(M, D), **(config or {})))
 
 
-def rms_norm_gated_fwd(x, g, weight, bias, activation: str, eps: float, config: Optional[dict] = None
-                       ) -> torch.Tensor:
-    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype. config: benchmark overrides of
-    norm_config's BM / num_warps (each value its own variant)."""
+def _gate_rows(g, x_rows):
+    """g's rows as _rows gives them; without a gate (g None) x's, unsplit: the kernels never read them as g."""
+    return _rows(g) if g is not None else x_rows[:4] + (False,)
+
+
+def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = False, config: Optional[dict] = None
+             ) -> torch.Tensor:
+    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype. activation None: rms_norm (g
+    None, plain_norm_config), else rms_norm_gated (norm_config). config: benchmark overrides of BM / num_warps (each
+    value its own variant)."""
     D = x.shape[-1]
     _check_limits(D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     M = x.numel() // D
     if M == 0:
         return y
-    x2, N1, sx0, sx1, x_split = _rows(x)
-    g2, _, sg0, sg1, g_split = _rows(g)          # (g has x's shape: the same N1)
-    kw = _kw(x, g, weight, bias, activation, M, D, x_split, g_split, config)
+    xr = _rows(x)
+    x2, N1, sx0, sx1, x_split = xr
+    g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
+    kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
+             norm_config if activation is not None else plain_norm_config)
     grid = (cdiv(M, kw["BM"]),)
-    launch(rms_norm_gated_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, float(eps))
+    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, float(eps))
     return y
 
 
-def rms_norm_gated_bwd(dy, x, g, weight, bias, activation: str, eps: float, config: Optional[dict] = None):
-    """-> (dx, dg, dweight or None, dbias or None) in the dtypes of x, g, weight, bias (dx, dg contiguous)."""
+def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,
+             config: Optional[dict] = None):
+    """-> (dx, dg or None (no gate), dweight or None, dbias or None) in the dtypes of x, g, weight, bias (dx, dg
+    contiguous)."""
     D = x.shape[-1]
     _check_limits(D)
     M = x.numel() // D
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    x2, N1, sx0, sx1, x_split = _rows(x)
-    g2, _, sg0, sg1, g_split = _rows(g)          # (g has x's shape: the same N1)
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device) if g is not None else None
+    xr = _rows(x)
+    x2, N1, sx0, sx1, x_split = xr
+    g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
     config = dict(config or {})
     per_sm = config.pop("programs_per_sm", BWD_PROGRAMS_PER_SM)
-    kw = _kw(x, g, weight, bias, activation, M, D, x_split, g_split, config, norm_bwd_config)
+    kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
+             norm_bwd_config)
     blocks = cdiv(M, kw["BM"])
     programs = max(1, min(blocks, per_sm * _num_sms(x.device)))    # dw / db: one partial row per program
     iters = cdiv(blocks, programs)
@@ -253,8 +288,8 @@ def rms_norm_gated_bwd(dy, x, g, weight, bias, activation: str, eps: float, conf
         dy2 = dy.reshape(M, D)
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
-        launch(rms_norm_gated_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg, dw_part, db_part,
-               M, N1, sx0, sx1, sg0, sg1, float(eps), iters)
+        launch(rms_norm_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg if g is not None else dx,
+               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, float(eps), iters)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dg, dw, db
@@ -275,4 +310,22 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, g, weight, bias):
         return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))
-    return rms_norm_gated_fwd(x, g, weight, bias, activation, eps)
+    return norm_fwd(x, g, weight, bias, activation, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residual=None, eps: float = 1e-5,
+             prenorm: bool = False, residual_in_fp32: bool = False, *, unit_offset: bool = False) -> torch.Tensor:
+    """x: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's ``fla.modules.layernorm.rms_norm``
+    name and argument order; refgdn.rms_norm's twin).
+
+        y = x / sqrt(mean(x^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset (zero-centred)
+
+    float32 inside (float64 for float64 inputs), rounded once. Differentiable in x, weight and bias (through
+    torch.ops.fast.rms_norm when a gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per
+    D and dtypes, whatever the row count (plain_norm_config).
+    """
+    check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
+    from . import library                                                # registers the ops (no cycle at import)
+    if library.wants_graph(x, weight, bias):
+        return library.rms_norm_op(x, weight, bias, float(eps), bool(unit_offset))
+    return norm_fwd(x, None, weight, bias, None, eps, unit_offset)

@@ -1295,7 +1295,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     The model's GDN layers call (refgdn/model/layers.py): prefill -> gdn_prefill (the rows kernel,
     gdn_materialize, the conv and the chunked forward on the cache's slots); decode -> gdn_decode; verify ->
     gdn_verify; accept -> gdn_accept; then, in each step mode, rms_norm_gated (the output norm, on the step's
-    tokens). Attention, MLPs and the MTP head are plain torch (no compile keys).
+    tokens) and rms_norm (every RMSNorm of the model, the MTP head's included: one key per width). Attention,
+    MLPs and the rest of the MTP head are plain torch (no compile keys).
     Keys depend on the prefill's packed length T only through next_pow2(T) classes (the conv's configs), on
     its sequence count N through the state pass's
     BV, so T runs over :func:`prefill_classes` and N over 1..max_prefill_seqs.
@@ -1323,11 +1324,26 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     steps: Dict[str, set] = {}
 
     norm_w = e(V)
+    from refgdn.model.config import FULL
+    target_attn = FULL in c.layer_types
+
+    def plain_norms(T, attn):
+        # the model's RMSNorms (zero-centred) on a step of T tokens: hidden rows, and where attention runs its q / k
+        # norms (q a [T, heads, head_dim] slice of the projection; layers.py). One key per D: T only shapes them.
+        hd, w = c.head_dim, e(c.head_dim)
+        out = keys.rms_norm(e(T, c.hidden_size), e(c.hidden_size), None, None, c.rms_norm_eps, unit_offset=True)
+        if attn:
+            out += keys.rms_norm(e(T, c.num_attention_heads, 2 * hd)[..., :hd], w, None, None, c.rms_norm_eps,
+                                 unit_offset=True)
+            out += keys.rms_norm(e(T, c.num_key_value_heads, hd), w, None, None, c.rms_norm_eps, unit_offset=True)
+        return out
 
     def norm(T):
-        # the output norm of a step of T tokens: o [T, HV, V], z a [T, HV, V] slice of the projection (layers.py)
+        # the output norm of a step of T tokens: o [T, HV, V], z a [T, HV, V] slice of the projection (layers.py),
+        # and the target's plain norms
         z = e(T, HV, 2 * V)[..., V:]
-        return keys.rms_norm_gated(e(T, HV, V), z, norm_w, None, "silu", eps=c.rms_norm_eps)
+        return (keys.rms_norm_gated(e(T, HV, V), z, norm_w, None, "silu", eps=c.rms_norm_eps)
+                + plain_norms(T, target_attn))
 
     def decode(N):
         return keys.gdn_decode(e(N, D), e(N, HV), e(N, HV), conv_w, None, A_log, dt_bias, cache, e(N, dtype=idx),
@@ -1350,7 +1366,7 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         elif desc.mode == "verify":
             steps[str(desc)] = set(verify(desc.batch, desc.tokens))
         else:
-            steps[str(desc)] = set()                         # the MTP head: plain torch
+            steps[str(desc)] = set(plain_norms(desc.batch, True))   # the MTP head: its norms (a full-attention layer)
     for N in range(1, cfg.max_batch + 1):
         steps[f"decode-eager[N={N}]"] = set(decode(N))
         if cfg.max_draft:

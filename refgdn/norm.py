@@ -1,7 +1,8 @@
-"""The GDN layer's output norm: an RMSNorm of the core's output o, gated by the activation of z.
+"""RMSNorms: the GDN layer's output norm (gated by the activation of z) and the model's plain one.
 
     x, g: [..., D]   weight, bias: [D] (or None)  ->  y: [..., D] in x.dtype
-    y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)      act(g) = g sigmoid(g) ("swish" / "silu") or sigmoid(g)
+    rms_norm_gated:  y = (x / sqrt(mean(x^2) + eps) * weight + bias) * act(g)   act(g) = g sigmoid(g) or sigmoid(g)
+    rms_norm:        y =  x / sqrt(mean(x^2) + eps) * weight + bias     (weight -> 1 + weight with unit_offset)
 
 fla's ``rms_norm_gated`` / ``FusedRMSNormGated`` and vLLM's ``RMSNormGated`` compute this in float32 and round once
 at the end, as here (refgdn.model's GDN layers call it through their ops namespace). transformers' torch
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_rms_norm_gated_inputs
+from .checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
 from .gating import compute_dtype
 
 
@@ -40,3 +41,26 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight, bias=None, activati
     if bias is not None:
         y = y + bias.to(dt)
     return (y * gate_activation(g.to(dt), activation)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight, bias=None, residual=None, eps: float = 1e-5, prenorm: bool = False,
+             residual_in_fp32: bool = False, *, unit_offset: bool = False):
+    """x: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's ``fla.modules.layernorm.rms_norm``
+    name and argument order).
+
+        y = x / sqrt(mean(x^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset
+
+    unit_offset: the zero-centred weight of Qwen3-Next's (and Gemma's) RMSNorm, stored as w - 1 (FlashInfer's
+    gemma_rmsnorm); refgdn.model's norms take it. Computed in float32 (float64 when any input is float64), cast back
+    once. residual / prenorm / residual_in_fp32 (fla's pre-norm residual add) must stay None / False.
+    Differentiable (autograd).
+    """
+    check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
+    dt = compute_dtype(x, weight, bias)
+    xf = x.to(dt)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)          # mean over the true D
+    if weight is not None:
+        y = y * (1.0 + weight.to(dt) if unit_offset else weight.to(dt))
+    if bias is not None:
+        y = y + bias.to(dt)
+    return y.to(x.dtype)

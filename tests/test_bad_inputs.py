@@ -213,6 +213,12 @@ BAD = [
     Bad("norm-activation", "activation", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, None, "relu")),
     Bad("norm-eps-negative", "eps", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, eps=-1e-6)),
     Bad("norm-fla-residual", "residual", lambda o, w: o.rms_norm_gated(w.xc, w.xc, w.bc, None, "swish", w.xc)),
+    # ---------------------------------------------------------------- the plain norm (rms_norm)
+    Bad("plain-norm-weight-shape", "weight", lambda o, w: o.rms_norm(w.xc, w.bc[:5])),
+    Bad("plain-norm-x-int", "x", lambda o, w: o.rms_norm(_m(w.xc, dtype=I32), w.bc)),
+    Bad("plain-norm-bias-device", "bias", lambda o, w: o.rms_norm(w.xc, w.bc, _m(w.bc, device=ELSEWHERE))),
+    Bad("plain-norm-unit-without-weight", "unit_offset", lambda o, w: o.rms_norm(w.xc, None, unit_offset=True)),
+    Bad("plain-norm-fla-prenorm", "prenorm", lambda o, w: o.rms_norm(w.xc, w.bc, None, None, 1e-5, True)),
     # ---------------------------------------------------------------- decode: shapes (host)
     Bad("decode-mixed_qkv-width", "mixed_qkv", lambda o, w: w.decode(o, [0, 1], mixed_qkv=w.x[:2, :-1])),
     Bad("decode-a-shape", "a", lambda o, w: w.decode(o, [0, 1], a=w.a[:2, :1])),

@@ -213,7 +213,7 @@ def test_keys_match_fast_launches():
     # 2 + 2 + 1 + 2 (serving) + prefill + 2 (recurrent, under both names) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
     # + 1 (the gated norm)
     assert len(log.launched) == 15 + prefill and names.count("recurrent_kernel") == 2
-    assert names[-1] == "rms_norm_gated_fwd_kernel"
+    assert names[-1] == "rms_norm_fwd_kernel"
 
 
 def test_keys_match_beta_logits_launches():
@@ -273,7 +273,7 @@ def test_planner_equals_keys_of_the_eager_run(model):
     missing, extra = p.keys - log.keys, log.keys - p.keys
     assert not missing and not extra, f"planner-only: {sorted(map(str, missing))}; run-only: {sorted(map(str, extra))}"
     decode = p.for_descriptor(CaptureDescriptor("decode", 4))
-    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel", "rms_norm_gated_fwd_kernel"}
+    assert {key.kernel for key in decode} == {"conv_step_kernel", "gdn_step_kernel", "rms_norm_fwd_kernel"}
     assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
 
 
@@ -373,7 +373,9 @@ def test_seed_000_001_warmup_non_speculative_then_capture_speculative(model):
     m = model
     # profile and warmup through the non-speculative path only: the verify variants are first seen in capture
     lc, cache = ready(m, profile=False)           # a profile that launched nothing: warmup is a first compile
-    with pytest.raises(CompileAfterReserve, match=r"warmup of decode\[N=2, T=1\]: kernel variant conv_step_kernel"):
+    # (the step's first launch: the first layer's input norm)
+    with pytest.raises(CompileAfterReserve, match=r"warmup of decode\[N=2, T=1\]: kernel variant rms_norm_fwd_kernel"
+                                                  r"\[.*GATE=2"):
         lc.capture(CaptureDescriptor("decode", 2), decode_step(m, cache))
     lc = Lifecycle("cpu")
     lc.profile(lambda: _decode(m, m.allocate_cache(2, 16, max_draft=2), [0, 1]))

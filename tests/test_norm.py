@@ -1,5 +1,6 @@
-"""The gated output norm (rms_norm_gated): refgdn against its row-by-row formula and finite differences, fast
-against refgdn (float64 truth, the conformance rule) forward and backward, and the fla-compatible surface."""
+"""The norms, the gated output norm (rms_norm_gated) and the model's plain one (rms_norm): refgdn against the
+row-by-row formula and finite differences, fast against refgdn (float64 truth, the conformance rule) forward and
+backward, and the fla-compatible surface."""
 from __future__ import annotations
 
 import math
@@ -15,16 +16,21 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _rowwise(x, g, w, b, act, eps):
-    """The simplest form: one row at a time, float64, plain arithmetic."""
-    x, g = x.double().reshape(-1, x.shape[-1]), g.double().reshape(-1, x.shape[-1])
+def _rowwise(x, g, w, b, act, eps, unit=False):
+    """The simplest form: one row at a time, float64, plain arithmetic. g None: no gate (rms_norm); unit: the
+    weight is 1 + w."""
+    x = x.double().reshape(-1, x.shape[-1])
     out = torch.empty_like(x)
     for i in range(x.shape[0]):
         r = 1.0 / math.sqrt(sum(float(v) ** 2 for v in x[i]) / x.shape[1] + eps)
         for j in range(x.shape[1]):
-            y = float(x[i, j]) * r * (float(w[j]) if w is not None else 1.0) + (float(b[j]) if b is not None else 0.0)
-            s = 1.0 / (1.0 + math.exp(-float(g[i, j])))
-            out[i, j] = y * (float(g[i, j]) * s if act in ("swish", "silu") else s)
+            wj = (float(w[j]) + (1.0 if unit else 0.0)) if w is not None else 1.0
+            y = float(x[i, j]) * r * wj + (float(b[j]) if b is not None else 0.0)
+            if g is not None:
+                gij = float(g.reshape(-1, x.shape[1])[i, j])
+                s = 1.0 / (1.0 + math.exp(-gij))
+                y = y * (gij * s if act in ("swish", "silu") else s)
+            out[i, j] = y
     return out
 
 
@@ -139,3 +145,96 @@ def test_custom_op_registration():
     args = (x.detach().requires_grad_(), g.detach().requires_grad_(), w.detach().requires_grad_(), b, "swish", 1e-6)
     torch.library.opcheck(torch.ops.fast.rms_norm_gated.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------------------------
+# rms_norm: the model's plain norm (unit_offset: the zero-centred weight)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("affine", ["weight-bias", "weight", "unit", "none"])
+def test_refgdn_rms_norm_matches_rowwise_formula(affine):
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(3, 2, 7, generator=gen, dtype=torch.float64)
+    x[0, 0] *= 1e-4                                   # a tiny row: eps matters
+    w = torch.randn(7, generator=gen, dtype=torch.float64) if affine != "none" else None
+    b = torch.randn(7, generator=gen, dtype=torch.float64) if affine == "weight-bias" else None
+    y = refgdn.rms_norm(x, w, b, eps=1e-5, unit_offset=affine == "unit")
+    torch.testing.assert_close(y.reshape(-1, 7), _rowwise(x, None, w, b, None, 1e-5, affine == "unit"), rtol=1e-13,
+                               atol=1e-13)
+
+
+@pytest.mark.parametrize("unit", [False, True])
+def test_refgdn_rms_norm_gradients_match_finite_differences(unit):
+    gen = torch.Generator().manual_seed(11)
+    args = [torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((4, 6), (6,), (6,))]
+    assert torch.autograd.gradcheck(lambda x, w, b: refgdn.rms_norm(x, w, b, eps=1e-6, unit_offset=unit), args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,layout", [p for p in SHAPES if p.id != "D3000-one-row-a-block"] +
+                         [pytest.param((2, 2048), "contiguous", id="hidden2048")])
+@pytest.mark.parametrize("unit", [False, True], ids=["weight-bias", "unit"])
+def test_fast_rms_norm_forward_and_backward_conform(dtype, shape, layout, unit):
+    """fast.rms_norm and its gradients (dx, dweight, dbias) by the conformance rule, on the layouts of the gated
+    norm's tests (x a slice of a projection, leading dims that do not merge) and the model's hidden width."""
+    gen = torch.Generator().manual_seed(hash((shape, layout, unit, "plain")) % 2 ** 31)
+    x, _, w, b = _inputs(shape, dtype, layout, gen, bias=not unit)
+    if unit:
+        w = w - 1                                     # a zero-centred weight
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
+    outs = {}
+    for name, mod, cast in (("fast", fast, None), ("ref", refgdn, None), ("truth", refgdn, torch.float64)):
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_(True) if t is not None else None for t in (x, w, b)]
+        y = mod.rms_norm(*leaves, eps=1e-6, unit_offset=unit)
+        need = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad(y, need, dy.to(y.dtype)) if y.numel() else [torch.zeros_like(t) for t in need]
+        outs[name] = [y.detach()] + list(grads)
+    assert outs["fast"][0].dtype == dtype and outs["fast"][0].shape == x.shape
+    for i, n in enumerate(["y", "dx", "dweight", "dbias"][:len(outs["fast"])]):
+        _conforms(n, outs["fast"][i], outs["truth"][i], outs["ref"][i], dtype)
+
+
+def test_fast_rms_norm_equals_refgdn_in_float64_and_fla_order():
+    """float64 inputs run float64 kernels; fla 0.6.0's positional order (x, weight, bias, residual, eps, prenorm,
+    residual_in_fp32) with unit_offset keyword-only; the residual add is refused by name, before any launch."""
+    gen = torch.Generator().manual_seed(12)
+    x, _, w, b = _inputs((6, 2, 24), torch.float64, "slices", gen)
+    a = fast.rms_norm(x, w, b, None, 1e-3, False, False)
+    torch.testing.assert_close(a, refgdn.rms_norm(x, w, b, eps=1e-3), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast.rms_norm(x, w, None, unit_offset=True),
+                               refgdn.rms_norm(x, w, None, unit_offset=True), rtol=1e-12, atol=1e-12)
+    for pkg in (fast, refgdn):
+        with pytest.raises(ValueError, match="residual"):
+            pkg.rms_norm(x, w, b, x)
+        with pytest.raises(ValueError, match="unit_offset=True .* needs a weight"):
+            pkg.rms_norm(x, None, unit_offset=True)
+    with pytest.raises(TypeError):
+        fast.rms_norm(x, w, b, None, 1e-5, False, False, True)      # unit_offset is keyword-only
+
+
+def test_rms_norm_custom_op_registration():
+    gen = torch.Generator().manual_seed(13)
+    x, _, w, b = _inputs((3, 2, 16), torch.float32, "slices", gen)
+    args = (x.detach().requires_grad_(), w.detach().requires_grad_(), b, 1e-6, True)
+    torch.library.opcheck(torch.ops.fast.rms_norm.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_model_norm_is_the_previous_torch_formula_bit_for_bit():
+    """refgdn.model's RMSNorm now runs through its ops namespace (refgdn.rms_norm with unit_offset): bit for bit the
+    torch formula it had, so the refgdn model's numbers did not move; in a model on fast ops its norms run fast's."""
+    from refgdn.model import Qwen3NextConfig, Qwen3NextModel
+    from refgdn.model.layers import RMSNorm
+    gen = torch.Generator().manual_seed(14)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        norm = RMSNorm(40, 1e-6, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(0.2 * torch.randn(40, generator=gen))
+        x = (3 * torch.randn(5, 40, generator=gen)).to(dtype)
+        dt = torch.float64 if dtype == torch.float64 else torch.float32
+        xf = x.to(dt)
+        want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + norm.weight.to(dt))).to(dtype)
+        assert torch.equal(norm(x), want)
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", seed=0)
+    norms = [mod for mod in m.modules() if isinstance(mod, RMSNorm)]
+    assert norms and all(mod.ops is fast for mod in norms)

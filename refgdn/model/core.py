@@ -100,6 +100,9 @@ class Qwen3NextModel(nn.Module):
         if want_mtp:
             self._modules["mtp"] = MTPHead(config, **f)
         self.rotary = Rotary(config, device=device)
+        for mod in self.modules():                   # the plain norms run through the ops namespace too
+            if isinstance(mod, RMSNorm):
+                mod.ops = self.ops
         self.gdn_layers = [i for i, t in enumerate(config.layer_types) if t == LINEAR]
         self.attn_layers = [i for i, t in enumerate(config.layer_types) if t == FULL]
         if seed is not None:

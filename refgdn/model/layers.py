@@ -31,19 +31,19 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm (Qwen3-Next / Gemma): y = x / sqrt(mean(x^2) + eps) * (1 + weight).
 
-    x: [..., dim] -> [..., dim] in x.dtype; weight: [dim], initialised to 0 (identity scale).
+    x: [..., dim] -> [..., dim] in x.dtype; weight: [dim], initialised to 0 (identity scale). Runs through
+    ``ops.rms_norm(..., unit_offset=True)`` (refgdn.norm: float32 inside, rounded once); ``ops`` is the model's ops
+    namespace, set by Qwen3NextModel (refgdn's when None).
     """
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+        self.ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = compute_dtype(x)
-        xf = x.to(dt)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(dt))).to(x.dtype)
+        return (self.ops or _norm).rms_norm(x, self.weight, None, None, self.eps, unit_offset=True)
 
 
 class GatedRMSNorm(nn.Module):
