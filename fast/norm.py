@@ -20,6 +20,7 @@ a program's blocks in float64, then over the programs on the host (8 programs pe
 """
 from __future__ import annotations
 
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -45,6 +46,16 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _eps(eps, eps_lo, FP64: tl.constexpr):
+    """eps in the compute dtype: float64 variants sum its two float32 parts (a float32 eps alone is off by up to
+    ~3e-8 relative: float64 outputs 2e-9 off refgdn's at eps 1e-3, H100, 2026-11-28)."""
+    if FP64:
+        return tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)
+    else:
+        return eps
+
+
+@triton.jit
 def _row_ptrs(base, o_m, N1, s0, s1, o_d, SPLIT: tl.constexpr):
     """[BM, BD] pointers, unit column stride, of rows o_m: at o_m * s1 (SPLIT false: the leading dims merge into one
     stride), else at (o_m // N1) * s0 + (o_m % N1) * s1 (o_m int32 there: a 64-bit division costs ~3x more)."""
@@ -56,14 +67,15 @@ def _row_ptrs(base, o_m, N1, s0, s1, o_d, SPLIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_lo,
                         D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
                         X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, UNIT_W: tl.constexpr = False):
     """x, g: M rows of D (strided, see _row_ptrs); w, b: [D]; y: [M, D] contiguous.
 
     y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g); 2: 1 (g unread)
-    UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms).
+    UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms). eps + eps_lo: eps as two
+    float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant (_eps_split).
     """
     i_m = tl.program_id(0)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -85,7 +97,7 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
     # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
-    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + _eps(eps, eps_lo, FP64))
     b_y = b_x * b_r[:, None]
     if HAS_W:
         b_y = b_y * b_w[None, :]
@@ -99,7 +111,7 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
 
 
 @triton.jit(do_not_specialize=["M", "ITERS"])
-def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_lo,
                         ITERS,
                         D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
@@ -134,7 +146,7 @@ def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s
         if GATE != 2:
             b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
         b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
-        b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + _eps(eps, eps_lo, FP64))
         b_n = b_x * b_r[:, None]
         if GATE == 2:
             b_dp = b_dy                                   # no gate: dp = dy, no dg
@@ -223,6 +235,12 @@ def plain_norm_config(M: int, D: int) -> dict:
     return dict(BM=BM, BD=BD, num_warps=min(8, max(1, BM * BD // 256)))
 
 
+def _eps_split(eps: float) -> Tuple[float, float]:
+    """eps as (float32 value, float32 remainder): Triton passes Python floats to kernels as float32 scalars."""
+    hi = struct.unpack("f", struct.pack("f", eps))[0]
+    return hi, eps - hi
+
+
 def _check_limits(D: int) -> None:
     if D > MAX_D:
         raise ValueError(f"x's last dim D must be <= {MAX_D} for fast's RMSNorms (one row per block), got {D}")
@@ -257,7 +275,7 @@ def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = Fal
     kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
              norm_config if activation is not None else plain_norm_config)
     grid = (cdiv(M, kw["BM"]),)
-    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, float(eps))
+    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, *_eps_split(eps))
     return y
 
 
@@ -289,7 +307,7 @@ def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool =
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         launch(rms_norm_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg if g is not None else dx,
-               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, float(eps), iters)
+               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, *_eps_split(eps), iters)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dg, dw, db
