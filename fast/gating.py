@@ -14,7 +14,7 @@ import triton.language as tl
 
 from refgdn.checks import _need_float, _need_tensor, check_gating_inputs
 
-from .utils import cdiv, next_pow2
+from .utils import cdiv, eps_split, fp64_eps, next_pow2
 
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -96,9 +96,10 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: t
 
 
 @triton.jit
-def l2norm_kernel(x, y, M, K, stride_x_m, eps,
+def l2norm_kernel(x, y, M, K, stride_x_m, eps, eps_lo,
                   BM: tl.constexpr, BK: tl.constexpr, FP64: tl.constexpr):
-    """x: [M, K] (row stride given, unit column stride) -> y: [M, K] contiguous;  y = x / sqrt(sum(x^2) + eps)."""
+    """x: [M, K] (row stride given, unit column stride) -> y: [M, K] contiguous;  y = x / sqrt(sum(x^2) + eps).
+    eps + eps_lo: utils.eps_split's two float32 parts (summed in float64 by the float64 variant)."""
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)
     o_k = tl.arange(0, BK)
@@ -109,7 +110,7 @@ def l2norm_kernel(x, y, M, K, stride_x_m, eps,
     else:
         b_x = tl.load(x + rows[:, None] * stride_x_m + o_k[None, :], mask=mask, other=0).to(tl.float32)
     # masked columns load 0 and add nothing to the sum of squares.
-    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
+    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + fp64_eps(eps, eps_lo, FP64))
     tl.store(y + rows[:, None] * K + o_k[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
@@ -133,7 +134,7 @@ def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Te
     M = x2.shape[0]
     BK = next_pow2(K)
     BM = max(1, min(next_pow2(M), max(1, 4096 // BK)))  # ~4K elements per program
-    l2norm_kernel[(cdiv(M, BM),)](x2, y, M, K, x2.stride(0), float(eps),
+    l2norm_kernel[(cdiv(M, BM),)](x2, y, M, K, x2.stride(0), *eps_split(float(eps)),
                                   BM=BM, BK=BK, FP64=x.dtype == torch.float64,
                                   num_warps=4 if BK * BM <= 4096 else 8)
     return y

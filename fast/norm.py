@@ -20,7 +20,6 @@ a program's blocks in float64, then over the programs on the host (8 programs pe
 """
 from __future__ import annotations
 
-import struct
 from typing import Optional, Tuple
 
 import torch
@@ -31,7 +30,7 @@ from refgdn.checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
 
 from .chunk.common import _num_sms
 from .launch import launch
-from .utils import cdiv, next_pow2
+from .utils import cdiv, eps_split, fp64_eps, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
 BWD_PROGRAMS_PER_SM = 8    # the backward's programs (each walks row blocks, keeping its dw / db partial sums)
@@ -43,16 +42,6 @@ def _sigmoid(z):
     """sigmoid(z) without overflow: exp only of -|z| <= 0."""
     e = tl.exp(-tl.abs(z))
     return tl.where(z >= 0, 1 / (1 + e), e / (1 + e))
-
-
-@triton.jit
-def _eps(eps, eps_lo, FP64: tl.constexpr):
-    """eps in the compute dtype: float64 variants sum its two float32 parts (a float32 eps alone is off by up to
-    ~3e-8 relative: float64 outputs 2e-9 off refgdn's at eps 1e-3, H100, 2026-11-28)."""
-    if FP64:
-        return tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)
-    else:
-        return eps
 
 
 @triton.jit
@@ -75,7 +64,7 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_l
 
     y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g); 2: 1 (g unread)
     UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms). eps + eps_lo: eps as two
-    float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant (_eps_split).
+    float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant (utils.eps_split).
     """
     i_m = tl.program_id(0)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -97,7 +86,7 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_l
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
     # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
-    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + _eps(eps, eps_lo, FP64))
+    b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + fp64_eps(eps, eps_lo, FP64))
     b_y = b_x * b_r[:, None]
     if HAS_W:
         b_y = b_y * b_w[None, :]
@@ -146,7 +135,7 @@ def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s
         if GATE != 2:
             b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
         b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
-        b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + _eps(eps, eps_lo, FP64))
+        b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + fp64_eps(eps, eps_lo, FP64))
         b_n = b_x * b_r[:, None]
         if GATE == 2:
             b_dp = b_dy                                   # no gate: dp = dy, no dg
@@ -235,12 +224,6 @@ def plain_norm_config(M: int, D: int) -> dict:
     return dict(BM=BM, BD=BD, num_warps=min(8, max(1, BM * BD // 256)))
 
 
-def _eps_split(eps: float) -> Tuple[float, float]:
-    """eps as (float32 value, float32 remainder): Triton passes Python floats to kernels as float32 scalars."""
-    hi = struct.unpack("f", struct.pack("f", eps))[0]
-    return hi, eps - hi
-
-
 def _check_limits(D: int) -> None:
     if D > MAX_D:
         raise ValueError(f"x's last dim D must be <= {MAX_D} for fast's RMSNorms (one row per block), got {D}")
@@ -275,7 +258,7 @@ def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = Fal
     kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
              norm_config if activation is not None else plain_norm_config)
     grid = (cdiv(M, kw["BM"]),)
-    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, *_eps_split(eps))
+    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, *eps_split(eps))
     return y
 
 
@@ -307,7 +290,7 @@ def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool =
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         launch(rms_norm_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg if g is not None else dx,
-               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, *_eps_split(eps), iters)
+               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, *eps_split(eps), iters)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dg, dw, db

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -93,6 +94,23 @@ def interpreter_bf16_round_to_nearest():
         yield
     finally:
         ti._convert_float = real
+
+
+def eps_split(eps: float) -> tuple:
+    """eps as (float32 value, float32 remainder): Triton passes a Python float to a kernel as a float32 scalar, so a
+    float64 kernel that needs eps to float64 precision takes both and sums them (fp64_eps)."""
+    hi = struct.unpack("f", struct.pack("f", eps))[0]
+    return hi, eps - hi
+
+
+@triton.jit
+def fp64_eps(eps, eps_lo, FP64: tl.constexpr):
+    """eps (eps_split's two parts) in the compute dtype: float64 variants sum both parts (a float32 eps alone is off by
+    up to ~3e-8 relative: fast's float64 norms were 2e-9 off refgdn's at eps 1e-3, H100, 2026-11-28)."""
+    if FP64:
+        return tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)
+    else:
+        return eps
 
 
 def cdiv(a: int, b: int) -> int:

@@ -70,6 +70,17 @@ def test_gating_float64():
     torch.testing.assert_close(b_f, b_r, rtol=1e-12, atol=1e-12)
 
 
+def test_l2norm_float64_keeps_eps_in_float64():
+    """float64 l2norm with an eps that float32 cannot hold (Triton passes Python floats to kernels as float32: the
+    kernel sums eps from two float32 parts) on rows whose sum of squares is near eps: refgdn's to float64 rounding."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 40, generator=gen, dtype=torch.float64)
+    x[:3] *= 1e-3                                     # sum of squares ~4e-5: eps 1e-4 is most of it
+    x = x.to(DEV)
+    for eps in (1e-4, 1e-3, 1.1e-6):
+        torch.testing.assert_close(fast.l2norm(x, eps), refgdn.l2norm(x, eps), rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,strided", [
     pytest.param((2, 5, 3, 128), False, id="K128"),
