@@ -12,7 +12,7 @@ A_log or the initial state carry the inputs' rounding too).
 
 Ops: ``chunk_gated_delta_rule_grad`` (dq, dk, dv, dg — or da with fused gating —, dbeta, dinitial_state,
 dA_log, ddt_bias), ``causal_conv1d_grad`` (dx, dweight, dbias, dinitial_state), ``rms_norm_gated_grad`` (dx, dg,
-dweight, dbias) and ``rms_norm_grad`` (dx, dweight, dbias). Quick: a few
+dweight, dbias) and ``rms_norm_grad`` (dx, dweight, dbias, dresidual). Quick: a few
 interpreter-sized families, chunk sizes 16/32/64 spread over them, float32 and float16. Full (GPU):
 Qwen3-Next head dims, every chunk size, bfloat16 included.
 """
@@ -162,10 +162,14 @@ def norm_grad_case(family: str, p: dict, dtype: torch.dtype, quick: bool, fwd: s
         lo, hi = norm_case_inputs(p, dtype, device, seed_of(name), fwd)
         gen = torch.Generator().manual_seed(seed_of(name) + 1)
         dy = torch.randn(lo["x"].shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
-        names = tuple(n for n in ("x", "g", "weight", "bias") if n in lo)
-        g_f = _grads(_fast(fwd), lo, names, (dy,))
-        g_r = _grads(_refgdn(fwd), lo, names, (dy,))
-        g_t = _grads(_refgdn(fwd), hi, names, (dy.double(),))
+        cot = (dy,)
+        if lo.get("prenorm"):                         # the residual stream's sum has a gradient too
+            res = lo["residual"]
+            cot += (torch.randn(res.shape, generator=gen, dtype=torch.float64).to(res.dtype).to(device),)
+        names = tuple(n for n in ("x", "g", "weight", "bias", "residual") if lo.get(n) is not None)
+        g_f = _grads(_fast(fwd), lo, names, cot)
+        g_r = _grads(_refgdn(fwd), lo, names, cot)
+        g_t = _grads(_refgdn(fwd), hi, names, tuple(c.double() for c in cot))
         return [Check(f"d{n}", g_f[n], g_t[n], g_r[n], dtype=dtype) for n in g_t]
 
     return Case(op=op, case=family, dtype=dtype, run=run, quick=quick)

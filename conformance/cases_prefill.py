@@ -400,8 +400,8 @@ def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int, op: st
                      ) -> tuple[dict, dict]:
     """The norm's inputs (low-precision kwargs, float64 kwargs of the same values). p: shape (leading dims and D),
     weight / bias (bool), act, strided (x and g as slices of one [..., 2D + 3] projection, the model's layout),
-    unit (rms_norm's unit_offset: a zero-centred weight). Rows' scales span 1e-3 .. 1e2 (tiny rows meet eps), g
-    saturates the sigmoid. op "rms_norm": no g, no activation."""
+    unit (rms_norm's unit_offset: a zero-centred weight), residual (rms_norm: True or the residual's dtype; prenorm).
+    Rows' scales span 1e-3 .. 1e2 (tiny rows meet eps), g saturates the sigmoid. op "rms_norm": no g, no activation."""
     gen = torch.Generator().manual_seed(seed)
     *lead, D = p["shape"]
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -419,6 +419,9 @@ def norm_case_inputs(p: dict, dtype: torch.dtype, device: str, seed: int, op: st
     b = (0.5 * r(D)).to(dtype).to(device) if p.get("bias") else None
     if op == "rms_norm":
         lo = dict(x=x, weight=w, bias=b, eps=1e-6, unit_offset=bool(p.get("unit")))
+        if p.get("residual"):                   # fla's pre-norm residual stream: the sum returned too (prenorm)
+            rdt = p["residual"] if isinstance(p["residual"], torch.dtype) else dtype
+            lo.update(residual=(r(*lead, D) * scale).to(rdt).to(device), prenorm=True)
     else:
         lo = dict(x=x, g=g, weight=w, bias=b, activation=p.get("act", "swish"), eps=1e-6)
     hi = {k: (v.double() if torch.is_tensor(v) else v) for k, v in lo.items()}
@@ -430,7 +433,10 @@ def norm_case(family: str, p: dict, dtype: torch.dtype, quick: bool, op: str = "
 
     def run(device: str) -> list:
         lo, hi = norm_case_inputs(p, dtype, device, seed_of(name), op)
-        return [Check("y", _fast(op)(**lo), _refgdn(op)(**hi), _refgdn(op)(**lo))]
+        f, t, r = _fast(op)(**lo), _refgdn(op)(**hi), _refgdn(op)(**lo)
+        if not isinstance(f, tuple):                  # (prenorm: y and the residual stream's sum)
+            return [Check("y", f, t, r)]
+        return [Check(n, a, b, c) for n, a, b, c in zip(("y", "residual_out"), f, t, r)]
 
     return Case(op=op, case=family, dtype=dtype, run=run, quick=quick)
 
@@ -450,7 +456,8 @@ def _norm_families(quick: bool) -> dict:
 
 def _plain_norm_families(quick: bool) -> dict:
     """refgdn.model's norms (zero-centred weight): hidden rows (2048), attention's q norm on a slice of the
-    projection (head_dim 256); then a plain weight with bias at an odd D, no weight, D = 1."""
+    projection (head_dim 256); then a plain weight with bias at an odd D, no weight, D = 1; fla's pre-norm residual
+    stream (residual added, the sum returned), the residual in x's dtype or in float32."""
     big = 1 if quick else 64
     return {
         "hidden2048-unit": dict(shape=(3 * big, 2048), unit=True),
@@ -458,6 +465,8 @@ def _plain_norm_families(quick: bool) -> dict:
         "D100-bias": dict(shape=(3, 7 * big, 100), bias=True),
         "D48-no-weight": dict(shape=(11 * big, 48), weight=False),
         "D1-unit": dict(shape=(2, 9 * big, 1), unit=True),
+        "hidden2048-unit-residual-prenorm": dict(shape=(3 * big, 2048), unit=True, residual=True),
+        "D100-bias-float32-residual-prenorm": dict(shape=(3, 7 * big, 100), bias=True, residual=torch.float32),
     }
 
 

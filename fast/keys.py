@@ -306,8 +306,10 @@ def l2norm(x, eps=1e-6) -> List[CompileKey]:
                             dict(x=x.dtype, y=x.dtype), dict(num_warps=4 if BK * BM <= 4096 else 8))]
 
 
-def _norm_key(x, g, weight, bias, activation, unit_offset: bool, config) -> List[CompileKey]:
-    """The key of fast.norm's forward launch (norm_fwd): g None for rms_norm (x's rows stand in for g's)."""
+def _norm_key(x, g, weight, bias, activation, unit_offset: bool, config, residual=None, res_dtype=None
+              ) -> List[CompileKey]:
+    """The key of fast.norm's forward launch (norm_fwd): g None for rms_norm (x's rows stand in for g's); residual /
+    res_dtype: rms_norm's pre-norm add and the stored sum's dtype (None: not stored)."""
     from .norm import GATES, _rows
     D = x.shape[-1]
     M = x.numel() // D if D else 0
@@ -317,11 +319,12 @@ def _norm_key(x, g, weight, bias, activation, unit_offset: bool, config) -> List
     warps = cfg.pop("num_warps")
     return [CompileKey.make("rms_norm_fwd_kernel",
                             dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
-                                 FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias)},
+                                 FP64=torch.float64 in {_dt(t) for t in (x, g, weight, bias, residual)},
                                  X_SPLIT=_rows(x)[4], G_SPLIT=_rows(g)[4] if g is not None else False,
-                                 UNIT_W=bool(unit_offset), **cfg),
+                                 UNIT_W=bool(unit_offset), HAS_R=residual is not None, STORE_R=res_dtype is not None,
+                                 **cfg),
                             dict(x=x.dtype, g=(g if g is not None else x).dtype, w=_dt(weight), b=_dt(bias),
-                                 y=x.dtype),
+                                 y=x.dtype, r=_dt(residual), r_out=res_dtype),
                             dict(num_warps=warps))]
 
 
@@ -335,10 +338,13 @@ def rms_norm_gated(x, g, weight, bias=None, activation="swish", residual=None, p
 
 def rms_norm(x, weight, bias=None, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False, *,
              unit_offset=False) -> List[CompileKey]:
-    """Keys of fast.rms_norm's forward: one per D and dtypes, whatever the row count (fast.norm.plain_norm_config).
-    The backward runs in training only, never in a graph."""
+    """Keys of fast.rms_norm's forward: one per D, dtypes and residual flags, whatever the row count
+    (fast.norm.plain_norm_config). The backward runs in training only, never in a graph."""
+    from refgdn.norm import residual_out_dtype
+
     from .norm import plain_norm_config
-    return _norm_key(x, None, weight, bias, None, unit_offset, plain_norm_config)
+    rdt = residual_out_dtype(x, residual, residual_in_fp32) if prenorm else None
+    return _norm_key(x, None, weight, bias, None, unit_offset, plain_norm_config, residual, rdt)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one 
     torch.ops.fast.causal_conv1d_bwd(dy, dfinal, <the forward's inputs>) -> (dx, dweight, dbias, dinitial_state)
     torch.ops.fast.rms_norm_gated(x, g, weight, bias, activation, eps) -> y
     torch.ops.fast.rms_norm_gated_bwd(dy, <the forward's inputs>) -> (dx, dg, dweight, dbias)
-    torch.ops.fast.rms_norm(x, weight, bias, eps, unit_offset) -> y
-    torch.ops.fast.rms_norm_bwd(dy, <the forward's inputs>) -> (dx, dweight, dbias)
+    torch.ops.fast.rms_norm(x, weight, bias, residual, eps, unit_offset, res_dtype) -> (y, x + residual or empty)
+    torch.ops.fast.rms_norm_bwd(dy, dres_out, <the forward's inputs>) -> (dx, dweight, dbias, dresidual)
 
 Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated / fast.rms_norm: they validate on the host,
 then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels directly
@@ -276,40 +276,52 @@ rms_norm_gated_op.register_autograd(_norm_backward, setup_context=_norm_setup_co
 # ============================================================================================
 
 @torch.library.custom_op("fast::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, unit_offset: bool) -> Tensor:
-    """x: [..., D] -> y [..., D] (x's dtype, contiguous)."""
-    return _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset)
+def rms_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                unit_offset: bool, res_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    """x: [..., D] -> (y [..., D] (x's dtype, contiguous), the sum x + residual in res_dtype, or empty when res_dtype
+    is None)."""
+    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if res_dtype is not None else x.new_empty(0)
+    y = _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual,
+                       res_out=res_out if res_dtype is not None else None)
+    return y, res_out
 
 
 @rms_norm_op.register_fake
-def _(x, weight, bias, eps, unit_offset):
-    return x.new_empty(x.shape)
+def _(x, weight, bias, residual, eps, unit_offset, res_dtype):
+    return x.new_empty(x.shape), (x.new_empty(x.shape, dtype=res_dtype) if res_dtype is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("fast::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                    unit_offset: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """-> (dx, dweight, dbias); absent ones (no weight / bias) are empty."""
-    dx, _, dw, db = _norm.norm_bwd(dy, x, None, weight, bias, None, eps, unit_offset)
-    return tuple(t if t is not None else x.new_empty(0) for t in (dx, dw, db))
+def rms_norm_bwd_op(dy: Tensor, dres_out: Optional[Tensor], x: Tensor, weight: Optional[Tensor],
+                    bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                    unit_offset: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx, dweight, dbias, dresidual); absent ones (no weight / bias / residual) are empty."""
+    ds, _, dw, db = _norm.norm_bwd(dy, x, None, weight, bias, None, eps, unit_offset, residual=residual,
+                                   dres_out=dres_out)
+    dres = ds.to(residual.dtype, copy=True) if residual is not None else None
+    out = (ds.to(x.dtype), dw, db, dres)
+    return tuple(t if t is not None else x.new_empty(0) for t in out)
 
 
 @rms_norm_bwd_op.register_fake
-def _(dy, x, weight, bias, eps, unit_offset):
+def _(dy, dres_out, x, weight, bias, residual, eps, unit_offset):
     return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0),
-            bias.new_empty(bias.shape) if bias is not None else x.new_empty(0))
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty(0),
+            residual.new_empty(residual.shape) if residual is not None else x.new_empty(0))
 
 
 def _plain_norm_setup_context(ctx, inputs, output):
-    x, weight, bias, eps, unit_offset = inputs
-    ctx.save_for_backward(x, weight, bias)          # the inputs only: 1 / rms is recomputed (fast.norm)
-    ctx.eps, ctx.unit_offset = eps, unit_offset
+    x, weight, bias, residual, eps, unit_offset, res_dtype = inputs
+    ctx.save_for_backward(x, weight, bias, residual)    # the inputs only: 1 / rms is recomputed (fast.norm)
+    ctx.eps, ctx.unit_offset, ctx.stored = eps, unit_offset, res_dtype is not None
 
 
-def _plain_norm_backward(ctx, dy):
-    x, weight, bias = ctx.saved_tensors
-    dx, dw, db = rms_norm_bwd_op(dy, x, weight, bias, ctx.eps, ctx.unit_offset)
-    return dx, _none_if_empty(dw, weight is not None), _none_if_empty(db, bias is not None), None, None
+def _plain_norm_backward(ctx, dy, dres_out):
+    x, weight, bias, residual = ctx.saved_tensors
+    dx, dw, db, dres = rms_norm_bwd_op(dy, dres_out if ctx.stored else None, x, weight, bias, residual, ctx.eps,
+                                       ctx.unit_offset)
+    return (dx, _none_if_empty(dw, weight is not None), _none_if_empty(db, bias is not None),
+            _none_if_empty(dres, residual is not None), None, None, None)
 
 
 rms_norm_op.register_autograd(_plain_norm_backward, setup_context=_plain_norm_setup_context)

@@ -56,15 +56,18 @@ def _row_ptrs(base, o_m, N1, s0, s1, o_d, SPLIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_lo,
+def rms_norm_fwd_kernel(x, g, w, b, y, r, r_out, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_lo,
                         D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
-                        X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, UNIT_W: tl.constexpr = False):
+                        X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, UNIT_W: tl.constexpr = False,
+                        HAS_R: tl.constexpr = False, STORE_R: tl.constexpr = False):
     """x, g: M rows of D (strided, see _row_ptrs); w, b: [D]; y: [M, D] contiguous.
 
     y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g); 2: 1 (g unread)
     UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms). eps + eps_lo: eps as two
     float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant (utils.eps_split).
+    HAS_R: x <- x + r first (fla's pre-norm residual add; r: [M, D] contiguous), in the compute dtype; STORE_R: that sum
+    stored to r_out ([M, D] contiguous, its own dtype).
     """
     i_m = tl.program_id(0)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -77,6 +80,8 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_l
         cdt = tl.float32
     # every load first (one round trip to memory, not one per operand)
     b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
+    if HAS_R:
+        b_x += tl.load(r + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
     if GATE != 2:
         b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
     if HAS_W:
@@ -85,6 +90,8 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_l
             b_w = 1 + b_w
     if HAS_B:
         b_b = tl.load(b + o_d, mask=m_d, other=0).to(cdt)
+    if STORE_R:
+        tl.store(r_out + o_m[:, None] * D + o_d[None, :], b_x.to(r_out.dtype.element_ty), mask=mask)
     # padded columns load 0: they add nothing to the sum of squares, and the mean divides by the true D
     b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + fp64_eps(eps, eps_lo, FP64))
     b_y = b_x * b_r[:, None]
@@ -100,15 +107,17 @@ def rms_norm_fwd_kernel(x, g, w, b, y, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_l
 
 
 @triton.jit(do_not_specialize=["M", "ITERS"])
-def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s_x1, s_g0, s_g1, eps, eps_lo,
-                        ITERS,
+def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, r, dr_out, M, N1, s_x0, s_x1, s_g0, s_g1, eps,
+                        eps_lo, ITERS,
                         D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP64: tl.constexpr,
                         X_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, STAGES: tl.constexpr = 1,
-                        UNIT_W: tl.constexpr = False):
+                        UNIT_W: tl.constexpr = False, HAS_R: tl.constexpr = False, HAS_DR: tl.constexpr = False):
     """Program p walks row blocks p * ITERS .. p * ITERS + ITERS - 1 (BM rows each). dy, dx, dg: [M, D] contiguous
     (GATE 2: no gate, dg unwritten); dw_part, db_part: [programs, D] float64, this program's sums over its rows
-    (module docstring). UNIT_W: w = 1 + weight (dw's formula is the same)."""
+    (module docstring). UNIT_W: w = 1 + weight (dw's formula is the same). HAS_R: the norm's input is x + r (r: [M, D]
+    contiguous); HAS_DR: dr_out ([M, D] contiguous), the gradient of the stored sum (prenorm), adds to dx, which is
+    then the gradient of x and of r alike."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -132,6 +141,8 @@ def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s
         o_m = ((i_p * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
         mask = (o_m < M)[:, None] & m_d[None, :]
         b_x = tl.load(_row_ptrs(x, o_m, N1, s_x0, s_x1, o_d, X_SPLIT), mask=mask, other=0).to(cdt)
+        if HAS_R:
+            b_x += tl.load(r + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
         if GATE != 2:
             b_g = tl.load(_row_ptrs(g, o_m, N1, s_g0, s_g1, o_d, G_SPLIT), mask=mask, other=0).to(cdt)
         b_dy = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
@@ -152,6 +163,8 @@ def rms_norm_bwd_kernel(x, g, w, b, dy, dx, dg, dw_part, db_part, M, N1, s_x0, s
             tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_dy * b_p * b_da).to(dg.dtype.element_ty), mask=mask)
         b_dn = b_dp * b_w[None, :]
         b_dx = b_r[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) / D)[:, None])
+        if HAS_DR:
+            b_dx += tl.load(dr_out + o_m[:, None] * D + o_d[None, :], mask=mask, other=0).to(cdt)
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=mask)
         if HAS_W:
             acc_w += tl.sum(b_dp * b_n, axis=0).to(tl.float64)
@@ -230,10 +243,16 @@ def _check_limits(D: int) -> None:
 
 
 def _kw(x, g, weight, bias, activation, unit_offset: bool, M: int, D: int, x_split: bool, g_split: bool, config,
-        pinned) -> dict:
+        pinned, residual=None) -> dict:
     return dict(D=D, GATE=GATES[activation], HAS_W=weight is not None, HAS_B=bias is not None,
-                FP64=torch.float64 in {t.dtype for t in (x, g, weight, bias) if t is not None},
-                X_SPLIT=x_split, G_SPLIT=g_split, UNIT_W=bool(unit_offset), **dict(pinned(M, D), **(config or {})))
+                FP64=torch.float64 in {t.dtype for t in (x, g, weight, bias, residual) if t is not None},
+                X_SPLIT=x_split, G_SPLIT=g_split, UNIT_W=bool(unit_offset), HAS_R=residual is not None,
+                **dict(pinned(M, D), **(config or {})))
+
+
+def _flat(t: Optional[torch.Tensor], M: int, D: int) -> Optional[torch.Tensor]:
+    """t [..., D] as [M, D] contiguous (a copy only where it is not); None stays None."""
+    return None if t is None else t.reshape(M, D).contiguous()
 
 
 def _gate_rows(g, x_rows):
@@ -241,11 +260,12 @@ def _gate_rows(g, x_rows):
     return _rows(g) if g is not None else x_rows[:4] + (False,)
 
 
-def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = False, config: Optional[dict] = None
-             ) -> torch.Tensor:
+def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = False, config: Optional[dict] = None,
+             residual: Optional[torch.Tensor] = None, res_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype. activation None: rms_norm (g
     None, plain_norm_config), else rms_norm_gated (norm_config). config: benchmark overrides of BM / num_warps (each
-    value its own variant)."""
+    value its own variant). residual (x's shape): normalise x + residual; res_out (given: x's shape, contiguous):
+    the sum is stored there in its dtype."""
     D = x.shape[-1]
     _check_limits(D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -256,20 +276,26 @@ def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = Fal
     x2, N1, sx0, sx1, x_split = xr
     g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
     kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
-             norm_config if activation is not None else plain_norm_config)
+             norm_config if activation is not None else plain_norm_config, residual)
+    kw["STORE_R"] = res_out is not None
     grid = (cdiv(M, kw["BM"]),)
-    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, M, N1, sx0, sx1, sg0, sg1, *eps_split(eps))
+    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, _flat(residual, M, D), res_out, M, N1, sx0, sx1,
+           sg0, sg1, *eps_split(eps))
     return y
 
 
 def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,
-             config: Optional[dict] = None):
+             config: Optional[dict] = None, residual: Optional[torch.Tensor] = None,
+             dres_out: Optional[torch.Tensor] = None):
     """-> (dx, dg or None (no gate), dweight or None, dbias or None) in the dtypes of x, g, weight, bias (dx, dg
-    contiguous)."""
+    contiguous). residual: the forward's (the norm's input was x + residual); dres_out: the gradient of the stored
+    sum (prenorm), added to dx. With a residual, dx is also the residual's gradient (in the wider of the two dtypes:
+    the caller casts)."""
     D = x.shape[-1]
     _check_limits(D)
     M = x.numel() // D
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype),
+                     device=x.device)
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device) if g is not None else None
     xr = _rows(x)
     x2, N1, sx0, sx1, x_split = xr
@@ -277,7 +303,8 @@ def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool =
     config = dict(config or {})
     per_sm = config.pop("programs_per_sm", BWD_PROGRAMS_PER_SM)
     kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
-             norm_bwd_config)
+             norm_bwd_config, residual)
+    kw["HAS_DR"] = dres_out is not None
     blocks = cdiv(M, kw["BM"])
     programs = max(1, min(blocks, per_sm * _num_sms(x.device)))    # dw / db: one partial row per program
     iters = cdiv(blocks, programs)
@@ -290,7 +317,8 @@ def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool =
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         launch(rms_norm_bwd_kernel, (programs,), kw, x2, g2, weight, bias, dy2, dx, dg if g is not None else dx,
-               dw_part, db_part, M, N1, sx0, sx1, sg0, sg1, *eps_split(eps), iters)
+               dw_part, db_part, _flat(residual, M, D), _flat(dres_out, M, D), M, N1, sx0, sx1, sg0, sg1,
+               *eps_split(eps), iters)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dg, dw, db
@@ -315,18 +343,27 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residual=None, eps: float = 1e-5,
-             prenorm: bool = False, residual_in_fp32: bool = False, *, unit_offset: bool = False) -> torch.Tensor:
-    """x: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's ``fla.modules.layernorm.rms_norm``
-    name and argument order; refgdn.rms_norm's twin).
+             prenorm: bool = False, residual_in_fp32: bool = False, *, unit_offset: bool = False):
+    """x: [..., D]; weight, bias: [D] or None; residual: [..., D] or None -> y: [..., D] in x.dtype, or (y,
+    residual_out) with prenorm (fla 0.6.0's ``fla.modules.layernorm.rms_norm`` name and argument order;
+    refgdn.rms_norm's twin, which says what residual_out is).
 
-        y = x / sqrt(mean(x^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset (zero-centred)
+        s = x + residual;   y = s / sqrt(mean(s^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset
 
-    float32 inside (float64 for float64 inputs), rounded once. Differentiable in x, weight and bias (through
-    torch.ops.fast.rms_norm when a gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per
-    D and dtypes, whatever the row count (plain_norm_config).
+    One kernel: the residual add, the stored sum (prenorm only) and the norm in one pass (float32 inside, float64 for float64
+    inputs, y rounded once). Differentiable in x, weight, bias and residual (through torch.ops.fast.rms_norm when a
+    gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per D, dtypes and residual flags,
+    whatever the row count (plain_norm_config).
     """
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
+    from refgdn.norm import residual_out_dtype
+    rdt = residual_out_dtype(x, residual, residual_in_fp32) if prenorm else None     # the sum is stored for prenorm
     from . import library                                                # registers the ops (no cycle at import)
-    if library.wants_graph(x, weight, bias):
-        return library.rms_norm_op(x, weight, bias, float(eps), bool(unit_offset))
-    return norm_fwd(x, None, weight, bias, None, eps, unit_offset)
+    if library.wants_graph(x, weight, bias, residual):
+        y, res_out = library.rms_norm_op(x, weight, bias, residual, float(eps), bool(unit_offset), rdt)
+    else:
+        res_out = torch.empty(x.shape, dtype=rdt, device=x.device) if rdt is not None else None
+        y = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_out=res_out)
+    if not prenorm:
+        return y
+    return y, (res_out if rdt is not None else x)

@@ -448,9 +448,9 @@ def check_conv_update_inputs(x, conv_state, weight, bias=None, activation=None) 
 NORM_GATES = ("swish", "silu", "sigmoid")
 
 
-def _check_norm_common(x, weight, bias, residual, prenorm, residual_in_fp32, eps) -> int:
+def _check_norm_common(x, weight, bias, eps) -> int:
     """The checks rms_norm and rms_norm_gated share: x [..., D] floating, D >= 1; weight, bias [D] or None; eps a
-    finite real >= 0; fla's pre-norm residual add refused unless left at None / False. Returns D."""
+    finite real >= 0. Returns D."""
     _need_tensor("x", x)
     _need_float("x", x)
     if x.dim() < 1 or x.shape[-1] < 1:
@@ -462,9 +462,6 @@ def _check_norm_common(x, weight, bias, residual, prenorm, residual_in_fp32, eps
         check_float_param("bias", bias, (D,), "[D]", x.device)
     if (not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0):
         raise ValueError(f"eps must be a finite real number >= 0, got {eps!r}")
-    if residual is not None or prenorm or residual_in_fp32:
-        raise ValueError("residual / prenorm / residual_in_fp32 (fla's pre-norm residual add) are not supported: "
-                         "leave them None / False and add the residual outside the norm")
     return D
 
 
@@ -472,24 +469,33 @@ def check_rms_norm_gated_inputs(x, g, weight, bias=None, activation="swish", res
                                 residual_in_fp32=False, eps=1e-6) -> None:
     """Validate rms_norm_gated (fla's argument order): x, g: [..., D] of one shape, D >= 1; weight, bias: [D] or
     None; activation "swish" (alias "silu") or "sigmoid"; eps a finite real >= 0. fla's pre-norm residual add
-    (residual, prenorm, residual_in_fp32) is refused unless left at None / False."""
-    _check_norm_common(x, weight, bias, residual, prenorm, residual_in_fp32, eps)
+    (residual, prenorm, residual_in_fp32) is refused unless left at None / False (rms_norm has it)."""
+    _check_norm_common(x, weight, bias, eps)
     _need_tensor("g", g)
     _need_shape("g", g, x.shape, "[..., D] (same as x)")
     _need_float("g", g)
     _need_device("g", g, x.device)
     if activation not in NORM_GATES:
         raise ValueError(f"activation must be 'swish' (alias 'silu') or 'sigmoid', got {activation!r}")
+    if residual is not None or prenorm or residual_in_fp32:
+        raise ValueError("residual / prenorm / residual_in_fp32 (fla's pre-norm residual add) are not supported by "
+                         "rms_norm_gated: leave them None / False and add the residual outside the norm")
 
 
 def check_rms_norm_inputs(x, weight, bias=None, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False,
                           unit_offset=False) -> None:
-    """Validate rms_norm (fla's argument order): x: [..., D], D >= 1; weight, bias: [D] or None; eps a finite real
-    >= 0; unit_offset a bool, True only with a weight (the weight is then 1 + weight). fla's pre-norm residual add
-    (residual, prenorm, residual_in_fp32) is refused unless left at None / False."""
-    _check_norm_common(x, weight, bias, residual, prenorm, residual_in_fp32, eps)
-    if not isinstance(unit_offset, bool):
-        raise ValueError(f"unit_offset must be a bool, got {unit_offset!r}")
+    """Validate rms_norm (fla's argument order): x: [..., D], D >= 1; weight, bias: [D] or None; residual: x's shape
+    (any floating dtype) or None; eps a finite real >= 0; prenorm, residual_in_fp32, unit_offset bools, unit_offset
+    True only with a weight (the weight is then 1 + weight)."""
+    _check_norm_common(x, weight, bias, eps)
+    if residual is not None:
+        _need_tensor("residual", residual)
+        _need_shape("residual", residual, x.shape, "[..., D] (same as x)")
+        _need_float("residual", residual)
+        _need_device("residual", residual, x.device)
+    for name, v in (("prenorm", prenorm), ("residual_in_fp32", residual_in_fp32), ("unit_offset", unit_offset)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
     if unit_offset and weight is None:
         raise ValueError("unit_offset=True scales by 1 + weight: it needs a weight ([D]), got weight=None")
 

@@ -43,24 +43,37 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight, bias=None, activati
     return (y * gate_activation(g.to(dt), activation)).to(x.dtype)
 
 
+def residual_out_dtype(x: torch.Tensor, residual, residual_in_fp32: bool):
+    """The dtype of rms_norm's pre-norm sum x + residual as returned with prenorm (fla's rule): the residual's, else
+    float32 with residual_in_fp32, else None (x itself is returned: nothing was added)."""
+    if residual is not None:
+        return residual.dtype
+    return torch.float32 if residual_in_fp32 and x.dtype != torch.float32 else None
+
+
 def rms_norm(x: torch.Tensor, weight, bias=None, residual=None, eps: float = 1e-5, prenorm: bool = False,
              residual_in_fp32: bool = False, *, unit_offset: bool = False):
-    """x: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's ``fla.modules.layernorm.rms_norm``
-    name and argument order).
+    """x: [..., D]; weight, bias: [D] or None; residual: [..., D] or None -> y: [..., D] in x.dtype, or (y,
+    residual_out) with prenorm (fla 0.6.0's ``fla.modules.layernorm.rms_norm`` name and argument order).
 
-        y = x / sqrt(mean(x^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset
+        s = x + residual;   y = s / sqrt(mean(s^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset
 
-    unit_offset: the zero-centred weight of Qwen3-Next's (and Gemma's) RMSNorm, stored as w - 1 (FlashInfer's
-    gemma_rmsnorm); refgdn.model's norms take it. Computed in float32 (float64 when any input is float64), cast back
-    once. residual / prenorm / residual_in_fp32 (fla's pre-norm residual add) must stay None / False.
-    Differentiable (autograd).
+    residual_out = s in the residual's dtype (float32 with residual_in_fp32 and no residual; x itself when nothing was
+    added): the next block's residual (fla's pre-norm residual stream). The sum is normalised as computed (float32),
+    not as rounded to residual_out's dtype, as fla's kernels do. unit_offset: the zero-centred weight of Qwen3-Next's
+    (and Gemma's) RMSNorm, stored as w - 1 (FlashInfer's gemma_rmsnorm); refgdn.model's norms take it. Computed in
+    float32 (float64 when any input is float64), cast back once. Differentiable (autograd).
     """
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
-    dt = compute_dtype(x, weight, bias)
-    xf = x.to(dt)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)          # mean over the true D
+    dt = compute_dtype(x, weight, bias, residual)
+    s = x.to(dt) if residual is None else x.to(dt) + residual.to(dt)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)            # mean over the true D
     if weight is not None:
         y = y * (1.0 + weight.to(dt) if unit_offset else weight.to(dt))
     if bias is not None:
         y = y + bias.to(dt)
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    if not prenorm:
+        return y
+    rdt = residual_out_dtype(x, residual, residual_in_fp32)
+    return y, (s.to(rdt) if rdt is not None else x)

@@ -218,7 +218,8 @@ BAD = [
     Bad("plain-norm-x-int", "x", lambda o, w: o.rms_norm(_m(w.xc, dtype=I32), w.bc)),
     Bad("plain-norm-bias-device", "bias", lambda o, w: o.rms_norm(w.xc, w.bc, _m(w.bc, device=ELSEWHERE))),
     Bad("plain-norm-unit-without-weight", "unit_offset", lambda o, w: o.rms_norm(w.xc, None, unit_offset=True)),
-    Bad("plain-norm-fla-prenorm", "prenorm", lambda o, w: o.rms_norm(w.xc, w.bc, None, None, 1e-5, True)),
+    Bad("plain-norm-residual-shape", "residual", lambda o, w: o.rms_norm(w.xc, w.bc, None, w.xc[..., :5])),
+    Bad("plain-norm-prenorm-not-bool", "prenorm", lambda o, w: o.rms_norm(w.xc, w.bc, None, None, 1e-5, "yes")),
     # ---------------------------------------------------------------- decode: shapes (host)
     Bad("decode-mixed_qkv-width", "mixed_qkv", lambda o, w: w.decode(o, [0, 1], mixed_qkv=w.x[:2, :-1])),
     Bad("decode-a-shape", "a", lambda o, w: w.decode(o, [0, 1], a=w.a[:2, :1])),

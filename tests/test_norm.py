@@ -196,7 +196,7 @@ def test_fast_rms_norm_forward_and_backward_conform(dtype, shape, layout, unit):
 
 def test_fast_rms_norm_equals_refgdn_in_float64_and_fla_order():
     """float64 inputs run float64 kernels; fla 0.6.0's positional order (x, weight, bias, residual, eps, prenorm,
-    residual_in_fp32) with unit_offset keyword-only; the residual add is refused by name, before any launch."""
+    residual_in_fp32) with unit_offset keyword-only; bad arguments raise before any launch."""
     gen = torch.Generator().manual_seed(12)
     x, _, w, b = _inputs((6, 2, 24), torch.float64, "slices", gen)
     a = fast.rms_norm(x, w, b, None, 1e-3, False, False)
@@ -204,8 +204,8 @@ def test_fast_rms_norm_equals_refgdn_in_float64_and_fla_order():
     torch.testing.assert_close(fast.rms_norm(x, w, None, unit_offset=True),
                                refgdn.rms_norm(x, w, None, unit_offset=True), rtol=1e-12, atol=1e-12)
     for pkg in (fast, refgdn):
-        with pytest.raises(ValueError, match="residual"):
-            pkg.rms_norm(x, w, b, x)
+        with pytest.raises(ValueError, match="residual must have shape"):
+            pkg.rms_norm(x, w, b, x[..., :3])
         with pytest.raises(ValueError, match="unit_offset=True .* needs a weight"):
             pkg.rms_norm(x, None, unit_offset=True)
     with pytest.raises(TypeError):
@@ -215,9 +215,12 @@ def test_fast_rms_norm_equals_refgdn_in_float64_and_fla_order():
 def test_rms_norm_custom_op_registration():
     gen = torch.Generator().manual_seed(13)
     x, _, w, b = _inputs((3, 2, 16), torch.float32, "slices", gen)
-    args = (x.detach().requires_grad_(), w.detach().requires_grad_(), b, 1e-6, True)
-    torch.library.opcheck(torch.ops.fast.rms_norm.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    r = torch.randn(x.shape, generator=gen).to(DEVICE)
+    for args in ((x.detach().requires_grad_(), w.detach().requires_grad_(), b, None, 1e-6, True, None),
+                 (x.detach().requires_grad_(), w.detach().requires_grad_(), b, r.requires_grad_(), 1e-6, True,
+                  torch.float32)):
+        torch.library.opcheck(torch.ops.fast.rms_norm.default, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_model_norm_is_the_previous_torch_formula_bit_for_bit():
@@ -238,3 +241,46 @@ def test_model_norm_is_the_previous_torch_formula_bit_for_bit():
     m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", seed=0)
     norms = [mod for mod in m.modules() if isinstance(mod, RMSNorm)]
     assert norms and all(mod.ops is fast for mod in norms)
+
+
+def _residual_rule(x, r, fp32):
+    """fla 0.6.0's residual stream, written out: the sum in float32, normalised as computed; returned (prenorm) in the
+    residual's dtype, else float32 with residual_in_fp32 (x itself when x is float32 or nothing asks for a copy)."""
+    s = x.float() + (r.float() if r is not None else 0)
+    want = r.dtype if r is not None else (torch.float32 if fp32 and x.dtype != torch.float32 else None)
+    return s, want
+
+
+@pytest.mark.parametrize("res_dtype", [None, torch.bfloat16, torch.float32], ids=["no-residual", "bf16", "fp32"])
+@pytest.mark.parametrize("residual_in_fp32", [False, True], ids=["", "residual_in_fp32"])
+def test_rms_norm_residual_stream_follows_fla(res_dtype, residual_in_fp32):
+    """rms_norm(x, w, b, residual, eps, prenorm=True, residual_in_fp32) -> (y, residual_out), fla's pre-norm block:
+    y normalises x + residual as computed in float32; residual_out is that sum in the residual's dtype (float32 with
+    residual_in_fp32 and no residual; x itself otherwise). Both packages, and fast by the conformance rule, gradients
+    of x, the residual and the weight included (the sum's gradient flows back through residual_out too)."""
+    gen = torch.Generator().manual_seed(15)
+    x = (3 * torch.randn(4, 5, 64, generator=gen, dtype=torch.float64)).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(4, 5, 64, generator=gen, dtype=torch.float64).to(res_dtype).to(DEVICE) if res_dtype else None
+    w = (0.2 * torch.randn(64, generator=gen, dtype=torch.float64)).to(torch.bfloat16).to(DEVICE)
+    s, want = _residual_rule(x, r, residual_in_fp32)
+    for pkg in (refgdn, fast):
+        y, out = pkg.rms_norm(x, w, None, r, 1e-6, True, residual_in_fp32, unit_offset=True)
+        if want is None:
+            assert out is x
+        else:
+            assert out.dtype == want and torch.equal(out, s.to(want))
+        # without prenorm: y alone, the same y
+        assert torch.equal(pkg.rms_norm(x, w, None, r, 1e-6, False, residual_in_fp32, unit_offset=True), y)
+    # fast by the rule, forward and backward
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).to(DEVICE)
+    ds = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(want or x.dtype).to(DEVICE)
+    outs = {}
+    for name, mod, cast in (("fast", fast, None), ("ref", refgdn, None), ("truth", refgdn, torch.float64)):
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_(True) if t is not None else None for t in (x, r, w)]
+        y, out = mod.rms_norm(leaves[0], leaves[2], None, leaves[1], 1e-6, True, residual_in_fp32, unit_offset=True)
+        need = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad((y, out), need, (dy.to(y.dtype), ds.to(out.dtype)))
+        outs[name] = [y.detach(), out.detach()] + list(grads)
+    names = ["y", "residual_out", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"]
+    for i, n in enumerate(names):
+        _conforms(n, outs["fast"][i], outs["truth"][i], outs["ref"][i], outs["fast"][i].dtype)
