@@ -284,3 +284,21 @@ def test_rms_norm_residual_stream_follows_fla(res_dtype, residual_in_fp32):
     names = ["y", "residual_out", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"]
     for i, n in enumerate(names):
         _conforms(n, outs["fast"][i], outs["truth"][i], outs["ref"][i], outs["fast"][i].dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="fla's kernels need a GPU")
+def test_rms_norm_residual_stream_against_fla_itself():
+    """The same positional call in fla 0.6.0 and in fast (x, weight, bias, residual, eps, prenorm, residual_in_fp32):
+    residual_out bit for bit (both round the float32 sum once), y by the conformance rule (each against refgdn's
+    float64 truth)."""
+    fla_ln = pytest.importorskip("fla.modules.layernorm")
+    gen = torch.Generator().manual_seed(16)
+    x = (3 * torch.randn(6, 7, 256, generator=gen, dtype=torch.float64)).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(6, 7, 256, generator=gen, dtype=torch.float64).to(torch.float32).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(256, generator=gen, dtype=torch.float64)).to(torch.bfloat16).to(DEVICE)
+    y_fla, s_fla = fla_ln.rms_norm(x, w, None, r, 1e-5, True, False)
+    y_f, s_f = fast.rms_norm(x, w, None, r, 1e-5, True, False)
+    assert s_f.dtype == s_fla.dtype == torch.float32 and torch.equal(s_f, s_fla)
+    truth = refgdn.rms_norm(x.double(), w.double(), None, r.double(), 1e-5)
+    _conforms("y (fast)", y_f, truth, refgdn.rms_norm(x, w, None, r, 1e-5), torch.bfloat16)
+    _conforms("y (fla)", y_fla, truth, refgdn.rms_norm(x, w, None, r, 1e-5), torch.bfloat16)
