@@ -13,9 +13,9 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one 
     torch.ops.fast.rms_norm(x, weight, bias, residual, eps, unit_offset, res_dtype) -> (y, x + residual or empty)
     torch.ops.fast.rms_norm_bwd(dy, dres_out, <the forward's inputs>) -> (dx, dweight, dbias, dresidual)
 
-Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated / fast.rms_norm: they validate on the host,
-then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels directly
-and pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
+Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated / fast.rms_norm: they validate on
+the host, then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels
+directly and pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
 on a flag's value being None); the public functions drop it unless output_final_state.
 
 Custom ops cannot return None: gradients that do not exist (no initial state, no fused gating, no bias)

@@ -2,14 +2,14 @@
 forward and backward, one pair of kernels for both (GATE 2: no gate).
 
     x, g: [..., D]   weight, bias: [D] (or None)  ->  y: [..., D] in x.dtype
-    rms_norm_gated:  y = (x / sqrt(mean(x^2) + eps) * w + bias) * act(g)   act(g) = g sigmoid(g) (swish / silu), sigmoid(g)
-    rms_norm:        y =  x / sqrt(mean(x^2) + eps) * w + bias             w = weight, or 1 + weight (UNIT_W)
+    rms_norm_gated:  y = (x / sqrt(mean(x^2) + eps) * w + bias) * act(g)   act(g) = g sigmoid(g) or sigmoid(g)
+    rms_norm:        y =  s / sqrt(mean(s^2) + eps) * w + bias             s = x (+ residual), w = weight or 1 + weight
 
 One memory-bound pass each way, a block of BM whole rows (D <= MAX_D, padded to BD = next_pow2(D)) per program,
 float32 inside (float64 for float64 inputs), rounded once at the store. Rows are addressed at one stride, or as
 (i // N1, i % N1) at two where the leading dims do not merge (_rows), so x and g may be strided views without a copy
-(e.g. a [T, HV, V] slice of a fused projection, as the model's z at one value head per key head). Pinned configs, never autotuned: the forward runs
-inside decode and verify graphs (DESIGN.md invariant 2).
+(e.g. a [T, HV, V] slice of a fused projection, as the model's z at one value head per key head). Pinned configs,
+never autotuned: the forward runs inside decode and verify graphs (DESIGN.md invariant 2).
 
 Backward, per row (r = 1 / sqrt(mean(x^2) + eps), n = x r, p = n w + b the pre-gate value, a = act(g), 1 ungated):
 
@@ -65,7 +65,8 @@ def rms_norm_fwd_kernel(x, g, w, b, y, r, r_out, M, N1, s_x0, s_x1, s_g0, s_g1, 
 
     y = (x / sqrt(mean(x^2) + eps) * w + b) * act(g)      GATE 0: act(g) = g sigmoid(g); 1: sigmoid(g); 2: 1 (g unread)
     UNIT_W: w is 1 + the weight loaded (the zero-centred weight of refgdn.model's norms). eps + eps_lo: eps as two
-    float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant (utils.eps_split).
+    float32 scalars (Triton passes a Python float as float32), summed in float64 by the float64 variant
+    (utils.eps_split).
     HAS_R: x <- x + r first (fla's pre-norm residual add; r: [M, D] contiguous), in the compute dtype; STORE_R: that sum
     stored to r_out ([M, D] contiguous, its own dtype).
     """
@@ -350,10 +351,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residua
 
         s = x + residual;   y = s / sqrt(mean(s^2) + eps) * w + bias        w = weight, or 1 + weight with unit_offset
 
-    One kernel: the residual add, the stored sum (prenorm only) and the norm in one pass (float32 inside, float64 for float64
-    inputs, y rounded once). Differentiable in x, weight, bias and residual (through torch.ops.fast.rms_norm when a
-    gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per D, dtypes and residual flags,
-    whatever the row count (plain_norm_config).
+    One kernel: the residual add, the stored sum (prenorm only) and the norm in one pass (float32 inside, float64
+    for float64 inputs, y rounded once). Differentiable in x, weight, bias and residual (through
+    torch.ops.fast.rms_norm when a gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per
+    D, dtypes and residual flags, whatever the row count (plain_norm_config).
     """
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
     from refgdn.norm import residual_out_dtype

@@ -1305,6 +1305,7 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         import fast.keys as keys
 
     import refgdn.serving as rs
+    from refgdn.model.config import FULL
     c = model.config
     H, HV, K, V, W = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim, c.linear_conv_kernel_dim)
@@ -1324,7 +1325,6 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
     steps: Dict[str, set] = {}
 
     norm_w = e(V)
-    from refgdn.model.config import FULL
     target_attn = FULL in c.layer_types
 
     def plain_norms(T, attn):
@@ -1366,7 +1366,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         elif desc.mode == "verify":
             steps[str(desc)] = set(verify(desc.batch, desc.tokens))
         else:
-            steps[str(desc)] = set(plain_norms(desc.batch, True))   # the MTP head: its norms (a full-attention layer)
+            # the MTP head: its norms (it holds a full-attention layer); no head, no draft graph (fast.graphs)
+            steps[str(desc)] = set(plain_norms(desc.batch, True)) if getattr(model, "has_mtp", True) else set()
     for N in range(1, cfg.max_batch + 1):
         steps[f"decode-eager[N={N}]"] = set(decode(N))
         if cfg.max_draft:
