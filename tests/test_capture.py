@@ -277,6 +277,18 @@ def test_planner_equals_keys_of_the_eager_run(model):
     assert p.for_descriptor(CaptureDescriptor("verify", 2, 3)) != decode
 
 
+def test_planner_draft_keys_are_the_mtp_heads_norms(model):
+    """A draft step launches the MTP head's norms (hidden rows and its attention's q / k norms), nothing of the GDN
+    core; a model without an MTP head has no draft graph, and the planner lists nothing for one."""
+    p = cap.plan(model, CFG)
+    draft = p.for_descriptor(CaptureDescriptor("draft", 2))
+    assert {key.kernel for key in draft} == {"rms_norm_fwd_kernel"}
+    assert {dict(key.constexprs)["D"] for key in draft} == {model.config.hidden_size, model.config.head_dim}
+    no_mtp = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float32, seed=3,
+                            mtp=False, check_values=False)
+    assert cap.plan(no_mtp, CFG).for_descriptor(CaptureDescriptor("draft", 2)) == set()
+
+
 def test_planner_equals_real_triton_launches_of_the_fast_model():
     """The same with the model on fast ops: the recorder sees fast's real Triton launches (interpreter)."""
     m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=torch.float32, seed=3, device=DEV)
