@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from refgdn.checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
+from refgdn.norm import residual_out_dtype
 
 from .chunk.common import _num_sms
 from .launch import launch
@@ -357,7 +358,6 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residua
     D, dtypes and residual flags, whatever the row count (plain_norm_config).
     """
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
-    from refgdn.norm import residual_out_dtype
     rdt = residual_out_dtype(x, residual, residual_in_fp32) if prenorm else None     # the sum is stored for prenorm
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, weight, bias, residual):
