@@ -343,8 +343,8 @@ def rms_norm(x, weight, bias=None, residual=None, eps=1e-5, prenorm=False, resid
     from refgdn.norm import residual_out_dtype
 
     from .norm import plain_norm_config
-    rdt = residual_out_dtype(x, residual, residual_in_fp32) if prenorm else None
-    return _norm_key(x, None, weight, bias, None, unit_offset, plain_norm_config, residual, rdt)
+    return _norm_key(x, None, weight, bias, None, unit_offset, plain_norm_config, residual,
+                     residual_out_dtype(x, residual, residual_in_fp32, prenorm))
 
 
 # ----------------------------------------------------------------------------------------------

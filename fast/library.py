@@ -233,7 +233,7 @@ causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup_con
 def rms_norm_gated_op(x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], activation: str,
                       eps: float) -> Tensor:
     """x, g: [..., D] -> y [..., D] (x's dtype, contiguous)."""
-    return _norm.norm_fwd(x, g, weight, bias, activation, eps)
+    return _norm.norm_fwd(x, g, weight, bias, activation, eps)[0]
 
 
 @rms_norm_gated_op.register_fake
@@ -280,10 +280,8 @@ def rms_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
                 unit_offset: bool, res_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
     """x: [..., D] -> (y [..., D] (x's dtype, contiguous), the sum x + residual in res_dtype, or empty when res_dtype
     is None)."""
-    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if res_dtype is not None else x.new_empty(0)
-    y = _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual,
-                       res_out=res_out if res_dtype is not None else None)
-    return y, res_out
+    y, res_out = _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=res_dtype)
+    return y, res_out if res_out is not None else x.new_empty(0)
 
 
 @rms_norm_op.register_fake

@@ -263,17 +263,18 @@ def _gate_rows(g, x_rows):
 
 
 def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = False, config: Optional[dict] = None,
-             residual: Optional[torch.Tensor] = None, res_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The forward's launch (inputs checked): -> y, contiguous, x's shape and dtype. activation None: rms_norm (g
+             residual: Optional[torch.Tensor] = None, res_dtype: Optional[torch.dtype] = None):
+    """The forward's launch (inputs checked): -> (y, res_out): y contiguous, x's shape and dtype; res_out the sum x +
+    residual (x's shape, contiguous) stored in res_dtype, or None when res_dtype is None. activation None: rms_norm (g
     None, plain_norm_config), else rms_norm_gated (norm_config). config: benchmark overrides of BM / num_warps (each
-    value its own variant). residual (x's shape): normalise x + residual; res_out (given: x's shape, contiguous):
-    the sum is stored there in its dtype."""
+    value its own variant). residual (x's shape): normalise x + residual."""
     D = x.shape[-1]
     _check_limits(D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if res_dtype is not None else None
     M = x.numel() // D
     if M == 0:
-        return y
+        return y, res_out
     xr = _rows(x)
     x2, N1, sx0, sx1, x_split = xr
     g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
@@ -283,7 +284,7 @@ def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = Fal
     grid = (cdiv(M, kw["BM"]),)
     launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, _flat(residual, M, D), res_out, M, N1, sx0, sx1,
            sg0, sg1, *eps_split(eps))
-    return y
+    return y, res_out
 
 
 def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,
@@ -341,7 +342,7 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, g, weight, bias):
         return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))
-    return norm_fwd(x, g, weight, bias, activation, eps)
+    return norm_fwd(x, g, weight, bias, activation, eps)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residual=None, eps: float = 1e-5,
@@ -358,13 +359,12 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residua
     D, dtypes and residual flags, whatever the row count (plain_norm_config).
     """
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
-    rdt = residual_out_dtype(x, residual, residual_in_fp32) if prenorm else None     # the sum is stored for prenorm
+    rdt = residual_out_dtype(x, residual, residual_in_fp32, prenorm)      # the sum is stored for prenorm only
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, weight, bias, residual):
         y, res_out = library.rms_norm_op(x, weight, bias, residual, float(eps), bool(unit_offset), rdt)
     else:
-        res_out = torch.empty(x.shape, dtype=rdt, device=x.device) if rdt is not None else None
-        y = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_out=res_out)
+        y, res_out = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=rdt)
     if not prenorm:
         return y
     return y, (res_out if rdt is not None else x)

@@ -23,6 +23,17 @@ def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
     return g * s if activation in ("swish", "silu") else s
 
 
+def _normalized(s: torch.Tensor, weight, bias, eps: float, dt: torch.dtype, unit_offset: bool = False):
+    """s / sqrt(mean(s^2) + eps) * w + bias in dt (s already in dt): the core both norms share; w = weight, or
+    1 + weight with unit_offset."""
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)             # mean over the true D
+    if weight is not None:
+        y = y * (1.0 + weight.to(dt) if unit_offset else weight.to(dt))
+    if bias is not None:
+        y = y + bias.to(dt)
+    return y
+
+
 def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight, bias=None, activation: str = "swish",
                    residual=None, prenorm: bool = False, residual_in_fp32: bool = False, eps: float = 1e-6):
     """x, g: [..., D]; weight, bias: [D] or None -> y: [..., D] in x.dtype (fla 0.6.0's name and argument order).
@@ -34,18 +45,16 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight, bias=None, activati
     """
     check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
     dt = compute_dtype(x, g, weight, bias)
-    xf = x.to(dt)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)          # mean over the true D
-    if weight is not None:
-        y = y * weight.to(dt)
-    if bias is not None:
-        y = y + bias.to(dt)
+    y = _normalized(x.to(dt), weight, bias, eps, dt)
     return (y * gate_activation(g.to(dt), activation)).to(x.dtype)
 
 
-def residual_out_dtype(x: torch.Tensor, residual, residual_in_fp32: bool):
+def residual_out_dtype(x: torch.Tensor, residual, residual_in_fp32: bool, prenorm: bool = True):
     """The dtype of rms_norm's pre-norm sum x + residual as returned with prenorm (fla's rule): the residual's, else
-    float32 with residual_in_fp32, else None (x itself is returned: nothing was added)."""
+    float32 with residual_in_fp32, else None (x itself is returned: nothing was added). None without prenorm (the sum
+    is not returned: fast does not store it)."""
+    if not prenorm:
+        return None
     if residual is not None:
         return residual.dtype
     return torch.float32 if residual_in_fp32 and x.dtype != torch.float32 else None
@@ -67,12 +76,7 @@ def rms_norm(x: torch.Tensor, weight, bias=None, residual=None, eps: float = 1e-
     check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
     dt = compute_dtype(x, weight, bias, residual)
     s = x.to(dt) if residual is None else x.to(dt) + residual.to(dt)
-    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)            # mean over the true D
-    if weight is not None:
-        y = y * (1.0 + weight.to(dt) if unit_offset else weight.to(dt))
-    if bias is not None:
-        y = y + bias.to(dt)
-    y = y.to(x.dtype)
+    y = _normalized(s, weight, bias, eps, dt, unit_offset).to(x.dtype)
     if not prenorm:
         return y
     rdt = residual_out_dtype(x, residual, residual_in_fp32)
