@@ -623,3 +623,25 @@ def test_mtp_argument_errors(model64):
     with pytest.raises(ValueError, match="input_ids must be in"):
         model64.mtp(cache, torch.tensor([128]), hid, model64.metadata(cache, si, qsl, 1, mtp=True))
     assert int(cache.mtp_kv_lens.sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_rotary_tables_equal_rotate_half(dtype):
+    """Rotary.apply over its per-step tables (rotate_half's sign folded into sin) equals the textbook NeoX form
+    x * cos + rotate_half(x) * sin on the first rotary_dim channels (computed in float32 / float64, rounded once),
+    bit for bit; the pass-through channels are untouched."""
+    from refgdn.model.layers import Rotary, compute_dtype
+    cfg = Qwen3NextConfig.preset("tiny")
+    rot = Rotary(cfg)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 3, cfg.head_dim, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    pos = torch.tensor([0, 1, 5, 17, 4095, 123456], dtype=I32)
+    dt = compute_dtype(x)
+    freqs = pos.to(dt)[:, None] * rot.inv_freq(dt, "cpu")
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    xr, xp = x.to(dt)[..., :rot.rotary_dim], x[..., rot.rotary_dim:]
+    half = rot.rotary_dim // 2
+    rotate_half = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    want = torch.cat([(xr * emb.cos() + rotate_half * emb.sin()).to(dtype), xp], dim=-1)
+    got = rot.apply(x, rot.tables(pos, dt))
+    assert got.dtype == dtype and torch.equal(got, want)

@@ -46,7 +46,7 @@ from torch import nn
 from ..checks import check_cu_seqlens_cpu, one_host_read_scope
 from .cache import KVCache, ModelCache, StepMetadata, build_step_metadata
 from .config import FULL, LINEAR, Qwen3NextConfig
-from .layers import MTPHead, DecoderLayer, RMSNorm, Rotary
+from .layers import DecoderLayer, MTPHead, RMSNorm, Rotary, attn_step, compute_dtype
 
 
 def _resolve_ops(ops):
@@ -260,10 +260,12 @@ class Qwen3NextModel(nn.Module):
         has_initial_state = None
         if mode == "prefill":           # which requests continue: once for every GDN layer
             has_initial_state = cache.kv_lens_buf[cache.safe_slots(meta.state_indices)] > 0
+        # the attention layers' shared tables (rotary, KV rows, mask): once per step
+        step = attn_step(meta, cache.kv[0], self.rotary, compute_dtype(x)) if cache.kv else None
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
-                h = layer.self_attn(h, cache.kv[ai], meta, self.rotary)
+                h = layer.self_attn(h, cache.kv[ai], meta, self.rotary, step)
                 ai += 1
             else:
                 h = layer.linear_attn(h, self.ops, cache.gdn[gi], meta, mode, has_initial_state)
@@ -372,8 +374,9 @@ class Qwen3NextModel(nn.Module):
         e = head.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         h = head.pre_fc_norm_hidden(hidden.to(self.dtype))
         x = head.fc(torch.cat([e, h], dim=-1))
+        step = attn_step(meta, cache.mtp_kv[0], self.rotary, compute_dtype(x)) if cache.mtp_kv else None
         for layer, kv in zip(head.layers, cache.mtp_kv):
-            x = layer.mlp_block(x + layer.self_attn(layer.input_layernorm(x), kv, meta, self.rotary))
+            x = layer.mlp_block(x + layer.self_attn(layer.input_layernorm(x), kv, meta, self.rotary, step))
         cache.mtp_kv_lens_buf.index_copy_(0, cache.safe_slots(meta.state_indices), meta.seq_lens)
         return head.norm(x)
 

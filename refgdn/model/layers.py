@@ -8,7 +8,7 @@ model: the truth runs) and cast back to the activation dtype, as Hugging Face's 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -133,8 +133,9 @@ class SparseMoeBlock(nn.Module):
 class Rotary(nn.Module):
     """Partial rotary embedding (NeoX halves) on the first ``rotary_dim`` channels of each head.
 
-    inv_freq[i] = theta ** (-2i / rotary_dim), computed per call in the compute dtype on the positions'
-    device (a buffer would be rounded by ``model.to(bfloat16)``); cos/sin from the step's positions.
+    inv_freq[i] = theta ** (-2i / rotary_dim), computed in the compute dtype on the positions' device (a buffer
+    would be rounded by ``model.to(bfloat16)``); cos/sin from the step's positions, once per step (:meth:`tables`),
+    shared by q, k and every attention layer of the step.
     """
 
     def __init__(self, cfg: Qwen3NextConfig, device=None):
@@ -145,22 +146,48 @@ class Rotary(nn.Module):
         rot = self.rotary_dim
         return 1.0 / (self.theta ** (torch.arange(0, rot, 2, dtype=dt, device=device) / rot))
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim], positions: [T] int -> [T, heads, head_dim] in x.dtype."""
-        dt = compute_dtype(x)
-        freqs = positions.to(dt)[:, None] * self.inv_freq(dt, x.device)     # [T, rot/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]                 # [T, 1, rot]
-        cos, sin = emb.cos(), emb.sin()
-        xf = x.to(dt)
-        xr, xp = xf[..., :self.rotary_dim], xf[..., self.rotary_dim:]
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)      # rotate_half
-        return torch.cat([xr * cos + rotated * sin, xp], dim=-1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dt: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int -> (cos, sin): [T, 1, rotary_dim] in dt, sin's first half negated (rotate_half's
+        sign, so that :meth:`apply` only swaps the halves: x * cos + swap(x) * sin, the same products)."""
+        freqs = positions.to(dt)[:, None] * self.inv_freq(dt, positions.device)     # [T, rot/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
+
+    def apply(self, x: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, head_dim], tables: :meth:`tables` of the step's positions -> [T, heads, head_dim] in
+        x.dtype (the rotated channels computed in the tables' dtype: x's values promote exactly)."""
+        cos, sin = tables
+        rot, half = self.rotary_dim, self.rotary_dim // 2
+        xr, xp = x[..., :rot], x[..., rot:]
+        swapped = torch.cat([xr[..., half:], xr[..., :half]], dim=-1)      # rotate_half, its sign in sin
+        out = (xr * cos + swapped * sin).to(x.dtype)
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 
 # ----------------------------------------------------------------------------------------------
 # token mixers
 # ----------------------------------------------------------------------------------------------
+
+class AttnStep(NamedTuple):
+    """What every attention layer of a step shares, formed once per step (:func:`attn_step`)."""
+
+    rope: Tuple[torch.Tensor, torch.Tensor]   # Rotary.tables of the step's positions
+    dest: torch.Tensor                        # [T] int64: the KV row each token writes (padding: the scratch row)
+    rows: torch.Tensor                        # [T] int64: the slot each token reads (padding: slot 0)
+    masked: torch.Tensor                      # [T, window] bool: KV row l lies past the token's position
+    scratch_row: int
+    window: int
+
+
+def attn_step(meta: StepMetadata, kv: KVCache, rotary: Rotary, dt: torch.dtype) -> AttnStep:
+    """The step's shared attention tables for KV caches laid out as ``kv`` (every attention layer of a model has the
+    same num_slots / max_len), rotary tables in dt (the compute dtype)."""
+    window = meta.attn_window or kv.max_len
+    dest = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, kv.scratch_row).long()
+    masked = torch.arange(window, device=meta.positions.device)[None, :] > meta.positions[:, None]   # [T, window]
+    return AttnStep(rotary.tables(meta.positions, dt), dest, meta.token_slots.clamp(min=0).long(), masked,
+                    kv.scratch_row, window)
+
 
 class Attention(nn.Module):
     """Gated softmax attention with q/k norms, partial rotary, GQA and a KV cache in slots.
@@ -181,36 +208,37 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, kv: KVCache, meta: StepMetadata, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KVCache, meta: StepMetadata, rotary: Rotary,
+                step: Optional[AttnStep] = None) -> torch.Tensor:
+        """step: the step's :func:`attn_step` tables (formed here when None or made for another cache layout)."""
         T = x.shape[0]
+        if step is None or step.scratch_row != kv.scratch_row or step.window != (meta.attn_window or kv.max_len):
+            step = attn_step(meta, kv, rotary, compute_dtype(x))
         qg = rearrange(self.q_proj(x), "t (h c) -> t h c", h=self.nh)       # [T, nh, 2*hd]
         q, gate = qg[..., :self.hd], qg[..., self.hd:]
-        q = rotary.apply(self.q_norm(q), meta.positions)                     # [T, nh, hd]
-        k = rotary.apply(self.k_norm(rearrange(self.k_proj(x), "t (h d) -> t h d", h=self.kvh)), meta.positions)
+        q = rotary.apply(self.q_norm(q), step.rope)                          # [T, nh, hd]
+        k = rotary.apply(self.k_norm(rearrange(self.k_proj(x), "t (h d) -> t h d", h=self.kvh)), step.rope)
         v = rearrange(self.v_proj(x), "t (h d) -> t h d", h=self.kvh)
         # write this step's K/V first (padded tokens go to the scratch row), then attend
-        dest = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, kv.scratch_row).long()
-        kv.k.index_copy_(0, dest, k.to(kv.k.dtype))
-        kv.v.index_copy_(0, dest, v.to(kv.v.dtype))
-        o = torch.cat([self._attend(q[s:s + ATTN_BLOCK], meta.token_slots[s:s + ATTN_BLOCK],
-                                    meta.positions[s:s + ATTN_BLOCK], kv, meta.attn_window or kv.max_len)
-                       for s in range(0, T, ATTN_BLOCK)] or [q.new_zeros(0, self.nh, self.hd)])
+        kv.k.index_copy_(0, step.dest, k.to(kv.k.dtype))
+        kv.v.index_copy_(0, step.dest, v.to(kv.v.dtype))
+        blocks = [self._attend(q[s:s + ATTN_BLOCK], step.rows[s:s + ATTN_BLOCK], step.masked[s:s + ATTN_BLOCK], kv,
+                               step.window) for s in range(0, T, ATTN_BLOCK)]
+        o = blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else q.new_zeros(0, self.nh, self.hd)
         o = rearrange(o, "t h d -> t (h d)") * torch.sigmoid(rearrange(gate, "t h d -> t (h d)"))
         return self.o_proj(o)
 
-    def _attend(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+    def _attend(self, q: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor, kv: KVCache,
                 window: int) -> torch.Tensor:
-        """q: [t, nh, hd], slots, positions: [t] -> [t, nh, hd] in q.dtype (torch paged attention over the
-        first ``window`` KV rows of each token's slot; rows past the token's position are masked)."""
+        """q: [t, nh, hd], rows: [t] (each token's slot), masked: [t, window] -> [t, nh, hd] in q.dtype (torch
+        paged attention over the first ``window`` KV rows of each token's slot; masked rows are left out)."""
         dt = compute_dtype(q)
         G = self.nh // self.kvh
-        rows = slots.clamp(min=0).long()
         keys = kv.k_cache[rows, :window].to(dt)                              # [t, L, kvh, hd]
         vals = kv.v_cache[rows, :window].to(dt)
         qg = rearrange(q.to(dt), "t (h g) d -> t h g d", g=G)                # head h*G+j reads kv head h
         scores = torch.einsum("thgd,tlhd->thgl", qg, keys) * self.hd ** -0.5
-        visible = torch.arange(window, device=q.device)[None, :] <= positions[:, None].long()      # [t, L]
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         o = torch.einsum("thgl,tlhd->thgd", p, vals)
         return rearrange(o, "t h g d -> t (h g) d").to(q.dtype)
