@@ -645,3 +645,36 @@ def test_rotary_tables_equal_rotate_half(dtype):
     want = torch.cat([(xr * emb.cos() + rotate_half * emb.sin()).to(dtype), xp], dim=-1)
     got = rot.apply(x, rot.tables(pos, dt))
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_prefill_attention_shares_a_requests_kv_rows(model64, monkeypatch):
+    """A prefill whose request offsets the host holds (query_start_loc_cpu) attends each request's KV rows gathered
+    once for all of its tokens (AttnStep.spans); the same prefill with the per-token gather of decode / verify
+    gives the same hidden states (float64, to rounding) and the same caches. Prompts longer than one attention
+    block, and a continuing prefill whose tokens also read rows of the earlier one."""
+    import refgdn.model.core as core
+    spans_seen = []
+    real = core.attn_step
+
+    def spy(meta, kv, rotary, dt, offsets=None):
+        spans_seen.append(offsets is not None)
+        return real(meta, kv, rotary, dt, offsets)
+    monkeypatch.setattr(core, "attn_step", spy)
+    monkeypatch.setattr("refgdn.model.layers.ATTN_BLOCK", 4)          # several blocks per request
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(core, "host_offsets_known", lambda t: False)
+        cache = model64.allocate_cache(4, 40)
+        outs = []
+        for lens, slots in (([9, 3, 6], [2, 0, 3]), ([5, 7], [0, 2])):       # second: continues slots 0 and 2
+            ids = torch.cat(ids_of(lens, seed=len(outs)))
+            qsl = qsl_of(lens)
+            meta = model64.metadata(cache, torch.tensor(slots, dtype=I32), qsl, ids.shape[0])
+            outs.append(model64.prefill(cache, ids, meta, qsl))
+        runs[shared] = (outs, cache)
+    assert spans_seen == [True, True, False, False]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    for a, b in zip(runs[True][1].kv[0].k, runs[False][1].kv[0].k):
+        assert (a - b).abs().max() <= 1e-12 * max(b.abs().max(), 1)

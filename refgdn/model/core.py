@@ -43,7 +43,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checks import check_cu_seqlens_cpu, one_host_read_scope
+from ..checks import check_cu_seqlens_cpu, host_offsets, host_offsets_known, one_host_read_scope
 from .cache import KVCache, ModelCache, StepMetadata, build_step_metadata
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .layers import DecoderLayer, MTPHead, RMSNorm, Rotary, attn_step, compute_dtype
@@ -260,11 +260,16 @@ class Qwen3NextModel(nn.Module):
         has_initial_state = None
         if mode == "prefill":           # which requests continue: once for every GDN layer
             has_initial_state = cache.kv_lens_buf[cache.safe_slots(meta.state_indices)] > 0
-        # the attention layers' shared tables (rotary, KV rows, mask): once per step
-        step = attn_step(meta, cache.kv[0], self.rotary, compute_dtype(x)) if cache.kv else None
+        step = None                     # the attention layers' shared tables: once per step, at the first one
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
+                if step is None:
+                    # a prefill's request offsets, where the host has them (query_start_loc_cpu, or the GDN layers'
+                    # read): a request's tokens then share its KV rows. The glue itself reads nothing.
+                    known = mode == "prefill" and host_offsets_known(meta.query_start_loc)
+                    step = attn_step(meta, cache.kv[ai], self.rotary, compute_dtype(x),
+                                     host_offsets(meta.query_start_loc) if known else None)
                 h = layer.self_attn(h, cache.kv[ai], meta, self.rotary, step)
                 ai += 1
             else:

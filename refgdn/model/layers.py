@@ -8,7 +8,7 @@ model: the truth runs) and cast back to the activation dtype, as Hugging Face's 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,8 @@ from .. import norm as _norm
 from .cache import KVCache, StepMetadata
 from .config import FULL, Qwen3NextConfig
 
-# tokens per block in the torch attention: bounds the [block, max_len, kv_heads, head_dim] gather
+# query tokens per block in the torch attention: bounds its [block, heads, window] scores (and, where each token
+# gathers its own KV rows, the [block, window, kv_heads, head_dim] gather)
 ATTN_BLOCK = 256
 
 
@@ -177,16 +178,24 @@ class AttnStep(NamedTuple):
     masked: torch.Tensor                      # [T, window] bool: KV row l lies past the token's position
     scratch_row: int
     window: int
+    spans: Optional[List[Tuple[int, int]]]    # prefill: each request's token range [b, e) (host ints), else None
 
 
-def attn_step(meta: StepMetadata, kv: KVCache, rotary: Rotary, dt: torch.dtype) -> AttnStep:
+def attn_step(meta: StepMetadata, kv: KVCache, rotary: Rotary, dt: torch.dtype,
+              offsets: Optional[List[int]] = None) -> AttnStep:
     """The step's shared attention tables for KV caches laid out as ``kv`` (every attention layer of a model has the
-    same num_slots / max_len), rotary tables in dt (the compute dtype)."""
+    same num_slots / max_len), rotary tables in dt (the compute dtype). offsets: meta.query_start_loc's values on
+    the host (a prefill has them): then each request's KV rows are gathered once for all of its tokens, else
+    (decode, verify: a few tokens per request, no host values inside a graph) once per token."""
     window = meta.attn_window or kv.max_len
     dest = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, kv.scratch_row).long()
     masked = torch.arange(window, device=meta.positions.device)[None, :] > meta.positions[:, None]   # [T, window]
+    spans = None
+    if offsets is not None:
+        T = meta.num_tokens
+        spans = [(b, e) for b, e in zip(offsets, offsets[1:]) if e > b] + ([(offsets[-1], T)] if offsets[-1] < T else [])
     return AttnStep(rotary.tables(meta.positions, dt), dest, meta.token_slots.clamp(min=0).long(), masked,
-                    kv.scratch_row, window)
+                    kv.scratch_row, window, spans)
 
 
 class Attention(nn.Module):
@@ -222,25 +231,37 @@ class Attention(nn.Module):
         # write this step's K/V first (padded tokens go to the scratch row), then attend
         kv.k.index_copy_(0, step.dest, k.to(kv.k.dtype))
         kv.v.index_copy_(0, step.dest, v.to(kv.v.dtype))
-        blocks = [self._attend(q[s:s + ATTN_BLOCK], step.rows[s:s + ATTN_BLOCK], step.masked[s:s + ATTN_BLOCK], kv,
-                               step.window) for s in range(0, T, ATTN_BLOCK)]
+        if step.spans is None:              # each token gathers its slot's rows
+            parts = [(s, min(s + ATTN_BLOCK, T), s) for s in range(0, T, ATTN_BLOCK)]
+        else:                               # a request's tokens share its rows (its first token's slot)
+            parts = [(s, min(s + ATTN_BLOCK, e), b) for b, e in step.spans for s in range(b, e, ATTN_BLOCK)]
+        blocks = [self._attend(q[s:e], step.rows[s:e] if step.spans is None else step.rows[r:r + 1],
+                               step.masked[s:e], kv, step.window) for s, e, r in parts]
         o = blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else q.new_zeros(0, self.nh, self.hd)
         o = rearrange(o, "t h d -> t (h d)") * torch.sigmoid(rearrange(gate, "t h d -> t (h d)"))
         return self.o_proj(o)
 
     def _attend(self, q: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor, kv: KVCache,
                 window: int) -> torch.Tensor:
-        """q: [t, nh, hd], rows: [t] (each token's slot), masked: [t, window] -> [t, nh, hd] in q.dtype (torch
-        paged attention over the first ``window`` KV rows of each token's slot; masked rows are left out)."""
+        """q: [t, nh, hd], rows: [t] (each token's slot) or [1] (one slot for all t tokens), masked: [t, window]
+        -> [t, nh, hd] in q.dtype (torch paged attention over the first ``window`` KV rows of the slot; masked
+        rows are left out)."""
         dt = compute_dtype(q)
         G = self.nh // self.kvh
-        keys = kv.k_cache[rows, :window].to(dt)                              # [t, L, kvh, hd]
+        keys = kv.k_cache[rows, :window].to(dt)                              # [r, L, kvh, hd], r = t or 1
         vals = kv.v_cache[rows, :window].to(dt)
         qg = rearrange(q.to(dt), "t (h g) d -> t h g d", g=G)                # head h*G+j reads kv head h
-        scores = torch.einsum("thgd,tlhd->thgl", qg, keys) * self.hd ** -0.5
+        if rows.shape[0] == q.shape[0]:
+            scores = torch.einsum("thgd,tlhd->thgl", qg, keys)
+        else:
+            scores = torch.einsum("thgd,lhd->thgl", qg, keys[0])
+        scores = scores * self.hd ** -0.5
         scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        o = torch.einsum("thgl,tlhd->thgd", p, vals)
+        if rows.shape[0] == q.shape[0]:
+            o = torch.einsum("thgl,tlhd->thgd", p, vals)
+        else:
+            o = torch.einsum("thgl,lhd->thgd", p, vals[0])
         return rearrange(o, "t h g d -> t (h g) d").to(q.dtype)
 
 
