@@ -191,9 +191,9 @@ def attn_step(meta: StepMetadata, kv: KVCache, rotary: Rotary, dt: torch.dtype,
     dest = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, kv.scratch_row).long()
     masked = torch.arange(window, device=meta.positions.device)[None, :] > meta.positions[:, None]   # [T, window]
     spans = None
-    if offsets is not None:
-        T = meta.num_tokens
-        spans = [(b, e) for b, e in zip(offsets, offsets[1:]) if e > b] + ([(offsets[-1], T)] if offsets[-1] < T else [])
+    if offsets is not None:         # the requests' token ranges, then the padding tokens after them (if any)
+        ends = list(offsets) + ([meta.num_tokens] if offsets[-1] < meta.num_tokens else [])
+        spans = [(b, e) for b, e in zip(ends, ends[1:]) if e > b]
     return AttnStep(rotary.tables(meta.positions, dt), dest, meta.token_slots.clamp(min=0).long(), masked,
                     kv.scratch_row, window, spans)
 
