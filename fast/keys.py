@@ -79,8 +79,8 @@ def _step_keys(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, s
     programmatic dependent depends on it (fast.serving.pdl_supported)."""
     H, HV, K, V, D, W, TC = cache.H, cache.HV, cache.K, cache.V, cache.D, cache.W, cache.tokens_cap
     N = state_indices.shape[0]
-    if N == 0:
-        return []
+    if N == 0 or _fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state):
+        return []                                   # (float64 runs refgdn: fast.serving._StepPlan.fp64)
     varlen = cu_seqlens is not None
     TMAX = {"decode": 1, "verify": TC, "materialize": 0}[mode]
     cc = _serving.conv_config(D, W, N)

@@ -1141,7 +1141,7 @@ class _StepPlan:
     """
     __slots__ = ("N", "T", "y_shape", "o_shape", "snap_offset", "scratch_bytes", "act_dtype", "device",
                  "unit_stride", "host_err", "scale", "conv_grid", "conv_args", "conv_kw", "step_grid", "step_args",
-                 "step_kw", "conv_launch", "step_launch")
+                 "step_kw", "conv_launch", "step_launch", "fp64")
 
 
 def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens,
@@ -1156,6 +1156,9 @@ def _build_plan(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     p.snap_offset = Carved.nbytes(mixed_qkv.dtype, p.y_shape)   # scratch: y, then snap [N, 5] int32
     p.scratch_bytes = p.snap_offset + Carved.nbytes(torch.int32, (N, 5))
     p.act_dtype, p.device = mixed_qkv.dtype, cache.ssm_state.device
+    # the kernels compute in float32: a float64 call runs refgdn (gdn_decode / gdn_verify / gdn_materialize), as
+    # gdn_prefill's does
+    p.fp64 = _is_fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state)
     # the kernels index these with unit stride: copy the (rare) strided ones, per call
     p.unit_stride = all(t is None or t.is_contiguous() for t in (state_indices, A_log, dt_bias, cu_seqlens,
                                                                  conv_bias))
@@ -1356,10 +1359,15 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     is raised by ``cache.check()`` (on a CPU device by the op itself); check_values=True checks on the
     host first (a sync). Two launches (conv, then gating + l2norm + delta rule in one kernel); one read
     and one write of each state block. Pending tokens of a previous verify are folded in first; the slot
-    ends committed.
+    ends committed. The kernels compute in float32: float64 (an input or the cache) runs refgdn.
     """
     p = _checked_plan("decode", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       None, scale, activation, check_values)
+    if p.fp64:                                    # float64 runs refgdn (its faults recorded as the kernels')
+        o = rs.gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale,
+                          activation, False)
+        _check_if_free(cache)
+        return o
     o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None, scale)
     if p.host_err and not _capturing():           # _check_if_free, with the device looked up once per plan
         cache.check()
@@ -1379,12 +1387,18 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
 
     State traffic is a decode's (one read, one write per block) plus the few pending inputs. The new
     tokens become pending, all accepted until :func:`gdn_accept`, which must come next for these slots
-    (refgdn.serving's sequence rules). Values: checked on the device, as gdn_decode.
+    (refgdn.serving's sequence rules). Values: checked on the device, as gdn_decode; float64 runs refgdn, as
+    gdn_decode.
     """
     if cu_seqlens is None:
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
     p = _checked_plan("verify", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       cu_seqlens, scale, activation, check_values)
+    if p.fp64:                                    # float64 runs refgdn, as gdn_decode
+        o = rs.gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
+                          cu_seqlens, scale, activation, False)
+        _check_if_free(cache)
+        return o
     o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens, scale)
     if p.host_err and not _capturing():           # _check_if_free
         cache.check()
@@ -1541,7 +1555,7 @@ def gdn_materialize(cache: GDNStateCache, state_indices, check_values: bool = Fa
 
     state_indices: [N] int (negative = ignored). The decode kernels with zero new tokens per request; a slot
     whose verify awaits its accept is a fault (E_AWAITING), recorded like every device-side check.
-    Host work as gdn_decode's: checks and launch plan once per call signature.
+    Host work as gdn_decode's: checks and launch plan once per call signature. A float64 cache runs refgdn.
     """
     _materialize(cache, state_indices, check_values)
     _check_if_free(cache)
@@ -1569,4 +1583,7 @@ def _materialize(cache: GDNStateCache, state_indices, check_values: bool = False
                                                checked, _dim0(state_indices))
     if check_values:
         raise_first(step_value_faults(cache, state_indices, None, N)[1])
+    if plan.fp64:                                 # a float64 cache: refgdn folds (its faults recorded likewise)
+        rs.gdn_materialize(cache, state_indices, False)
+        return
     _run(plan, *inputs, cache, state_indices, zeros_cu, None)

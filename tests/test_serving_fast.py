@@ -645,3 +645,31 @@ def test_pdl_and_relaunch_are_bit_identical():
     assert any(int(e[0]) != 0 for e in ref[1]), "the duplicate slot must have recorded a fault"
     assert fs.step_config(K, V, torch.float32, HV, "decode", 3, pdl_ok=fs.pdl_supported(torch.device(dev)))[
         "pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+def test_float64_steps_run_refgdn_bit_for_bit():
+    """The step kernels compute in float32, so a float64 call (inputs or cache) runs refgdn, as gdn_prefill's does:
+    decode, verify + accept and materialize on a float64 cache give refgdn's outputs and caches bit for bit (the
+    kernels' float32 arithmetic is ~1e-7 off), and fast.keys lists no kernel for them. A fault is still recorded
+    and raised at check()."""
+    import fast.keys as fk
+    H, HV, K, V = 1, 2, 16, 16
+    D = 2 * H * K + HV * V
+    lay = make_layer(H, HV, K, V, dtype=torch.float64)
+    c_ref = make_cache(4, H, HV, K, V, max_draft=2, state_dtype=torch.float64, act_dtype=torch.float64)
+    c_fast = c_ref.clone().to(device=DEVICE)
+    outs = _run_both(c_ref, c_fast, lay, _to(lay), [3, 0, 2],
+                     [("decode", [1, 1, 1], None), ("verify", [3, 1, 2], [2, 1, 1]), ("materialize", [0, 0, 0], None),
+                      ("verify", [2, 2, 1], [1, 2, 1]), ("decode", [1, 1, 1], None)], HV, D, torch.float64)
+    for o_r, o_f in outs:
+        assert (o_r is None) == (o_f is None) and (o_r is None or torch.equal(o_f.cpu(), o_r))
+    for f, r in zip(c_fast.tensors(), c_ref.tensors()):
+        assert torch.equal(f.cpu(), r)
+    idx = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    x, a, b = (t.to(DEVICE) for t in make_tokens(2, HV, D, dtype=torch.float64))
+    assert fk.gdn_decode(x, a, b, *_args(_to(lay)), c_fast, idx) == []
+    assert fk.gdn_materialize(c_fast, idx) == []
+    bad = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)       # slot 9 >= num_slots: a recorded fault
+    with pytest.raises(ValueError):
+        fs.gdn_decode(x, a, b, *_args(_to(lay)), c_fast, bad)
+        c_fast.check()
