@@ -649,8 +649,9 @@ def test_pdl_and_relaunch_are_bit_identical():
 
 def test_float64_steps_run_refgdn_bit_for_bit():
     """The step kernels compute in float32, so a float64 call (inputs or cache) runs refgdn, as gdn_prefill's does:
-    decode, verify + accept and materialize on a float64 cache give refgdn's outputs and caches bit for bit (the
-    kernels' float32 arithmetic is ~1e-7 off), and fast.keys lists no kernel for them. A fault is still recorded
+    decode, verify + accept and materialize on a float64 cache give refgdn's outputs and caches (bit for bit on the
+    CPU; within 1e-12 relative of refgdn on the CPU when fast runs on a GPU, whose float64 math rounds its own way;
+    the kernels' float32 arithmetic is ~1e-7 off), and fast.keys lists no kernel for them. A fault is still recorded
     and raised at check()."""
     import fast.keys as fk
     H, HV, K, V = 1, 2, 16, 16
@@ -661,10 +662,15 @@ def test_float64_steps_run_refgdn_bit_for_bit():
     outs = _run_both(c_ref, c_fast, lay, _to(lay), [3, 0, 2],
                      [("decode", [1, 1, 1], None), ("verify", [3, 1, 2], [2, 1, 1]), ("materialize", [0, 0, 0], None),
                       ("verify", [2, 2, 1], [1, 2, 1]), ("decode", [1, 1, 1], None)], HV, D, torch.float64)
+    def same(f, r):
+        f = f.cpu()
+        if DEVICE == "cpu" or not r.is_floating_point():
+            return torch.equal(f, r)
+        return f.dtype == r.dtype and bool((f - r).abs().max() <= 1e-12 * max(float(r.abs().max()), 1e-30))
     for o_r, o_f in outs:
-        assert (o_r is None) == (o_f is None) and (o_r is None or torch.equal(o_f.cpu(), o_r))
+        assert (o_r is None) == (o_f is None) and (o_r is None or same(o_f, o_r))
     for f, r in zip(c_fast.tensors(), c_ref.tensors()):
-        assert torch.equal(f.cpu(), r)
+        assert same(f, r)
     idx = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
     x, a, b = (t.to(DEVICE) for t in make_tokens(2, HV, D, dtype=torch.float64))
     assert fk.gdn_decode(x, a, b, *_args(_to(lay)), c_fast, idx) == []
