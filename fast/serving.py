@@ -1111,6 +1111,14 @@ def accept_kernel(meta, err, state_indices, num_accepted, N, S, BN: tl.constexpr
 # launchers
 # ----------------------------------------------------------------------------------------------
 
+def _on_refgdn(cache: GDNStateCache, op, *args):
+    """A float64 call (the kernels compute in float32): refgdn's twin ``op(*args)`` (values unchecked on the host:
+    its faults are recorded in cache.err as the kernels' are), then :func:`_check_if_free`. Returns op's result."""
+    out = op(*args)
+    _check_if_free(cache)
+    return out
+
+
 def _check_if_free(cache: GDNStateCache) -> None:
     """cache.check() when it costs nothing: the cache lives in host memory (CPU, the Triton interpreter).
     On a GPU reading err is a device->host copy and a sync (far over 5 us, and it would stall the
@@ -1363,11 +1371,9 @@ def gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
     """
     p = _checked_plan("decode", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       None, scale, activation, check_values)
-    if p.fp64:                                    # float64 runs refgdn (its faults recorded as the kernels')
-        o = rs.gdn_decode(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, scale,
-                          activation, False)
-        _check_if_free(cache)
-        return o
+    if p.fp64:
+        return _on_refgdn(cache, rs.gdn_decode, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache,
+                          state_indices, scale, activation, False)
     o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, None, scale)
     if p.host_err and not _capturing():           # _check_if_free, with the device looked up once per plan
         cache.check()
@@ -1394,11 +1400,9 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: G
         raise ValueError("cu_seqlens must be given for a verify step ([N+1] int, vLLM's query_start_loc)")
     p = _checked_plan("verify", mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
                       cu_seqlens, scale, activation, check_values)
-    if p.fp64:                                    # float64 runs refgdn, as gdn_decode
-        o = rs.gdn_verify(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                          cu_seqlens, scale, activation, False)
-        _check_if_free(cache)
-        return o
+    if p.fp64:
+        return _on_refgdn(cache, rs.gdn_verify, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache,
+                          state_indices, cu_seqlens, scale, activation, False)
     o = _run(p, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices, cu_seqlens, scale)
     if p.host_err and not _capturing():           # _check_if_free
         cache.check()
@@ -1490,10 +1494,8 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache: 
     if check_values or not rs.offsets_sane(offsets, T):          # bad offsets: refgdn's first fault, before any launch
         raise_first(rs.prefill_value_faults(cache, state_indices, offsets, T)[1])
     if _is_fp64(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache.ssm_state, cache.conv_state):
-        o = rs.gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, state_indices,
-                           cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
-        _check_if_free(cache)                                   # (as below: refgdn recorded the fault)
-        return o
+        return _on_refgdn(cache, rs.gdn_prefill, mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache,
+                          state_indices, cu_seqlens, has_initial_state, scale, activation, False, cu_seqlens_cpu)
     H, HV, K, V = cache.H, cache.HV, cache.K, cache.V
     dev = cache.ssm_state.device
     if N == 0:

@@ -250,18 +250,14 @@ class Attention(nn.Module):
         G = self.nh // self.kvh
         keys = kv.k_cache[rows, :window].to(dt)                              # [r, L, kvh, hd], r = t or 1
         vals = kv.v_cache[rows, :window].to(dt)
+        t = "t" if rows.shape[0] == q.shape[0] else ""                       # per-token rows, or one slot's
+        if not t:
+            keys, vals = keys[0], vals[0]                                    # [L, kvh, hd]
         qg = rearrange(q.to(dt), "t (h g) d -> t h g d", g=G)                # head h*G+j reads kv head h
-        if rows.shape[0] == q.shape[0]:
-            scores = torch.einsum("thgd,tlhd->thgl", qg, keys)
-        else:
-            scores = torch.einsum("thgd,lhd->thgl", qg, keys[0])
-        scores = scores * self.hd ** -0.5
+        scores = torch.einsum(f"thgd,{t}lhd->thgl", qg, keys) * self.hd ** -0.5
         scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        if rows.shape[0] == q.shape[0]:
-            o = torch.einsum("thgl,tlhd->thgd", p, vals)
-        else:
-            o = torch.einsum("thgl,lhd->thgd", p, vals[0])
+        o = torch.einsum(f"thgl,{t}lhd->thgd", p, vals)
         return rearrange(o, "t h g d -> t (h g) d").to(q.dtype)
 
 
