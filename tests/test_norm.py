@@ -4,6 +4,7 @@ backward, and the fla-compatible surface."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -74,6 +75,11 @@ def _inputs(shape, dtype, layout, gen, weight=True, bias=True):
     return x, g, w, b
 
 
+def _seed(*params) -> int:
+    """A case's input seed, the same in every process (hash() of a str is salted per process: PYTHONHASHSEED)."""
+    return zlib.crc32(repr(params).encode())
+
+
 def _conforms(name, fast_t, truth, ref, dtype):
     res = evaluate(Check(name, fast_t, truth, ref, dtype=dtype))
     assert res["passed"], f"{name}: {res}"
@@ -93,7 +99,7 @@ SHAPES = [pytest.param((37, 4, 128), "slices", id="T37-HV4-V128-slices"),
 def test_fast_forward_and_backward_conform(dtype, shape, layout, act):
     """fast's forward and its gradients (dx, dg, dweight, dbias) by the conformance rule: fast's error against the
     float64 truth at most twice refgdn's own in the same precision (+ the floor)."""
-    gen = torch.Generator().manual_seed(hash((shape, layout, act)) % 2 ** 31)
+    gen = torch.Generator().manual_seed(_seed(shape, layout, act))
     x, g, w, b = _inputs(shape, dtype, layout, gen, bias=act == "sigmoid")
     dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
     outs = {}
@@ -177,7 +183,7 @@ def test_refgdn_rms_norm_gradients_match_finite_differences(unit):
 def test_fast_rms_norm_forward_and_backward_conform(dtype, shape, layout, unit):
     """fast.rms_norm and its gradients (dx, dweight, dbias) by the conformance rule, on the layouts of the gated
     norm's tests (x a slice of a projection, leading dims that do not merge) and the model's hidden width."""
-    gen = torch.Generator().manual_seed(hash((shape, layout, unit, "plain")) % 2 ** 31)
+    gen = torch.Generator().manual_seed(_seed(shape, layout, unit, "plain"))
     x, _, w, b = _inputs(shape, dtype, layout, gen, bias=not unit)
     if unit:
         w = w - 1                                     # a zero-centred weight
