@@ -847,10 +847,10 @@ def _stream_row(case: str, name: str, fn: Callable[[int], object], calls: int, d
 
 
 def layer_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0, shape: tuple = (H, HV, K, V),
-                       max_len: int = 512) -> list:
+                       max_len: int = 512, max_seqs: int = 8) -> list:
     """One GDN layer's prefill against a slot cache (conv + gating + l2norm + chunked delta rule, the slots' states
-    read and written), over the serving stream (serving_stream: 1-8 requests of 1..max_len tokens per call, random
-    distinct slots of a 64-slot float32 cache, every other request continuing from its state), bf16:
+    read and written), over the serving stream (serving_stream: 1..max_seqs requests of 1..max_len tokens per call,
+    random distinct slots of a 64-slot float32 cache, every other request continuing from its state), bf16:
       fast.gdn_prefill: one op; the conv and state kernels read and write the slots in place;
       fast ops + gather / scatter: the model's prefill before gdn_prefill (gdn_materialize, the states gathered with
         torch.where / indexing, fast.causal_conv1d and fast.chunk_gated_delta_rule, the finals scattered back);
@@ -863,7 +863,7 @@ def layer_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0, s
     from conformance.cases_serving import make_cache
     Hh, HVv, Kk, Vv = shape
     fla = common.try_import_fla()
-    stream = serving_stream(calls, seed, max_len=max_len)
+    stream = serving_stream(calls, seed, max_seqs=max_seqs, max_len=max_len)
     rng = random.Random(seed + 1)
     S_SLOTS = 64
     D = 2 * Hh * Kk + HVv * Vv
@@ -925,7 +925,7 @@ def layer_prefill_rows(device: str, calls: int = SERVING_CALLS, seed: int = 0, s
         impls.append(("fla 0.6.0 chunk + gather / scatter (+ fast conv, fast.gdn_gating)",
                       composed(fla.chunk_gated_delta_rule, True)))
     mean_T = sum(c[3] for c in calls_in) / calls
-    case = (f"{calls} layer prefills, H={Hh} HV={HVv} K={Kk} V={Vv}, 1-8 requests of 1-{max_len} tokens "
+    case = (f"{calls} layer prefills, H={Hh} HV={HVv} K={Kk} V={Vv}, 1-{max_seqs} requests of 1-{max_len} tokens "
             f"(mean {mean_T:.0f})")
     return [_stream_row(case, name, fn, calls, device, reset) for name, fn in impls]
 

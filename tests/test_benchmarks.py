@@ -126,10 +126,10 @@ def test_serving_prefill_rows_at_a_tiny_shape(monkeypatch):
     for name, value in dict(H=1, HV=2, K=16, V=16).items():
         monkeypatch.setattr(bp, name, value)
     monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
-    stream = bp.serving_stream(5, seed=3, max_len=40)
-    assert len({(sum(x), len(x)) for x in stream}) == 5 and len({len(x) for x in stream}) > 1
+    stream = bp.serving_stream(3, seed=3, max_seqs=3, max_len=40)     # (interpreted: ~1 s per call and pass)
+    assert len({(sum(x), len(x)) for x in stream}) == 3 and len({len(x) for x in stream}) > 1
     monkeypatch.setattr(bp, "serving_stream", lambda calls, seed: stream)
-    rows = bp.serving_prefill_rows(DEVICE, calls=5, seed=3)
+    rows = bp.serving_prefill_rows(DEVICE, calls=3, seed=3)
     assert [r["impl"] for r in rows] == ["fast chunk", "fast conv1d"]
     for row in rows:
         assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
@@ -140,7 +140,9 @@ def test_layer_prefill_rows_at_a_tiny_shape(monkeypatch):
     composition over a stream of changing shapes, with timings (their equality: tests/test_serving_prefill.py)."""
     import benchmarks.bench_prefill as bp
     monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
-    rows = bp.layer_prefill_rows(DEVICE, calls=4, seed=5, shape=(1, 2, 16, 16), max_len=40)
+    stream = bp.serving_stream(3, seed=5, max_seqs=3, max_len=40)
+    assert len({(sum(x), len(x)) for x in stream}) == 3 and len({len(x) for x in stream}) > 1
+    rows = bp.layer_prefill_rows(DEVICE, calls=3, seed=5, shape=(1, 2, 16, 16), max_len=40, max_seqs=3)
     assert [r["impl"] for r in rows] == ["fast.gdn_prefill", "fast ops + gather / scatter"]
     for row in rows:
         assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
