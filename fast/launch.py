@@ -365,19 +365,39 @@ class MetaGuard:
     the recorded metadata was checked for. Pass :data:`ABSENT` where an optional tensor is None (its type
     is private, so no argument matches it but ABSENT itself); any non-tensor fails the check.
 
+    One object at several positions (ABSENT for two optional tensors, or a caller's x passed as both x and g):
+    TensorGuards' check is False whenever its arguments repeat a tensor, so such a guard would never match and
+    every call would take the caller's full path (fast.serving's decode without conv_bias and cu_seqlens did). The
+    guard is then made over the distinct tensors, and a check also requires the same positions to hold one object.
+
     Cost: ~1.4 us for 17 tensors, against ~6-11 us for the same tensors' signature tuple built in Python
-    (benchmarks/host_overhead.py). Without TensorGuards (or if it rejects the tensors) check is always
-    False: the caller's full path runs.
+    (benchmarks/host_overhead.py); ~1 us more with repeated tensors. Without TensorGuards (or if it rejects the
+    tensors) check is always False: the caller's full path runs.
     """
     __slots__ = ("check",)
 
     def __init__(self, tensors: tuple):
         self.check = _never
-        if _TensorGuards is not None:
-            try:   # (both keywords are required: TensorGuards reads them unguarded)
-                self.check = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-            except Exception:  # noqa: BLE001 - not tensors, or another TensorGuards: never match
-                pass
+        if _TensorGuards is None:
+            return
+        first = {}                             # id -> first position
+        keep, same = [], []                    # positions of distinct objects; (position, earlier position) pairs
+        for i, t in enumerate(tensors):
+            j = first.setdefault(id(t), i)
+            (keep if j == i else same).append(i if j == i else (i, j))
+        try:   # (both keywords are required: TensorGuards reads them unguarded)
+            check = _TensorGuards(*(tensors[i] for i in keep), dynamic_dims_sizes=None,
+                                  dynamic_dims_strides=None).check
+        except Exception:  # noqa: BLE001 - not tensors, or another TensorGuards: never match
+            return
+        if not same:
+            self.check = check
+            return
+        n, pick = len(tensors), _getter(keep)
+
+        def check_repeated(*ts) -> bool:
+            return len(ts) == n and all(ts[i] is ts[j] for i, j in same) and check(*pick(ts))
+        self.check = check_repeated
 
 
 def _never(*tensors) -> bool:

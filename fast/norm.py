@@ -30,7 +30,7 @@ from refgdn.checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
 from refgdn.norm import residual_out_dtype
 
 from .chunk.common import _num_sms
-from .launch import launch
+from .launch import ABSENT, MetaGuard, PlanCache, Relaunch, launch
 from .utils import cdiv, eps_split, fp64_eps, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
@@ -262,29 +262,107 @@ def _gate_rows(g, x_rows):
     return _rows(g) if g is not None else x_rows[:4] + (False,)
 
 
+class _FwdPlan:
+    """norm_fwd's launch for one call layout (shapes, strides, dtypes, devices, flags, eps), everything but the
+    tensors: y's shape / dtype / device, res_out's dtype, the grid, the kernel's integer and float arguments and its
+    launcher (fast.launch.Relaunch: from the layout's second launch on, the compiled kernel's launcher is called
+    directly). direct: x, g and residual go to the kernel as they are (no copy), so a later call of the same layout
+    needs nothing but fresh outputs (:func:`_cached_fwd`)."""
+    __slots__ = ("shape", "dtype", "device", "res_dtype", "M", "grid", "scalars", "launch", "direct")
+
+
+def _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, config, residual, res_dtype, reuse: bool):
+    """-> (plan, x2, g2, residual2): the plan of this call and the tensors its launch takes (x2, g2: _rows's, a
+    contiguous copy where the rows have no two-stride form; residual2 as [M, D] rows). reuse: keep the compiled
+    launcher (the plan will serve later calls)."""
+    D = x.shape[-1]
+    p = _FwdPlan()
+    p.shape, p.dtype, p.device, p.res_dtype = x.shape, x.dtype, x.device, res_dtype
+    M = p.M = x.numel() // D
+    xr = _rows(x)
+    x2, N1, sx0, sx1, x_split = xr
+    g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
+    r2 = _flat(residual, M, D)
+    p.direct = x2 is x and (g is None or g2 is g) and (residual is None or residual.is_contiguous())
+    kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
+             norm_config if activation is not None else plain_norm_config, residual)
+    kw["STORE_R"] = res_dtype is not None
+    p.grid = (cdiv(M, kw["BM"]),)
+    p.scalars = (M, N1, sx0, sx1, sg0, sg1, *eps_split(eps))
+    p.launch = Relaunch(rms_norm_fwd_kernel, p.grid, kw, reuse)
+    return p, x2, g2, r2
+
+
+def _fwd_run(p: _FwdPlan, x2, g2, weight, bias, r2):
+    """The plan's launch on these tensors (as _fwd_plan returned them) -> (y, res_out)."""
+    y = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    res_out = torch.empty(p.shape, dtype=p.res_dtype, device=p.device) if p.res_dtype is not None else None
+    if p.M:
+        p.launch(x2, g2, weight, bias, y, r2, res_out, *p.scalars)
+    return y, res_out
+
+
 def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = False, config: Optional[dict] = None,
              residual: Optional[torch.Tensor] = None, res_dtype: Optional[torch.dtype] = None):
     """The forward's launch (inputs checked): -> (y, res_out): y contiguous, x's shape and dtype; res_out the sum x +
     residual (x's shape, contiguous) stored in res_dtype, or None when res_dtype is None. activation None: rms_norm (g
     None, plain_norm_config), else rms_norm_gated (norm_config). config: benchmark overrides of BM / num_warps (each
     value its own variant). residual (x's shape): normalise x + residual."""
-    D = x.shape[-1]
-    _check_limits(D)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if res_dtype is not None else None
-    M = x.numel() // D
-    if M == 0:
-        return y, res_out
-    xr = _rows(x)
-    x2, N1, sx0, sx1, x_split = xr
-    g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)
-    kw = _kw(x, g, weight, bias, activation, unit_offset, M, D, x_split, g_split, config,
-             norm_config if activation is not None else plain_norm_config, residual)
-    kw["STORE_R"] = res_out is not None
-    grid = (cdiv(M, kw["BM"]),)
-    launch(rms_norm_fwd_kernel, grid, kw, x2, g2, weight, bias, y, _flat(residual, M, D), res_out, M, N1, sx0, sx1,
-           sg0, sg1, *eps_split(eps))
-    return y, res_out
+    _check_limits(x.shape[-1])
+    p, x2, g2, r2 = _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, config, residual, res_dtype, False)
+    return _fwd_run(p, x2, g2, weight, bias, r2)
+
+
+# Eager forwards by call layout: key -> (MetaGuard of x, g, weight, bias, residual; _FwdPlan). The model's norms run
+# ~14 times per decode step with a handful of layouts; a full call (the host checks, _rows, the config, Triton's
+# JITFunction.run) cost ~67 us of host time per [1, 2048] norm on an H200 host, torch's own rms_norm ~15 us.
+_FWD_PLANS = PlanCache(64)
+_FWD_SEEN = PlanCache(256)       # layouts called once (a plan is kept from a layout's second call: SignaturePlans)
+
+
+def _fwd_key(kind: str, x, activation, eps, flags: tuple):
+    """The part of a call's layout the guard does not hold: which op, its non-tensor arguments (each with its type:
+    the checks reject 1 for True, and an int eps is not a float's variant), x's shape (the guard compares it too,
+    but a key per shape keeps q / k norms of one step from evicting each other). None where an argument cannot be
+    hashed or x is not a tensor: such a call is checked in full."""
+    try:
+        return (kind, activation, type(eps), eps, *((type(f), f) for f in flags), x.shape)
+    except AttributeError:
+        return None
+
+
+def _cached_fwd(key, x, g, weight, bias, residual):
+    """(y, res_out) of a call whose layout passed the checks before (same key, tensors with the metadata the checks
+    and the plan read: fast.launch.MetaGuard), launched through its plan; None otherwise (the caller checks in full).
+    Calls that want the autograd / torch.compile path (library.wants_graph) are never served here."""
+    if torch.compiler.is_compiling():
+        return None
+    e = _FWD_PLANS.get(key)
+    if e is None or not e[0].check(x, *(ABSENT if t is None else t for t in (g, weight, bias, residual))):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, g, weight, bias, residual)):
+        return None                                                      # (library.wants_graph's rule)
+    return _fwd_run(e[1], x, x if g is None else g, weight, bias, residual)
+
+
+def _remember_fwd(key, x, g, weight, bias, activation, eps, unit_offset, residual, res_dtype) -> None:
+    """After a full call that passed the checks: keep a plan for its layout from the layout's second call on, where
+    its launch takes the tensors as they are (no per-call copy; a layout that needs one is checked in full on every
+    call)."""
+    if key is None:
+        return
+    tensors = (x, *(ABSENT if t is None else t for t in (g, weight, bias, residual)))
+    e = _FWD_PLANS.get(key)
+    if e is None and _FWD_SEEN.get(key) is None:
+        _FWD_SEEN.put(key, True)
+        return
+    if e is not None and e[0].check(*tensors):
+        return
+    # the layout's second call, or a kept plan whose guard these tensors miss (other strides, requires_grad, ...):
+    # the newest layout of a key is kept
+    p = _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, None, residual, res_dtype, True)[0]
+    if p.direct and p.M:
+        _FWD_PLANS.put(key, (MetaGuard(tensors), p))
 
 
 def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,
@@ -338,11 +416,17 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
     float32 inside (float64 for float64 inputs), rounded once. Differentiable in x, g, weight and bias (through
     torch.ops.fast.rms_norm_gated when a gradient is wanted or torch.compile traces). D <= 16384.
     """
+    key = _fwd_key("gated", x, activation, eps, (prenorm, residual_in_fp32))
+    out = _cached_fwd(key, x, g, weight, bias, None) if key is not None and residual is None else None
+    if out is not None:                                                  # a known layout: checked before
+        return out[0]
     check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, g, weight, bias):
         return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))
-    return norm_fwd(x, g, weight, bias, activation, eps)[0]
+    y = norm_fwd(x, g, weight, bias, activation, eps)[0]
+    _remember_fwd(key, x, g, weight, bias, activation, eps, False, None, None)
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residual=None, eps: float = 1e-5,
@@ -358,13 +442,20 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residua
     torch.ops.fast.rms_norm when a gradient is wanted or torch.compile traces). D <= 16384. One compiled variant per
     D, dtypes and residual flags, whatever the row count (plain_norm_config).
     """
-    check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
-    rdt = residual_out_dtype(x, residual, residual_in_fp32, prenorm)      # the sum is stored for prenorm only
-    from . import library                                                # registers the ops (no cycle at import)
-    if library.wants_graph(x, weight, bias, residual):
-        y, res_out = library.rms_norm_op(x, weight, bias, residual, float(eps), bool(unit_offset), rdt)
+    key = _fwd_key("plain", x, None, eps, (prenorm, residual_in_fp32, unit_offset))
+    out = _cached_fwd(key, x, None, weight, bias, residual) if key is not None else None
+    if out is not None:                                                  # a known layout: checked before
+        y, res_out = out
+        rdt = res_out.dtype if res_out is not None else None
     else:
-        y, res_out = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=rdt)
+        check_rms_norm_inputs(x, weight, bias, residual, eps, prenorm, residual_in_fp32, unit_offset)
+        rdt = residual_out_dtype(x, residual, residual_in_fp32, prenorm)  # the sum is stored for prenorm only
+        from . import library                                            # registers the ops (no cycle at import)
+        if library.wants_graph(x, weight, bias, residual):
+            y, res_out = library.rms_norm_op(x, weight, bias, residual, float(eps), bool(unit_offset), rdt)
+        else:
+            y, res_out = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=rdt)
+            _remember_fwd(key, x, None, weight, bias, None, eps, unit_offset, residual, rdt)
     if not prenorm:
         return y
     return y, (res_out if rdt is not None else x)

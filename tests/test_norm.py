@@ -308,3 +308,92 @@ def test_rms_norm_residual_stream_against_fla_itself():
     truth = refgdn.rms_norm(x.double(), w.double(), None, r.double(), 1e-5)
     _conforms("y (fast)", y_f, truth, refgdn.rms_norm(x, w, None, r, 1e-5), torch.bfloat16)
     _conforms("y (fla)", y_fla, truth, refgdn.rms_norm(x, w, None, r, 1e-5), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# the eager forward's plans by call layout (fast.norm._cached_fwd)
+# ----------------------------------------------------------------------------------------------
+
+def _count_checks(monkeypatch):
+    """Counts of the full host checks fast's two norms run (fast.norm's names are patched)."""
+    import fast.norm as fn
+    calls = {"plain": 0, "gated": 0}
+
+    def counted(kind, check):
+        def wrapped(*a, **k):
+            calls[kind] += 1
+            return check(*a, **k)
+        return wrapped
+    monkeypatch.setattr(fn, "check_rms_norm_inputs", counted("plain", fn.check_rms_norm_inputs))
+    monkeypatch.setattr(fn, "check_rms_norm_gated_inputs", counted("gated", fn.check_rms_norm_gated_inputs))
+    monkeypatch.setattr(fn, "_FWD_PLANS", type(fn._FWD_PLANS)(64))
+    monkeypatch.setattr(fn, "_FWD_SEEN", type(fn._FWD_SEEN)(256))
+    return calls
+
+
+def test_a_repeated_layout_skips_the_checks_and_gives_the_same_bits(monkeypatch):
+    """From a layout's third call (the second keeps its plan) the checks do not run, and the planned calls equal the
+    full call bit for bit, also after the inputs change in place (a plan holds no values)."""
+    calls = _count_checks(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 2, 48, generator=gen).to(DEVICE)
+    g = torch.randn(3, 2, 48, generator=gen).to(DEVICE)
+    w = torch.randn(48, generator=gen).to(DEVICE)
+    res = torch.randn(3, 2, 48, generator=gen).to(DEVICE)
+    plain = [fast.rms_norm(x, w, None, res, 1e-6, True, unit_offset=True) for _ in range(4)]
+    gated = [fast.rms_norm_gated(x, g, w, None, "sigmoid", eps=1e-6) for _ in range(4)]
+    assert calls == {"plain": 2, "gated": 2}
+    for outs in (gated, [y for y, _ in plain], [r for _, r in plain]):
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]) and o.data_ptr() != outs[0].data_ptr()    # fresh outputs each call
+    torch.testing.assert_close(plain[0][1], x + res, rtol=0, atol=0)
+    x.mul_(-2.0)                                      # new values, same layout: planned, and they count
+    y = fast.rms_norm_gated(x, g, w, None, "sigmoid", eps=1e-6)
+    assert calls["gated"] == 2 and not torch.equal(y, gated[0])
+    import fast.norm as fn
+    monkeypatch.setattr(fn, "_FWD_PLANS", type(fn._FWD_PLANS)(64))               # the full path on the new values
+    assert torch.equal(fast.rms_norm_gated(x, g, w, None, "sigmoid", eps=1e-6), y)
+
+
+def test_a_known_layout_still_rejects_what_differs(monkeypatch):
+    """A planned layout serves only calls with its metadata and arguments: another eps, flag, weight shape, dtype or
+    stride, or a wrong-shaped g, goes through the full checks (bad ones raise their ValueError)."""
+    calls = _count_checks(monkeypatch)
+    x = torch.randn(4, 32, device=DEVICE)
+    w = torch.randn(32, device=DEVICE)
+    for _ in range(3):
+        fast.rms_norm(x, w, eps=1e-6)
+        fast.rms_norm_gated(x, x, w, eps=1e-6)
+    assert calls == {"plain": 2, "gated": 2}
+    with pytest.raises(ValueError, match="eps"):
+        fast.rms_norm(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="eps"):
+        fast.rms_norm_gated(x, x, w, eps=float("nan"))
+    with pytest.raises(ValueError, match="weight"):
+        fast.rms_norm(x, torch.randn(31, device=DEVICE), eps=1e-6)
+    with pytest.raises(ValueError, match="g must"):
+        fast.rms_norm_gated(x, x[:, :16], w, eps=1e-6)
+    with pytest.raises(ValueError, match="unit_offset"):
+        fast.rms_norm(x, w, eps=1e-6, unit_offset=1)
+    with pytest.raises(ValueError, match="activation"):
+        fast.rms_norm_gated(x, x, w, activation="relu", eps=1e-6)
+    before = dict(calls)
+    y = fast.rms_norm(x[:, ::2], w[:16], eps=1e-6)                 # strided rows: another layout, checked
+    assert calls["plain"] == before["plain"] + 1
+    torch.testing.assert_close(y, fast.rms_norm(x[:, ::2].contiguous(), w[:16], eps=1e-6), rtol=0, atol=0)
+
+
+def test_a_planned_layout_still_takes_autograd_when_a_gradient_is_wanted(monkeypatch):
+    """Planned under no_grad, the same tensors with requires_grad under grad mode take the custom op (a grad_fn, and
+    gradients that match refgdn's by the rule's float64 form)."""
+    _count_checks(monkeypatch)
+    x = torch.randn(2, 24, device=DEVICE, dtype=torch.float64)
+    w = torch.randn(24, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(3):
+            assert fast.rms_norm(x, w, eps=1e-6).grad_fn is None
+    y = fast.rms_norm(x, w, eps=1e-6)
+    assert y.grad_fn is not None
+    (gw,) = torch.autograd.grad(y.sum(), w)
+    (rw,) = torch.autograd.grad(refgdn.rms_norm(x, w, eps=1e-6).sum(), w)
+    torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)

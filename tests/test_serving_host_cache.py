@@ -391,16 +391,40 @@ def test_meta_guard_matches_exactly_when_signatures_match(name, case):
     assert same_sig == (name == "same-metadata")
 
 
-def test_a_hit_builds_no_signature(monkeypatch):
+def test_meta_guard_with_repeated_tensors():
+    """A guard whose tensors repeat an object (two optional tensors absent, or one tensor passed twice) matches fresh
+    tensors of the same metadata repeated the same way (torch's TensorGuards alone says False to any repeated
+    argument), and nothing else: distinct objects where the recorded call had one, or one where it had two."""
+    def ts():
+        return torch.zeros(2, 6), torch.zeros(6, dtype=torch.int32)
+    x, i = ts()
+    assert fs.MetaGuard((x, fs.ABSENT, i, fs.ABSENT)).check(*(lambda y, j: (y, fs.ABSENT, j, fs.ABSENT))(*ts()))
+    assert not fs.MetaGuard((x, fs.ABSENT, i, fs.ABSENT)).check(ts()[0], fs.ABSENT, ts()[1], torch.empty(0))
+    y, _ = ts()
+    guard = fs.MetaGuard((x, x, i))
+    assert guard.check(y, y, i) and not guard.check(y, ts()[0], i) and not guard.check(y, y)
+    assert not fs.MetaGuard((x, y, i)).check(x, x, i)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["conv-bias", "no-conv-bias"])
+def test_a_hit_builds_no_signature(monkeypatch, bias):
     """After a call has stored its entry, a call with fresh tensors of the same metadata reuses it through the
-    guard alone (step_signature is not built); a changed tensor misses the guard and builds it."""
+    guard alone (step_signature is not built); a changed tensor misses the guard and builds it. Without a conv
+    bias a decode's guard holds two placeholders (conv_bias and cu_seqlens None): it matched no call before
+    MetaGuard took repeated tensors (Qwen3-Next's conv has no bias: every model decode built the signature)."""
+    def args_of(world):
+        args = world.decode_args()
+        if not bias:
+            args[4] = None
+        return args
     w = World()
-    fast.gdn_decode(*w.decode_args())
+    fast.gdn_decode(*args_of(w))
     built = []
     monkeypatch.setattr(rs, "step_signature", lambda *a, **k: built.append(1) or _SIGNATURE(*a, **k))
-    fast.gdn_decode(*World(seed=4).decode_args())
+    fast.gdn_decode(*args_of(World(seed=4)))
+    fast.gdn_decode(*args_of(World(seed=5)))
     assert built == []
-    args = w.decode_args()
+    args = args_of(w)
     args[0] = args[0].clone().t().contiguous().t()      # same shape, other strides: a miss, then the full checks
     fast.gdn_decode(*args)
     assert built == [1]
