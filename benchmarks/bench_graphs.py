@@ -45,12 +45,13 @@ def per_layer_us(make_call, layers: int = LAYERS) -> float:
     return common.bench(g) * 1e3 / layers if g is not None else float("nan")
 
 
-def fast_call(N: int, seed: int = 0):
-    """One GDN layer's decode step at Qwen3-Next's shape (float32 state) on its own problem: a callable."""
+def fast_call(N: int, seed: int = 0, bias: bool = True):
+    """One GDN layer's decode step at Qwen3-Next's shape (float32 state) on its own problem: a callable. bias=False:
+    no conv bias, as Qwen3-Next's conv (its decode guard then holds two absent tensors: fast.launch.MetaGuard)."""
     import fast.serving as fs
     p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
-    args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"], p["A_log"], p["dt_bias"], p["cache"],
-            p["idx"])
+    args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"] if bias else None, p["A_log"], p["dt_bias"],
+            p["cache"], p["idx"])
     return lambda: fs.gdn_decode(*args)  # noqa: E731
 
 
@@ -72,11 +73,14 @@ def layer_rows(batches=(1, 8), beside=()) -> list:
     # slower (H200 host, 2026-11-24: 41.6 us before, 65.8 after, 40.8 again after torch.cuda.empty_cache()); the
     # row after the graphs is kept beside it
     fresh = _pinned_wall_us(fast_call(1)) if 1 in batches else None     # (eager rows: host-bound, one core)
+    fresh_nb = _pinned_wall_us(fast_call(1, bias=False)) if 1 in batches else None
 
     for N in batches:
         if N == 1:
             rows.append(dict(what="GDN layer decode step", impl="fast eager (wall, host incl.), before any graph",
                              N=N, us=fresh, target=40))
+            rows.append(dict(what="GDN layer decode step", impl="fast eager (wall, host incl.), before any graph, "
+                             "no conv bias (Qwen3-Next)", N=N, us=fresh_nb, target=40))
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
                          us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
                          note=f"pdl={fs.step_config(128, 128, torch.float32, 32, 'decode', N, pdl_ok=True)['pdl']}"))
