@@ -46,8 +46,8 @@ import torch
 
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
-__all__ = ["ABSENT", "Carved", "LaunchPlan", "MetaGuard", "PlanCache", "Relaunch", "SignaturePlans", "launch",
-           "shape_key", "varlen_key"]
+__all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "PlanCache", "Relaunch", "SignaturePlans",
+           "launch", "shape_key", "varlen_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs
@@ -468,6 +468,50 @@ class SignaturePlans(PlanCache):
 
     def clear(self) -> None:
         super().clear()
+        self.seen.clear()
+
+
+class LayoutPlans:
+    """An eager op's plans by call layout, for ops whose launch follows from their arguments' metadata alone (the
+    norms, the gating): ``get(key, tensors)``, the plan kept for a layout whose call passed the op's host checks
+    before, or None (the caller checks in full); ``remember(key, tensors, make)`` after such a call, which keeps
+    ``make()`` from the layout's second call on (a plan's Relaunch bookkeeping is wasted on a layout seen once, as
+    SignaturePlans says).
+
+    key: hashable, the op's non-tensor arguments and whatever the caller wants to keep apart (None: never served);
+    tensors: the tensors the checks and the plan read (None for an absent optional one), compared by one
+    :class:`MetaGuard`. A layout's newest plan is kept (a guard that misses a known key is replaced). Never served
+    while torch.compile traces (the op's own path runs and is traced)."""
+    __slots__ = ("plans", "seen")
+
+    def __init__(self, size: int = 64, seen_size: int = 256):
+        self.plans, self.seen = PlanCache(size), PlanCache(seen_size)
+
+    def get(self, key, tensors: tuple):
+        if key is None or torch.compiler.is_compiling():
+            return None
+        e = self.plans.get(key)
+        if e is None or not e[0].check(*(ABSENT if t is None else t for t in tensors)):
+            return None
+        return e[1]
+
+    def remember(self, key, tensors: tuple, make) -> None:
+        """make() -> the plan, or None where this layout is not to be served from one."""
+        if key is None:
+            return
+        ts = tuple(ABSENT if t is None else t for t in tensors)
+        e = self.plans.get(key)
+        if e is None and self.seen.get(key) is None:
+            self.seen.put(key, True)
+            return
+        if e is not None and e[0].check(*ts):
+            return
+        plan = make()
+        if plan is not None:
+            self.plans.put(key, (MetaGuard(ts), plan))
+
+    def clear(self) -> None:
+        self.plans.clear()
         self.seen.clear()
 
 

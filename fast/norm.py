@@ -30,7 +30,7 @@ from refgdn.checks import check_rms_norm_gated_inputs, check_rms_norm_inputs
 from refgdn.norm import residual_out_dtype
 
 from .chunk.common import _num_sms
-from .launch import ABSENT, MetaGuard, PlanCache, Relaunch, launch
+from .launch import LayoutPlans, Relaunch, launch
 from .utils import cdiv, eps_split, fp64_eps, next_pow2
 
 MAX_D = 16384          # one row per block at most (16K fp32 values over 8 warps: 64 registers a tensor)
@@ -313,18 +313,17 @@ def norm_fwd(x, g, weight, bias, activation, eps: float, unit_offset: bool = Fal
     return _fwd_run(p, x2, g2, weight, bias, r2)
 
 
-# Eager forwards by call layout: key -> (MetaGuard of x, g, weight, bias, residual; _FwdPlan). The model's norms run
-# ~14 times per decode step with a handful of layouts; a full call (the host checks, _rows, the config, Triton's
-# JITFunction.run) cost ~67 us of host time per [1, 2048] norm on an H200 host, torch's own rms_norm ~15 us.
-_FWD_PLANS = PlanCache(64)
-_FWD_SEEN = PlanCache(256)       # layouts called once (a plan is kept from a layout's second call: SignaturePlans)
+# Eager forwards by call layout (fast.launch.LayoutPlans: the checks and the plan read x, g, weight, bias and residual's
+# metadata). The model's norms run ~14 times per decode step with a handful of layouts; a full call (the host checks,
+# _rows, the config, Triton's JITFunction.run) cost ~60 us of wall time per [1, 2048] norm on an H200 host, torch's
+# own F.rms_norm 11-17 us, the planned call 21-24 (benchmarks/RESULTS.md, 2026-11-28).
+_FWD = LayoutPlans()
 
 
 def _fwd_key(kind: str, x, activation, eps, flags: tuple):
     """The part of a call's layout the guard does not hold: which op, its non-tensor arguments (each with its type:
     the checks reject 1 for True, and an int eps is not a float's variant), x's shape (the guard compares it too,
-    but a key per shape keeps q / k norms of one step from evicting each other). None where an argument cannot be
-    hashed or x is not a tensor: such a call is checked in full."""
+    but a key per shape keeps q / k norms of one step from evicting each other). None where x is not a tensor."""
     try:
         return (kind, activation, type(eps), eps, *((type(f), f) for f in flags), x.shape)
     except AttributeError:
@@ -332,37 +331,23 @@ def _fwd_key(kind: str, x, activation, eps, flags: tuple):
 
 
 def _cached_fwd(key, x, g, weight, bias, residual):
-    """(y, res_out) of a call whose layout passed the checks before (same key, tensors with the metadata the checks
-    and the plan read: fast.launch.MetaGuard), launched through its plan; None otherwise (the caller checks in full).
-    Calls that want the autograd / torch.compile path (library.wants_graph) are never served here."""
-    if torch.compiler.is_compiling():
-        return None
-    e = _FWD_PLANS.get(key)
-    if e is None or not e[0].check(x, *(ABSENT if t is None else t for t in (g, weight, bias, residual))):
+    """(y, res_out) of a call whose layout passed the checks before, launched through its plan; None otherwise (the
+    caller checks in full). Calls that want the autograd path (library.wants_graph) are never served here."""
+    p = _FWD.get(key, (x, g, weight, bias, residual))
+    if p is None:
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, g, weight, bias, residual)):
         return None                                                      # (library.wants_graph's rule)
-    return _fwd_run(e[1], x, x if g is None else g, weight, bias, residual)
+    return _fwd_run(p, x, x if g is None else g, weight, bias, residual)
 
 
 def _remember_fwd(key, x, g, weight, bias, activation, eps, unit_offset, residual, res_dtype) -> None:
-    """After a full call that passed the checks: keep a plan for its layout from the layout's second call on, where
-    its launch takes the tensors as they are (no per-call copy; a layout that needs one is checked in full on every
-    call)."""
-    if key is None:
-        return
-    tensors = (x, *(ABSENT if t is None else t for t in (g, weight, bias, residual)))
-    e = _FWD_PLANS.get(key)
-    if e is None and _FWD_SEEN.get(key) is None:
-        _FWD_SEEN.put(key, True)
-        return
-    if e is not None and e[0].check(*tensors):
-        return
-    # the layout's second call, or a kept plan whose guard these tensors miss (other strides, requires_grad, ...):
-    # the newest layout of a key is kept
-    p = _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, None, residual, res_dtype, True)[0]
-    if p.direct and p.M:
-        _FWD_PLANS.put(key, (MetaGuard(tensors), p))
+    """After a full call that passed the checks: a plan for its layout (from the layout's second call), where its
+    launch takes the tensors as they are (a layout that needs a copy of x or g is checked in full on every call)."""
+    def make():
+        p = _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, None, residual, res_dtype, True)[0]
+        return p if p.direct and p.M else None
+    _FWD.remember(key, (x, g, weight, bias, residual), make)
 
 
 def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,

@@ -134,3 +134,33 @@ def test_l2norm_bad_input_same_error_as_refgdn():
         with pytest.raises(ValueError) as e_ref:
             refgdn.l2norm(bad)
         assert str(e_fast.value) == str(e_ref.value)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "a-b-halves-of-one-projection"])
+def test_gating_repeated_layout_is_planned_and_the_same_bits(monkeypatch, strided):
+    """From a layout's third call the checks do not run (fast.launch.LayoutPlans); every call gives the full path's
+    bits, also after the inputs change in place; another layout, and bad inputs after a planned one, are checked."""
+    import fast.gating as fg
+    calls = []
+    monkeypatch.setattr(fg, "check_gating_inputs", lambda *a: calls.append(1) or refgdn.checks.check_gating_inputs(*a))
+    monkeypatch.setattr(fg, "_GATING", type(fg._GATING)())
+    A_log, a, dt_bias, b = _gating_inputs((2, 5, 8), torch.float32, seed=3, strided=strided)
+    outs = [fast.gdn_gating(A_log, a, dt_bias, b) for _ in range(4)]
+    assert len(calls) == 2
+    for g, beta in outs[1:]:
+        assert torch.equal(g, outs[0][0]) and torch.equal(beta, outs[0][1]) and g.data_ptr() != outs[0][0].data_ptr()
+    a.mul_(0.5)
+    g, beta = fast.gdn_gating(A_log, a, dt_bias, b)
+    assert len(calls) == 2 and not torch.equal(g, outs[0][0])
+    monkeypatch.setattr(fg, "_GATING", type(fg._GATING)())                    # the full path on the new values
+    g2, beta2 = fast.gdn_gating(A_log, a, dt_bias, b)
+    assert torch.equal(g, g2) and torch.equal(beta, beta2)
+    for _ in range(3):
+        fast.gdn_gating(A_log, a, dt_bias, b)
+    with pytest.raises(ValueError, match="b must"):
+        fast.gdn_gating(A_log, a, dt_bias, b[..., :4])
+    with pytest.raises(ValueError, match="A_log"):
+        fast.gdn_gating(A_log[:4], a, dt_bias, b)
+    n = len(calls)
+    fast.gdn_gating(A_log, a[:, ::2], dt_bias, b[:, ::2])                    # strided rows: another layout
+    assert len(calls) == n + 1

@@ -326,8 +326,7 @@ def _count_checks(monkeypatch):
         return wrapped
     monkeypatch.setattr(fn, "check_rms_norm_inputs", counted("plain", fn.check_rms_norm_inputs))
     monkeypatch.setattr(fn, "check_rms_norm_gated_inputs", counted("gated", fn.check_rms_norm_gated_inputs))
-    monkeypatch.setattr(fn, "_FWD_PLANS", type(fn._FWD_PLANS)(64))
-    monkeypatch.setattr(fn, "_FWD_SEEN", type(fn._FWD_SEEN)(256))
+    monkeypatch.setattr(fn, "_FWD", type(fn._FWD)())
     return calls
 
 
@@ -351,7 +350,7 @@ def test_a_repeated_layout_skips_the_checks_and_gives_the_same_bits(monkeypatch)
     y = fast.rms_norm_gated(x, g, w, None, "sigmoid", eps=1e-6)
     assert calls["gated"] == 2 and not torch.equal(y, gated[0])
     import fast.norm as fn
-    monkeypatch.setattr(fn, "_FWD_PLANS", type(fn._FWD_PLANS)(64))               # the full path on the new values
+    monkeypatch.setattr(fn, "_FWD", type(fn._FWD)())                            # the full path on the new values
     assert torch.equal(fast.rms_norm_gated(x, g, w, None, "sigmoid", eps=1e-6), y)
 
 
