@@ -125,13 +125,13 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: t
     check_gating_inputs(A_log, a, dt_bias, b)
     p, A2, a2, dt2, b2 = _gating_plan(A_log, a, dt_bias, b, False)
     out = _gating_run(p, A2, a2, dt2, b2)
-    _GATING.remember(key, tensors, lambda: _direct_plan(*tensors))
+    _GATING.remember(key, tensors, lambda: _served(_gating_plan(A_log, a, dt_bias, b, True)[0]))
     return out
 
 
-def _direct_plan(A_log, a, dt_bias, b):
-    """The plan kept for a layout: one whose launch takes the tensors as they are (else None: checked in full)."""
-    p = _gating_plan(A_log, a, dt_bias, b, True)[0]
+def _served(p):
+    """The plan a layout keeps: one whose launch takes the tensors as they are and launches something (else None:
+    such a layout is checked in full on every call)."""
     return p if p.direct and p.M else None
 
 
@@ -154,14 +154,47 @@ def l2norm_kernel(x, y, M, K, stride_x_m, eps, eps_lo,
     tl.store(y + rows[:, None] * K + o_k[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
+class _L2Plan:
+    """l2norm's launch for one call layout (as _GatingPlan): y's shape / dtype / device, the integer and float
+    arguments, the launcher; direct: x reaches the kernel as an [M, K] view of itself."""
+    __slots__ = ("shape", "dtype", "device", "M", "scalars", "launch", "direct")
+
+
+def _l2_plan(x, eps, reuse: bool):
+    """-> (plan, x2): the plan of l2norm_into's launch for x and the rows it reads (a view, or a copy)."""
+    K = x.shape[-1]
+    p = _L2Plan()
+    p.shape, p.dtype, p.device = x.shape, x.dtype, x.device
+    x2 = _rows(x, K) if x.numel() else x  # [..., K] -> [M, K]
+    M = p.M = x2.shape[0] if x.numel() else 0
+    p.direct = x2.data_ptr() == x.data_ptr()
+    BK = next_pow2(K)
+    BM = max(1, min(next_pow2(max(M, 1)), max(1, 4096 // BK)))  # ~4K elements per program
+    p.scalars = (M, K, x2.stride(0) if M else K, *eps_split(float(eps)))
+    p.launch = Relaunch(l2norm_kernel, (cdiv(M, BM),), dict(BM=BM, BK=BK, FP64=x.dtype == torch.float64,
+                                                           num_warps=4 if BK * BM <= 4096 else 8), reuse)
+    return p, x2
+
+
+_L2 = LayoutPlans()      # eager l2norm calls by layout (as _GATING)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x: [..., K] -> x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64 for
-    float64 x), returned in x.dtype. refgdn.l2norm's twin."""
+    float64 x), returned in x.dtype. refgdn.l2norm's twin. A call layout seen twice is served from a plan."""
+    key = ("l2norm", type(eps), eps, x.shape) if isinstance(x, torch.Tensor) else None
+    p = _L2.get(key, (x,))
+    if p is not None:                                       # a known layout: checked before
+        y = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        p.launch(x, y, *p.scalars)
+        return y
     _need_tensor("x", x)
     _need_float("x", x)
     if x.dim() == 0:  # a scalar is its own last dim: [] -> [1]
         return l2norm(x.reshape(1), eps).reshape(())
-    return l2norm_into(x, torch.empty(x.shape, dtype=x.dtype, device=x.device), eps)
+    y = l2norm_into(x, torch.empty(x.shape, dtype=x.dtype, device=x.device), eps)
+    _L2.remember(key, (x,), lambda: _served(_l2_plan(x, eps, True)[0]))
+    return y
 
 
 def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -169,12 +202,6 @@ def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Te
     recompute asks for fp32 or 16-bit). Inputs assumed checked; returns y."""
     if x.numel() == 0:
         return y
-    K = x.shape[-1]
-    x2 = _rows(x, K)  # [..., K] -> [M, K]
-    M = x2.shape[0]
-    BK = next_pow2(K)
-    BM = max(1, min(next_pow2(M), max(1, 4096 // BK)))  # ~4K elements per program
-    l2norm_kernel[(cdiv(M, BM),)](x2, y, M, K, x2.stride(0), *eps_split(float(eps)),
-                                  BM=BM, BK=BK, FP64=x.dtype == torch.float64,
-                                  num_warps=4 if BK * BM <= 4096 else 8)
+    p, x2 = _l2_plan(x, eps, False)
+    p.launch(x2, y, *p.scalars)
     return y

@@ -164,3 +164,26 @@ def test_gating_repeated_layout_is_planned_and_the_same_bits(monkeypatch, stride
     n = len(calls)
     fast.gdn_gating(A_log, a[:, ::2], dt_bias, b[:, ::2])                    # strided rows: another layout
     assert len(calls) == n + 1
+
+
+def test_l2norm_repeated_layout_is_planned_and_the_same_bits(monkeypatch):
+    """l2norm's layouts as gdn_gating's: planned from the third call (no checks), the full path's bits every call,
+    a strided layout checked, bad input after a planned layout still refused."""
+    import fast.gating as fg
+    calls = []
+    monkeypatch.setattr(fg, "_need_float", lambda *a: calls.append(1) or refgdn.checks._need_float(*a))
+    monkeypatch.setattr(fg, "_L2", type(fg._L2)())
+    x = torch.randn(3, 4, 24, device=DEV)
+    outs = [fast.l2norm(x) for _ in range(4)]
+    assert len(calls) == 2 and all(torch.equal(y, outs[0]) for y in outs)
+    x.add_(1.0)
+    y = fast.l2norm(x)
+    assert len(calls) == 2 and not torch.equal(y, outs[0])
+    monkeypatch.setattr(fg, "_L2", type(fg._L2)())
+    assert torch.equal(fast.l2norm(x), y)
+    fast.l2norm(x[..., ::2])                                                  # strided: another layout
+    assert len(calls) == 4
+    for _ in range(3):
+        fast.l2norm(x)
+    with pytest.raises(ValueError, match="x must"):
+        fast.l2norm(x.long())
