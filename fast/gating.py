@@ -82,8 +82,11 @@ def _gating_plan(A_log, a, dt_bias, b, reuse: bool):
     p = _GatingPlan()
     g_fp64 = any(t.dtype == torch.float64 for t in (A_log, a, dt_bias))
     p.shape, p.g_dtype, p.beta_dtype, p.device = a.shape, torch.float64 if g_fp64 else torch.float32, b.dtype, a.device
-    a2, b2 = _rows(a, HV), _rows(b, HV)
     A2, dt2 = A_log.contiguous(), dt_bias.contiguous()
+    if a.numel() == 0:                                  # nothing to launch (HV = 0 has no [M, HV] view)
+        p.M, p.direct, p.launch = 0, False, None
+        return p, A2, a, dt2, b
+    a2, b2 = _rows(a, HV), _rows(b, HV)
     M = p.M = a2.shape[0]
     p.direct = (a2.data_ptr() == a.data_ptr() and b2.data_ptr() == b.data_ptr() and A2 is A_log and dt2 is dt_bias)
     BH = min(next_pow2(HV), 64)
@@ -165,12 +168,15 @@ def _l2_plan(x, eps, reuse: bool):
     K = x.shape[-1]
     p = _L2Plan()
     p.shape, p.dtype, p.device = x.shape, x.dtype, x.device
-    x2 = _rows(x, K) if x.numel() else x  # [..., K] -> [M, K]
-    M = p.M = x2.shape[0] if x.numel() else 0
+    if x.numel() == 0:                                  # nothing to launch (K = 0 has no [M, K] view)
+        p.M, p.direct, p.launch = 0, False, None
+        return p, x
+    x2 = _rows(x, K)  # [..., K] -> [M, K]
+    M = p.M = x2.shape[0]
     p.direct = x2.data_ptr() == x.data_ptr()
     BK = next_pow2(K)
-    BM = max(1, min(next_pow2(max(M, 1)), max(1, 4096 // BK)))  # ~4K elements per program
-    p.scalars = (M, K, x2.stride(0) if M else K, *eps_split(float(eps)))
+    BM = max(1, min(next_pow2(M), max(1, 4096 // BK)))  # ~4K elements per program
+    p.scalars = (M, K, x2.stride(0), *eps_split(float(eps)))
     p.launch = Relaunch(l2norm_kernel, (cdiv(M, BM),), dict(BM=BM, BK=BK, FP64=x.dtype == torch.float64,
                                                            num_warps=4 if BK * BM <= 4096 else 8), reuse)
     return p, x2
@@ -200,8 +206,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """l2norm's launch: x: [..., K] -> y (given: x's shape, contiguous, any float dtype; the backward's
     recompute asks for fp32 or 16-bit). Inputs assumed checked; returns y."""
-    if x.numel() == 0:
-        return y
     p, x2 = _l2_plan(x, eps, False)
-    p.launch(x2, y, *p.scalars)
+    if p.M:
+        p.launch(x2, y, *p.scalars)
     return y

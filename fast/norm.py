@@ -279,6 +279,9 @@ def _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, config, residual
     p = _FwdPlan()
     p.shape, p.dtype, p.device, p.res_dtype = x.shape, x.dtype, x.device, res_dtype
     M = p.M = x.numel() // D
+    if M == 0:                                          # nothing to launch (and no rows to view: _rows needs some)
+        p.direct, p.launch = False, None
+        return p, x, g, residual
     xr = _rows(x)
     x2, N1, sx0, sx1, x_split = xr
     g2, _, sg0, sg1, g_split = _gate_rows(g, xr)        # (g has x's shape: the same N1)

@@ -107,10 +107,15 @@ def test_l2norm_zero_rows_and_eps():
 
 
 def test_empty_inputs():
-    A_log, a, dt_bias, b = _gating_inputs((0, 4), torch.float32)
-    g, beta = fast.gdn_gating(A_log, a, dt_bias, b)
-    assert g.shape == (0, 4) and beta.shape == (0, 4)
-    assert fast.l2norm(torch.zeros(0, 8, device=DEV)).shape == (0, 8)
+    """No rows, or no heads / columns: empty outputs, on every call of a layout (the planned calls included)."""
+    for shape in ((0, 4), (3, 0), (2, 0, 4)):
+        A_log, a, dt_bias, b = _gating_inputs(shape, torch.float32)
+        for _ in range(3):
+            g, beta = fast.gdn_gating(A_log, a, dt_bias, b)
+            assert g.shape == shape and beta.shape == shape
+    for shape in ((0, 8), (3, 0), (2, 0, 8)):
+        for _ in range(3):
+            assert fast.l2norm(torch.zeros(shape, device=DEV)).shape == shape
 
 
 @pytest.mark.parametrize("args", [

@@ -396,3 +396,14 @@ def test_a_planned_layout_still_takes_autograd_when_a_gradient_is_wanted(monkeyp
     (gw,) = torch.autograd.grad(y.sum(), w)
     (rw,) = torch.autograd.grad(refgdn.rms_norm(x, w, eps=1e-6).sum(), w)
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0, 32), (0, 3, 32)], ids=["no-rows", "no-rows-3d", "no-rows-lead"])
+def test_empty_rows_on_every_call(shape):
+    """No rows: empty outputs (and an empty pre-norm sum) on every call of the layout, the planned ones included."""
+    x = torch.zeros(shape, device=DEVICE)
+    w = torch.ones(shape[-1], device=DEVICE)
+    for _ in range(3):
+        y, res = fast.rms_norm(x, w, residual=x.clone(), prenorm=True)
+        assert y.shape == shape and res.shape == shape
+        assert fast.rms_norm_gated(x, x, w).shape == shape
