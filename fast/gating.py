@@ -128,14 +128,8 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: t
     check_gating_inputs(A_log, a, dt_bias, b)
     p, A2, a2, dt2, b2 = _gating_plan(A_log, a, dt_bias, b, False)
     out = _gating_run(p, A2, a2, dt2, b2)
-    _GATING.remember(key, tensors, lambda: _served(_gating_plan(A_log, a, dt_bias, b, True)[0]))
+    _GATING.remember(key, tensors, lambda: _gating_plan(A_log, a, dt_bias, b, True)[0])
     return out
-
-
-def _served(p):
-    """The plan a layout keeps: one whose launch takes the tensors as they are and launches something (else None:
-    such a layout is checked in full on every call)."""
-    return p if p.direct and p.M else None
 
 
 @triton.jit
@@ -199,7 +193,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if x.dim() == 0:  # a scalar is its own last dim: [] -> [1]
         return l2norm(x.reshape(1), eps).reshape(())
     y = l2norm_into(x, torch.empty(x.shape, dtype=x.dtype, device=x.device), eps)
-    _L2.remember(key, (x,), lambda: _served(_l2_plan(x, eps, True)[0]))
+    _L2.remember(key, (x,), lambda: _l2_plan(x, eps, True)[0])
     return y
 
 

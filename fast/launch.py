@@ -496,7 +496,8 @@ class LayoutPlans:
         return e[1]
 
     def remember(self, key, tensors: tuple, make) -> None:
-        """make() -> the plan, or None where this layout is not to be served from one."""
+        """make() -> the layout's plan, kept only where it launches something (``M``) on the tensors as they are
+        (``direct``: no per-call copy); any other layout is checked in full on every call."""
         if key is None:
             return
         ts = tuple(ABSENT if t is None else t for t in tensors)
@@ -507,7 +508,7 @@ class LayoutPlans:
         if e is not None and e[0].check(*ts):
             return
         plan = make()
-        if plan is not None:
+        if plan.direct and plan.M:
             self.plans.put(key, (MetaGuard(ts), plan))
 
     def clear(self) -> None:

@@ -327,10 +327,9 @@ def _fwd_key(kind: str, x, activation, eps, flags: tuple):
     """The part of a call's layout the guard does not hold: which op, its non-tensor arguments (each with its type:
     the checks reject 1 for True, and an int eps is not a float's variant), x's shape (the guard compares it too,
     but a key per shape keeps q / k norms of one step from evicting each other). None where x is not a tensor."""
-    try:
-        return (kind, activation, type(eps), eps, *((type(f), f) for f in flags), x.shape)
-    except AttributeError:
+    if not isinstance(x, torch.Tensor):
         return None
+    return (kind, activation, type(eps), eps, *((type(f), f) for f in flags), x.shape)
 
 
 def _cached_fwd(key, x, g, weight, bias, residual):
@@ -339,18 +338,18 @@ def _cached_fwd(key, x, g, weight, bias, residual):
     p = _FWD.get(key, (x, g, weight, bias, residual))
     if p is None:
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, g, weight, bias, residual)):
-        return None                                                      # (library.wants_graph's rule)
+    from . import library                                                # (no cycle at import)
+    if library.wants_graph(x, g, weight, bias, residual):
+        return None
     return _fwd_run(p, x, x if g is None else g, weight, bias, residual)
 
 
 def _remember_fwd(key, x, g, weight, bias, activation, eps, unit_offset, residual, res_dtype) -> None:
-    """After a full call that passed the checks: a plan for its layout (from the layout's second call), where its
-    launch takes the tensors as they are (a layout that needs a copy of x or g is checked in full on every call)."""
-    def make():
-        p = _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, None, residual, res_dtype, True)[0]
-        return p if p.direct and p.M else None
-    _FWD.remember(key, (x, g, weight, bias, residual), make)
+    """After a full call that passed the checks: a plan for its layout (from the layout's second call; LayoutPlans
+    keeps it where its launch takes the tensors as they are)."""
+    _FWD.remember(key, (x, g, weight, bias, residual),
+                  lambda: _fwd_plan(x, g, weight, bias, activation, eps, unit_offset, None, residual, res_dtype,
+                                    True)[0])
 
 
 def norm_bwd(dy, x, g, weight, bias, activation, eps: float, unit_offset: bool = False,
