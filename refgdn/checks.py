@@ -10,7 +10,7 @@ import functools
 import math
 import numbers
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -512,3 +512,125 @@ def check_gating_inputs(A_log, a, dt_bias, b) -> None:
     _need_shape("b", b, a.shape, "[..., HV] (same as a)")
     _need_shape("A_log", A_log, (HV,), "[HV]")
     _need_shape("dt_bias", dt_bias, (HV,), "[HV]")
+
+
+# vLLM's serving form of the recurrent op (vllm.model_executor.layers.fla.ops.fused_recurrent_gated_delta_rule: a
+# slot pool read and written in place, per-token slots for speculative decoding): refgdn.vllm_fla / fast.vllm_fla
+
+def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
+                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None) -> int:
+    """Validate vLLM's fused_recurrent_gated_delta_rule arguments (shapes, dtypes, devices; beta already defaulted);
+    return N, the number of sequences. The slot values are checked by :func:`check_vllm_recurrent_values`.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; cu_seqlens: [N+1] with B == 1;
+    ssm_state_indices None: initial_state [N, HV, K, V] or None; ssm_state_indices [N] or [N, L] int: initial_state
+    is the slot pool [S, HV, K, V]; num_accepted_tokens [N] int, only with [N, L] indices.
+    """
+    if retrieve_parent_token is not None:
+        raise ValueError("retrieve_parent_token (vLLM's tree drafts) is not supported: pass None (drafts form one chain "
+                         "per request; gdn_verify / gdn_accept are this package's speculative path)")
+    if isinstance(beta, torch.Tensor) and isinstance(v, torch.Tensor) and beta.dim() == v.dim() == 4:
+        raise ValueError(f"beta must be [B, T, HV] (one per token and value head), got {_shape(beta)}: vLLM's "
+                         "head-wise beta [B, T, HV, V] is not supported")
+    if not isinstance(inplace_final_state, bool):
+        raise ValueError(f"inplace_final_state must be a bool, got {inplace_final_state!r}")
+    N = check_gdn_inputs(q, k, v, g, beta, scale, None, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    if ssm_state_indices is not None:
+        _need_tensor("ssm_state_indices", ssm_state_indices)
+        if ssm_state_indices.dim() not in (1, 2) or ssm_state_indices.shape[0] != N or (
+                ssm_state_indices.dim() == 2 and ssm_state_indices.shape[1] < 1):
+            raise ValueError(f"ssm_state_indices must be [N] or [N, L] with N = {N} sequences and L >= 1, got "
+                             f"{_shape(ssm_state_indices)}")
+        if ssm_state_indices.dtype not in INT_DTYPES:
+            raise ValueError(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
+        _need_device("ssm_state_indices", ssm_state_indices, device)
+        if initial_state is None:
+            raise ValueError("ssm_state_indices index the slot pool initial_state [S, HV, K, V]: pass initial_state")
+        _need_tensor("initial_state", initial_state, 4)
+        if tuple(initial_state.shape[1:]) != (HV, K, V) or initial_state.shape[0] < 1:
+            raise ValueError(f"initial_state must be the slot pool [S, HV, K, V] = [S >= 1, {HV}, {K}, {V}], got "
+                             f"{_shape(initial_state)}")
+    elif initial_state is not None:
+        _need_tensor("initial_state", initial_state, 4)
+        _need_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V] (no ssm_state_indices)")
+    if initial_state is not None:
+        _need_float("initial_state", initial_state)
+        _need_device("initial_state", initial_state, device)
+    elif inplace_final_state:
+        raise ValueError("inplace_final_state=True writes the states into initial_state: pass initial_state, or "
+                         "inplace_final_state=False for a new [B*T, HV, K, V] tensor of every token's state")
+    if num_accepted_tokens is not None:
+        if ssm_state_indices is None or ssm_state_indices.dim() != 2:
+            raise ValueError("num_accepted_tokens picks each request's slot column: it needs ssm_state_indices [N, L] "
+                             "(one slot per token)")
+        _need_tensor("num_accepted_tokens", num_accepted_tokens)
+        if tuple(num_accepted_tokens.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens must have shape [N] = [{N}], got {_shape(num_accepted_tokens)}")
+        if num_accepted_tokens.dtype not in INT_DTYPES:
+            raise ValueError(f"num_accepted_tokens must be int32 or int64, got {num_accepted_tokens.dtype}")
+        _need_device("num_accepted_tokens", num_accepted_tokens, device)
+    return N
+
+
+def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace: bool,
+                         num_slots: Optional[int]) -> List[Tuple[int, int, Optional[int], List[Optional[int]]]]:
+    """Where each sequence of vLLM's recurrent op reads and writes its state, from the values (a host read):
+    [(bos, eos, read, writes)] per sequence, tokens [bos, eos) of the flattened [B * T] token axis.
+
+    read: the row of initial_state the state starts from (None: zeros, no initial_state), -1 for a padded sequence
+    (a negative slot: it reads and writes nothing, its outputs are zeros). writes (inplace only): per token, the row
+    of initial_state its state goes to, or None; with [N] indices or none, only the last token's (the final state).
+    Raises ValueError (naming the argument and the entry) for a slot >= num_slots, a num_accepted_tokens entry
+    outside [1, L], [N, L] indices with fewer than T_n columns, or a slot written by two sequences, or written by
+    one and read by another (the sequences run concurrently in a kernel)."""
+    if cu_seqlens is None:
+        spans = [(n * T, n * T + T) for n in range(B)]
+    else:
+        offs = host_offsets(cu_seqlens)
+        spans = list(zip(offs, offs[1:]))
+    idx = None if ssm_state_indices is None else ssm_state_indices.tolist()        # host read: value checks
+    acc = None if num_accepted_tokens is None else num_accepted_tokens.tolist()
+    out, written, read_by = [], {}, {}
+    for n, (bos, eos) in enumerate(spans):
+        if idx is None:
+            read = n if num_slots is not None else None
+            row = [n]
+        else:
+            row = idx[n] if isinstance(idx[n], list) else [idx[n]]
+            col = 0
+            if acc is not None:
+                if not 1 <= acc[n] <= len(row):
+                    raise ValueError(f"num_accepted_tokens[{n}] = {acc[n]} must be in [1, L = {len(row)}]")
+                col = acc[n] - 1
+            read = row[col]
+            for j, s in enumerate(row):
+                if s >= num_slots:
+                    at = f"{n}, {j}" if isinstance(idx[n], list) else f"{n}"
+                    raise ValueError(f"ssm_state_indices[{at}] = {s} is out of range for initial_state's {num_slots} "
+                                     "slots")
+            if read < 0:
+                out.append((bos, eos, -1, [None] * (eos - bos)))
+                continue
+        writes: List[Optional[int]] = [None] * (eos - bos)
+        if inplace and eos > bos:
+            if idx is not None and isinstance(idx[n], list):
+                if eos - bos > len(row):
+                    raise ValueError(f"sequence {n} has {eos - bos} tokens but ssm_state_indices [N, L] gives it "
+                                     f"L = {len(row)} slots: one per token's state")
+                writes = [s if s >= 0 else None for s in row[:eos - bos]]
+            else:
+                writes[-1] = read
+        for s in set(w for w in writes if w is not None):
+            if written.setdefault(s, n) != n:
+                raise ValueError(f"slot {s} is written by sequences {written[s]} and {n}")
+        if read is not None:
+            read_by.setdefault(read, n)
+        out.append((bos, eos, read, writes))
+    for s, n in written.items():
+        m = read_by.get(s, n)
+        if m != n:
+            raise ValueError(f"slot {s} is read by sequence {m} and written by sequence {n}")
+    return out

@@ -99,3 +99,102 @@ def recurrent_config(K: int, V: int) -> dict:
         return dict(BV=min(next_pow2(V), 64), num_warps=4, num_stages=1)
     BV = min(next_pow2(V), max(8, 2048 // BK))
     return dict(BV=BV, num_warps=1, num_stages=1)
+
+
+# ============================================================================================
+# the serving form (vLLM's fused_recurrent_gated_delta_rule): states read from and written to a slot pool
+# ============================================================================================
+
+WRITE_FINAL, WRITE_EACH_SLOT, WRITE_EACH_ROW = 1, 2, 3   # where recurrent_slots_kernel stores states
+
+
+@triton.jit
+def _masked_by(m, cond):
+    """Block mask m and a scalar condition (integer arithmetic: the interpreter rejects ``block & scalar_bool``
+    as a mask, fast.serving._as_block)."""
+    return m & ((m.to(tl.int32) * 0 + cond.to(tl.int32)) != 0)
+
+
+@triton.jit(do_not_specialize=["T", "S", "L"])
+def recurrent_slots_kernel(
+    q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, T, S, L, scale,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    s_pn, s_ph, s_pk, s_pv, s_hn, s_hh, s_hk, s_hv, s_in, s_it,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
+    SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
+    ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_fla.fused_recurrent_gated_delta_rule):
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    Read slot: INDEXED, idx[n, col] with col = num_acc[n] - 1 (SPEC) or 0 (idx [N] is [N, 1] with s_it unused);
+    else pool[n] (USE_POOL) or zeros. A slot outside [0, S) marks a padded sequence: o zeros, no pool store
+    (memory safety: the host checks name such values only when asked). WRITE_FINAL: the final state to the read
+    row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [0, S)) -- hs is
+    pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
+    Stores round to the destination's dtype; the running state stays fp32 in registers.
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    i_hk = i_h // GROUP
+    p_idx = idx + i_n.to(tl.int64) * s_in
+    if INDEXED:
+        col = 0
+        if SPEC:
+            col = tl.load(num_acc + i_n).to(tl.int64) - 1
+            col = tl.minimum(tl.maximum(col, 0), L - 1)       # memory safety for out-of-range counts
+        slot = tl.load(p_idx + col * s_it).to(tl.int64)
+        valid = (slot >= 0) & (slot < S)
+    else:
+        slot = i_n.to(tl.int64)
+        valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    p_read = pool + slot * s_pn + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_POOL:
+        b_h += tl.load(p_read, mask=_masked_by(m_kv, valid), other=0.0).to(tl.float32)
+
+    q_base = q + i_b * s_qb + i_hk * s_qh
+    k_base = k + i_b * s_kb + i_hk * s_kh
+    v_base = v + i_b * s_vb + i_h * s_vh
+    g_base = g + i_b * s_gb + i_h * s_gh
+    b_base = beta + i_b * s_bb + i_h * s_bh
+    for t in range(bos, eos):
+        t64 = (i_b * 0 + t).to(tl.int64)
+        b_q = tl.load(q_base + t64 * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
+        b_beta = tl.load(b_base + t64 * s_bt).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + EPS)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + EPS)
+        b_h *= _exp(b_g, PRECISE)
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))           # beta (v - S^T k)
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.where(valid, tl.sum(b_h * b_q[:, None], 0) * scale, 0.0)
+        tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if WRITE == 2:                                                   # WRITE_EACH_SLOT
+            j = t64 - bos
+            dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
+            ok = valid & (j < L) & (dest >= 0) & (dest < S)
+            dest = tl.where(ok, dest, 0)
+            tl.store(hs + dest * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
+                     b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, ok))
+        elif WRITE == 3:                                                 # WRITE_EACH_ROW
+            row = i_b * T + t64
+            tl.store(hs + row * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
+                     tl.where(valid, b_h, 0.0).to(hs.dtype.element_ty), mask=m_kv)
+    if WRITE == 1:                                                       # WRITE_FINAL: where it was read from
+        tl.store(hs + slot * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
+                 b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, valid & (eos > bos)))

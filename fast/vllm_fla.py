@@ -1,0 +1,108 @@
+"""vLLM's vendored fla ops (``vllm.model_executor.layers.fla.ops``) in Triton: refgdn.vllm_fla's twins.
+
+``chunk_gated_delta_rule`` is fast's chunked forward in vLLM's argument order; ``fused_recurrent_gated_delta_rule``
+is vLLM's serving form of the recurrent op (states in a slot pool, per-token slots for speculative decoding), one
+Triton program per (V-block, sequence, value head) as the recurrent kernel (fast.chunk.recurrent.
+recurrent_slots_kernel). Semantics and arguments: refgdn.vllm_fla.
+"""
+from __future__ import annotations
+
+import torch
+
+import refgdn.vllm_fla as _ref
+from refgdn.checks import check_vllm_recurrent_inputs, one_host_read, vllm_recurrent_slots
+
+from .chunk import L2NORM_EPS, _precise, chunk_gated_delta_rule as _chunk
+from .chunk.recurrent import (WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_config,
+                              recurrent_slots_kernel)
+from .utils import cdiv, next_pow2
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False):
+    """fast.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 or None)
+    """
+    return _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                  use_qk_l2norm_in_kernel, head_first=head_first)
+
+
+def _is_fp64(*ts) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in ts)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@one_host_read
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
+                                     inplace_final_state: bool = True, cu_seqlens=None, ssm_state_indices=None,
+                                     num_accepted_tokens=None, use_qk_l2norm_in_kernel: bool = False, *,
+                                     retrieve_parent_token=None, check_values: bool = False):
+    """vLLM's serving recurrent op (refgdn.vllm_fla.fused_recurrent_gated_delta_rule's twin, same semantics).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] (beta None: ones)   cu_seqlens: [N+1], B == 1
+    ssm_state_indices: None, [N] or [N, L] int; initial_state: the pool [S, HV, K, V] (any strides) with indices,
+    else [N, HV, K, V] or None; num_accepted_tokens: [N] int, with [N, L] indices only.
+    -> (o [B, T, HV, V] in v.dtype, final_state: initial_state written in place, or [B * T, HV, K, V])
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    Shapes, dtypes and devices are checked on the host before anything runs; the slot values only with
+    check_values=True (a host read: a sync). Without it the kernel stays memory-safe on any values: a read slot
+    outside [0, S) pads its sequence (zeros out, nothing written), a written one outside it is skipped, a
+    num_accepted_tokens entry is clamped to [1, L]; two sequences writing one slot race, as in vLLM. float64 runs
+    refgdn (the kernel computes in float32).
+    """
+    beta = _ref.default_beta(q, v, beta)
+    check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
+                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token)
+    if _is_fp64(q, k, v, g, beta, initial_state):
+        return _ref.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+            num_accepted_tokens, use_qk_l2norm_in_kernel)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    pool = initial_state
+    if check_values:
+        vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                             None if pool is None else pool.shape[0])
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    if inplace_final_state:
+        hs = pool
+        write = WRITE_EACH_SLOT if ssm_state_indices is not None and ssm_state_indices.dim() == 2 else WRITE_FINAL
+    else:
+        hs = torch.empty(B * T, HV, K, V, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
+        write = WRITE_EACH_ROW
+    if N * HV == 0 or B * T == 0:
+        return o, hs
+    idx = ssm_state_indices
+    if idx is not None:
+        s_in, s_it, L = idx.stride(0), (idx.stride(1) if idx.dim() == 2 else 0), (idx.shape[1] if idx.dim() == 2 else 1)
+    else:
+        s_in = s_it = 0
+        L = 1
+    S = pool.shape[0] if pool is not None else 0
+    dummy = o                                                 # stands for absent pointers (never dereferenced)
+    pool_ = pool if pool is not None else dummy
+    ps = pool.stride() if pool is not None else (0, 0, 0, 0)
+    cfg = recurrent_config(K, V)
+    BV = cfg.pop("BV")
+    recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
+        q, k, v, g, beta, pool_, o, hs, cu_seqlens if cu_seqlens is not None else dummy,
+        idx if idx is not None else dummy, num_accepted_tokens if num_accepted_tokens is not None else dummy,
+        T, S, L, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        *ps, *hs.stride(), s_in, s_it,
+        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
+        L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=pool is not None, INDEXED=idx is not None,
+        SPEC=num_accepted_tokens is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
+    return o, hs

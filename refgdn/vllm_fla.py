@@ -1,0 +1,115 @@
+"""vLLM's vendored fla ops (``vllm.model_executor.layers.fla.ops``) under their names and argument orders.
+
+vLLM's Qwen3-Next layer calls two ops of its copy of fla: ``chunk_gated_delta_rule`` for prefills (fla's op, its
+arguments in vLLM's order) and ``fused_recurrent_gated_delta_rule`` for decode and speculative verification, a
+serving form of the recurrent op that fla 0.6.0 does not have: the state lives in a pool of slots read and
+written in place,
+
+    ssm_state_indices [N]     one slot per request: read at the start, the final state written back;
+    ssm_state_indices [N, L]  one slot per token: the state after token t goes to slot [n, t], and the request
+                              starts from slot [n, num_accepted_tokens[n] - 1] (the last accepted draft's state:
+                              vLLM's rollback by checkpoints).
+
+So ``from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule``
+becomes ``from refgdn.vllm_fla import ...`` (the oracle) or ``from fast.vllm_fla import ...`` (Triton). Both
+packages' functions have the same signatures; fast's checks the slot values on the device only as far as memory
+safety needs (``check_values=True`` checks them on the host, as this oracle always does).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .checks import check_vllm_recurrent_inputs, one_host_read, vllm_recurrent_slots
+from .delta_rule import chunk_gated_delta_rule as _chunk
+from .delta_rule import recurrent_gated_delta_rule as _recurrent
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False):
+    """refgdn.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V]
+    -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 or None)
+    """
+    return _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                  use_qk_l2norm_in_kernel, head_first=head_first)
+
+
+def default_beta(q: torch.Tensor, v: torch.Tensor, beta):
+    """beta None -> ones [B, T, HV] in q's dtype (a broadcast view: no memory). vLLM forms them from q's shape,
+    i.e. [B, T, H], which only fits without GVA; HV is what every token and value head needs."""
+    if beta is not None or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor) or v.dim() != 4:
+        return beta
+    return torch.ones(1, dtype=q.dtype, device=q.device).expand(*v.shape[:3])
+
+
+@one_host_read
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
+                                     inplace_final_state: bool = True, cu_seqlens=None, ssm_state_indices=None,
+                                     num_accepted_tokens=None, use_qk_l2norm_in_kernel: bool = False, *,
+                                     retrieve_parent_token=None, check_values: bool = False):
+    """vLLM's serving recurrent op: the gated delta rule per token, states read from and written to a slot pool.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] (beta None: ones)   cu_seqlens: [N+1], B == 1
+    ssm_state_indices: None, [N] or [N, L] int; initial_state: the pool [S, HV, K, V] with indices, else
+    [N, HV, K, V] or None; num_accepted_tokens: [N] int in [1, L], with [N, L] indices only.
+    -> (o [B, T, HV, V] in v.dtype, final_state)
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    Where sequence n starts: slot ssm_state_indices[n] ([N]), ssm_state_indices[n, num_accepted_tokens[n] - 1]
+    ([N, L]; column 0 without num_accepted_tokens), initial_state[n] (no indices), zeros (no initial_state).
+    A negative slot there marks a padded sequence: it reads and writes nothing and its outputs are zeros.
+    inplace_final_state=True (vLLM's default): final_state is initial_state, written in place: with [N, L] indices
+    the state after each token t of the sequence goes to slot [n, t] (negative entries: not written); with [N]
+    indices or none, the sequence's final state goes where it was read from. False: initial_state is only read and
+    final_state is a new [B * T, HV, K, V] tensor of the state after every token (padded sequences' rows zeros), in
+    initial_state's dtype (float32, float64 for float64 inputs, without one). States are kept in the compute dtype
+    between tokens; each stored copy is rounded to the pool's dtype.
+
+    Where this differs from vLLM's kernel: only in what vLLM leaves undefined (its kernel reads and writes through
+    whatever index it is given): [N] indices with several tokens per sequence write the final state to the
+    sequence's own slot; without indices initial_state holds one state per sequence; a padded sequence writes
+    nothing. retrieve_parent_token (tree drafts) and a head-wise beta [B, T, HV, V] are refused by name.
+    The slot values are checked here on every call, whatever check_values says (fast's twin reads them only with
+    check_values=True): slots within the pool, num_accepted_tokens in [1, L], no slot written by two
+    sequences or written by one and read by another, L >= every sequence's token count where states are written
+    per token (refgdn.checks.vllm_recurrent_slots).
+    """
+    beta = default_beta(q, v, beta)
+    check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
+                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token)
+    B, T = q.shape[:2]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    pool = initial_state
+    plan = vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                                None if pool is None else pool.shape[0])
+    wide = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]     # [B T, ...]: one token axis
+    o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=q.device)
+    per_token = None
+    if not inplace_final_state:
+        per_token = torch.zeros(B * T, HV, K, V, dtype=pool.dtype if pool is not None else wide, device=q.device)
+    updates = []                    # (slot, state) written after every sequence has read (the kernel's order)
+    for bos, eos, read, writes in plan:
+        if read == -1:                                         # padded: zeros out, nothing written
+            continue
+        # the state in the compute dtype, as the kernel keeps it in registers between tokens
+        S = torch.zeros(1, HV, K, V, dtype=wide, device=q.device) if read is None else pool[read][None].to(wide)
+        for t in range(bos, eos):
+            tok = [x[t][None, None] for x in flat]              # [1, 1, ...]: one token
+            o_t, S = _recurrent(*tok, scale=scale, initial_state=S, output_final_state=True,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            o[t] = o_t[0, 0]
+            if per_token is not None:
+                per_token[t] = S[0].to(per_token.dtype)
+            if writes[t - bos] is not None:
+                updates.append((writes[t - bos], S[0].clone()))
+    for slot, S in updates:
+        pool[slot].copy_(S.to(pool.dtype))
+    o = o.reshape(B, T, HV, V)
+    return o, (pool if inplace_final_state else per_token)
