@@ -511,3 +511,53 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return recurrent_gated_delta_rule(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM's vendored fla ops (fast.vllm_fla): traced_ops(fast.vllm_fla, keys=fast.keys.vllm_fla)
+# ----------------------------------------------------------------------------------------------
+
+def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                 cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False) -> List[CompileKey]:
+    """Keys of fast.vllm_fla.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes."""
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                  use_qk_l2norm_in_kernel, head_first=head_first)
+
+
+def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
+                                           inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
+                                           num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, *,
+                                           retrieve_parent_token=None, check_values=False) -> List[CompileKey]:
+    """Keys of fast.vllm_fla.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
+    from .chunk import recurrent as _rec
+    beta_dt = q.dtype if beta is None else beta.dtype              # (None: ones in q's dtype)
+    if _fp64(q, k, v, g, initial_state) or beta_dt == torch.float64:
+        return []
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    if N * HV == 0 or B * T == 0:
+        return []
+    idx = ssm_state_indices
+    if inplace_final_state:
+        write = _rec.WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else _rec.WRITE_FINAL
+        hs = initial_state.dtype
+    else:
+        write = _rec.WRITE_EACH_ROW
+        hs = initial_state.dtype if initial_state is not None else _F32
+    cfg = _chunk._cfg("recurrent", _chunk.recurrent_config(K, V))
+    return [CompileKey.make(
+        "recurrent_slots_kernel",
+        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
+             L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=initial_state is not None, INDEXED=idx is not None,
+             SPEC=num_accepted_tokens is not None, WRITE=write, EPS=_chunk.L2NORM_EPS,
+             PRECISE=_chunk._precise(v.dtype)),
+        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta_dt, pool=_dt(initial_state), o=v.dtype, hs=hs,
+             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens)),
+        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+
+
+class vllm_fla:
+    """Keys of fast.vllm_fla's ops, under their names (refgdn.capture.traced_ops(fast.vllm_fla, keys=vllm_fla))."""
+    chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
+    fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)

@@ -12,7 +12,8 @@ import torch
 import refgdn.vllm_fla as _ref
 from refgdn.checks import check_vllm_recurrent_inputs, one_host_read, vllm_recurrent_slots
 
-from .chunk import L2NORM_EPS, _precise, chunk_gated_delta_rule as _chunk
+from .chunk import chunk_gated_delta_rule as _chunk
+from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import (WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_config,
                               recurrent_slots_kernel)
 from .utils import cdiv, next_pow2
@@ -29,14 +30,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     return _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   use_qk_l2norm_in_kernel, head_first=head_first)
-
-
-def _is_fp64(*ts) -> bool:
-    return any(t is not None and t.dtype == torch.float64 for t in ts)
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @one_host_read
@@ -68,6 +61,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
             num_accepted_tokens, use_qk_l2norm_in_kernel)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    _check_fast_limits(K, V)
     pool = initial_state
     if check_values:
         vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
@@ -91,15 +85,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         s_in = s_it = 0
         L = 1
     S = pool.shape[0] if pool is not None else 0
-    dummy = o                                                 # stands for absent pointers (never dereferenced)
-    pool_ = pool if pool is not None else dummy
     ps = pool.stride() if pool is not None else (0, 0, 0, 0)
     cfg = recurrent_config(K, V)
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, g, beta, pool_, o, hs, cu_seqlens if cu_seqlens is not None else dummy,
-        idx if idx is not None else dummy, num_accepted_tokens if num_accepted_tokens is not None else dummy,
-        T, S, L, scale,
+        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, T, S, L, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         *ps, *hs.stride(), s_in, s_it,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,

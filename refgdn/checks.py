@@ -627,10 +627,10 @@ def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_acce
             if written.setdefault(s, n) != n:
                 raise ValueError(f"slot {s} is written by sequences {written[s]} and {n}")
         if read is not None:
-            read_by.setdefault(read, n)
+            read_by.setdefault(read, []).append(n)
         out.append((bos, eos, read, writes))
     for s, n in written.items():
-        m = read_by.get(s, n)
-        if m != n:
-            raise ValueError(f"slot {s} is read by sequence {m} and written by sequence {n}")
+        for m in read_by.get(s, ()):
+            if m != n:
+                raise ValueError(f"slot {s} is read by sequence {m} and written by sequence {n}")
     return out

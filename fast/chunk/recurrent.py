@@ -129,6 +129,7 @@ def recurrent_slots_kernel(
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
+    Absent pointers (pool, cu_seqlens, idx, num_acc) are None: only their constexpr branches read them.
     Read slot: INDEXED, idx[n, col] with col = num_acc[n] - 1 (SPEC) or 0 (idx [N] is [N, 1] with s_it unused);
     else pool[n] (USE_POOL) or zeros. A slot outside [0, S) marks a padded sequence: o zeros, no pool store
     (memory safety: the host checks name such values only when asked). WRITE_FINAL: the final state to the read
@@ -147,8 +148,8 @@ def recurrent_slots_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     i_hk = i_h // GROUP
-    p_idx = idx + i_n.to(tl.int64) * s_in
     if INDEXED:
+        p_idx = idx + i_n.to(tl.int64) * s_in
         col = 0
         if SPEC:
             col = tl.load(num_acc + i_n).to(tl.int64) - 1
@@ -159,9 +160,9 @@ def recurrent_slots_kernel(
         slot = i_n.to(tl.int64)
         valid = slot >= 0
     slot = tl.where(valid, slot, 0)
-    p_read = pool + slot * s_pn + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_POOL:
+        p_read = pool + slot * s_pn + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
         b_h += tl.load(p_read, mask=_masked_by(m_kv, valid), other=0.0).to(tl.float32)
 
     q_base = q + i_b * s_qb + i_hk * s_qh

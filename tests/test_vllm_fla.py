@@ -1,0 +1,298 @@
+"""vLLM's vendored fla ops (refgdn.vllm_fla, fast.vllm_fla): the serving form of the recurrent op, whose states live in
+a slot pool read and written in place (ssm_state_indices [N] or [N, L], num_accepted_tokens), and the chunk op in
+vLLM's argument order.
+
+refgdn's op against the simplest form (refgdn.recurrent_gated_delta_rule over each sequence from its gathered state,
+float64); fast's against refgdn by the conformance rule (fast's error against refgdn's float64 truth at most twice
+refgdn's own in the same precision, on the same rounded inputs); untouched slots and padded outputs exact; the bad
+inputs of both packages raise before any slot is written.
+"""
+import pytest
+import torch
+
+import fast
+import fast.vllm_fla as FV
+import refgdn
+import refgdn.vllm_fla as RV
+from conformance.core import Check, evaluate
+from tests.helpers import gdn_inputs
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+I32 = torch.int32
+S = 9                    # slots in the pool
+
+
+def _pool(HV, K, V, dtype, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(S, HV, K, V, generator=gen)).to(device=DEV, dtype=dtype)
+
+
+def _t(x, dtype=I32):
+    return torch.tensor(x, dtype=dtype, device=DEV)
+
+
+# layouts: (B, T, H, HV, K, V, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace, pool?, extra kwargs)
+LAYOUTS = [
+    pytest.param(dict(B=4, T=1, idx=[5, -1, 2, 0]), id="decode-idx1d-padded-row"),
+    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [3, 4, -1], [6, 7, 8]], acc=[2, 1, 3]),
+                 id="spec-idx2d-accepted-negative-write"),
+    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [-1, 4, 5], [6, 7, 8]], acc=[3, 1, 1]),
+                 id="spec-idx2d-padded-row"),
+    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [3, 4, 5], [6, 7, 8]], acc=[1, 2, 3],
+                      inplace=False), id="spec-idx2d-not-inplace"),
+    pytest.param(dict(B=1, T=8, cu=[0, 3, 3, 8], pool=False, inplace=False), id="varlen-empty-seq-no-state"),
+    pytest.param(dict(B=2, T=3, pool="per-seq"), id="dense-per-sequence-state-inplace"),
+    pytest.param(dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], H=2, HV=4, K=32, V=24, l2=True,
+                      strided=True, scale=0.3), id="gva-l2norm-strided-odd-V-idx2d"),
+    pytest.param(dict(B=3, T=1, idx=[4, 1, 7], pool_dtype=torch.bfloat16), id="decode-bf16-pool"),
+]
+
+
+def _problem(p, dtype, seed=0):
+    """Inputs rounded to dtype (g, beta float32), the pool, and the call's keywords; plus the float64 copies."""
+    B, T = p["B"], p["T"]
+    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    xs = gdn_inputs(B, T, H, HV, K, V, seed=seed)
+    low = [x.to(dtype) for x in xs[:3]] + [x.float() for x in xs[3:]]
+    low = [x.to(DEV) for x in low]
+    if p.get("strided"):        # q, k, v as slices of wider buffers (vLLM splits one projection)
+        low[:3] = [torch.cat([x, torch.zeros_like(x[..., :3])], -1)[..., :x.shape[-1]] for x in low[:3]]
+        assert not low[0].is_contiguous()
+    pool_kind = p.get("pool", True)
+    N = B if p.get("cu") is None else len(p["cu"]) - 1
+    if pool_kind == "per-seq":
+        pool = (0.5 * torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(7))).to(DEV)
+    elif pool_kind:
+        pool = _pool(HV, K, V, p.get("pool_dtype", torch.float32))
+    else:
+        pool = None
+    kw = dict(inplace_final_state=p.get("inplace", True), use_qk_l2norm_in_kernel=p.get("l2", False),
+              scale=p.get("scale"))
+    if p.get("cu") is not None:
+        kw["cu_seqlens"] = _t(p["cu"])
+    if p.get("idx") is not None:
+        kw["ssm_state_indices"] = _t(p["idx"])
+    if p.get("acc") is not None:
+        kw["num_accepted_tokens"] = _t(p["acc"])
+    return low, pool, kw
+
+
+def _run(op, xs, pool, kw):
+    """op on xs with a fresh copy of the pool -> (o, final_state, the pool after)."""
+    pool = None if pool is None else pool.clone()
+    o, fs = op(*xs, initial_state=pool, **kw)
+    return o, fs, pool
+
+
+def _padded_tokens(p):
+    """Token indices (flattened [B * T]) of padded sequences (their read slot is negative)."""
+    if p.get("idx") is None:
+        return []
+    cu = p.get("cu") or [n * p["T"] for n in range(p["B"] + 1)]
+    out = []
+    for n, row in enumerate(p["idx"]):
+        row = row if isinstance(row, list) else [row]
+        col = p["acc"][n] - 1 if p.get("acc") else 0
+        if row[col] < 0:
+            out += list(range(cu[n], cu[n + 1]))
+    return out
+
+
+@pytest.mark.parametrize("p", LAYOUTS)
+def test_refgdn_equals_the_time_loop_over_gathered_states(p):
+    """float64: each sequence's outputs are refgdn.recurrent_gated_delta_rule's from its read state, every written slot
+    holds the state after its token (a recurrent call over the prefix), every other slot is untouched."""
+    xs, pool, kw = _problem(p, torch.float64)
+    pool = None if pool is None else pool.double()
+    o, fs, after = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    B, T = p["B"], p["T"]
+    cu = p.get("cu") or [n * T for n in range(B + 1)]
+    flat = [x.reshape(B * T, *x.shape[2:])[None] for x in xs]
+    o = o.reshape(1, B * T, *o.shape[2:])
+    written = set()
+    for n in range(len(cu) - 1):
+        bos, eos = cu[n], cu[n + 1]
+        row = None if p.get("idx") is None else (p["idx"][n] if isinstance(p["idx"][n], list) else [p["idx"][n]])
+        col = p["acc"][n] - 1 if p.get("acc") else 0
+        read = n if row is None else row[col]
+        if read < 0:
+            assert torch.equal(o[0, bos:eos], torch.zeros_like(o[0, bos:eos]))
+            continue
+        h0 = None if pool is None else pool[read][None]
+        for t in range(bos, eos):           # the prefix ending at token t
+            o_t, s_t = refgdn.recurrent_gated_delta_rule(*(x[:, bos:t + 1] for x in flat), scale=kw["scale"],
+                                                         initial_state=h0, output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"])
+            torch.testing.assert_close(o[0, t], o_t[0, -1], rtol=1e-12, atol=1e-12)
+            if not kw["inplace_final_state"]:
+                torch.testing.assert_close(fs[t], s_t[0], rtol=1e-12, atol=1e-12)
+                continue
+            if row is not None and isinstance(p["idx"][n], list):
+                dest = row[t - bos]                                   # one slot per token
+            else:
+                dest = read if t == eos - 1 else -1                   # the final state, where it was read
+            if dest >= 0:
+                torch.testing.assert_close(after[dest], s_t[0], rtol=1e-12, atol=1e-12)
+                written.add(dest)
+    if pool is not None:
+        for s in range(pool.shape[0]):
+            if s not in written:
+                assert torch.equal(after[s], pool[s]), f"slot {s} written"
+    if kw["inplace_final_state"]:
+        assert fs is after
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("p", LAYOUTS)
+def test_fast_against_refgdn_by_the_rule(p, dtype):
+    """fast vs refgdn in dtype, both against refgdn float64 on the same rounded inputs: outputs and written states by
+    the conformance rule; untouched slots and padded sequences' outputs exact."""
+    xs, pool, kw = _problem(p, dtype)
+    o_f, fs_f, pool_f = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, check_values=True))
+    o_r, fs_r, pool_r = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    hi = [x.double() for x in xs]
+    o_t, fs_t, pool_t = _run(RV.fused_recurrent_gated_delta_rule, hi, None if pool is None else pool.double(), kw)
+    assert o_f.dtype == xs[2].dtype and o_f.shape == o_t.shape
+    res = evaluate(Check("o", o_f, o_t, o_r))
+    assert res["passed"], res
+    pad = _padded_tokens(p)
+    flat = o_f.reshape(-1, *o_f.shape[2:])
+    assert torch.equal(flat[pad], torch.zeros_like(flat[pad]))
+    if kw["inplace_final_state"]:
+        assert fs_f is pool_f and fs_f.dtype == pool.dtype
+        moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
+        still = [s for s in range(pool.shape[0]) if s not in moved]
+        assert torch.equal(pool_f[still], pool[still])            # untouched slots: bit for bit
+        res = evaluate(Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype))
+        assert res["passed"], res
+    else:
+        assert fs_f.shape == fs_t.shape and fs_f.dtype == fs_r.dtype
+        res = evaluate(Check("per-token states", fs_f, fs_t, fs_r, dtype=fs_f.dtype))
+        assert res["passed"], res
+        if pool is not None:
+            assert torch.equal(pool_f, pool)                    # read only
+
+
+def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
+    """beta None means ones (one per value head, GVA included); vLLM's chunk order (head_first 10th) is fast's op."""
+    q, k, v, g, beta, h0 = gdn_inputs(1, 12, 1, 2, 16, 16, seed=3, dtype=torch.float32, device=DEV, init=True, N=2)
+    cu = _t([0, 5, 12])
+    idx = _t([1, 4])
+    a = FV.fused_recurrent_gated_delta_rule(q, k, v, g, None, None, _pool(2, 16, 16, torch.float32), True, cu, idx)
+    b = FV.fused_recurrent_gated_delta_rule(q, k, v, g, torch.ones_like(beta), None, _pool(2, 16, 16, torch.float32),
+                                            True, cu, idx)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    want = fast.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, cu, True)
+    got = FV.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, cu, False, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = RV.chunk_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu, False, True)
+    assert ref[0].dtype == torch.float64 and ref[1].shape == want[1].shape
+
+
+def test_keys_equal_the_launches():
+    """fast.keys.vllm_fla predicts the kernel each layout launches (traced_ops raises on a mismatch)."""
+    from fast import keys as fk
+    from refgdn.capture import KeyLog, recording, traced_ops
+    F = traced_ops(FV, keys=fk.vllm_fla)
+    log = KeyLog()
+    with recording(log):
+        for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0], LAYOUTS[3].values[0], LAYOUTS[4].values[0]):
+            xs, pool, kw = _problem(p, torch.float32)
+            F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw)
+    writes = [dict(key.constexprs)["WRITE"] for key in log.launched]
+    assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * 4 and writes == [1, 2, 3, 3]
+
+
+def _decode_call(T=6):
+    q, k, v, g, beta = gdn_inputs(1, T, 1, 2, 16, 16, seed=2, dtype=torch.float32, device=DEV)
+    return [q, k, v, g, beta], dict(cu_seqlens=_t([0, 3, T]), ssm_state_indices=_t([[0, 1, 2], [3, 4, 5]]),
+                                    num_accepted_tokens=_t([1, 2]))
+
+
+BAD = [
+    pytest.param(lambda xs, kw: kw.update(retrieve_parent_token=_t([[0, 0, 1]] * 2)), "retrieve_parent_token",
+                 id="tree-drafts"),
+    pytest.param(lambda xs, kw: xs.__setitem__(4, xs[4][..., None].expand(*xs[4].shape, 16)), "head-wise beta",
+                 id="headwise-beta"),
+    pytest.param(lambda xs, kw: kw.update(ssm_state_indices=_t([0, 1, 2])), "ssm_state_indices must be [N]",
+                 id="indices-wrong-N"),
+    pytest.param(lambda xs, kw: kw.update(ssm_state_indices=kw["ssm_state_indices"].float()), "int32 or int64",
+                 id="indices-float"),
+    pytest.param(lambda xs, kw: kw.update(num_accepted_tokens=_t([1, 2, 3])), "num_accepted_tokens must have shape",
+                 id="accepted-wrong-N"),
+    pytest.param(lambda xs, kw: kw.update(ssm_state_indices=_t([0, 3])), "needs ssm_state_indices [N, L]",
+                 id="accepted-with-1d-indices"),
+    pytest.param(lambda xs, kw: kw.update(initial_state="pool"), "initial_state must be a torch.Tensor",
+                 id="pool-not-a-tensor"),
+    pytest.param(lambda xs, kw: kw.update(initial_state=torch.zeros(S, 2, 16, 8, device=DEV)),
+                 "slot pool [S, HV, K, V]", id="pool-wrong-V"),
+    pytest.param(lambda xs, kw: kw.update(inplace_final_state=1), "inplace_final_state must be a bool",
+                 id="inplace-not-bool"),
+    pytest.param(lambda xs, kw: xs.__setitem__(3, xs[3][:, :, :1]), "g must have shape", id="g-wrong-HV"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", BAD)
+def test_bad_inputs_raise_before_any_write(pkg, bad, words):
+    xs, kw = _decode_call()
+    pool = _pool(2, 16, 16, torch.float32)
+    kw["initial_state"] = pool
+    bad(xs, kw)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        pkg.fused_recurrent_gated_delta_rule(*xs, **kw)
+    assert torch.equal(pool, before)
+    with pytest.raises(ValueError, match="pass initial_state"):       # inplace needs somewhere to write
+        pkg.fused_recurrent_gated_delta_rule(*_decode_call()[0], cu_seqlens=_t([0, 3, 6]))
+
+
+BAD_VALUES = [
+    pytest.param(dict(ssm_state_indices=[[0, 1, 2], [3, 4, S]]), r"ssm_state_indices\[1, 2\] = 9 is out of range",
+                 id="slot-past-the-pool"),
+    pytest.param(dict(num_accepted_tokens=[0, 1]), r"num_accepted_tokens\[0\] = 0 must be in \[1, L = 3\]",
+                 id="accepted-zero"),
+    pytest.param(dict(num_accepted_tokens=[1, 4]), r"num_accepted_tokens\[1\] = 4", id="accepted-past-L"),
+    pytest.param(dict(ssm_state_indices=[[0, 1, 2], [3, 1, 5]]), "slot 1 is written by sequences 0 and 1",
+                 id="two-sequences-write-one-slot"),
+    pytest.param(dict(ssm_state_indices=[[0, 1, 2], [3, 4, 5]], num_accepted_tokens=[1, 1],
+                      cu_seqlens=[0, 2, 6]), "has 4 tokens but", id="more-tokens-than-slots"),
+    pytest.param(dict(T=4, cu_seqlens=[0, 2, 4], ssm_state_indices=[[0, 1, 7], [3, 7, 5]], num_accepted_tokens=[3, 1]),
+                 "slot 7 is read by sequence 0 and written by sequence 1", id="read-while-another-writes"),
+]
+
+
+@pytest.mark.parametrize("bad,words", BAD_VALUES)
+def test_bad_slot_values(bad, words):
+    """refgdn always checks the slot values; fast with check_values=True (the same words); both before any write."""
+    bad = dict(bad)
+    xs, kw = _decode_call(bad.pop("T", 6))
+    for name, val in bad.items():
+        kw[name] = _t(val)
+    for pkg, extra in ((RV, {}), (FV, dict(check_values=True))):
+        pool = _pool(2, 16, 16, torch.float32)
+        before = pool.clone()
+        with pytest.raises(ValueError, match=words):
+            pkg.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw, **extra)
+        assert torch.equal(pool, before)
+
+
+def test_fast_is_memory_safe_on_unchecked_values():
+    """Without check_values the kernel never reads or writes outside the pool: a read slot past it pads its
+    sequence (zeros, nothing written), a write slot past it is skipped, an accepted count past L is clamped."""
+    xs, kw = _decode_call()
+    pool = _pool(2, 16, 16, torch.float32)
+    kw.update(ssm_state_indices=_t([[S + 3, 1, 2], [3, S, 5]]), num_accepted_tokens=_t([1, 7]))
+    o, fs, after = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    assert torch.equal(o[0, :3], torch.zeros_like(o[0, :3]))               # sequence 0 padded: read slot past S
+    assert o[0, 3:].abs().max() > 0                                        # sequence 1 starts from slot 5 (L = 3)
+    ref_kw = dict(kw, ssm_state_indices=_t([[-1, 1, 2], [3, -1, 5]]), num_accepted_tokens=_t([1, 3]))
+    o_r, _, after_r = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, ref_kw)
+    torch.testing.assert_close(o, o_r)
+    assert torch.equal(after[[0, 1, 2, 4, 6, 7, 8]], pool[[0, 1, 2, 4, 6, 7, 8]])
+
+
+def test_twins_have_one_signature():
+    import inspect
+    for name in RV.__all__:
+        assert inspect.signature(getattr(FV, name)) == inspect.signature(getattr(RV, name)), name
