@@ -22,7 +22,8 @@ import time
 import traceback
 from typing import Iterable, Optional
 
-CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad", "conformance.cases_model")
+CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad",
+                "conformance.cases_model", "conformance.cases_vllm")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 

@@ -14,6 +14,7 @@ import fast
 import fast.vllm_fla as FV
 import refgdn
 import refgdn.vllm_fla as RV
+from conformance.cases_vllm import checks, families, padded_tokens as _padded_tokens, problem, run as _run
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
@@ -31,71 +32,11 @@ def _t(x, dtype=I32):
     return torch.tensor(x, dtype=dtype, device=DEV)
 
 
-# layouts: (B, T, H, HV, K, V, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace, pool?, extra kwargs)
-LAYOUTS = [
-    pytest.param(dict(B=4, T=1, idx=[5, -1, 2, 0]), id="decode-idx1d-padded-row"),
-    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [3, 4, -1], [6, 7, 8]], acc=[2, 1, 3]),
-                 id="spec-idx2d-accepted-negative-write"),
-    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [-1, 4, 5], [6, 7, 8]], acc=[3, 1, 1]),
-                 id="spec-idx2d-padded-row"),
-    pytest.param(dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[0, 1, 2], [3, 4, 5], [6, 7, 8]], acc=[1, 2, 3],
-                      inplace=False), id="spec-idx2d-not-inplace"),
-    pytest.param(dict(B=1, T=8, cu=[0, 3, 3, 8], pool=False, inplace=False), id="varlen-empty-seq-no-state"),
-    pytest.param(dict(B=2, T=3, pool="per-seq"), id="dense-per-sequence-state-inplace"),
-    pytest.param(dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], H=2, HV=4, K=32, V=24, l2=True,
-                      strided=True, scale=0.3), id="gva-l2norm-strided-odd-V-idx2d"),
-    pytest.param(dict(B=3, T=1, idx=[4, 1, 7], pool_dtype=torch.bfloat16), id="decode-bf16-pool"),
-]
+LAYOUTS = [pytest.param(p, id=name) for name, p in families(quick=True, device=DEV).items()]
 
 
-def _problem(p, dtype, seed=0):
-    """Inputs rounded to dtype (g, beta float32), the pool, and the call's keywords; plus the float64 copies."""
-    B, T = p["B"], p["T"]
-    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
-    xs = gdn_inputs(B, T, H, HV, K, V, seed=seed)
-    low = [x.to(dtype) for x in xs[:3]] + [x.float() for x in xs[3:]]
-    low = [x.to(DEV) for x in low]
-    if p.get("strided"):        # q, k, v as slices of wider buffers (vLLM splits one projection)
-        low[:3] = [torch.cat([x, torch.zeros_like(x[..., :3])], -1)[..., :x.shape[-1]] for x in low[:3]]
-        assert not low[0].is_contiguous()
-    pool_kind = p.get("pool", True)
-    N = B if p.get("cu") is None else len(p["cu"]) - 1
-    if pool_kind == "per-seq":
-        pool = (0.5 * torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(7))).to(DEV)
-    elif pool_kind:
-        pool = _pool(HV, K, V, p.get("pool_dtype", torch.float32))
-    else:
-        pool = None
-    kw = dict(inplace_final_state=p.get("inplace", True), use_qk_l2norm_in_kernel=p.get("l2", False),
-              scale=p.get("scale"))
-    if p.get("cu") is not None:
-        kw["cu_seqlens"] = _t(p["cu"])
-    if p.get("idx") is not None:
-        kw["ssm_state_indices"] = _t(p["idx"])
-    if p.get("acc") is not None:
-        kw["num_accepted_tokens"] = _t(p["acc"])
-    return low, pool, kw
-
-
-def _run(op, xs, pool, kw):
-    """op on xs with a fresh copy of the pool -> (o, final_state, the pool after)."""
-    pool = None if pool is None else pool.clone()
-    o, fs = op(*xs, initial_state=pool, **kw)
-    return o, fs, pool
-
-
-def _padded_tokens(p):
-    """Token indices (flattened [B * T]) of padded sequences (their read slot is negative)."""
-    if p.get("idx") is None:
-        return []
-    cu = p.get("cu") or [n * p["T"] for n in range(p["B"] + 1)]
-    out = []
-    for n, row in enumerate(p["idx"]):
-        row = row if isinstance(row, list) else [row]
-        col = p["acc"][n] - 1 if p.get("acc") else 0
-        if row[col] < 0:
-            out += list(range(cu[n], cu[n + 1]))
-    return out
+def _problem(p, dtype):
+    return problem(p, dtype, DEV)
 
 
 @pytest.mark.parametrize("p", LAYOUTS)
@@ -145,32 +86,17 @@ def test_refgdn_equals_the_time_loop_over_gathered_states(p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("p", LAYOUTS)
 def test_fast_against_refgdn_by_the_rule(p, dtype):
-    """fast vs refgdn in dtype, both against refgdn float64 on the same rounded inputs: outputs and written states by
-    the conformance rule; untouched slots and padded sequences' outputs exact."""
+    """fast vs refgdn in dtype, both against refgdn float64 on the same rounded inputs (conformance.cases_vllm.checks):
+    outputs and written states by the conformance rule; untouched slots and padded sequences' outputs exact; and the
+    returned state is the pool itself when written in place."""
+    for c in checks(p, dtype, DEV, seed=0):
+        res = evaluate(c)
+        assert res["passed"], (c.name, res)
     xs, pool, kw = _problem(p, dtype)
-    o_f, fs_f, pool_f = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, check_values=True))
-    o_r, fs_r, pool_r = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
-    hi = [x.double() for x in xs]
-    o_t, fs_t, pool_t = _run(RV.fused_recurrent_gated_delta_rule, hi, None if pool is None else pool.double(), kw)
-    assert o_f.dtype == xs[2].dtype and o_f.shape == o_t.shape
-    res = evaluate(Check("o", o_f, o_t, o_r))
-    assert res["passed"], res
-    pad = _padded_tokens(p)
-    flat = o_f.reshape(-1, *o_f.shape[2:])
-    assert torch.equal(flat[pad], torch.zeros_like(flat[pad]))
-    if kw["inplace_final_state"]:
-        assert fs_f is pool_f and fs_f.dtype == pool.dtype
-        moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
-        still = [s for s in range(pool.shape[0]) if s not in moved]
-        assert torch.equal(pool_f[still], pool[still])            # untouched slots: bit for bit
-        res = evaluate(Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype))
-        assert res["passed"], res
-    else:
-        assert fs_f.shape == fs_t.shape and fs_f.dtype == fs_r.dtype
-        res = evaluate(Check("per-token states", fs_f, fs_t, fs_r, dtype=fs_f.dtype))
-        assert res["passed"], res
-        if pool is not None:
-            assert torch.equal(pool_f, pool)                    # read only
+    o, fs, after = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    assert o.dtype == xs[2].dtype and o.shape == xs[2].shape
+    HV, K, V = xs[2].shape[2], xs[0].shape[3], xs[2].shape[3]
+    assert fs is after if kw["inplace_final_state"] else fs.shape == (p["B"] * p["T"], HV, K, V)
 
 
 def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
