@@ -190,20 +190,29 @@ def _by_keyword(fn: Callable) -> Callable:
     return call
 
 
-def fla_fn(p, fla) -> tuple:
-    """fla's fused recurrent op on the same step (q, k, v, g, beta precomputed). Returns (fn, bytes, note)."""
+def step_inputs(p) -> tuple:
+    """The step's q, k [1, T, H, K], v [1, T, HV, V], g, beta [1, T, HV] (contiguous): the conv's inputs taken as its
+    outputs (no conv), the gating applied (refgdn.gdn_gating), as a recurrent op without conv and gating takes them."""
     from einops import rearrange
 
     import refgdn
 
     h, hv, kd, vd, w = p["shape"]
-    N, k = p["N"], p["k"]
-    fn = fla.fused_recurrent_gated_delta_rule
     q = rearrange(p["x"][:, :h * kd], "t (h d) -> 1 t h d", h=h).contiguous()
     kk = rearrange(p["x"][:, h * kd:2 * h * kd], "t (h d) -> 1 t h d", h=h).contiguous()
     v = rearrange(p["x"][:, 2 * h * kd:], "t (h d) -> 1 t h d", h=hv).contiguous()
     g, beta = refgdn.gdn_gating(p["A_log"], p["a"], p["dt_bias"], p["b"])
-    g, beta = g[None].contiguous(), beta[None].contiguous()
+    return q, kk, v, g[None].contiguous(), beta[None].contiguous()
+
+
+def fla_fn(p, fla) -> tuple:
+    """fla's fused recurrent op on the same step (q, k, v, g, beta precomputed). Returns (fn, bytes, note)."""
+    from einops import rearrange
+
+    h, hv, kd, vd, w = p["shape"]
+    N, k = p["N"], p["k"]
+    fn = fla.fused_recurrent_gated_delta_rule
+    q, kk, v, g, beta = step_inputs(p)
     state = p["cache"].ssm_state
     params = inspect.signature(fn).parameters
     kw = dict(use_qk_l2norm_in_kernel=True)

@@ -1,0 +1,91 @@
+"""vLLM's serving recurrent op (fast.vllm_fla.fused_recurrent_gated_delta_rule) on a GPU, beside fla's recurrent op.
+
+Shape: Qwen3-Next's (H = 16, HV = 32, K = V = 128), bf16 q / k / v, float32 g, beta and state, l2norm in the kernel,
+the state in a slot pool [S, HV, K, V] float32 (slots picked by a random permutation, as a server's would be).
+Rows, per layer of one CUDA graph of 32 layers' calls (each layer its own pool: a layer's state has left L2 by its
+next call, as in a model's decode graph; benchmarks.bench_graphs.per_layer_us):
+
+  - decode (k = 0): N requests of one token, ssm_state_indices [N], read and written in place;
+  - speculative verification (k drafts): N requests of 1 + k tokens (cu_seqlens), ssm_state_indices [N, 1 + k]
+    (one slot per token's state, vLLM's checkpoints), num_accepted_tokens picking the slot each request starts from;
+  - fla 0.6.0's fused_recurrent_gated_delta_rule on the same tokens (benchmarks.bench_decode.fla_fn: its initial
+    states gathered from the pool beforehand, the final state written to a new float32 tensor: fla 0.6.0 has no slot
+    indices, and per-token states only as a new tensor).
+
+    bytes = 4 * HV * K * V * N * (1 + writes)     writes = 1 (decode), 1 + k (one state per token)
+
+GB/s = bytes / time; "of copy" = that over the measured device copy bandwidth (read + write of 1 GiB buffers).
+
+Run: python -m benchmarks.bench_vllm [--no-results]
+"""
+from __future__ import annotations
+
+import torch
+
+from benchmarks import common
+from benchmarks.bench_decode import H, HV, K, V, fla_fn, make_problem, step_inputs
+from benchmarks.bench_graphs import per_layer_us
+
+TITLE = "vLLM's serving recurrent op: fast.vllm_fla vs fla (per layer of a 32-layer graph)"
+META = {"op": "fast.vllm_fla.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, bf16 q/k/v, fp32 g/beta/state, "
+              "l2norm in the kernel",
+        "us": "do_bench median of a 32-layer graph's replay / 32",
+        "bytes": "4 HV K V N (1 + writes): writes 1 (decode) or 1 + k (a state per token)"}
+CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
+
+
+def fast_call(N: int, k: int, seed: int = 0):
+    """One layer's call on its own pool (N * (2 + k) slots, random contents): a callable."""
+    import fast.vllm_fla as FV
+    p = make_problem(N, k, torch.float32, "cuda", seed=seed)
+    q, kk, v, g, beta = step_inputs(p)
+    gen = torch.Generator().manual_seed(seed)
+    slots = N * (2 + k)
+    pool = (0.1 * torch.randn(slots, HV, K, V, generator=gen)).cuda()
+    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
+    kw = dict(initial_state=pool, cu_seqlens=p["cu"], use_qk_l2norm_in_kernel=True)
+    if k == 0:
+        kw["ssm_state_indices"] = perm[:N]
+    else:
+        kw["ssm_state_indices"] = perm[:N * (1 + k)].reshape(N, 1 + k)
+        kw["num_accepted_tokens"] = p["acc"]
+    return lambda: FV.fused_recurrent_gated_delta_rule(q, kk, v, g, beta, **kw)  # noqa: E731
+
+
+def state_bytes(N: int, k: int) -> int:
+    writes = 1 if k == 0 else 1 + k
+    return 4 * HV * K * V * N * (1 + writes)
+
+
+def rows(cases=CASES) -> list:
+    fla = common.try_import_fla()
+    copy = common.copy_bandwidth_gbs()
+    out = []
+    for N, k in cases:
+        us = per_layer_us(lambda i: fast_call(N, k, i))
+        gbs = state_bytes(N, k) / us / 1e3
+        out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fast.vllm_fla", us=us, GBps=gbs,
+                        of_copy=gbs / copy))
+        if fla is not None:
+            fus = per_layer_us(lambda i: fla_fn(make_problem(N, k, torch.float32, "cuda", seed=i), fla)[0])
+            out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fla fused_recurrent (gathered "
+                            "state in, fp32 final state out)", us=fus, vs_fast=fus / us))
+    return out
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    ns = ap.parse_args(argv)
+    if not common.gpu_available():
+        print("bench_vllm: needs a GPU")
+        return
+    r = rows()
+    print(common.format_table(r))
+    if not ns.no_results:
+        common.append_results(TITLE, r, meta=dict(META, copy_GBps=common.copy_bandwidth_gbs()))
+
+
+if __name__ == "__main__":
+    main()
