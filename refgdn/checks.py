@@ -518,9 +518,12 @@ def check_gating_inputs(A_log, a, dt_bias, b) -> None:
 # slot pool read and written in place, per-token slots for speculative decoding): refgdn.vllm_fla / fast.vllm_fla
 
 def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
-                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None) -> int:
+                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None,
+                                offset_values: bool = True) -> int:
     """Validate vLLM's fused_recurrent_gated_delta_rule arguments (shapes, dtypes, devices; beta already defaulted);
-    return N, the number of sequences. The slot values are checked by :func:`check_vllm_recurrent_values`.
+    return N, the number of sequences. The slot values are checked by :func:`vllm_recurrent_slots`, cu_seqlens'
+    values here unless offset_values is False (a host read: fast's op skips it unless asked, so it can be captured
+    in a CUDA graph, as vLLM's decode calls it).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; cu_seqlens: [N+1] with B == 1;
     ssm_state_indices None: initial_state [N, HV, K, V] or None; ssm_state_indices [N] or [N, L] int: initial_state
@@ -534,7 +537,7 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
                          "head-wise beta [B, T, HV, V] is not supported")
     if not isinstance(inplace_final_state, bool):
         raise ValueError(f"inplace_final_state must be a bool, got {inplace_final_state!r}")
-    N = check_gdn_inputs(q, k, v, g, beta, scale, None, cu_seqlens)
+    N = check_gdn_inputs(q, k, v, g, beta, scale, None, cu_seqlens, offset_values=offset_values)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device

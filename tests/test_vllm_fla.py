@@ -222,3 +222,57 @@ def test_twins_have_one_signature():
     import inspect
     for name in RV.__all__:
         assert inspect.signature(getattr(FV, name)) == inspect.signature(getattr(RV, name)), name
+
+
+@pytest.mark.parametrize("p", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
+def test_fast_reads_nothing_back_unless_asked(p):
+    """Without check_values the op reads no value to the host (vLLM calls it inside CUDA graphs: a read there is a
+    sync that capture forbids): refgdn.capture's host guards raise on any; with check_values they see the reads."""
+    from refgdn.capture import HostSyncInCapture, capture_guards
+    xs, pool, kw = _problem(p, torch.float32)
+    with capture_guards("vllm_fla", DEV):
+        _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("vllm_fla", DEV):
+            _run(FV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, check_values=True))
+
+
+def test_fast_clamps_unchecked_offsets():
+    """Offsets past T or decreasing (unchecked: no host read) never take the kernel outside q / o: each sequence's
+    range is clamped to [0, T] with bos <= eos; the same call with check_values=True raises."""
+    xs, kw = _decode_call()
+    pool = _pool(2, 16, 16, torch.float32)
+    kw.update(cu_seqlens=_t([0, 5, 40]), ssm_state_indices=_t([1, 4]))
+    kw.pop("num_accepted_tokens")
+    o, fs, after = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    o_r, fs_r, after_r = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, cu_seqlens=_t([0, 5, 6])))
+    torch.testing.assert_close(o, o_r)
+    torch.testing.assert_close(after, after_r)
+    with pytest.raises(ValueError, match="cu_seqlens must end at T=6"):
+        _run(FV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, check_values=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
+@pytest.mark.parametrize("p", [LAYOUTS[0], LAYOUTS[1]])
+def test_cuda_graph_replay_equals_eager(p):
+    """Captured once, replayed on new inputs copied into the static buffers: bit for bit the eager call's outputs and
+    pool, round after round (the pool carries over)."""
+    xs, pool, kw = _problem(p, torch.bfloat16)
+    static = [x.clone() for x in xs]
+    g_pool, e_pool = pool.clone(), pool.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FV.fused_recurrent_gated_delta_rule(*static, initial_state=g_pool.clone(), **kw)      # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, _ = FV.fused_recurrent_gated_delta_rule(*static, initial_state=g_pool, **kw)
+    for rnd in range(3):
+        new, _, _ = problem(p, torch.bfloat16, DEV, seed=10 + rnd)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        o_e, _ = FV.fused_recurrent_gated_delta_rule(*new, initial_state=e_pool, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(o_static, o_e) and torch.equal(g_pool, e_pool), rnd

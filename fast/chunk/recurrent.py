@@ -142,6 +142,9 @@ def recurrent_slots_kernel(
     i_n = i_nh // HV
     i_h = i_nh % HV
     i_b, bos, eos = _seq_coords(i_n, cu_seqlens, T, IS_VARLEN)
+    if IS_VARLEN:               # offsets unchecked on the host (graph capture): clamped to [0, T], bos <= eos
+        bos = tl.minimum(tl.maximum(bos, 0), T)
+        eos = tl.minimum(tl.maximum(eos, bos), T)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
