@@ -14,8 +14,7 @@ from refgdn.checks import check_vllm_recurrent_inputs, one_host_read, vllm_recur
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import (WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_config,
-                              recurrent_slots_kernel)
+from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_slots_kernel, slots_config
 from .utils import cdiv, next_pow2
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -88,7 +87,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         L = 1
     S = pool.shape[0] if pool is not None else 0
     ps = pool.stride() if pool is not None else (0, 0, 0, 0)
-    cfg = recurrent_config(K, V)
+    cfg = slots_config(K, V, N, write != WRITE_FINAL)
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
         q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, T, S, L, scale,

@@ -202,3 +202,16 @@ def recurrent_slots_kernel(
     if WRITE == 1:                                                       # WRITE_FINAL: where it was read from
         tl.store(hs + slot * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
                  b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, valid & (eos > bos)))
+
+
+def slots_config(K: int, V: int, N: int, per_token: bool) -> dict:
+    """recurrent_slots_kernel's pinned config: recurrent_config's (a [BK, BV] state block in one warp), but with a
+    store of every token's state (per_token) a wider block for N > 2 requests and a narrower one for fewer: per layer
+    of a 32-layer graph, H200, HV = 32, K = V = 128, fp32 state, 1 + 3 tokens (benchmarks.bench_vllm, RESULTS.md
+    2026-11-28): N = 1 BV 8 10.9 us vs 13.5 at BV 16; N = 8 BV 32 29.6 vs 36.9; N = 32 BV 32 110 vs 117. Decode (one
+    store at the end) is fastest at recurrent_config's BV 16 for N = 1, 8, 32. Pinned (no autotune: the kernel
+    writes the pool in place and runs inside CUDA graphs)."""
+    cfg = recurrent_config(K, V)
+    if per_token and not is_interpreting():
+        cfg["BV"] = min(next_pow2(V), 8 if N <= 2 else 32)
+    return cfg
