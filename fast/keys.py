@@ -557,7 +557,13 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
 
 
+def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> List[CompileKey]:
+    """Keys of fast.vllm_fla.fused_gdn_gating: gdn_gating's."""
+    return gdn_gating(A_log, a, dt_bias, b)
+
+
 class vllm_fla:
     """Keys of fast.vllm_fla's ops, under their names (refgdn.capture.traced_ops(fast.vllm_fla, keys=vllm_fla))."""
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
+    fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)

@@ -1,6 +1,6 @@
 """vLLM's vendored fla ops (``vllm.model_executor.layers.fla.ops``) in Triton: refgdn.vllm_fla's twins.
 
-``chunk_gated_delta_rule`` is fast's chunked forward in vLLM's argument order; ``fused_recurrent_gated_delta_rule``
+``chunk_gated_delta_rule`` is fast's chunked forward in vLLM's argument order, ``fused_gdn_gating`` fast's gating; ``fused_recurrent_gated_delta_rule``
 is vLLM's serving form of the recurrent op (states in a slot pool, per-token slots for speculative decoding), one
 Triton program per (V-block, sequence, value head) as the recurrent kernel (fast.chunk.recurrent.
 recurrent_slots_kernel). Semantics and arguments: refgdn.vllm_fla.
@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 
 import refgdn.vllm_fla as _ref
-from refgdn.checks import check_vllm_recurrent_inputs, one_host_read, vllm_recurrent_slots
+from refgdn.checks import (check_vllm_gating_arguments, check_vllm_recurrent_inputs, one_host_read,
+                           vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_slots_kernel, slots_config
+from .gating import gdn_gating as _gating
 from .utils import cdiv, next_pow2
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -97,3 +99,20 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=pool is not None, INDEXED=idx is not None,
         SPEC=num_accepted_tokens is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
     return o, hs
+
+
+def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):
+    """vLLM's fused_gdn_gating (its Qwen3-Next model file) in its argument order: fast.gdn_gating (one Triton kernel).
+
+    A_log: [HV]   a, b: [N, HV] (or [B, T, HV])   dt_bias: [HV]
+    -> (g [1, N, HV] float32, beta [1, N, HV] in b's dtype) ([B, T, HV] for 3-D inputs)
+
+        g = -exp(A_log) * softplus(a + dt_bias)      beta = sigmoid(b)
+
+    beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
+    """
+    check_vllm_gating_arguments(a, beta, threshold)
+    g, b_out = _gating(A_log, a, dt_bias, b)
+    if a.dim() == 2:
+        g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
+    return g, b_out

@@ -637,3 +637,16 @@ def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_acce
             if m != n:
                 raise ValueError(f"slot {s} is read by sequence {m} and written by sequence {n}")
     return out
+
+
+def check_vllm_gating_arguments(a, beta, threshold) -> None:
+    """vLLM's fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0): a is [N, HV] or [B, T, HV]; softplus'
+    beta and threshold only at the values every Qwen3-Next caller passes (this package's softplus is log(1 + e^x),
+    x itself above 20)."""
+    if isinstance(a, torch.Tensor) and a.dim() not in (2, 3):
+        raise ValueError(f"a must be [N, HV] or [B, T, HV] (vLLM's fused_gdn_gating), got {_shape(a)}")
+    if beta != 1.0:
+        raise ValueError(f"beta (softplus' sharpness) must be 1.0, got {beta!r}: other values are not supported")
+    if threshold != 20.0:
+        raise ValueError(f"threshold (softplus' linear cut-off) must be 20.0, got {threshold!r}: other values are not "
+                         "supported")

@@ -11,7 +11,7 @@ written in place,
                               vLLM's rollback by checkpoints).
 
 So ``from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule``
-becomes ``from refgdn.vllm_fla import ...`` (the oracle) or ``from fast.vllm_fla import ...`` (Triton). Both
+(and the gates, ``fused_gdn_gating``, which vLLM defines in its Qwen3-Next model file) becomes ``from refgdn.vllm_fla import ...`` (the oracle) or ``from fast.vllm_fla import ...`` (Triton). Both
 packages' functions have the same signatures; fast's checks the slot values on the device only as far as memory
 safety needs (``check_values=True`` checks them on the host, as this oracle always does).
 """
@@ -21,11 +21,13 @@ from typing import Optional
 
 import torch
 
-from .checks import check_vllm_recurrent_inputs, one_host_read, vllm_recurrent_slots
+from .checks import (check_vllm_gating_arguments, check_vllm_recurrent_inputs, one_host_read,
+                     vllm_recurrent_slots)
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
+from .gating import gdn_gating as _gating
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -113,3 +115,20 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         pool[slot].copy_(S.to(pool.dtype))
     o = o.reshape(B, T, HV, V)
     return o, (pool if inplace_final_state else per_token)
+
+
+def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):
+    """vLLM's fused_gdn_gating (its Qwen3-Next model file) in its argument order: refgdn.gdn_gating.
+
+    A_log: [HV]   a, b: [N, HV] (or [B, T, HV])   dt_bias: [HV]
+    -> (g [1, N, HV] float32, beta [1, N, HV] in b's dtype) ([B, T, HV] for 3-D inputs)
+
+        g = -exp(A_log) * softplus(a + dt_bias)      beta = sigmoid(b)
+
+    beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
+    """
+    check_vllm_gating_arguments(a, beta, threshold)
+    g, b_out = _gating(A_log, a, dt_bias, b)
+    if a.dim() == 2:
+        g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
+    return g, b_out

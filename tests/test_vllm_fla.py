@@ -116,7 +116,7 @@ def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
 
 
 def test_keys_equal_the_launches():
-    """fast.keys.vllm_fla predicts the kernel each layout launches (traced_ops raises on a mismatch)."""
+    """fast.keys.vllm_fla predicts the kernel each layout (and the gating) launches (traced_ops raises on a mismatch)."""
     from fast import keys as fk
     from refgdn.capture import KeyLog, recording, traced_ops
     F = traced_ops(FV, keys=fk.vllm_fla)
@@ -125,8 +125,11 @@ def test_keys_equal_the_launches():
         for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0], LAYOUTS[3].values[0], LAYOUTS[4].values[0]):
             xs, pool, kw = _problem(p, torch.float32)
             F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw)
-    writes = [dict(key.constexprs)["WRITE"] for key in log.launched]
-    assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * 4 and writes == [1, 2, 3, 3]
+        a = torch.randn(3, 2, device=DEV)
+        F.fused_gdn_gating(torch.rand(2, device=DEV), a, a, torch.randn(2, device=DEV))
+    writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:4]]
+    assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * 4 + ["gdn_gating_kernel"]
+    assert writes == [1, 2, 3, 3]
 
 
 def _decode_call(T=6):
@@ -276,3 +279,32 @@ def test_cuda_graph_replay_equals_eager(p):
         o_e, _ = FV.fused_recurrent_gated_delta_rule(*new, initial_state=e_pool, **kw)
         torch.cuda.synchronize()
         assert torch.equal(o_static, o_e) and torch.equal(g_pool, e_pool), rnd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [pytest.param((5, 6), id="N-HV"), pytest.param((2, 3, 4), id="B-T-HV")])
+def test_fused_gdn_gating_in_vllms_order(shape, dtype):
+    """vLLM's fused_gdn_gating(A_log, a, b, dt_bias): gdn_gating's values, [1, N, HV] for 2-D inputs; fast by the rule
+    against refgdn in float64 (a + dt_bias across softplus' threshold, b saturating sigmoid)."""
+    gen = torch.Generator().manual_seed(8)
+    HV = shape[-1]
+    a, b = (12 * torch.randn(2, *shape, generator=gen)).to(dtype).to(DEV)
+    A_log = torch.log(1 + 15 * torch.rand(HV, generator=gen)).to(DEV)
+    dt_bias = (4 * torch.randn(HV, generator=gen)).to(DEV)
+    want = (1, *shape) if len(shape) == 2 else shape
+    g_f, b_f = FV.fused_gdn_gating(A_log, a, b, dt_bias)
+    g_r, b_r = RV.fused_gdn_gating(A_log, a, b, dt_bias)
+    g_t, b_t = RV.fused_gdn_gating(A_log.double(), a.double(), b.double(), dt_bias.double())
+    assert g_f.shape == b_f.shape == want and g_f.dtype == torch.float32 and b_f.dtype == dtype
+    g0, b0 = fast.gdn_gating(A_log, a, dt_bias, b)
+    assert torch.equal(g_f.reshape(g0.shape), g0) and torch.equal(b_f.reshape(b0.shape), b0)
+    for name, f, t, r in (("g", g_f, g_t, g_r), ("beta", b_f, b_t, b_r)):
+        res = evaluate(Check(name, f, t, r))
+        assert res["passed"], (name, res)
+    for pkg in (RV, FV):
+        with pytest.raises(ValueError, match="beta .softplus' sharpness. must be 1.0"):
+            pkg.fused_gdn_gating(A_log, a, b, dt_bias, beta=2.0)
+        with pytest.raises(ValueError, match="threshold .softplus' linear cut-off. must be 20.0"):
+            pkg.fused_gdn_gating(A_log, a, b, dt_bias, threshold=30.0)
+        with pytest.raises(ValueError, match=r"a must be \[N, HV\] or \[B, T, HV\]"):
+            pkg.fused_gdn_gating(A_log, a.reshape(-1), b.reshape(-1), dt_bias)
