@@ -1,4 +1,4 @@
-"""vLLM's serving recurrent op (fast.vllm_fla.fused_recurrent_gated_delta_rule) on a GPU, beside fla's recurrent op.
+"""vLLM's serving recurrent op (fast.vllm_ops.fused_recurrent_gated_delta_rule) on a GPU, beside fla's recurrent op.
 
 Shape: Qwen3-Next's (H = 16, HV = 32, K = V = 128), bf16 q / k / v, float32 g, beta and state, l2norm in the kernel,
 the state in a slot pool [S, HV, K, V] float32 (slots picked by a random permutation, as a server's would be).
@@ -26,8 +26,8 @@ from benchmarks import common
 from benchmarks.bench_decode import H, HV, K, V, fla_fn, make_problem, step_inputs
 from benchmarks.bench_graphs import per_layer_us
 
-TITLE = "vLLM's serving recurrent op: fast.vllm_fla vs fla (per layer of a 32-layer graph)"
-META = {"op": "fast.vllm_fla.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, bf16 q/k/v, fp32 g/beta/state, "
+TITLE = "vLLM's serving recurrent op: fast.vllm_ops vs fla (per layer of a 32-layer graph)"
+META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, bf16 q/k/v, fp32 g/beta/state, "
               "l2norm in the kernel",
         "us": "do_bench median of a 32-layer graph's replay / 32",
         "bytes": "4 HV K V N (1 + writes): writes 1 (decode) or 1 + k (a state per token)"}
@@ -36,7 +36,7 @@ CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 
 def fast_call(N: int, k: int, seed: int = 0):
     """One layer's call on its own pool (N * (2 + k) slots, random contents): a callable."""
-    import fast.vllm_fla as FV
+    import fast.vllm_ops as FV
     p = make_problem(N, k, torch.float32, "cuda", seed=seed)
     q, kk, v, g, beta = step_inputs(p)
     gen = torch.Generator().manual_seed(seed)
@@ -64,7 +64,7 @@ def rows(cases=CASES) -> list:
     for N, k in cases:
         us = per_layer_us(lambda i: fast_call(N, k, i))
         gbs = state_bytes(N, k) / us / 1e3
-        out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fast.vllm_fla", us=us, GBps=gbs,
+        out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fast.vllm_ops", us=us, GBps=gbs,
                         of_copy=gbs / copy))
         if fla is not None:
             fus = per_layer_us(lambda i: fla_fn(make_problem(N, k, torch.float32, "cuda", seed=i), fla)[0])

@@ -1,5 +1,5 @@
-"""Conformance cases for vLLM's serving recurrent op (fast.vllm_fla.fused_recurrent_gated_delta_rule against
-refgdn.vllm_fla's): a slot pool read and written in place, per-token slots with num_accepted_tokens, padded
+"""Conformance cases for vLLM's serving recurrent op (fast.vllm_ops.fused_recurrent_gated_delta_rule against
+refgdn.vllm_ops's): a slot pool read and written in place, per-token slots with num_accepted_tokens, padded
 sequences, per-token states returned. Checked per case:
 
     o (every token)                                   tolerance (computed)
@@ -8,7 +8,7 @@ sequences, per-token states returned. Checked per case:
 
 The truth is refgdn's op in float64 on the same rounded inputs and a float64 copy of the pool; refgdn_p runs in
 the precision under test on the same pool dtype as fast (the rule in conformance.core). The problem builder is
-shared with tests/test_vllm_fla.py.
+shared with tests/test_vllm_ops.py.
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def padded_tokens(p: dict) -> List[int]:
 
 def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     """fast vs refgdn in dtype vs refgdn in float64 (module docstring)."""
-    import fast.vllm_fla as FV
-    import refgdn.vllm_fla as RV
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
     xs, pool, kw = problem(p, dtype, device, seed)
     o_f, fs_f, pool_f = run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
     o_r, fs_r, pool_r = run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
@@ -129,7 +129,7 @@ def families(quick: bool, device: str) -> dict:
 
 def cases(quick: bool, device: str) -> list:
     try:
-        import fast.vllm_fla  # noqa: F401
+        import fast.vllm_ops  # noqa: F401
     except ImportError:
         return []
     out = []

@@ -514,12 +514,12 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 
 
 # ----------------------------------------------------------------------------------------------
-# vLLM's vendored fla ops (fast.vllm_fla): traced_ops(fast.vllm_fla, keys=fast.keys.vllm_fla)
+# vLLM's vendored fla ops (fast.vllm_ops): traced_ops(fast.vllm_ops, keys=fast.keys.vllm_ops)
 # ----------------------------------------------------------------------------------------------
 
 def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                  cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False) -> List[CompileKey]:
-    """Keys of fast.vllm_fla.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes."""
+    """Keys of fast.vllm_ops.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes."""
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                   use_qk_l2norm_in_kernel, head_first=head_first)
 
@@ -528,7 +528,7 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
                                            inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
                                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, *,
                                            retrieve_parent_token=None, check_values=False) -> List[CompileKey]:
-    """Keys of fast.vllm_fla.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
+    """Keys of fast.vllm_ops.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
     from .chunk import recurrent as _rec
     beta_dt = q.dtype if beta is None else beta.dtype              # (None: ones in q's dtype)
     if _fp64(q, k, v, g, initial_state) or beta_dt == torch.float64:
@@ -558,12 +558,12 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
 
 
 def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> List[CompileKey]:
-    """Keys of fast.vllm_fla.fused_gdn_gating: gdn_gating's."""
+    """Keys of fast.vllm_ops.fused_gdn_gating: gdn_gating's."""
     return gdn_gating(A_log, a, dt_bias, b)
 
 
-class vllm_fla:
-    """Keys of fast.vllm_fla's ops, under their names (refgdn.capture.traced_ops(fast.vllm_fla, keys=vllm_fla))."""
+class vllm_ops:
+    """Keys of fast.vllm_ops's ops, under their names (refgdn.capture.traced_ops(fast.vllm_ops, keys=vllm_ops))."""
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)

@@ -428,7 +428,7 @@ def traced_ops(ops, keys=None, names: Optional[Iterable[str]] = None):
     names and signatures (default ``fast.keys``). Each call reports the keys ``keys.<name>(...)``
     predicts (the variants fast would compile for these arguments) to the active recorders, then runs
     the op with the recorders' per-kernel hooks suspended (the call is opaque, like a kernel: host
-    reads inside a refgdn op are its own business). With ``ops = fast`` (or fast.vllm_fla) the Triton launches inside are
+    reads inside a refgdn op are its own business). With ``ops = fast`` (or fast.vllm_ops) the Triton launches inside are
     still checked against the prediction (a mismatch raises AssertionError: fast.keys is stale).
     Non-callable attributes (GDNStateCache, ...) pass through unchanged.
     """
@@ -449,7 +449,7 @@ def traced_ops(ops, keys=None, names: Optional[Iterable[str]] = None):
 
 
 def _traced(fn, kfn, name, ops):
-    check_real = getattr(ops, "__name__", "").split(".")[0] == "fast"     # fast, fast.vllm_fla
+    check_real = getattr(ops, "__name__", "").split(".")[0] == "fast"     # fast, fast.vllm_ops
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

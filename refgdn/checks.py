@@ -515,7 +515,7 @@ def check_gating_inputs(A_log, a, dt_bias, b) -> None:
 
 
 # vLLM's serving form of the recurrent op (vllm.model_executor.layers.fla.ops.fused_recurrent_gated_delta_rule: a
-# slot pool read and written in place, per-token slots for speculative decoding): refgdn.vllm_fla / fast.vllm_fla
+# slot pool read and written in place, per-token slots for speculative decoding): refgdn.vllm_ops / fast.vllm_ops
 
 def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
                                 ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None,

@@ -125,7 +125,7 @@ def recurrent_slots_kernel(
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
-    ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_fla.fused_recurrent_gated_delta_rule):
+    ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 

@@ -1,4 +1,4 @@
-"""vLLM's vendored fla ops (refgdn.vllm_fla, fast.vllm_fla): the serving form of the recurrent op, whose states live in
+"""The ops vLLM calls (refgdn.vllm_ops, fast.vllm_ops): the serving form of the recurrent op, whose states live in
 a slot pool read and written in place (ssm_state_indices [N] or [N, L], num_accepted_tokens), and the chunk op in
 vLLM's argument order.
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fast
-import fast.vllm_fla as FV
+import fast.vllm_ops as FV
 import refgdn
-import refgdn.vllm_fla as RV
+import refgdn.vllm_ops as RV
 from conformance.cases_vllm import checks, families, padded_tokens as _padded_tokens, problem, run as _run
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
@@ -116,10 +116,10 @@ def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
 
 
 def test_keys_equal_the_launches():
-    """fast.keys.vllm_fla predicts the kernel each layout (and the gating) launches (traced_ops raises on a mismatch)."""
+    """fast.keys.vllm_ops predicts the kernel each layout (and the gating) launches (traced_ops raises on a mismatch)."""
     from fast import keys as fk
     from refgdn.capture import KeyLog, recording, traced_ops
-    F = traced_ops(FV, keys=fk.vllm_fla)
+    F = traced_ops(FV, keys=fk.vllm_ops)
     log = KeyLog()
     with recording(log):
         for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0], LAYOUTS[3].values[0], LAYOUTS[4].values[0]):
@@ -233,10 +233,10 @@ def test_fast_reads_nothing_back_unless_asked(p):
     sync that capture forbids): refgdn.capture's host guards raise on any; with check_values they see the reads."""
     from refgdn.capture import HostSyncInCapture, capture_guards
     xs, pool, kw = _problem(p, torch.float32)
-    with capture_guards("vllm_fla", DEV):
+    with capture_guards("vllm_ops", DEV):
         _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
     with pytest.raises(HostSyncInCapture):
-        with capture_guards("vllm_fla", DEV):
+        with capture_guards("vllm_ops", DEV):
             _run(FV.fused_recurrent_gated_delta_rule, xs, pool, dict(kw, check_values=True))
 
 

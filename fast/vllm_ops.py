@@ -1,15 +1,15 @@
-"""vLLM's vendored fla ops (``vllm.model_executor.layers.fla.ops``) in Triton: refgdn.vllm_fla's twins.
+"""The ops vLLM's Qwen3-Next GDN layer calls, in Triton: refgdn.vllm_ops's twins (semantics and arguments there).
 
-``chunk_gated_delta_rule`` is fast's chunked forward in vLLM's argument order, ``fused_gdn_gating`` fast's gating; ``fused_recurrent_gated_delta_rule``
-is vLLM's serving form of the recurrent op (states in a slot pool, per-token slots for speculative decoding), one
-Triton program per (V-block, sequence, value head) as the recurrent kernel (fast.chunk.recurrent.
-recurrent_slots_kernel). Semantics and arguments: refgdn.vllm_fla.
+``chunk_gated_delta_rule``: fast's chunked forward in vLLM's argument order. ``fused_gdn_gating``: fast's gating.
+``fused_recurrent_gated_delta_rule``: vLLM's serving form of the recurrent op (states in a slot pool, per-token slots
+for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent kernel
+(fast.chunk.recurrent.recurrent_slots_kernel).
 """
 from __future__ import annotations
 
 import torch
 
-import refgdn.vllm_fla as _ref
+import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_gating_arguments, check_vllm_recurrent_inputs, one_host_read,
                            vllm_recurrent_slots)
 
@@ -38,7 +38,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
                                      inplace_final_state: bool = True, cu_seqlens=None, ssm_state_indices=None,
                                      num_accepted_tokens=None, use_qk_l2norm_in_kernel: bool = False, *,
                                      retrieve_parent_token=None, check_values: bool = False):
-    """vLLM's serving recurrent op (refgdn.vllm_fla.fused_recurrent_gated_delta_rule's twin, same semantics).
+    """vLLM's serving recurrent op (refgdn.vllm_ops.fused_recurrent_gated_delta_rule's twin, same semantics).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] (beta None: ones)   cu_seqlens: [N+1], B == 1
     ssm_state_indices: None, [N] or [N, L] int; initial_state: the pool [S, HV, K, V] (any strides) with indices,

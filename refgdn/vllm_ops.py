@@ -1,19 +1,19 @@
-"""vLLM's vendored fla ops (``vllm.model_executor.layers.fla.ops``) under their names and argument orders.
+"""The ops vLLM's Qwen3-Next GDN layer calls, under vLLM's names and argument orders.
 
-vLLM's Qwen3-Next layer calls two ops of its copy of fla: ``chunk_gated_delta_rule`` for prefills (fla's op, its
-arguments in vLLM's order) and ``fused_recurrent_gated_delta_rule`` for decode and speculative verification, a
-serving form of the recurrent op that fla 0.6.0 does not have: the state lives in a pool of slots read and
-written in place,
+From its vendored fla (``vllm.model_executor.layers.fla.ops``): ``chunk_gated_delta_rule`` for prefills (fla's op,
+its arguments in vLLM's order) and ``fused_recurrent_gated_delta_rule`` for decode and speculative verification, a
+serving form of the recurrent op that fla 0.6.0 does not have: the state lives in a pool of slots read and written
+in place,
 
     ssm_state_indices [N]     one slot per request: read at the start, the final state written back;
     ssm_state_indices [N, L]  one slot per token: the state after token t goes to slot [n, t], and the request
                               starts from slot [n, num_accepted_tokens[n] - 1] (the last accepted draft's state:
                               vLLM's rollback by checkpoints).
 
-So ``from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule``
-(and the gates, ``fused_gdn_gating``, which vLLM defines in its Qwen3-Next model file) becomes ``from refgdn.vllm_fla import ...`` (the oracle) or ``from fast.vllm_fla import ...`` (Triton). Both
-packages' functions have the same signatures; fast's checks the slot values on the device only as far as memory
-safety needs (``check_values=True`` checks them on the host, as this oracle always does).
+From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). So vLLM's imports of these names become
+``from refgdn.vllm_ops import ...`` (the oracle) or ``from fast.vllm_ops import ...`` (Triton). Both packages'
+functions have the same signatures; fast's checks the slot values on the device only as far as memory safety needs
+(``check_values=True`` checks them on the host, as this oracle always does).
 """
 from __future__ import annotations
 
