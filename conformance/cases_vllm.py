@@ -1,14 +1,19 @@
-"""Conformance cases for vLLM's serving recurrent op (fast.vllm_ops.fused_recurrent_gated_delta_rule against
-refgdn.vllm_ops's): a slot pool read and written in place, per-token slots with num_accepted_tokens, padded
-sequences, per-token states returned. Checked per case:
+"""Conformance cases for the ops vLLM calls (fast.vllm_ops against refgdn.vllm_ops).
+
+The serving recurrent op (fused_recurrent_gated_delta_rule): a slot pool read and written in place, per-token slots
+with num_accepted_tokens, padded sequences, per-token states returned. Checked per case:
 
     o (every token)                                   tolerance (computed)
     written slots / per-token states                  tolerance (computed), in the pool's dtype
     untouched slots, padded sequences' outputs        exact
 
 The truth is refgdn's op in float64 on the same rounded inputs and a float64 copy of the pool; refgdn_p runs in
-the precision under test on the same pool dtype as fast (the rule in conformance.core). The problem builder is
-shared with tests/test_vllm_ops.py.
+the precision under test on the same pool dtype as fast (the rule in conformance.core).
+
+The conv (causal_conv1d_update in vLLM's form: rows picked by conv_state_indices, drafts kept for the next call's
+window at num_accepted_tokens - 1): y by the rule; the new conv_state rows exactly refgdn's in the same precision
+(they are copies of inputs); untouched rows and padded requests' outputs exact. The problem builders are shared
+with tests/test_vllm_ops.py.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from .cases_prefill import dtypes_for, seed_of
 from .core import DTYPE_NAMES, Case, Check
 
 OP = "vllm_fused_recurrent_gated_delta_rule"
+CONV_OP = "vllm_causal_conv1d_update"
 
 
 def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
@@ -127,6 +133,88 @@ def families(quick: bool, device: str) -> dict:
     return out
 
 
+def conv_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """(x, conv_state, weight, bias, kwargs) of one conv call: x in dtype, conv_state [S, D, C] in p["state_dtype"]
+    (dtype), weight [D, W] and bias [D] in dtype (bias None with p["bias"] False).
+
+    p: D, W (4), S (slots, 6), C (columns, W - 1); B with L (x [B, D] when L is None, else [B, D, L]) or qsl
+    (offsets: x [T, D]); idx, acc (lists) or None; act ("silu"; None, or True / False as vLLM's bool)."""
+    gen = torch.Generator().manual_seed(seed)
+    D, W = p["D"], p.get("W", 4)
+    C = p.get("C", W - 1)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    if p.get("qsl") is not None:
+        x = r(p["qsl"][-1], D)
+    elif p.get("L") is None:
+        x = r(p["B"], D)
+    else:
+        x = r(p["B"], D, p["L"])
+    x = x.to(dtype).to(device)
+    state = r(p.get("S", 6), D, C).to(p.get("state_dtype", dtype)).to(device)
+    weight = (r(D, W) / W ** 0.5).to(dtype).to(device)
+    bias = (0.1 * r(D)).to(dtype).to(device) if p.get("bias", True) else None
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    kw = dict(activation=p.get("act", "silu"))
+    for key, name in (("idx", "conv_state_indices"), ("acc", "num_accepted_tokens"), ("qsl", "query_start_loc")):
+        if p.get(key) is not None:
+            kw[name] = i32(p[key])
+    if p.get("qsl") is not None:
+        kw["max_query_len"] = max(b - a for a, b in zip(p["qsl"], p["qsl"][1:]))
+    return x, state, weight, bias, kw
+
+
+def conv_padded(p: dict) -> torch.Tensor:
+    """A bool mask over x's request axis (dim 0, or the packed tokens with qsl) of padded requests' entries."""
+    idx = p.get("idx")
+    if idx is None:
+        return torch.zeros(p["B"] if p.get("qsl") is None else p["qsl"][-1], dtype=torch.bool)
+    if p.get("qsl") is None:
+        return torch.tensor([s < 0 for s in idx])
+    out = torch.zeros(p["qsl"][-1], dtype=torch.bool)
+    for b, s in enumerate(idx):
+        if s < 0:
+            out[p["qsl"][b]:p["qsl"][b + 1]] = True
+    return out
+
+
+def conv_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
+    from fast.utils import interpreter_bf16_round_to_nearest
+    x, state, w, b, kw = conv_problem(p, dtype, device, seed)
+    s_f, s_r, s_t = state.clone(), state.clone(), state.double()
+    # a bf16 state under wider x: x's rounding to it happens in the kernel, which the interpreter truncates unless
+    # told to round as a GPU does (conformance.core.Case.checks does that for bf16 cases only)
+    with interpreter_bf16_round_to_nearest():
+        y_f = FV.causal_conv1d_update(x, s_f, w, b, **kw)
+    y_r = RV.causal_conv1d_update(x, s_r, w, b, **kw)
+    y_t = RV.causal_conv1d_update(x.double(), s_t, w.double(), None if b is None else b.double(), **kw)
+    pad = conv_padded(p).to(device)
+    moved = [i for i in range(state.shape[0]) if not torch.equal(s_r[i], state[i])]
+    still = [i for i in range(state.shape[0]) if i not in moved]
+    return [Check("y", y_f, y_t, y_r), Check("padded outputs", y_f[pad], torch.zeros_like(y_f[pad]), exact=True),
+            Check("new conv_state rows", s_f[moved], s_r[moved], exact=True),
+            Check("untouched rows", s_f[still], state[still], exact=True)]
+
+
+def conv_families(quick: bool, device: str) -> dict:
+    """Decode (x [B, D], rows by index, a padded request), x [B, D, 1] without indices, speculative verification
+    (varlen and [B, D, L], drafts kept, windows from num_accepted_tokens - 1), a non-speculative varlen call with a
+    zero-length request, a bf16 state under float32 x (x rounded first), width 2 without bias or activation.
+    Quick: D = 40; full: Qwen3-Next's D = 8192."""
+    D = 40 if quick else 8192
+    k = 3
+    return {
+        "decode-idx-padded": dict(D=D, B=4, idx=[3, -1, 0, 5]),
+        "decode-3d-rows-by-position": dict(D=D, B=3, L=1),
+        "spec-k3-varlen-accepted": dict(D=D, qsl=[0, 4, 8, 12], idx=[0, 5, 2], acc=[1, 3, 4], C=2 + 1 + k),
+        "spec-k2-3d-accepted-padded": dict(D=D, B=3, L=3, idx=[4, -1, 1], acc=[2, 1, 3], C=2 + 3),
+        "varlen-mixed-lengths": dict(D=D, qsl=[0, 1, 4, 4, 6], idx=[1, 2, 3, 0], act=True),
+        "bf16-state-fp32-x": dict(D=D, B=2, idx=[1, 4], state_dtype=torch.bfloat16, fp32_x=True),
+        "W2-no-bias-no-act": dict(D=D, B=2, L=2, idx=[0, 1], W=2, bias=False, act=None),
+    }
+
+
 def cases(quick: bool, device: str) -> list:
     try:
         import fast.vllm_ops  # noqa: F401
@@ -138,4 +226,11 @@ def cases(quick: bool, device: str) -> list:
             name = f"{OP}/{family}/{DTYPE_NAMES[dt]}"
             out.append(Case(op=OP, case=family, dtype=dt, quick=quick,
                             run=lambda device, p=p, dt=dt, name=name: checks(p, dt, device, seed_of(name))))
+    for family, p in conv_families(quick, device).items():
+        for dt in dtypes_for(device):
+            if p.get("fp32_x") and dt != torch.float32:
+                continue
+            name = f"{CONV_OP}/{family}/{DTYPE_NAMES[dt]}"
+            out.append(Case(op=CONV_OP, case=family, dtype=dt, quick=quick,
+                            run=lambda device, p=p, dt=dt, name=name: conv_checks(p, dt, device, seed_of(name))))
     return out

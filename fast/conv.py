@@ -630,3 +630,87 @@ def sweep(T: int = 16384, D: int = 8192, W: int = 4, dtype=torch.bfloat16, confi
     for cfg, ms, gbs, frac in rows:
         print(f"{ms:8.4f} ms {gbs:7.0f} GB/s {100 * frac:5.1f}% of copy  {cfg}")
     return rows
+
+
+@triton.jit(do_not_specialize=["T", "S", "pad"])
+def conv_update_slots_kernel(
+    x, conv_state, weight, bias, y, idx, num_acc, qsl, T, S, pad,
+    s_xb, s_xd, s_xt, s_cn, s_cd, s_cw, s_wd, s_ww, s_yb, s_yd, s_yt,
+    D: tl.constexpr, C: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, CP: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INDEXED: tl.constexpr, SPEC: tl.constexpr, VARLEN: tl.constexpr, FP64: tl.constexpr,
+):
+    """vLLM's causal_conv1d_update (fast.vllm_ops): request i_b's channels o_d, grid = (cdiv(D, BD), B).
+
+        u = [conv_state[s, :, o : o + W - 1], x_b];  y_t = act(bias + sum_j w[:, j] u[:, t + j]);
+        conv_state[s, :, :W - 2 + L] <- u[:, 1:] (SPEC)  or  conv_state[s, :, :W - 1] <- u[:, L:]
+
+    s = idx[i_b] (INDEXED) else i_b; a padded request (s == pad, s < 0 or s >= S) writes zeros to y and nothing to
+    conv_state, nor does a request without tokens. o = num_acc[i_b] - 1 (SPEC), clamped so the window stays in [0, C). Tokens: x[i_b, :, t] (t < T), or
+    rows qsl[i_b] .. qsl[i_b + 1] of x [T, D] (VARLEN; offsets clamped to [0, T]). x is rounded to conv_state's dtype
+    before use. In place: the outputs read the old row first; the new row is one [CP, BD] tile loaded whole before
+    its store, so no column is overwritten before it is read.
+    """
+    i_d = tl.program_id(0)
+    i_b = tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if INDEXED:
+        slot = tl.load(idx + i_b).to(tl.int64)
+    else:
+        slot = i_b.to(tl.int64)
+    valid = (slot != pad) & (slot >= 0) & (slot < S)
+    slot = tl.where(valid, slot, 0)
+    m_dv = m_d & ((o_d * 0 + valid.to(tl.int32)) != 0)
+    if VARLEN:
+        bos = tl.minimum(tl.maximum(tl.load(qsl + i_b).to(tl.int64), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(qsl + i_b + 1).to(tl.int64), bos), T)
+        p_x = x + bos * s_xt + o_d * s_xd
+        p_y = y + bos * s_yt + o_d * s_yd
+        L = eos - bos
+    else:
+        p_x = x + i_b.to(tl.int64) * s_xb + o_d * s_xd
+        p_y = y + i_b.to(tl.int64) * s_yb + o_d * s_yd
+        L = T
+    off = 0
+    if SPEC:
+        off = tl.load(num_acc + i_b).to(tl.int64) - 1
+        off = tl.minimum(tl.maximum(off, 0), C - (W - 1))              # memory safety for unchecked counts
+    p_c = conv_state + slot * s_cn + o_d * s_cd
+    cdt = conv_state.dtype.element_ty
+    for t in range(0, L):
+        if FP64:
+            acc = tl.zeros([BD], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BD], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=m_d, other=0).to(acc.dtype)
+        for j in tl.static_range(W):
+            m = o_d * 0 + t + j                                           # u's column, as a block
+            old = tl.load(p_c + (off + m) * s_cw, mask=m_dv & (m < W - 1), other=0)
+            new = tl.load(p_x + (m - (W - 1)) * s_xt, mask=m_d & (m >= W - 1), other=0).to(cdt)
+            u = old.to(acc.dtype) + new.to(acc.dtype)                      # one of the two is 0
+            acc += u * tl.load(weight + o_d * s_wd + j * s_ww, mask=m_d, other=0).to(acc.dtype)
+        if SILU:
+            acc = _silu(acc)
+        acc = tl.where(m_dv, acc, 0.0)
+        tl.store(p_y + t * s_yt, acc.to(y.dtype.element_ty), mask=m_d)
+    # the new row: column c takes u[:, c + shift]
+    c = tl.arange(0, CP)
+    if SPEC:
+        shift = 1
+        count = W - 2 + L
+    else:
+        shift = L
+        count = W - 1 + L * 0
+    mc = c[:, None] + shift + o_d[None, :] * 0                             # u's column per tile element
+    m2 = m_dv[None, :] & (c[:, None] < C) & (c[:, None] * 0 + L > 0)        # no token: the row is left as it is
+    old = tl.load(p_c[None, :] + (off + mc) * s_cw, mask=m2 & (mc < W - 1), other=0)
+    new = tl.load(p_x[None, :] + (mc - (W - 1)) * s_xt, mask=m2 & (mc >= W - 1) & (mc < W - 1 + L), other=0).to(cdt)
+    tile = old + new
+    tl.store(p_c[None, :] + c[:, None] * s_cw, tile, mask=m2 & (c[:, None] < count))
+
+
+def vllm_conv_update_config(D: int) -> dict:
+    """conv_update_slots_kernel's pinned config (no autotune: it writes conv_state in place and runs in CUDA graphs):
+    256 channels in 4 warps (the interpreter: 128), as causal_conv1d_update's."""
+    return dict(BD=max(16, min(256 if not is_interpreting() else 128, next_pow2(D))), num_warps=4)

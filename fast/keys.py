@@ -562,8 +562,30 @@ def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> Li
     return gdn_gating(A_log, a, dt_bias, b)
 
 
+def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                               num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, pad_slot_id=-1, *,
+                               check_values=False) -> List[CompileKey]:
+    """Keys of fast.vllm_ops.causal_conv1d_update: one conv_update_slots_kernel (none for an empty call)."""
+    B = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
+    if x.numel() == 0 or B == 0:
+        return []
+    D, W, C = x.shape[1], weight.shape[1], conv_state.shape[2]
+    act = "silu" if activation is True else (None if activation is False else activation)
+    cfg = _conv.vllm_conv_update_config(D)
+    return [CompileKey.make(
+        "conv_update_slots_kernel",
+        dict(D=D, C=C, W=W, BD=cfg["BD"], CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,
+             INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
+             VARLEN=query_start_loc is not None,
+             FP64=any(t.dtype == torch.float64 for t in (x, weight, conv_state))),
+        dict(x=x.dtype, conv_state=conv_state.dtype, weight=weight.dtype, bias=_dt(bias), y=x.dtype,
+             idx=_dt(conv_state_indices), num_acc=_dt(num_accepted_tokens), qsl=_dt(query_start_loc)),
+        dict(num_warps=cfg["num_warps"]))]
+
+
 class vllm_ops:
     """Keys of fast.vllm_ops's ops, under their names (refgdn.capture.traced_ops(fast.vllm_ops, keys=vllm_ops))."""
+    causal_conv1d_update = staticmethod(_vllm_causal_conv1d_update)
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)

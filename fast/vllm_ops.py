@@ -10,16 +10,17 @@ from __future__ import annotations
 import torch
 
 import refgdn.vllm_ops as _ref
-from refgdn.checks import (check_vllm_gating_arguments, check_vllm_recurrent_inputs, one_host_read,
-                           vllm_recurrent_slots)
+from refgdn.checks import (check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+                           one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_slots_kernel, slots_config
+from .conv import conv_update_slots_kernel, vllm_conv_update_config
 from .gating import gdn_gating as _gating
 from .utils import cdiv, next_pow2
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -116,3 +117,50 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
     if a.dim() == 2:
         g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
     return g, b_out
+
+
+@one_host_read
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                         num_accepted_tokens=None, query_start_loc=None, max_query_len: int = -1,
+                         pad_slot_id: int = -1, *, check_values: bool = False):
+    """vLLM's causal_conv1d_update (refgdn.vllm_ops.causal_conv1d_update's twin, same semantics): one Triton kernel.
+
+    x: [B, D], [B, D, L] or [T, D] with query_start_loc [B+1]; conv_state: [S, D, C] (updated in place); weight:
+    [D, W]; bias: [D]; conv_state_indices, num_accepted_tokens: [B] int -> y shaped as x, in x's dtype.
+
+        u = [conv_state[s, :, o : o + W - 1], x_b];  y_t = act(bias + sum_j weight[:, j] u[:, t + j])
+
+    Shapes, dtypes and devices are checked on the host first; the values (offsets, slots, counts) only with
+    check_values=True (a host read), so by default nothing is read back and the call can be captured in a CUDA graph.
+    Unchecked values stay memory-safe: offsets clamped to [0, T], a slot outside [0, S) pads its request, the window
+    offset is clamped into the row, columns past C are not written.
+    """
+    B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
+                                               num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id,
+                                               offset_values=check_values)
+    S, C = conv_state.shape[0], conv_state.shape[2]
+    if check_values:
+        vllm_conv_update_rows(B, L, query_start_loc, conv_state_indices, num_accepted_tokens, pad_slot_id, S, C, W)
+    act = "silu" if activation is True else (None if activation is False else activation)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0 or B == 0:
+        return y
+    if query_start_loc is not None:                     # x [T, D]: tokens along dim 0
+        T, (s_xt, s_xd), s_xb = x.shape[0], x.stride(), 0
+        (s_yt, s_yd), s_yb = y.stride(), 0
+    elif x.dim() == 2:                                  # [B, D]: one token each
+        T, (s_xb, s_xd), s_xt = 1, x.stride(), 0
+        (s_yb, s_yd), s_yt = y.stride(), 0
+    else:                                               # [B, D, L]
+        T, (s_xb, s_xd, s_xt) = x.shape[2], x.stride()
+        s_yb, s_yd, s_yt = y.stride()
+    fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
+    cfg = vllm_conv_update_config(D)
+    BD = cfg.pop("BD")
+    conv_update_slots_kernel[(cdiv(D, BD), B)](
+        x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens, query_start_loc, T, S, pad_slot_id,
+        s_xb, s_xd, s_xt, *conv_state.stride(), *weight.stride(), s_yb, s_yd, s_yt,
+        D=D, C=C, W=W, BD=BD, CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,
+        INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
+        VARLEN=query_start_loc is not None, FP64=fp64, **cfg)
+    return y

@@ -650,3 +650,91 @@ def check_vllm_gating_arguments(a, beta, threshold) -> None:
     if threshold != 20.0:
         raise ValueError(f"threshold (softplus' linear cut-off) must be 20.0, got {threshold!r}: other values are not "
                          "supported")
+
+
+def check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                                  query_start_loc, max_query_len, pad_slot_id, offset_values: bool = True) -> tuple:
+    """Validate vLLM's causal_conv1d_update arguments (shapes, dtypes, devices; query_start_loc's values unless
+    offset_values is False). Returns (B, D, W, L): requests, channels, conv width, tokens per request (None: varlen).
+
+    x: [B, D] (one token each), [B, D, L] or [T, D] with query_start_loc [B+1] (then conv_state_indices is required);
+    conv_state: [S, D, C] with C >= W - 1; weight: [D, W] with W >= 2; conv_state_indices, num_accepted_tokens: [B]
+    int; activation None / "silu" / "swish" / a bool (True: silu); pad_slot_id an int.
+    """
+    _need_tensor("x", x)
+    if x.dim() not in (2, 3) or (query_start_loc is not None and x.dim() != 2):
+        raise ValueError(f"x must be [B, D], [B, D, L] or (with query_start_loc) [T, D], got {_shape(x)}")
+    _need_float("x", x)
+    D = x.shape[1]
+    W = _check_weight_bias(weight, bias, D, x.device)
+    if W < 2:
+        raise ValueError(f"weight must be [D, W] with W >= 2 (a window of W - 1 past inputs), got {_shape(weight)}")
+    if not isinstance(activation, bool):
+        check_activation(activation)
+    _need_tensor("conv_state", conv_state, 3)
+    _need_float("conv_state", conv_state)
+    _need_device("conv_state", conv_state, x.device)
+    if conv_state.shape[1] != D or conv_state.shape[2] < W - 1 or conv_state.shape[0] < 1:
+        raise ValueError(f"conv_state must be [S, D, C] = [S >= 1, {D}, C >= W-1 = {W - 1}], got {_shape(conv_state)}")
+    if not isinstance(pad_slot_id, numbers.Integral) or isinstance(pad_slot_id, bool):
+        raise ValueError(f"pad_slot_id must be an int, got {pad_slot_id!r}")
+    if not isinstance(max_query_len, numbers.Integral) or isinstance(max_query_len, bool):
+        raise ValueError(f"max_query_len must be an int, got {max_query_len!r}")
+    if query_start_loc is not None:
+        if conv_state_indices is None:
+            raise ValueError("query_start_loc (varlen x [T, D]) needs conv_state_indices [B]")
+        B = check_cu_seqlens(query_start_loc, 1, x.shape[0], x.device, "query_start_loc", values=offset_values)
+        L = None
+    else:
+        B = x.shape[0]
+        L = 1 if x.dim() == 2 else x.shape[2]
+        if conv_state_indices is None and conv_state.shape[0] < B:
+            raise ValueError(f"conv_state has {conv_state.shape[0]} rows for B = {B} requests (no conv_state_indices: "
+                             "request b uses row b)")
+    for name, t in (("conv_state_indices", conv_state_indices), ("num_accepted_tokens", num_accepted_tokens)):
+        if t is None:
+            continue
+        _need_tensor(name, t)
+        if tuple(t.shape) != (B,):
+            raise ValueError(f"{name} must have shape [B] = [{B}], got {_shape(t)}")
+        if t.dtype not in INT_DTYPES:
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+        _need_device(name, t, x.device)
+    return B, D, W, L
+
+
+def vllm_conv_update_rows(B: int, L: Optional[int], query_start_loc, conv_state_indices, num_accepted_tokens,
+                          pad_slot_id: int, S: int, C: int, W: int) -> List[Tuple[int, int, int, int]]:
+    """Each request of vLLM's causal_conv1d_update from the values (a host read): [(bos, eos, slot, offset)], tokens
+    [bos, eos) (of x's token axis: its third dim, or the packed first one with query_start_loc), slot -1 for a padded
+    request (pad_slot_id or negative: no output, nothing written), offset the state column its window starts at
+    (num_accepted_tokens - 1, else 0). Raises ValueError for a slot >= S, an offset whose window or new state
+    (W - 2 + L_n columns) passes C, or a slot used by two requests."""
+    if query_start_loc is None:
+        spans = [(0, L)] * B
+    else:
+        offs = host_offsets(query_start_loc)
+        spans = list(zip(offs, offs[1:]))
+    idx = list(range(B)) if conv_state_indices is None else conv_state_indices.tolist()
+    acc = None if num_accepted_tokens is None else num_accepted_tokens.tolist()
+    out, used = [], {}
+    for b, (bos, eos) in enumerate(spans):
+        s = idx[b]
+        if s == pad_slot_id or s < 0:
+            out.append((bos, eos, -1, 0))
+            continue
+        if s >= S:
+            raise ValueError(f"conv_state_indices[{b}] = {s} is out of range for conv_state's {S} rows")
+        if used.setdefault(s, b) != b:
+            raise ValueError(f"conv_state row {s} is used by requests {used[s]} and {b}")
+        off = 0
+        if acc is not None:
+            if not 1 <= acc[b] <= C - W + 2:
+                raise ValueError(f"num_accepted_tokens[{b}] = {acc[b]} must be in [1, C - W + 2 = {C - W + 2}] (the "
+                                 "window starts at column num_accepted_tokens - 1)")
+            off = acc[b] - 1
+            if W - 2 + (eos - bos) > C:
+                raise ValueError(f"request {b} has {eos - bos} tokens: its new state (W - 2 + L = "
+                                 f"{W - 2 + eos - bos} columns) does not fit conv_state's C = {C}")
+        out.append((bos, eos, s, off))
+    return out

@@ -21,13 +21,13 @@ from typing import Optional
 
 import torch
 
-from .checks import (check_vllm_gating_arguments, check_vllm_recurrent_inputs, one_host_read,
-                     vllm_recurrent_slots)
+from .checks import (check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+                     one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import gdn_gating as _gating
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -132,3 +132,57 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
     if a.dim() == 2:
         g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
     return g, b_out
+
+
+@one_host_read
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                         num_accepted_tokens=None, query_start_loc=None, max_query_len: int = -1,
+                         pad_slot_id: int = -1, *, check_values: bool = False):
+    """vLLM's causal_conv1d_update (vllm.model_executor.layers.mamba.ops.causal_conv1d): the conv of decode and
+    speculative verification, its windows in conv_state rows picked by conv_state_indices, updated in place.
+
+    x: [B, D] (one token each), [B, D, L] (L each) or [T, D] with query_start_loc [B+1]; conv_state: [S, D, C],
+    C >= W - 1 (with drafts: W - 2 + the longest request); weight: [D, W]; bias: [D]; conv_state_indices,
+    num_accepted_tokens: [B] int -> y shaped as x, in x's dtype.
+
+        u = [conv_state[s, :, o : o + W - 1], x_b]          s = conv_state_indices[b], o = num_accepted_tokens[b] - 1
+        y_t = act(bias + sum_j weight[:, j] u[:, t + j])    t < L_b
+        conv_state[s, :, :W - 2 + L_b] <- u[:, 1:]           (num_accepted_tokens given: keep every draft's input)
+        conv_state[s, :, :W - 1] <- u[:, L_b:]               (otherwise: the last W - 1 inputs)
+
+    With drafts the row keeps W - 2 past inputs and every new one, so the next call starts its window at the last
+    accepted token (vLLM's rollback of the conv). x is rounded to conv_state's dtype first, as vLLM does; sums in
+    float32 (float64 when any input is). A request whose slot is pad_slot_id (or negative) is padded: zeros out,
+    nothing written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. max_query_len is accepted and not needed. activation: None,
+    "silu" / "swish", or vLLM's bool (True: silu). The values (slots, offsets, counts) are checked here on every call,
+    whatever check_values says (refgdn.checks.vllm_conv_update_rows); fast's twin checks them only when asked.
+    """
+    B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
+                                               num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id)
+    S, C = conv_state.shape[0], conv_state.shape[2]
+    rows = vllm_conv_update_rows(B, L, query_start_loc, conv_state_indices, num_accepted_tokens, pad_slot_id, S, C, W)
+    act = "silu" if activation is True else (None if activation is False else activation)
+    wide = torch.float64 if torch.float64 in (x.dtype, weight.dtype, conv_state.dtype) else torch.float32
+    xt = x[:, :, None] if x.dim() == 2 and query_start_loc is None else x      # [B, D, L] or [T, D]
+    y = torch.zeros(xt.shape, dtype=x.dtype, device=x.device)
+    new_rows = []
+    for b, (bos, eos, s, off) in enumerate(rows):
+        if s < 0 or eos == bos:                    # padded, or no token: nothing read or written (as vLLM)
+            continue
+        new = (xt[b] if query_start_loc is None else xt[bos:eos].transpose(0, 1))        # [D, L_b]
+        new = new.to(conv_state.dtype)                                                     # vLLM rounds x first
+        u = torch.cat([conv_state[s, :, off:off + W - 1], new], dim=1).to(wide)          # [D, W - 1 + L_b]
+        taps = u.unfold(1, W, 1)                                                           # [D, L_b, W]: windows
+        out = (taps * weight.to(wide)[:, None, :]).sum(-1)                               # [D, L_b]
+        if bias is not None:
+            out = out + bias.to(wide)[:, None]
+        out = torch.nn.functional.silu(out) if act in ("silu", "swish") else out
+        if query_start_loc is None:
+            y[b] = out.to(x.dtype)
+        else:
+            y[bos:eos] = out.transpose(0, 1).to(x.dtype)
+        keep = u[:, 1:] if num_accepted_tokens is not None else u[:, eos - bos:]
+        new_rows.append((s, keep.to(conv_state.dtype)))
+    for s, keep in new_rows:                       # written after every request has read (a kernel's order)
+        conv_state[s, :, :keep.shape[1]] = keep
+    return y[:, :, 0] if x.dim() == 2 and query_start_loc is None else y

@@ -14,12 +14,14 @@ import fast
 import fast.vllm_ops as FV
 import refgdn
 import refgdn.vllm_ops as RV
-from conformance.cases_vllm import checks, families, padded_tokens as _padded_tokens, problem, run as _run
+from conformance.cases_vllm import (checks, conv_checks, conv_families, conv_problem, families,
+                                   padded_tokens as _padded_tokens, problem, run as _run)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 I32 = torch.int32
+D64 = torch.float64
 S = 9                    # slots in the pool
 
 
@@ -127,8 +129,12 @@ def test_keys_equal_the_launches():
             F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw)
         a = torch.randn(3, 2, device=DEV)
         F.fused_gdn_gating(torch.rand(2, device=DEV), a, a, torch.randn(2, device=DEV))
+        for p in conv_families(quick=True, device=DEV).values():
+            x, state, w, b, kw = conv_problem(p, torch.float32, DEV)
+            F.causal_conv1d_update(x, state, w, b, **kw)
     writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:4]]
-    assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * 4 + ["gdn_gating_kernel"]
+    assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 4 + ["gdn_gating_kernel"]
+                                                    + ["conv_update_slots_kernel"] * len(conv_families(True, DEV)))
     assert writes == [1, 2, 3, 3]
 
 
@@ -308,3 +314,146 @@ def test_fused_gdn_gating_in_vllms_order(shape, dtype):
             pkg.fused_gdn_gating(A_log, a, b, dt_bias, threshold=30.0)
         with pytest.raises(ValueError, match=r"a must be \[N, HV\] or \[B, T, HV\]"):
             pkg.fused_gdn_gating(A_log, a.reshape(-1), b.reshape(-1), dt_bias)
+
+
+
+# ---------------------------------------------------------------------------------------------- the conv
+
+def test_conv_refgdn_rounds_equal_the_conv_over_the_accepted_history():
+    """float64, speculative rounds: each round's outputs are refgdn.causal_conv1d's over the request's history of
+    accepted inputs (the simplest form: the conv of the whole sequence), whatever was rejected before."""
+    gen = torch.Generator().manual_seed(3)
+    D, W, k, S = 12, 4, 3, 5
+    C = W - 2 + 1 + k
+    w, b = torch.randn(D, W, generator=gen, dtype=D64), torch.randn(D, generator=gen, dtype=D64)
+    state = torch.randn(S, D, C, generator=gen, dtype=D64)
+    slots = [3, 0]
+    hist = [state[s, :, :W - 1].clone() for s in slots]            # [D, W - 1]: each request's past inputs
+    acc = [1, 1]                                                    # the first call's windows start at column 0
+    for rnd in range(4):
+        x = torch.randn(2, D, 1 + k, generator=gen, dtype=D64)
+        y = RV.causal_conv1d_update(x, state, w, b, "silu", _t(slots), _t(acc))
+        for n in range(2):
+            want, _ = refgdn.causal_conv1d(x[n].T[None], w, b, "silu", initial_state=hist[n][None, :, -(W - 1):])
+            torch.testing.assert_close(y[n], want[0].T, rtol=1e-12, atol=1e-12)
+        acc = [int(a) for a in torch.randint(1, 2 + k, (2,), generator=gen)]
+        hist = [torch.cat([hist[n], x[n][:, :acc[n]]], 1) for n in range(2)]
+
+
+D64 = torch.float64
+
+
+CONV_DTYPES = [pytest.param(p, dt, id=f"{name}-{dn}") for name, p in conv_families(quick=True, device=DEV).items()
+               for dt, dn in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+               if dt == torch.float32 or not p.get("fp32_x")]       # (that family's x is float32 by construction)
+
+
+@pytest.mark.parametrize("p,dtype", CONV_DTYPES)
+def test_conv_fast_against_refgdn_by_the_rule(p, dtype):
+    """conformance.cases_vllm.conv_checks: y by the rule, the new rows exactly refgdn's, other rows and padded
+    outputs exact."""
+    for c in conv_checks(p, dtype, DEV, seed=1):
+        res = evaluate(c)
+        assert res["passed"], (c.name, res)
+
+
+def _conv_call():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 16, generator=gen).to(DEV)
+    state = torch.randn(5, 16, 6, generator=gen).to(DEV)
+    w, b = torch.randn(16, 4, generator=gen).to(DEV), torch.randn(16, generator=gen).to(DEV)
+    kw = dict(activation="silu", conv_state_indices=_t([1, 4]), num_accepted_tokens=_t([1, 2]),
+              query_start_loc=_t([0, 3, 7]), max_query_len=4)
+    return x, state, w, b, kw
+
+
+CONV_BAD = [
+    pytest.param(dict(x="x"), "x must be a torch.Tensor", id="x-not-a-tensor"),
+    pytest.param(dict(x=torch.zeros(7, 16, 2)), r"x must be \[B, D\], \[B, D, L\] or", id="x-3d-with-varlen"),
+    pytest.param(dict(conv_state=torch.zeros(5, 16, 2)), r"conv_state must be \[S, D, C\]", id="state-too-narrow"),
+    pytest.param(dict(weight=torch.zeros(16, 1)), "W >= 2", id="width-1"),
+    pytest.param(dict(conv_state_indices=None), "needs conv_state_indices", id="varlen-without-indices"),
+    pytest.param(dict(num_accepted_tokens=_t([1, 2, 3])), r"num_accepted_tokens must have shape \[B\]",
+                 id="accepted-wrong-B"),
+    pytest.param(dict(conv_state_indices=_t([1.0, 4.0], torch.float32)), "int32 or int64", id="indices-float"),
+    pytest.param(dict(activation="gelu"), "activation", id="activation"),
+    pytest.param(dict(pad_slot_id=None), "pad_slot_id must be an int", id="pad-not-int"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", CONV_BAD)
+def test_conv_bad_inputs_raise_before_any_write(pkg, bad, words):
+    x, state, w, b, kw = _conv_call()
+    args = dict(x=x, conv_state=state, weight=w, bias=b)
+    for name, val in bad.items():
+        (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+    before = state.clone()
+    with pytest.raises(ValueError, match=words):
+        pkg.causal_conv1d_update(args["x"], args["conv_state"], args["weight"], args["bias"], **kw)
+    assert torch.equal(state, before)
+
+
+CONV_BAD_VALUES = [
+    pytest.param(dict(conv_state_indices=[1, 5]), r"conv_state_indices\[1\] = 5 is out of range", id="row-past-S"),
+    pytest.param(dict(conv_state_indices=[4, 4]), "conv_state row 4 is used by requests 0 and 1", id="row-twice"),
+    pytest.param(dict(num_accepted_tokens=[0, 1]), r"num_accepted_tokens\[0\] = 0 must be in \[1, C - W \+ 2 = 4\]",
+                 id="accepted-zero"),
+    pytest.param(dict(num_accepted_tokens=[1, 5]), r"num_accepted_tokens\[1\] = 5", id="window-past-C"),
+    pytest.param(dict(query_start_loc=[0, 2, 7], num_accepted_tokens=[1, 1]), "request 1 has 5 tokens",
+                 id="drafts-past-C"),
+    pytest.param(dict(query_start_loc=[0, 3, 9]), "query_start_loc must end at T=7", id="offsets-past-T"),
+]
+
+
+@pytest.mark.parametrize("bad,words", CONV_BAD_VALUES)
+def test_conv_bad_values(bad, words):
+    """refgdn always checks the values, fast with check_values=True (the same words); both before any write."""
+    for pkg, extra in ((RV, {}), (FV, dict(check_values=True))):
+        x, state, w, b, kw = _conv_call()
+        kw.update({k: _t(v) for k, v in bad.items()})
+        before = state.clone()
+        with pytest.raises(ValueError, match=words):
+            pkg.causal_conv1d_update(x, state, w, b, **kw, **extra)
+        assert torch.equal(state, before)
+
+
+def test_conv_fast_reads_nothing_back_and_is_memory_safe_unchecked():
+    """No host read without check_values (refgdn.capture's guards); unchecked values stay in bounds: a row past S pads
+    its request (zeros, nothing written), an accepted count past the row is clamped into it (the window's last start,
+    column C - W + 1: num_accepted_tokens 4 here), offsets past T are clamped to T."""
+    from refgdn.capture import capture_guards
+    x, state, w, b, kw = _conv_call()
+    kw.update(conv_state_indices=_t([9, 4]), num_accepted_tokens=_t([1, 50]), query_start_loc=_t([0, 3, 40]))
+    s_f = state.clone()
+    with capture_guards("vllm_ops conv", DEV):
+        y = FV.causal_conv1d_update(x, s_f, w, b, **kw)
+    assert torch.equal(y[:3], torch.zeros_like(y[:3])) and torch.equal(s_f[:4], state[:4])
+    ref_kw = dict(kw, conv_state_indices=_t([-1, 4]), num_accepted_tokens=_t([1, 4]), query_start_loc=_t([0, 3, 7]))
+    s_r = state.clone()
+    y_r = RV.causal_conv1d_update(x, s_r, w, b, **ref_kw)
+    torch.testing.assert_close(y, y_r)
+    torch.testing.assert_close(s_f, s_r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
+def test_conv_cuda_graph_replay_equals_eager():
+    """Captured once, replayed on new inputs copied into the static x: bit for bit the eager call, round after round."""
+    p = conv_families(quick=True, device=DEV)["spec-k3-varlen-accepted"]
+    x, state, w, b, kw = conv_problem(p, torch.bfloat16, DEV)
+    static, g_state, e_state = x.clone(), state.clone(), state.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FV.causal_conv1d_update(static, state.clone(), w, b, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = FV.causal_conv1d_update(static, g_state, w, b, **kw)
+    for rnd in range(3):
+        new = conv_problem(p, torch.bfloat16, DEV, seed=20 + rnd)[0]
+        static.copy_(new)
+        graph.replay()
+        y_e = FV.causal_conv1d_update(new, e_state, w, b, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, y_e) and torch.equal(g_state, e_state), rnd
