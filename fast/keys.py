@@ -563,7 +563,9 @@ def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> Li
 
 
 def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
-                               num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, pad_slot_id=-1, *,
+                               num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, pad_slot_id=-1,
+                               block_idx_last_scheduled_token=None, initial_state_idx=None,
+                               retrieve_parent_token=None, validate_data=False, *,
                                check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.causal_conv1d_update: one conv_update_slots_kernel (none for an empty call)."""
     B = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import refgdn.vllm_ops as _ref
-from refgdn.checks import (check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+from refgdn.checks import (check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
                            one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
@@ -122,7 +122,8 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
 @one_host_read
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
                          num_accepted_tokens=None, query_start_loc=None, max_query_len: int = -1,
-                         pad_slot_id: int = -1, *, check_values: bool = False):
+                         pad_slot_id: int = -1, block_idx_last_scheduled_token=None, initial_state_idx=None,
+                         retrieve_parent_token=None, validate_data: bool = False, *, check_values: bool = False):
     """vLLM's causal_conv1d_update (refgdn.vllm_ops.causal_conv1d_update's twin, same semantics): one Triton kernel.
 
     x: [B, D], [B, D, L] or [T, D] with query_start_loc [B+1]; conv_state: [S, D, C] (updated in place); weight:
@@ -135,6 +136,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     Unchecked values stay memory-safe: offsets clamped to [0, T], a slot outside [0, S) pads its request, the window
     offset is clamped into the row, columns past C are not written.
     """
+    check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
     B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
                                                num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id,
                                                offset_values=check_values)

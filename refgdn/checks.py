@@ -738,3 +738,12 @@ def vllm_conv_update_rows(B: int, L: Optional[int], query_start_loc, conv_state_
                                  f"{W - 2 + eos - bos} columns) does not fit conv_state's C = {C}")
         out.append((bos, eos, s, off))
     return out
+
+
+def check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token) -> None:
+    """vLLM's causal_conv1d_update arguments this package does not support, refused by name when given."""
+    for name, val, what in (("block_idx_last_scheduled_token", block_idx_last_scheduled_token, "prefix caching"),
+                            ("initial_state_idx", initial_state_idx, "prefix caching"),
+                            ("retrieve_parent_token", retrieve_parent_token, "tree drafts")):
+        if val is not None:
+            raise ValueError(f"{name} (vLLM's {what}) is not supported: pass None")

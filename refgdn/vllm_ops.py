@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .checks import (check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+from .checks import (check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
                      one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
@@ -137,7 +137,8 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
 @one_host_read
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
                          num_accepted_tokens=None, query_start_loc=None, max_query_len: int = -1,
-                         pad_slot_id: int = -1, *, check_values: bool = False):
+                         pad_slot_id: int = -1, block_idx_last_scheduled_token=None, initial_state_idx=None,
+                         retrieve_parent_token=None, validate_data: bool = False, *, check_values: bool = False):
     """vLLM's causal_conv1d_update (vllm.model_executor.layers.mamba.ops.causal_conv1d): the conv of decode and
     speculative verification, its windows in conv_state rows picked by conv_state_indices, updated in place.
 
@@ -153,10 +154,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     With drafts the row keeps W - 2 past inputs and every new one, so the next call starts its window at the last
     accepted token (vLLM's rollback of the conv). x is rounded to conv_state's dtype first, as vLLM does; sums in
     float32 (float64 when any input is). A request whose slot is pad_slot_id (or negative) is padded: zeros out,
-    nothing written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. max_query_len is accepted and not needed. activation: None,
-    "silu" / "swish", or vLLM's bool (True: silu). The values (slots, offsets, counts) are checked here on every call,
+    nothing written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. activation: None,
+    "silu" / "swish", or vLLM's bool (True: silu). max_query_len and validate_data (vLLM's shape asserts: the shapes
+    are always checked here) are accepted and not needed; prefix caching's block_idx_last_scheduled_token /
+    initial_state_idx and tree drafts' retrieve_parent_token are refused by name. The values (slots, offsets, counts) are checked here on every call,
     whatever check_values says (refgdn.checks.vllm_conv_update_rows); fast's twin checks them only when asked.
     """
+    check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
     B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
                                                num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id)
     S, C = conv_state.shape[0], conv_state.shape[2]

@@ -457,3 +457,15 @@ def test_conv_cuda_graph_replay_equals_eager():
         y_e = FV.causal_conv1d_update(new, e_state, w, b, **kw)
         torch.cuda.synchronize()
         assert torch.equal(y_static, y_e) and torch.equal(g_state, e_state), rnd
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+def test_conv_takes_vllms_keywords(pkg):
+    """vLLM's GDN layer passes validate_data=True (accepted: shapes are always checked); prefix caching's and tree
+    drafts' arguments are refused by name."""
+    x, state, w, b, kw = _conv_call()
+    y = pkg.causal_conv1d_update(x, state.clone(), w, b, **kw, validate_data=True)
+    assert y.shape == x.shape
+    for name in ("block_idx_last_scheduled_token", "initial_state_idx", "retrieve_parent_token"):
+        with pytest.raises(ValueError, match=name):
+            pkg.causal_conv1d_update(x, state, w, b, **kw, **{name: _t([0, 0])})
