@@ -26,6 +26,7 @@ from .core import DTYPE_NAMES, Case, Check
 
 OP = "vllm_fused_recurrent_gated_delta_rule"
 CONV_OP = "vllm_causal_conv1d_update"
+CONV_FN_OP = "vllm_causal_conv1d_fn"
 
 
 def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
@@ -215,6 +216,62 @@ def conv_families(quick: bool, device: str) -> dict:
     }
 
 
+def conv_fn_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """(x [D, T] channel-last, weight, bias, conv_states, kwargs) of one prefill conv call. p: D, W (4), S (6), C
+    (W - 1 + 2), qsl (offsets), idx / init (lists) or None, state_dtype (dtype), bias (True), act ("silu")."""
+    gen = torch.Generator().manual_seed(seed)
+    D, W = p["D"], p.get("W", 4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = r(p["qsl"][-1], D).to(dtype).to(device).T                       # [D, T], x.stride(0) == 1 as vLLM's
+    weight = (r(D, W) / W ** 0.5).to(dtype).to(device)
+    bias = (0.1 * r(D)).to(dtype).to(device) if p.get("bias", True) else None
+    states = r(p.get("S", 6), D, p.get("C", W + 1)).to(p.get("state_dtype", dtype)).to(device)
+    kw = dict(query_start_loc=torch.tensor(p["qsl"], dtype=torch.int32, device=device), activation=p.get("act", "silu"))
+    if p.get("idx") is not None:
+        kw["cache_indices"] = torch.tensor(p["idx"], dtype=torch.int32, device=device)
+    if p.get("init") is not None:
+        kw["has_initial_state"] = torch.tensor(p["init"], dtype=torch.bool, device=device)
+    return x, weight, bias, states, kw
+
+
+def conv_fn_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
+    from fast.utils import interpreter_bf16_round_to_nearest
+    x, w, b, states, kw = conv_fn_problem(p, dtype, device, seed)
+    s_f, s_r, s_t = states.clone(), states.clone(), states.double()
+    with interpreter_bf16_round_to_nearest():       # (a bf16 state under wider x: see conv_checks)
+        y_f = FV.causal_conv1d_fn(x, w, b, s_f, **kw)
+    y_r = RV.causal_conv1d_fn(x, w, b, s_r, **kw)
+    y_t = RV.causal_conv1d_fn(x.double(), w.double(), None if b is None else b.double(), s_t, **kw)
+    pad = torch.zeros(x.shape[1], dtype=torch.bool)
+    for n, s in enumerate(p.get("idx") or []):
+        if s < 0:
+            pad[p["qsl"][n]:p["qsl"][n + 1]] = True
+    pad = pad.to(device)
+    moved = [i for i in range(states.shape[0]) if not torch.equal(s_r[i], states[i])]
+    still = [i for i in range(states.shape[0]) if i not in moved]
+    return [Check("y", y_f, y_t, y_r), Check("padded outputs", y_f[:, pad], torch.zeros_like(y_f[:, pad]), exact=True),
+            Check("new conv_states rows", s_f[moved], s_r[moved], exact=True),          # copies of inputs
+            Check("untouched rows", s_f[still], states[still], exact=True)]
+
+
+def conv_fn_families(quick: bool, device: str) -> dict:
+    """Packed prefills continuing from their rows or not, a zero-length request and a padded one; rows by position
+    without indices or flags; a bf16 state under float32 x; width 2 without bias. Quick: D = 40; full: D = 8192 and
+    longer requests."""
+    D, m = (40, 1) if quick else (8192, 37)
+    qsl = [0, 5 * m, 5 * m, 12 * m, 14 * m]
+    return {
+        "prefill-mixed-padded-empty": dict(D=D, qsl=qsl, idx=[3, 1, -1, 0], init=[True, False, True, False]),
+        "rows-by-position": dict(D=D, qsl=[0, 3 * m, 7 * m]),
+        "bf16-state-fp32-x": dict(D=D, qsl=[0, 4 * m, 9 * m], idx=[5, 2], init=[True, True],
+                                  state_dtype=torch.bfloat16, fp32_x=True),
+        "W2-no-bias-no-act": dict(D=D, qsl=[0, 6 * m, 7 * m], idx=[0, 4], init=[True, False], W=2, bias=False,
+                                  act=None),
+    }
+
+
 def cases(quick: bool, device: str) -> list:
     try:
         import fast.vllm_ops  # noqa: F401
@@ -233,4 +290,11 @@ def cases(quick: bool, device: str) -> list:
             name = f"{CONV_OP}/{family}/{DTYPE_NAMES[dt]}"
             out.append(Case(op=CONV_OP, case=family, dtype=dt, quick=quick,
                             run=lambda device, p=p, dt=dt, name=name: conv_checks(p, dt, device, seed_of(name))))
+    for family, p in conv_fn_families(quick, device).items():
+        for dt in dtypes_for(device):
+            if p.get("fp32_x") and dt != torch.float32:
+                continue
+            name = f"{CONV_FN_OP}/{family}/{DTYPE_NAMES[dt]}"
+            out.append(Case(op=CONV_FN_OP, case=family, dtype=dt, quick=quick,
+                            run=lambda device, p=p, dt=dt, name=name: conv_fn_checks(p, dt, device, seed_of(name))))
     return out

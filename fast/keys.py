@@ -585,8 +585,27 @@ def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None
         dict(num_warps=cfg["num_warps"]))]
 
 
+def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None, has_initial_state=None,
+                           activation="silu", pad_slot_id=-1, block_idx_first_scheduled_token=None,
+                           block_idx_last_scheduled_token=None, initial_state_idx=None, num_computed_tokens=None,
+                           block_size_to_align=0, metadata=None, validate_data=False, *,
+                           check_values=False) -> List[CompileKey]:
+    """Keys of fast.vllm_ops.causal_conv1d_fn: causal_conv1d's slot form (gdn_prefill's conv), on x [D, T] seen as
+    [1, T, D] in conv_states' dtype (float64: refgdn, none)."""
+    if _fp64(x, weight, bias, conv_states):
+        return []
+    D, T = x.shape
+    B = query_start_loc.shape[0] - 1
+    if B == 0 or T == 0 or D == 0:
+        return []
+    act = "silu" if activation is True else (None if activation is False else activation)
+    xs = torch.empty(1, T, D, dtype=conv_states.dtype, device="meta")
+    return causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device, slots=True)
+
+
 class vllm_ops:
     """Keys of fast.vllm_ops's ops, under their names (refgdn.capture.traced_ops(fast.vllm_ops, keys=vllm_ops))."""
+    causal_conv1d_fn = staticmethod(_vllm_causal_conv1d_fn)
     causal_conv1d_update = staticmethod(_vllm_causal_conv1d_update)
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)

@@ -1,6 +1,8 @@
 """The ops vLLM's Qwen3-Next GDN layer calls, in Triton: refgdn.vllm_ops's twins (semantics and arguments there).
 
 ``chunk_gated_delta_rule``: fast's chunked forward in vLLM's argument order. ``fused_gdn_gating``: fast's gating.
+``causal_conv1d_update``: conv_update_slots_kernel (fast.conv). ``causal_conv1d_fn``: fast's varlen conv in gdn_prefill's
+slot form.
 ``fused_recurrent_gated_delta_rule``: vLLM's serving form of the recurrent op (states in a slot pool, per-token slots
 for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent kernel
 (fast.chunk.recurrent.recurrent_slots_kernel).
@@ -10,17 +12,21 @@ from __future__ import annotations
 import torch
 
 import refgdn.vllm_ops as _ref
-from refgdn.checks import (check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
-                           one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
+from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
+                           check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+                           host_offsets, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows,
+                           vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_slots_kernel, slots_config
-from .conv import conv_update_slots_kernel, vllm_conv_update_config
+from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
 from .gating import gdn_gating as _gating
+from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update",
+           "causal_conv1d_fn"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -166,3 +172,52 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
         VARLEN=query_start_loc is not None, FP64=fp64, **cfg)
     return y
+
+
+@one_host_read
+def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None, has_initial_state=None,
+                     activation="silu", pad_slot_id: int = -1, block_idx_first_scheduled_token=None,
+                     block_idx_last_scheduled_token=None, initial_state_idx=None, num_computed_tokens=None,
+                     block_size_to_align=0, metadata=None, validate_data: bool = False, *, check_values: bool = False):
+    """vLLM's causal_conv1d_fn (refgdn.vllm_ops.causal_conv1d_fn's twin, same semantics): the prefill conv, each
+    request's window read from and written to its conv_states row in place.
+
+    x: [D, T]; weight: [D, W]; bias: [D]; conv_states: [S, D, C]; query_start_loc: [B+1]; cache_indices: [B] int;
+    has_initial_state: [B] bool -> y: [D, T] in x's dtype (a view of a [T, D] tensor: vLLM's channel-last layout).
+
+        y_t = act(bias + sum_j weight[:, j] x_{t-W+1+j})     conv_states[s, :, :W - 1] <- the last W - 1 inputs
+
+    fast's varlen conv kernels with the serving prefill's slot rows (gdn_prefill's conv: rows read and written in
+    place, -1 for none), the rows formed on the device. query_start_loc's values are read on the host (a prefill's
+    tables need them, as vLLM's call without metadata does); the rows only with check_values=True. Unchecked rows stay
+    memory-safe: one outside [0, S) pads its request (zeros out, nothing read or written); two requests on one row
+    race.
+    """
+    check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
+                                num_computed_tokens, block_size_to_align)
+    B, D, W = check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                        has_initial_state, activation, pad_slot_id)
+    S = conv_states.shape[0]
+    if check_values:
+        vllm_conv_fn_rows(B, cache_indices, pad_slot_id, S)
+    if _is_fp64(x, weight, bias, conv_states):
+        return _ref.causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                                     activation, pad_slot_id)
+    act = "silu" if activation is True else (None if activation is False else activation)
+    T = x.shape[1]
+    if B == 0 or T == 0 or D == 0:
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    idx = cache_indices if cache_indices is not None else torch.arange(B, device=x.device)
+    valid = (idx != pad_slot_id) & (idx >= 0) & (idx < S)
+    written = torch.where(valid, idx, -1)
+    read = torch.full_like(written, -1) if has_initial_state is None else torch.where(has_initial_state, written, -1)
+    slot_rows = torch.stack([written, read], 1).to(torch.int32)               # [B, 2]: (row written, row read)
+    xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)     # vLLM rounds x to the state's dtype
+    # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants)
+    y, _ = _conv_forward(xs.T[None], weight, bias, act, conv_states, True, query_start_loc,
+                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows)
+    offs = host_offsets(query_start_loc)                                     # (read once in this call's scope)
+    lens = torch.tensor([b - a for a, b in zip(offs, offs[1:])], device=x.device)
+    live = torch.repeat_interleave(valid, lens, output_size=T)              # [T]: the token's request is not padded
+    y = torch.where(live[:, None], y[0], 0.0)
+    return y.to(x.dtype).T

@@ -747,3 +747,78 @@ def check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, 
                             ("retrieve_parent_token", retrieve_parent_token, "tree drafts")):
         if val is not None:
             raise ValueError(f"{name} (vLLM's {what}) is not supported: pass None")
+
+
+def check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                              activation, pad_slot_id) -> tuple:
+    """Validate vLLM's causal_conv1d_fn arguments (shapes, dtypes, devices and query_start_loc's values: a prefill
+    reads them on the host anyway). Returns (B, D, W): requests, channels, conv width.
+
+    x: [D, T] (vLLM passes mixed_qkv.transpose(0, 1)); weight: [D, W], W >= 2; bias: [D]; conv_states: [S, D, C] with
+    C >= W - 1; query_start_loc: [B+1]; cache_indices: [B] int or None (request b uses row b); has_initial_state: [B]
+    bool or None (no request continues)."""
+    _need_tensor("x", x, 2)
+    _need_float("x", x)
+    D, T = x.shape
+    W = _check_weight_bias(weight, bias, D, x.device)
+    if W < 2:
+        raise ValueError(f"weight must be [D, W] with W >= 2 (a window of W - 1 past inputs), got {_shape(weight)}")
+    if not isinstance(activation, bool):
+        check_activation(activation)
+    _need_tensor("conv_states", conv_states, 3)
+    _need_float("conv_states", conv_states)
+    _need_device("conv_states", conv_states, x.device)
+    if conv_states.shape[1] != D or conv_states.shape[2] < W - 1 or conv_states.shape[0] < 1:
+        raise ValueError(f"conv_states must be [S, D, C] = [S >= 1, {D}, C >= W-1 = {W - 1}], got "
+                         f"{_shape(conv_states)}")
+    if not isinstance(pad_slot_id, numbers.Integral) or isinstance(pad_slot_id, bool):
+        raise ValueError(f"pad_slot_id must be an int, got {pad_slot_id!r}")
+    B = check_cu_seqlens(query_start_loc, 1, T, x.device, "query_start_loc")
+    if cache_indices is None and conv_states.shape[0] < B:
+        raise ValueError(f"conv_states has {conv_states.shape[0]} rows for B = {B} requests (no cache_indices: request "
+                         "b uses row b)")
+    if cache_indices is not None:
+        _need_tensor("cache_indices", cache_indices)
+        if tuple(cache_indices.shape) != (B,):
+            raise ValueError(f"cache_indices must have shape [B] = [{B}], got {_shape(cache_indices)}")
+        if cache_indices.dtype not in INT_DTYPES:
+            raise ValueError(f"cache_indices must be int32 or int64, got {cache_indices.dtype}")
+        _need_device("cache_indices", cache_indices, x.device)
+    if has_initial_state is not None:
+        _need_tensor("has_initial_state", has_initial_state)
+        if tuple(has_initial_state.shape) != (B,) or has_initial_state.dtype != torch.bool:
+            raise ValueError(f"has_initial_state must be a bool tensor [B] = [{B}], got {has_initial_state.dtype} "
+                             f"{_shape(has_initial_state)}")
+        _need_device("has_initial_state", has_initial_state, x.device)
+    return B, D, W
+
+
+def vllm_conv_fn_rows(B: int, cache_indices, pad_slot_id: int, S: int) -> List[int]:
+    """Each request's conv_states row for vLLM's causal_conv1d_fn from the values (a host read): -1 for a padded request
+    (pad_slot_id or negative). Raises ValueError for a row >= S or a row used by two requests."""
+    idx = list(range(B)) if cache_indices is None else cache_indices.tolist()
+    used = {}
+    out = []
+    for b, s in enumerate(idx):
+        if s == pad_slot_id or s < 0:
+            out.append(-1)
+            continue
+        if s >= S:
+            raise ValueError(f"cache_indices[{b}] = {s} is out of range for conv_states' {S} rows")
+        if used.setdefault(s, b) != b:
+            raise ValueError(f"conv_states row {s} is used by requests {used[s]} and {b}")
+        out.append(s)
+    return out
+
+
+def check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
+                                num_computed_tokens, block_size_to_align) -> None:
+    """vLLM's causal_conv1d_fn prefix-caching arguments, refused by name when given."""
+    for name, val in (("block_idx_first_scheduled_token", block_idx_first_scheduled_token),
+                      ("block_idx_last_scheduled_token", block_idx_last_scheduled_token),
+                      ("initial_state_idx", initial_state_idx), ("num_computed_tokens", num_computed_tokens)):
+        if val is not None:
+            raise ValueError(f"{name} (vLLM's prefix caching) is not supported: pass None")
+    if block_size_to_align not in (0, None):
+        raise ValueError(f"block_size_to_align (vLLM's prefix caching) is not supported: pass 0, got "
+                         f"{block_size_to_align!r}")

@@ -21,13 +21,16 @@ from typing import Optional
 
 import torch
 
-from .checks import (check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
-                     one_host_read, vllm_conv_update_rows, vllm_recurrent_slots)
+from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
+                     check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+                     host_offsets, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows, vllm_recurrent_slots)
+from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import gdn_gating as _gating
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update",
+           "causal_conv1d_fn"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -190,3 +193,48 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     for s, keep in new_rows:                       # written after every request has read (a kernel's order)
         conv_state[s, :, :keep.shape[1]] = keep
     return y[:, :, 0] if x.dim() == 2 and query_start_loc is None else y
+
+
+@one_host_read
+def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None, has_initial_state=None,
+                     activation="silu", pad_slot_id: int = -1, block_idx_first_scheduled_token=None,
+                     block_idx_last_scheduled_token=None, initial_state_idx=None, num_computed_tokens=None,
+                     block_size_to_align=0, metadata=None, validate_data: bool = False, *, check_values: bool = False):
+    """vLLM's causal_conv1d_fn (vllm.model_executor.layers.mamba.ops.causal_conv1d): the prefill conv over packed
+    requests, each continuing from (and leaving its window in) a row of conv_states.
+
+    x: [D, T] (vLLM's mixed_qkv.transpose(0, 1)); weight: [D, W]; bias: [D] or None; conv_states: [S, D, C],
+    C >= W - 1; query_start_loc: [B+1]; cache_indices: [B] int (row of request b; None: row b); has_initial_state:
+    [B] bool (None: no request continues) -> y: [D, T] in x's dtype.
+
+        y_t = act(bias + sum_j weight[:, j] x_{t-W+1+j})     inputs before a request's start: its row's first W - 1
+                                                             columns if has_initial_state, else zeros
+        conv_states[s, :, :W - 1] <- the request's last W - 1 inputs (its window, as refgdn.causal_conv1d's state)
+
+    x is rounded to conv_states' dtype first, as vLLM does. A padded request (row pad_slot_id or negative) reads and
+    writes no row and its outputs are zeros (vLLM leaves them unwritten). metadata (vLLM's precomputed launch
+    tables) and validate_data are accepted and not needed; prefix caching's arguments are refused by name. The row
+    values are checked here on every call, whatever check_values says (fast's twin: only when asked).
+    """
+    check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
+                                num_computed_tokens, block_size_to_align)
+    B, D, W = check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                        has_initial_state, activation, pad_slot_id)
+    rows = vllm_conv_fn_rows(B, cache_indices, pad_slot_id, conv_states.shape[0])
+    act = "silu" if activation is True else (None if activation is False else activation)
+    offs = host_offsets(query_start_loc)
+    cont = [False] * B if has_initial_state is None else has_initial_state.tolist()
+    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    xs = x.to(conv_states.dtype)                                         # vLLM rounds x to the state's dtype first
+    finals = []
+    for b, s in enumerate(rows):
+        if s < 0:
+            continue
+        h0 = conv_states[s, :, :W - 1][None] if cont[b] else torch.zeros_like(conv_states[s, :, :W - 1])[None]
+        seq = xs[:, offs[b]:offs[b + 1]].T[None]                         # [1, L_b, D]
+        out, final = _causal_conv1d(seq, weight, bias, act, h0, True)
+        y[:, offs[b]:offs[b + 1]] = out[0].T.to(x.dtype)
+        finals.append((s, final[0]))
+    for s, final in finals:                                   # written after every request has read (a kernel's order)
+        conv_states[s, :, :W - 1] = final.to(conv_states.dtype)
+    return y

@@ -14,8 +14,9 @@ import fast
 import fast.vllm_ops as FV
 import refgdn
 import refgdn.vllm_ops as RV
-from conformance.cases_vllm import (checks, conv_checks, conv_families, conv_problem, families,
-                                   padded_tokens as _padded_tokens, problem, run as _run)
+from conformance.cases_vllm import (checks, conv_checks, conv_families, conv_fn_checks, conv_fn_families,
+                                   conv_fn_problem, conv_problem, families, padded_tokens as _padded_tokens, problem,
+                                   run as _run)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
@@ -132,9 +133,14 @@ def test_keys_equal_the_launches():
         for p in conv_families(quick=True, device=DEV).values():
             x, state, w, b, kw = conv_problem(p, torch.float32, DEV)
             F.causal_conv1d_update(x, state, w, b, **kw)
+        x, w, b, states, kw = conv_fn_problem(conv_fn_families(True, DEV)["prefill-mixed-padded-empty"],
+                                              torch.float32, DEV)
+        F.causal_conv1d_fn(x, w, b, states, **kw)
     writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:4]]
     assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 4 + ["gdn_gating_kernel"]
-                                                    + ["conv_update_slots_kernel"] * len(conv_families(True, DEV)))
+                                                    + ["conv_update_slots_kernel"] * len(conv_families(True, DEV))
+                                                    + ["causal_conv1d_fwd_window_kernel",
+                                                       "causal_conv1d_final_state_kernel"])
     assert writes == [1, 2, 3, 3]
 
 
@@ -469,3 +475,96 @@ def test_conv_takes_vllms_keywords(pkg):
     for name in ("block_idx_last_scheduled_token", "initial_state_idx", "retrieve_parent_token"):
         with pytest.raises(ValueError, match=name):
             pkg.causal_conv1d_update(x, state, w, b, **kw, **{name: _t([0, 0])})
+
+
+
+# ---------------------------------------------------------------------------------------------- the prefill conv
+
+CONV_FN_DTYPES = [pytest.param(p, dt, id=f"{name}-{dn}")
+                  for name, p in conv_fn_families(quick=True, device=DEV).items()
+                  for dt, dn in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+                  if dt == torch.float32 or not p.get("fp32_x")]
+
+
+def test_conv_fn_refgdn_equals_the_conv_of_each_request():
+    """float64: each request's outputs and new window are refgdn.causal_conv1d's over its tokens from its row (or
+    zeros); then a decode step (vLLM's causal_conv1d_update) continues exactly where the prefill left the row."""
+    p = conv_fn_families(True, DEV)["prefill-mixed-padded-empty"]
+    x, w, b, states, kw = conv_fn_problem(p, D64, DEV, seed=5)
+    after = states.clone()
+    y = RV.causal_conv1d_fn(x, w, b, after, **kw)
+    qsl, W = p["qsl"], w.shape[1]
+    for n, (s, init) in enumerate(zip(p["idx"], p["init"])):
+        if s < 0:
+            continue
+        h0 = states[s, :, :W - 1][None] if init else None
+        want, final = refgdn.causal_conv1d(x[:, qsl[n]:qsl[n + 1]].T[None], w, b, "silu", h0, True)
+        torch.testing.assert_close(y[:, qsl[n]:qsl[n + 1]], want[0].T, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(after[s, :, :W - 1], final[0], rtol=0, atol=0)
+    live = [n for n, s in enumerate(p["idx"]) if s >= 0 and qsl[n + 1] > qsl[n]]
+    tok = torch.randn(len(live), x.shape[0], dtype=D64, device=DEV)
+    rows = _t([p["idx"][n] for n in live])
+    y1 = RV.causal_conv1d_update(tok, after, w, b, "silu", rows)
+    for i, n in enumerate(live):
+        seq = torch.cat([x[:, qsl[n]:qsl[n + 1]], tok[i][:, None]], 1)
+        h0 = states[p["idx"][n], :, :W - 1][None] if p["init"][n] else None
+        want, _ = refgdn.causal_conv1d(seq.T[None], w, b, "silu", h0)
+        torch.testing.assert_close(y1[i], want[0, -1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("p,dtype", CONV_FN_DTYPES)
+def test_conv_fn_fast_against_refgdn_by_the_rule(p, dtype):
+    for c in conv_fn_checks(p, dtype, DEV, seed=2):
+        res = evaluate(c)
+        assert res["passed"], (c.name, res)
+
+
+def _conv_fn_call():
+    x, w, b, states, kw = conv_fn_problem(conv_fn_families(True, DEV)["prefill-mixed-padded-empty"], torch.float32,
+                                          DEV, seed=6)
+    return x, w, b, states, kw
+
+
+CONV_FN_BAD = [
+    pytest.param(dict(x=torch.zeros(1, 40, 14)), "x must be 2-D", id="x-3d"),
+    pytest.param(dict(conv_states=torch.zeros(6, 40, 2)), r"conv_states must be \[S, D, C\]", id="states-narrow"),
+    pytest.param(dict(query_start_loc=_t([0, 5, 14])), r"cache_indices must have shape \[B\] = \[2\]",
+                 id="indices-wrong-B"),
+    pytest.param(dict(has_initial_state=_t([1, 0, 1, 0])), "has_initial_state must be a bool tensor", id="flags-int"),
+    pytest.param(dict(query_start_loc=_t([0, 5, 5, 12, 13])), "query_start_loc must end at T=14", id="offsets-short"),
+    pytest.param(dict(num_computed_tokens=_t([0, 0, 0, 0])), "num_computed_tokens", id="prefix-caching"),
+    pytest.param(dict(block_size_to_align=16), "block_size_to_align", id="prefix-caching-align"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", CONV_FN_BAD)
+def test_conv_fn_bad_inputs_raise_before_any_write(pkg, bad, words):
+    x, w, b, states, kw = _conv_fn_call()
+    args = dict(x=x, weight=w, bias=b, conv_states=states)
+    for name, val in bad.items():
+        (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+    before = states.clone()
+    with pytest.raises(ValueError, match=words):
+        pkg.causal_conv1d_fn(args["x"], args["weight"], args["bias"], args["conv_states"], **kw)
+    assert torch.equal(states, before)
+
+
+@pytest.mark.parametrize("bad,words", [
+    pytest.param([3, 1, 6, 0], r"cache_indices\[2\] = 6 is out of range", id="row-past-S"),
+    pytest.param([3, 1, 0, 0], "conv_states row 0 is used by requests 2 and 3", id="row-twice")])
+def test_conv_fn_bad_rows(bad, words):
+    """refgdn always checks the rows, fast with check_values=True; without, fast's out-of-range row pads its request."""
+    for pkg, extra in ((RV, {}), (FV, dict(check_values=True))):
+        x, w, b, states, kw = _conv_fn_call()
+        kw["cache_indices"] = _t(bad)
+        before = states.clone()
+        with pytest.raises(ValueError, match=words):
+            pkg.causal_conv1d_fn(x, w, b, states, **kw, **extra)
+        assert torch.equal(states, before)
+    x, w, b, states, kw = _conv_fn_call()
+    s_f, s_r = states.clone(), states.clone()
+    y = FV.causal_conv1d_fn(x, w, b, s_f, **dict(kw, cache_indices=_t([3, 1, 60, 0])))
+    y_r = RV.causal_conv1d_fn(x, w, b, s_r, **dict(kw, cache_indices=_t([3, 1, -1, 0])))
+    torch.testing.assert_close(y, y_r)
+    assert torch.equal(s_f, s_r)
