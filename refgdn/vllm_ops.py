@@ -10,7 +10,8 @@ in place,
                               starts from slot [n, num_accepted_tokens[n] - 1] (the last accepted draft's state:
                               vLLM's rollback by checkpoints).
 
-From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). So vLLM's imports of these names become
+From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). From its mamba ops: ``causal_conv1d_update`` (decode
+and verification, with the drafts' rollback) and ``causal_conv1d_fn`` (prefill). So vLLM's imports of these names become
 ``from refgdn.vllm_ops import ...`` (the oracle) or ``from fast.vllm_ops import ...`` (Triton). Both packages'
 functions have the same signatures; fast's checks the slot values on the device only as far as memory safety needs
 (``check_values=True`` checks them on the host, as this oracle always does).
