@@ -645,10 +645,10 @@ def conv_update_slots_kernel(
         conv_state[s, :, :W - 2 + L] <- u[:, 1:] (SPEC)  or  conv_state[s, :, :W - 1] <- u[:, L:]
 
     s = idx[i_b] (INDEXED) else i_b; a padded request (s == pad, s < 0 or s >= S) writes zeros to y and nothing to
-    conv_state, nor does a request without tokens. o = num_acc[i_b] - 1 (SPEC), clamped so the window stays in [0, C). Tokens: x[i_b, :, t] (t < T), or
-    rows qsl[i_b] .. qsl[i_b + 1] of x [T, D] (VARLEN; offsets clamped to [0, T]). x is rounded to conv_state's dtype
-    before use. In place: the outputs read the old row first; the new row is one [CP, BD] tile loaded whole before
-    its store, so no column is overwritten before it is read.
+    conv_state, nor does a request without tokens. o = num_acc[i_b] - 1 (SPEC), clamped so the window stays in [0, C).
+    Tokens: x[i_b, :, t] (t < T), or rows qsl[i_b] .. qsl[i_b + 1] of x [T, D] (VARLEN; offsets clamped to [0, T]). x is
+    rounded to conv_state's dtype before use. In place: the outputs read the old row first; the new row is one [CP, BD]
+    tile loaded whole before its store, so no column is overwritten before it is read.
     """
     i_d = tl.program_id(0)
     i_b = tl.program_id(1)

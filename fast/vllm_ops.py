@@ -2,9 +2,9 @@
 
 ``chunk_gated_delta_rule``: fast's chunked forward in vLLM's argument order. ``fused_gdn_gating``: fast's gating.
 ``causal_conv1d_update``: conv_update_slots_kernel (fast.conv). ``causal_conv1d_fn``: fast's varlen conv in
-gdn_prefill's slot form. ``fused_recurrent_gated_delta_rule``: vLLM's serving form of the recurrent op (states in a slot pool, per-token slots
-for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent kernel
-(fast.chunk.recurrent.recurrent_slots_kernel).
+gdn_prefill's slot form. ``fused_recurrent_gated_delta_rule``: vLLM's serving form of the recurrent op (states in a slot
+pool, per-token slots for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent
+kernel (fast.chunk.recurrent.recurrent_slots_kernel).
 """
 from __future__ import annotations
 

@@ -530,8 +530,8 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
     is the slot pool [S, HV, K, V]; num_accepted_tokens [N] int, only with [N, L] indices.
     """
     if retrieve_parent_token is not None:
-        raise ValueError("retrieve_parent_token (vLLM's tree drafts) is not supported: pass None (drafts form one chain "
-                         "per request; gdn_verify / gdn_accept are this package's speculative path)")
+        raise ValueError("retrieve_parent_token (vLLM's tree drafts) is not supported: pass None (drafts form one "
+                         "chain per request; gdn_verify / gdn_accept are this package's speculative path)")
     if isinstance(beta, torch.Tensor) and isinstance(v, torch.Tensor) and beta.dim() == v.dim() == 4:
         raise ValueError(f"beta must be [B, T, HV] (one per token and value head), got {_shape(beta)}: vLLM's "
                          "head-wise beta [B, T, HV, V] is not supported")

@@ -157,12 +157,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
 
     With drafts the row keeps W - 2 past inputs and every new one, so the next call starts its window at the last
     accepted token (vLLM's rollback of the conv). x is rounded to conv_state's dtype first, as vLLM does; sums in
-    float32 (float64 when any input is). A request whose slot is pad_slot_id (or negative) is padded: zeros out,
-    nothing written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. activation: None,
-    "silu" / "swish", or vLLM's bool (True: silu). max_query_len and validate_data (vLLM's shape asserts: the shapes
-    are always checked here) are accepted and not needed; prefix caching's block_idx_last_scheduled_token /
-    initial_state_idx and tree drafts' retrieve_parent_token are refused by name. The values (slots, offsets, counts) are checked here on every call,
-    whatever check_values says (refgdn.checks.vllm_conv_update_rows); fast's twin checks them only when asked.
+    float32 (float64 when any input is). A request whose slot is pad_slot_id (or negative) is padded: zeros out, nothing
+    written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. activation: None, "silu" /
+    "swish", or vLLM's bool (True: silu). max_query_len and validate_data (vLLM's shape asserts: the shapes are always
+    checked here) are accepted and not needed; prefix caching's block_idx_last_scheduled_token / initial_state_idx and
+    tree drafts' retrieve_parent_token are refused by name. The values (slots, offsets, counts) are checked here on
+    every call, whatever check_values says (refgdn.checks.vllm_conv_update_rows); fast's twin checks them only when
+    asked.
     """
     check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
     B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,

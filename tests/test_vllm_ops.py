@@ -119,7 +119,7 @@ def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
 
 
 def test_keys_equal_the_launches():
-    """fast.keys.vllm_ops predicts the kernel each layout (and the gating) launches (traced_ops raises on a mismatch)."""
+    """fast.keys.vllm_ops predicts the kernels each call launches (traced_ops raises on a mismatch)."""
     from fast import keys as fk
     from refgdn.capture import KeyLog, recording, traced_ops
     F = traced_ops(FV, keys=fk.vllm_ops)
