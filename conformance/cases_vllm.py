@@ -278,23 +278,14 @@ def cases(quick: bool, device: str) -> list:
     except ImportError:
         return []
     out = []
-    for family, p in families(quick, device).items():
-        for dt in dtypes_for(device):
-            name = f"{OP}/{family}/{DTYPE_NAMES[dt]}"
-            out.append(Case(op=OP, case=family, dtype=dt, quick=quick,
-                            run=lambda device, p=p, dt=dt, name=name: checks(p, dt, device, seed_of(name))))
-    for family, p in conv_families(quick, device).items():
-        for dt in dtypes_for(device):
-            if p.get("fp32_x") and dt != torch.float32:
-                continue
-            name = f"{CONV_OP}/{family}/{DTYPE_NAMES[dt]}"
-            out.append(Case(op=CONV_OP, case=family, dtype=dt, quick=quick,
-                            run=lambda device, p=p, dt=dt, name=name: conv_checks(p, dt, device, seed_of(name))))
-    for family, p in conv_fn_families(quick, device).items():
-        for dt in dtypes_for(device):
-            if p.get("fp32_x") and dt != torch.float32:
-                continue
-            name = f"{CONV_FN_OP}/{family}/{DTYPE_NAMES[dt]}"
-            out.append(Case(op=CONV_FN_OP, case=family, dtype=dt, quick=quick,
-                            run=lambda device, p=p, dt=dt, name=name: conv_fn_checks(p, dt, device, seed_of(name))))
+    for op, fams, check in ((OP, families, checks), (CONV_OP, conv_families, conv_checks),
+                            (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
+        for family, p in fams(quick, device).items():
+            for dt in dtypes_for(device):
+                if p.get("fp32_x") and dt != torch.float32:        # (the family's x is float32 by construction)
+                    continue
+                name = f"{op}/{family}/{DTYPE_NAMES[dt]}"
+                out.append(Case(op=op, case=family, dtype=dt, quick=quick,
+                                run=lambda device, p=p, dt=dt, name=name, check=check: check(p, dt, device,
+                                                                                            seed_of(name))))
     return out

@@ -12,7 +12,7 @@ import torch
 
 import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                           check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
+                           check_vllm_conv_update_inputs, check_vllm_recurrent_inputs,
                            host_offsets, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows,
                            vllm_recurrent_slots)
 
@@ -117,11 +117,7 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
 
     beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
     """
-    check_vllm_gating_arguments(a, beta, threshold)
-    g, b_out = _gating(A_log, a, dt_bias, b)
-    if a.dim() == 2:
-        g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
-    return g, b_out
+    return _ref.vllm_gating(_gating, A_log, a, b, dt_bias, beta, threshold)
 
 
 @one_host_read

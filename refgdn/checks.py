@@ -652,6 +652,26 @@ def check_vllm_gating_arguments(a, beta, threshold) -> None:
                          "supported")
 
 
+def _check_vllm_conv_common(x, D: int, weight, bias, activation, state_name: str, states, pad_slot_id) -> int:
+    """What vLLM's two conv ops check alike (x floating with D channels, weight [D, W >= 2], bias, activation, the state
+    rows [S, D, C >= W - 1], pad_slot_id); returns W."""
+    _need_float("x", x)
+    W = _check_weight_bias(weight, bias, D, x.device)
+    if W < 2:
+        raise ValueError(f"weight must be [D, W] with W >= 2 (a window of W - 1 past inputs), got {_shape(weight)}")
+    if not isinstance(activation, bool):
+        check_activation(activation)
+    _need_tensor(state_name, states, 3)
+    _need_float(state_name, states)
+    _need_device(state_name, states, x.device)
+    if states.shape[1] != D or states.shape[2] < W - 1 or states.shape[0] < 1:
+        raise ValueError(f"{state_name} must be [S, D, C] = [S >= 1, {D}, C >= W-1 = {W - 1}], got "
+                         f"{_shape(states)}")
+    if not isinstance(pad_slot_id, numbers.Integral) or isinstance(pad_slot_id, bool):
+        raise ValueError(f"pad_slot_id must be an int, got {pad_slot_id!r}")
+    return W
+
+
 def check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
                                   query_start_loc, max_query_len, pad_slot_id, offset_values: bool = True) -> tuple:
     """Validate vLLM's causal_conv1d_update arguments (shapes, dtypes, devices; query_start_loc's values unless
@@ -664,20 +684,8 @@ def check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_
     _need_tensor("x", x)
     if x.dim() not in (2, 3) or (query_start_loc is not None and x.dim() != 2):
         raise ValueError(f"x must be [B, D], [B, D, L] or (with query_start_loc) [T, D], got {_shape(x)}")
-    _need_float("x", x)
     D = x.shape[1]
-    W = _check_weight_bias(weight, bias, D, x.device)
-    if W < 2:
-        raise ValueError(f"weight must be [D, W] with W >= 2 (a window of W - 1 past inputs), got {_shape(weight)}")
-    if not isinstance(activation, bool):
-        check_activation(activation)
-    _need_tensor("conv_state", conv_state, 3)
-    _need_float("conv_state", conv_state)
-    _need_device("conv_state", conv_state, x.device)
-    if conv_state.shape[1] != D or conv_state.shape[2] < W - 1 or conv_state.shape[0] < 1:
-        raise ValueError(f"conv_state must be [S, D, C] = [S >= 1, {D}, C >= W-1 = {W - 1}], got {_shape(conv_state)}")
-    if not isinstance(pad_slot_id, numbers.Integral) or isinstance(pad_slot_id, bool):
-        raise ValueError(f"pad_slot_id must be an int, got {pad_slot_id!r}")
+    W = _check_vllm_conv_common(x, D, weight, bias, activation, "conv_state", conv_state, pad_slot_id)
     if not isinstance(max_query_len, numbers.Integral) or isinstance(max_query_len, bool):
         raise ValueError(f"max_query_len must be an int, got {max_query_len!r}")
     if query_start_loc is not None:
@@ -758,21 +766,8 @@ def check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cac
     C >= W - 1; query_start_loc: [B+1]; cache_indices: [B] int or None (request b uses row b); has_initial_state: [B]
     bool or None (no request continues)."""
     _need_tensor("x", x, 2)
-    _need_float("x", x)
     D, T = x.shape
-    W = _check_weight_bias(weight, bias, D, x.device)
-    if W < 2:
-        raise ValueError(f"weight must be [D, W] with W >= 2 (a window of W - 1 past inputs), got {_shape(weight)}")
-    if not isinstance(activation, bool):
-        check_activation(activation)
-    _need_tensor("conv_states", conv_states, 3)
-    _need_float("conv_states", conv_states)
-    _need_device("conv_states", conv_states, x.device)
-    if conv_states.shape[1] != D or conv_states.shape[2] < W - 1 or conv_states.shape[0] < 1:
-        raise ValueError(f"conv_states must be [S, D, C] = [S >= 1, {D}, C >= W-1 = {W - 1}], got "
-                         f"{_shape(conv_states)}")
-    if not isinstance(pad_slot_id, numbers.Integral) or isinstance(pad_slot_id, bool):
-        raise ValueError(f"pad_slot_id must be an int, got {pad_slot_id!r}")
+    W = _check_vllm_conv_common(x, D, weight, bias, activation, "conv_states", conv_states, pad_slot_id)
     B = check_cu_seqlens(query_start_loc, 1, T, x.device, "query_start_loc")
     if cache_indices is None and conv_states.shape[0] < B:
         raise ValueError(f"conv_states has {conv_states.shape[0]} rows for B = {B} requests (no cache_indices: request "

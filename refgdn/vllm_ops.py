@@ -131,8 +131,13 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
 
     beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
     """
+    return vllm_gating(_gating, A_log, a, b, dt_bias, beta, threshold)
+
+
+def vllm_gating(gating, A_log, a, b, dt_bias, beta: float, threshold: float):
+    """fused_gdn_gating over a package's gdn_gating (``gating``, this API's argument order)."""
     check_vllm_gating_arguments(a, beta, threshold)
-    g, b_out = _gating(A_log, a, dt_bias, b)
+    g, b_out = gating(A_log, a, dt_bias, b)
     if a.dim() == 2:
         g, b_out = g[None], b_out[None]                  # [N, HV] -> [1, N, HV]: vLLM's token-major batch of one
     return g, b_out
