@@ -57,15 +57,15 @@ def state_bytes(N: int, k: int) -> int:
     return 4 * HV * K * V * N * (1 + writes)
 
 
-def rows(cases=CASES) -> list:
+def rows(copy_gbps: float, cases=CASES) -> list:
+    """The table's rows; copy_gbps: the device copy bandwidth measured by the caller (the "of copy" column)."""
     fla = common.try_import_fla()
-    copy = common.copy_bandwidth_gbs()
     out = []
     for N, k in cases:
         us = per_layer_us(lambda i: fast_call(N, k, i))
         gbs = state_bytes(N, k) / us / 1e3
         out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fast.vllm_ops", us=us, GBps=gbs,
-                        of_copy=gbs / copy))
+                        of_copy=gbs / copy_gbps))
         if fla is not None:
             fus = per_layer_us(lambda i: fla_fn(make_problem(N, k, torch.float32, "cuda", seed=i), fla)[0])
             out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fla fused_recurrent (gathered "
@@ -81,10 +81,11 @@ def main(argv=None):
     if not common.gpu_available():
         print("bench_vllm: needs a GPU")
         return
-    r = rows()
+    copy = common.copy_bandwidth_gbs()          # measured once: the rows' "of copy" and the section's meta
+    r = rows(copy)
     print(common.format_table(r))
     if not ns.no_results:
-        common.append_results(TITLE, r, meta=dict(META, copy_GBps=common.copy_bandwidth_gbs()))
+        common.append_results(TITLE, r, meta=dict(META, copy_GBps=copy))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from refgdn.checks import fla_keywords, fla_recurrent_arguments, host_offsets_kn
 from . import chunk as _chunk
 from . import conv as _conv
 from . import serving as _serving
+from .chunk import recurrent as _rec
 from .utils import cdiv, is_interpreting, next_pow2
 
 __all__ = ["bt_rule", "prefill_lengths", "gdn_prefill", "gdn_decode", "gdn_verify", "gdn_accept",
@@ -529,7 +530,6 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
                                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, *,
                                            retrieve_parent_token=None, check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
-    from .chunk import recurrent as _rec
     beta_dt = q.dtype if beta is None else beta.dtype              # (None: ones in q's dtype)
     if _fp64(q, k, v, g, initial_state) or beta_dt == torch.float64:
         return []

@@ -387,13 +387,18 @@ CONV_BAD = [
 ]
 
 
+def _override(args: dict, kw: dict, bad: dict) -> None:
+    """bad's entries replace the call's leading arguments (args) or its keywords (kw); tensors moved to DEV."""
+    for name, val in bad.items():
+        (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+
+
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 @pytest.mark.parametrize("bad,words", CONV_BAD)
 def test_conv_bad_inputs_raise_before_any_write(pkg, bad, words):
     x, state, w, b, kw = _conv_call()
     args = dict(x=x, conv_state=state, weight=w, bias=b)
-    for name, val in bad.items():
-        (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+    _override(args, kw, bad)
     before = state.clone()
     with pytest.raises(ValueError, match=words):
         pkg.causal_conv1d_update(args["x"], args["conv_state"], args["weight"], args["bias"], **kw)
@@ -542,8 +547,7 @@ CONV_FN_BAD = [
 def test_conv_fn_bad_inputs_raise_before_any_write(pkg, bad, words):
     x, w, b, states, kw = _conv_fn_call()
     args = dict(x=x, weight=w, bias=b, conv_states=states)
-    for name, val in bad.items():
-        (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+    _override(args, kw, bad)
     before = states.clone()
     with pytest.raises(ValueError, match=words):
         pkg.causal_conv1d_fn(args["x"], args["weight"], args["bias"], args["conv_states"], **kw)

@@ -20,6 +20,32 @@ from .common import _beta_of, _exp, _gate, _seq_coords
 # recurrent kernel: the time loop, state in registers
 # ============================================================================================
 
+@triton.jit
+def _load_token(q_base, k_base, v_base, g_base, b_base, t64, s_qt, s_kt, s_vt, s_gt, s_bt, o_k, o_v, m_k, m_v):
+    """Token t64's q, k [BK], v [BV], g in fp32 and its beta as stored (the caller maps it: common._beta_of)."""
+    b_q = tl.load(q_base + t64 * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
+    return b_q, b_k, b_v, b_g, tl.load(b_base + t64 * s_bt)
+
+
+@triton.jit
+def _delta_step(b_h, b_q, b_k, b_v, b_g, b_beta, scale, L2NORM: tl.constexpr, EPS: tl.constexpr,
+                PRECISE: tl.constexpr):
+    """One token of the delta rule on the [BK, BV] state block b_h (fp32) -> (b_h, o [BV]):
+
+        S <- exp(g) S ;  S <- S + k (beta (v - S^T k))^T ;  o = scale S^T q     (q, k l2-normalised first if L2NORM)
+    """
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + EPS)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + EPS)
+    b_h *= _exp(b_g, PRECISE)
+    b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))           # beta (v - S^T k)
+    b_h += b_k[:, None] * b_v[None, :]
+    return b_h, tl.sum(b_h * b_q[:, None], 0) * scale
+
+
 @triton.jit(do_not_specialize=["T"])
 def recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, h0, o, ht,
@@ -67,20 +93,12 @@ def recurrent_kernel(
     b_base = beta + i_b * s_bb + i_h * s_bh
     for t in range(bos, eos):
         t64 = (i_b * 0 + t).to(tl.int64)
-        b_q = tl.load(q_base + t64 * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
-        b_beta = _beta_of(tl.load(b_base + t64 * s_bt), True, BETA_LOGITS, PRECISE)
+        b_q, b_k, b_v, b_g, b_beta = _load_token(q_base, k_base, v_base, g_base, b_base, t64, s_qt, s_kt, s_vt,
+                                                 s_gt, s_bt, o_k, o_v, m_k, m_v)
+        b_beta = _beta_of(b_beta, True, BETA_LOGITS, PRECISE)
         if GATE:
             b_g = _gate(b_g, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
-        if L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + EPS)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + EPS)
-        b_h *= _exp(b_g, PRECISE)
-        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))           # beta (v - S^T k)
-        b_h += b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], 0) * scale
+        b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, b_g, b_beta, scale, L2NORM, EPS, PRECISE)
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
     if STORE_HT:
@@ -175,18 +193,10 @@ def recurrent_slots_kernel(
     b_base = beta + i_b * s_bb + i_h * s_bh
     for t in range(bos, eos):
         t64 = (i_b * 0 + t).to(tl.int64)
-        b_q = tl.load(q_base + t64 * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_base + t64 * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_base + t64 * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g_base + t64 * s_gt).to(tl.float32)
-        b_beta = tl.load(b_base + t64 * s_bt).to(tl.float32)
-        if L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + EPS)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + EPS)
-        b_h *= _exp(b_g, PRECISE)
-        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))           # beta (v - S^T k)
-        b_h += b_k[:, None] * b_v[None, :]
-        b_o = tl.where(valid, tl.sum(b_h * b_q[:, None], 0) * scale, 0.0)
+        b_q, b_k, b_v, b_g, b_beta = _load_token(q_base, k_base, v_base, g_base, b_base, t64, s_qt, s_kt, s_vt,
+                                                 s_gt, s_bt, o_k, o_v, m_k, m_v)
+        b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, b_g, b_beta.to(tl.float32), scale, L2NORM, EPS, PRECISE)
+        b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if WRITE == 2:                                                   # WRITE_EACH_SLOT
             j = t64 - bos
