@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import common
-from benchmarks.bench_decode import H, HV, K, V, fla_fn, make_problem, step_inputs
+from benchmarks.bench_decode import HV, K, V, fla_fn, make_problem, step_inputs
 from benchmarks.bench_graphs import per_layer_us
 
 TITLE = "vLLM's serving recurrent op: fast.vllm_ops vs fla (per layer of a 32-layer graph)"

@@ -18,8 +18,6 @@ functions have the same signatures; fast's checks the slot values on the device 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,

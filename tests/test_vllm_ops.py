@@ -15,8 +15,7 @@ import fast.vllm_ops as FV
 import refgdn
 import refgdn.vllm_ops as RV
 from conformance.cases_vllm import (checks, conv_checks, conv_families, conv_fn_checks, conv_fn_families,
-                                   conv_fn_problem, conv_problem, families, padded_tokens as _padded_tokens, problem,
-                                   run as _run)
+                                   conv_fn_problem, conv_problem, families, problem, run as _run)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
