@@ -16,6 +16,16 @@ next call, as in a model's decode graph; benchmarks.bench_graphs.per_layer_us):
 
 GB/s = bytes / time; "of copy" = that over the measured device copy bandwidth (read + write of 1 GiB buffers).
 
+vLLM's conv update (fast.vllm_ops.causal_conv1d_update), a second table: Qwen3-Next's conv channels
+D = 2 H K + HV V = 8192, W = 4, bf16 x, weight and conv-state pool [S, D, C] (C = W - 1 + k), no bias, SiLU:
+
+  - decode: x [N, D], conv_state_indices [N]; fla 0.6.0's causal_conv1d_update beside it (its cache [N, D, W] per
+    request, no slot indices: the pool gathered beforehand is not timed);
+  - speculative verification: x [N, D, 1 + k], num_accepted_tokens picking each request's window (no fla peer: fla
+    takes one token per request).
+
+    conv bytes = 2 N D ((W - 1) + (W - 1 + k) + 2 (1 + k))    window read, window written, x read, y written
+
 Run: python -m benchmarks.bench_vllm [--no-results]
 """
 from __future__ import annotations
@@ -31,6 +41,10 @@ META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=12
               "l2norm in the kernel",
         "us": "do_bench median of a 32-layer graph's replay / 32",
         "bytes": "4 HV K V N (1 + writes): writes 1 (decode) or 1 + k (a state per token)"}
+CONV_TITLE = "vLLM's conv update: fast.vllm_ops.causal_conv1d_update vs fla (per layer of a 32-layer graph)"
+CONV_META = {"op": "fast.vllm_ops.causal_conv1d_update, D=8192 W=4, bf16 x/weight/state pool, no bias, SiLU",
+             "us": "do_bench median of a 32-layer graph's replay / 32",
+             "bytes": "2 N D ((W-1) + (W-1+k) + 2 (1+k)): window read, window written, x read, y written"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 
 
@@ -73,6 +87,53 @@ def rows(copy_gbps: float, cases=CASES) -> list:
     return out
 
 
+CONV_D, CONV_W = 2 * 16 * K + HV * V, 4
+CONV_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (8, 3), (32, 3))
+
+
+def conv_call(N: int, k: int, seed: int = 0, fla=None):
+    """One layer's conv update on its own pool (random contents, slots by a random permutation): a callable; fla:
+    fla 0.6.0's causal_conv1d_update on a per-request cache [N, D, W] instead (decode only)."""
+    import fast.vllm_ops as FV
+    gen = torch.Generator().manual_seed(seed)
+    D, W = CONV_D, CONV_W
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(D, W, generator=gen) / W ** 0.5).to(**bf)
+    if fla is not None:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_update
+        x, cache = torch.randn(N, D, generator=gen).to(**bf), torch.randn(N, D, W, generator=gen).to(**bf)
+        return lambda: fla_update(x, cache, None, w, None, "silu")  # noqa: E731
+    S, C = 2 * N, W - 1 + k
+    pool = torch.randn(S, D, C, generator=gen).to(**bf)
+    slots = torch.randperm(S, generator=gen)[:N].to(device="cuda", dtype=torch.int32)
+    if k == 0:
+        x, kw = torch.randn(N, D, generator=gen).to(**bf), {}
+    else:
+        x = torch.randn(N, D, 1 + k, generator=gen).to(**bf)
+        kw = dict(num_accepted_tokens=torch.randint(1, 2 + k, (N,), generator=gen).to(device="cuda", dtype=torch.int32))
+    return lambda: FV.causal_conv1d_update(x, pool, w, None, "silu", slots, **kw)  # noqa: E731
+
+
+def conv_bytes(N: int, k: int) -> int:
+    return 2 * N * CONV_D * ((CONV_W - 1) + (CONV_W - 1 + k) + 2 * (1 + k))
+
+
+def conv_rows(copy_gbps: float, cases=CONV_CASES) -> list:
+    """The conv table's rows (same columns as rows())."""
+    fla = common.try_import_fla()
+    out = []
+    for N, k in cases:
+        what = "decode" if k == 0 else f"verify k={k}"
+        us = per_layer_us(lambda i: conv_call(N, k, i))
+        gbs = conv_bytes(N, k) / us / 1e3
+        out.append(dict(what=what, N=N, impl="fast.vllm_ops conv", us=us, GBps=gbs, of_copy=gbs / copy_gbps))
+        if fla is not None and k == 0:
+            fus = per_layer_us(lambda i: conv_call(N, k, i, fla=fla))
+            out.append(dict(what=what, N=N, impl="fla causal_conv1d_update (per-request cache)", us=fus,
+                            vs_fast=fus / us))
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,8 +145,11 @@ def main(argv=None):
     copy = common.copy_bandwidth_gbs()          # measured once: the rows' "of copy" and the section's meta
     r = rows(copy)
     print(common.format_table(r))
+    c = conv_rows(copy)
+    print(common.format_table(c))
     if not ns.no_results:
         common.append_results(TITLE, r, meta=dict(META, copy_GBps=copy))
+        common.append_results(CONV_TITLE, c, meta=dict(CONV_META, copy_GBps=copy))
 
 
 if __name__ == "__main__":

@@ -337,15 +337,13 @@ def test_conv_refgdn_rounds_equal_the_conv_over_the_accepted_history():
     acc = [1, 1]                                                    # the first call's windows start at column 0
     for rnd in range(4):
         x = torch.randn(2, D, 1 + k, generator=gen, dtype=D64)
-        y = RV.causal_conv1d_update(x, state, w, b, "silu", _t(slots), _t(acc))
+        y = RV.causal_conv1d_update(x, state, w, b, "silu", torch.tensor(slots, dtype=I32),
+                                    torch.tensor(acc, dtype=I32))       # refgdn on the CPU, whatever DEV is
         for n in range(2):
             want, _ = refgdn.causal_conv1d(x[n].T[None], w, b, "silu", initial_state=hist[n][None, :, -(W - 1):])
             torch.testing.assert_close(y[n], want[0].T, rtol=1e-12, atol=1e-12)
         acc = [int(a) for a in torch.randint(1, 2 + k, (2,), generator=gen)]
         hist = [torch.cat([hist[n], x[n][:, :acc[n]]], 1) for n in range(2)]
-
-
-D64 = torch.float64
 
 
 CONV_DTYPES = [pytest.param(p, dt, id=f"{name}-{dn}") for name, p in conv_families(quick=True, device=DEV).items()
