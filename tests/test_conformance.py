@@ -10,7 +10,7 @@ from conformance import cases_prefill, runner
 from conformance.core import Case, Check
 
 FIELDS = {"op", "case", "dtype", "chunk_size", "draft_steps", "check", "error", "ref_error", "passed"}
-SUBSET = "causal_conv1d,causal_conv1d_update,gdn_gating,l2norm"
+SUBSET = "causal_conv1d_update,gdn_gating,l2norm"    # the cheap ops: the whole quick matrix runs in CI anyway
 # the device the fast kernels run on here: natively on a GPU, else in the Triton interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -134,6 +134,23 @@ def test_rule_bound_is_twice_ref_error_plus_floor():
                   run=lambda d: [Check("o", torch.tensor([2.1e-3, 0, 0, 0]), truth, ref)])
     assert runner.run_case(within, "cpu")[0]["passed"]
     assert not runner.run_case(beyond, "cpu")[0]["passed"]
+
+
+def test_quick_matrix_runs_every_family_the_tests_leave_to_it():
+    """tests/test_vllm_ops.py and tests/test_serving_fast.py leave their fast-vs-refgdn rule checks to the quick
+    matrix (the README's test command runs it first): it collects each of their families in fp32, fp16 and bf16."""
+    from conformance import cases_serving, cases_vllm
+    cases, problems, _ = runner.collect(True, DEVICE)
+    assert not problems
+    have = {(c.op, c.case, c.dtype) for c in cases}
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for op, fams in ((cases_vllm.OP, cases_vllm.families), (cases_vllm.CONV_OP, cases_vllm.conv_families),
+                     (cases_vllm.CONV_FN_OP, cases_vllm.conv_fn_families)):
+        for family, p in fams(True, DEVICE).items():
+            want = (torch.float32,) if p.get("fp32_x") else dtypes
+            assert all((op, family, dt) in have for dt in want), (op, family)
+    serving = cases_serving.cases(True, DEVICE)
+    assert serving and all((c.op, c.case, c.dtype) in have for c in serving)
 
 
 def test_ops_filter_and_missing_case_modules(monkeypatch):

@@ -1,5 +1,5 @@
-"""fast.serving (Triton; the interpreter on CPU) against refgdn.serving: the conformance matrix, strided
-conv states, bfloat16 state storage, padded rows, device-side faults (skip the request, record, raise at
+"""fast.serving (Triton; the interpreter on CPU) against refgdn.serving beyond the conformance matrix (its serving
+cases run in the quick matrix, the first half of the README's test command): strided conv states, bfloat16 state storage, padded rows, device-side faults (skip the request, record, raise at
 check()) matching refgdn's skip-and-record mode, and identical input errors. The full list of bad-input
 classes, run against both packages, is tests/test_bad_inputs.py."""
 import functools
@@ -9,8 +9,7 @@ import torch
 
 import fast.serving as fs
 import refgdn.serving as rs
-from conformance.cases_serving import cases, cast_cache, make_cache, make_layer, make_tokens
-from conformance.core import evaluate
+from conformance.cases_serving import cast_cache, make_cache, make_layer, make_tokens
 from refgdn.serving import committed_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,13 +21,6 @@ def _args(layer):
 
 def _to(layer, dtype=None, device=DEVICE):
     return {k: (v.to(device=device, dtype=dtype or v.dtype) if v is not None else None) for k, v in layer.items()}
-
-
-@pytest.mark.parametrize("case", cases(True, DEVICE), ids=lambda c: f"{c.case}-{str(c.dtype)[6:]}")
-def test_conformance_case(case):
-    """Each quick conformance case: fast vs refgdn (outputs, committed states, exact conv/meta/untouched)."""
-    failed = [(ch.name, r) for ch in case.checks(DEVICE) for r in [evaluate(ch)] if not r["passed"]]
-    assert not failed, failed[:5]
 
 
 def _run_both(cache_ref, cache_fast, layer_ref, layer_fast, slots, schedule, HV, D, dtype, scale=None):
