@@ -136,8 +136,9 @@ def _spec_case(name: str, k, *, lens=(5, 2, 7), max_new=8, slots=(2, 0, 3), dtyp
                                                                    minlength=hist.numel()), hist, exact=True))
         return checks
 
+    # cost: a whole model's rounds, ~14 float32 chunk cases of time in the CPU quick matrix (runner.shard)
     return Case(op="speculative_generate", case=name, dtype=dtype, run=run,
-                draft_steps=max(k) if isinstance(k, (list, tuple)) else k, quick=quick)
+                draft_steps=max(k) if isinstance(k, (list, tuple)) else k, quick=quick, cost=14.0)
 
 
 def cases(quick: bool, device: str) -> list:

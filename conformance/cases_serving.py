@@ -248,8 +248,11 @@ def _serving_case(name, *, N, slots, num_slots, H, HV, K, V, W=4, max_draft=7, d
                                     getattr(cast_cache(base, state_dtype, dtype), fname)[u], exact=True))
         return checks
 
+    # cost (runner.shard): a prefill case runs refgdn's and fast's chunked prefills and decode rounds, ~7 chunk
+    # cases of time in the CPU quick matrix
     return Case(op="gdn_prefill" if prefills else "gdn_verify" if rounds else "gdn_decode", case=name, dtype=dtype,
-                run=run, draft_steps=max(drafts) if draft_steps is None else draft_steps, quick=quick)
+                run=run, draft_steps=max(drafts) if draft_steps is None else draft_steps, quick=quick,
+                cost=7.0 if prefills else 1.0)
 
 
 def cases(quick: bool, device: str) -> list:
