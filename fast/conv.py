@@ -710,18 +710,22 @@ def conv_update_slots_kernel(
     tl.store(p_c[None, :] + c[:, None] * s_cw, tile, mask=m2 & (c[:, None] < count))
 
 
-def vllm_conv_update_config(D: int, B: int = 1, multi_token: bool = False) -> dict:
-    """conv_update_slots_kernel's pinned config for B requests of D channels; multi_token: more than one token per
-    request (speculative verification, varlen). No autotune: it writes conv_state in place and runs in CUDA graphs.
+def vllm_conv_update_config(D: int, B: int = 1, tokens: int = 1) -> dict:
+    """conv_update_slots_kernel's pinned config for B requests of D channels bringing `tokens` tokens in all (more
+    than B: several per request, as in speculative verification). No autotune: it writes conv_state in place and runs
+    in CUDA graphs.
 
     Swept on an H200 (benchmarks/RESULTS.md, 2026-11-28; D = 8192, per layer of a 32-layer graph): narrow programs
     where few requests leave most SMs idle (one token, B = 1: 32 channels in one warp, 2.55 us against 2.71 for 256 in
     4; 1 + 3 tokens, B <= 8: 3.1 / 4.1 us against 4.3 / 5.0), 64 channels in one warp for 1 + k tokens up to B = 32,
     else 256 channels in 4 warps. The interpreter: at most 128."""
+    multi_token = tokens > B
     if B <= 1 or (multi_token and B <= 8):
         bd, nw = 32, 1
     elif multi_token and B <= 32:
         bd, nw = 64, 1
     else:
         bd, nw = 256, 4
-    return dict(BD=max(16, min(bd if not is_interpreting() else min(bd, 128), next_pow2(D))), num_warps=nw)
+    if is_interpreting():
+        bd = min(bd, 128)
+    return dict(BD=max(16, min(bd, next_pow2(D))), num_warps=nw)

@@ -573,8 +573,7 @@ def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None
         return []
     D, W, C = x.shape[1], weight.shape[1], conv_state.shape[2]
     act = "silu" if activation is True else (None if activation is False else activation)
-    T = x.shape[0] if query_start_loc is not None else (x.shape[2] if x.dim() == 3 else 1)
-    cfg = _conv.vllm_conv_update_config(D, B, multi_token=T > (B if query_start_loc is not None else 1))
+    cfg = _conv.vllm_conv_update_config(D, B, x.shape[0] * (x.shape[2] if x.dim() == 3 else 1))   # tokens in all
     return [CompileKey.make(
         "conv_update_slots_kernel",
         dict(D=D, C=C, W=W, BD=cfg["BD"], CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,
