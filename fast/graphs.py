@@ -368,8 +368,8 @@ class GraphedSteps:
 
     - decode: one token per request, ``cache`` the graphs' cache -> decode graph of the smallest batch >= N
       (the graph rebuilds the metadata from the slots, as ``model.metadata`` does);
-    - verify: 1 + k tokens for every request (uniform k; checked with one small device->host read of
-      query_start_loc) -> verify graph; mixed k runs eagerly;
+    - verify: 1 + k_n tokens for request n (one small device->host read of query_start_loc) -> the verify
+      graph of 1 + max k_n tokens per request, shorter requests padded (``verify``);
     - mtp: one token per request (the single-token draft steps) -> the draft graph, the caller's metadata
       (rebuilt by the caller for the step: refgdn.speculative.fresh_draft_metadata) padded and copied into
       the static buffers, the step index counted since the last target step;
@@ -384,6 +384,7 @@ class GraphedSteps:
         self._last = None
         self._step = 0
         self.replays = 0                      # steps served from a graph (for tests and reports)
+        self.padded_verifies = 0              # of them, verifies of mixed k laid out in a uniform graph
 
     def __getattr__(self, name):
         return getattr(self._gm.m, name)
@@ -429,20 +430,36 @@ class GraphedSteps:
         return self._ret(h[:n], logits[:n])
 
     def verify(self, cache, input_ids, meta):
+        """From the verify graph of 1 + k tokens per request, k the batch's largest: a request with fewer tokens
+        is laid out at its row of that graph with padding tokens after its own (their outputs dropped, gathered
+        back to the packed order). The padding joins the request's verify: gdn_verify keeps it pending and the
+        accept that must follow never commits it (num_accepted <= the request's real tokens); attention writes
+        its K/V at positions past the request's, which the next step rewrites before reading, and none at
+        positions >= max_len (build_step_metadata). A causal step: no real token reads a later one, so the real
+        tokens' outputs are the packed layout's."""
         self._step = 0
         n, t = meta.num_reqs, meta.num_tokens
-        desc = None
-        if self._ok(cache) and n and t % n == 0 and 2 <= t // n <= 1 + self._gm.max_draft:
-            T = t // n
-            desc = self._gm._padded("verify", n, T)
-            uniform = torch.arange(n + 1, dtype=meta.query_start_loc.dtype, device=meta.query_start_loc.device) * T
-            if desc is not None and not torch.equal(meta.query_start_loc, uniform):     # host read: mixed k
-                desc = None
+        desc, pick = None, None
+        if self._ok(cache) and n:
+            offs = meta.query_start_loc.tolist()                # the one host read: the requests' lengths
+            lens = [e - b for b, e in zip(offs, offs[1:])]
+            T = max(lens)
+            if min(lens) >= 1 and 2 <= T <= 1 + self._gm.max_draft:
+                desc = self._gm._padded("verify", n, T)
+                if desc is not None and min(lens) < T:          # mixed k: each request at row i of the graph
+                    pick = torch.tensor([i * T + j for i, L in enumerate(lens) for j in range(L)],
+                                        dtype=torch.long, device=input_ids.device)
         if desc is None:
             return self._eager("verify", lambda: self._gm.m.verify(cache, input_ids, meta))
-        self._gm._fill_inputs(desc, input_ids, meta.state_indices)
+        ids = input_ids
+        if pick is not None:                                    # padding tokens: id 0 (any id would do)
+            ids = torch.zeros(n * T, dtype=input_ids.dtype, device=input_ids.device).index_copy_(0, pick, input_ids)
+            self.padded_verifies += 1
+        self._gm._fill_inputs(desc, ids, meta.state_indices)
         h, logits = self._gm.lc.replay(desc)
-        return self._ret(h[:t], logits[:t])
+        if pick is None:
+            return self._ret(h[:t], logits[:t])
+        return self._ret(h.index_select(0, pick), logits.index_select(0, pick))
 
     def mtp(self, cache, input_ids, hidden, meta):
         n = meta.num_reqs

@@ -643,7 +643,8 @@ def test_graphed_model_on_cpu_equals_eager(model):
 
 def test_speculative_loop_over_graphs_is_lossless():
     """refgdn.speculative's loop on fast.graphs.GraphedSteps (simulated graphs, float64 model): greedy
-    speculative tokens == plain greedy tokens, with decode / verify / draft steps served from graphs."""
+    speculative tokens == plain greedy tokens, with decode / verify / draft steps served from graphs, verifies
+    of mixed k (requests near their budget draft fewer) included."""
     from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
     from refgdn.speculative import generate_plain, generate_speculative
     m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
@@ -662,5 +663,41 @@ def test_speculative_loop_over_graphs_is_lossless():
     again = generate_plain(gs, prompts, 8, cache=gs.cache)
     assert spec.tokens == plain.tokens and again.tokens == plain.tokens
     assert n_spec > 0 and gs.replays > n_spec, "no step was served from a graph"
+    assert gs.padded_verifies > 0, "no verify of mixed k was served from a graph"
     for mode in ("decode", "verify", "draft"):
         assert any(st.graph.graph.replays for st in gm.lc.steps.values() if st.desc.mode == mode), mode
+
+
+@pytest.mark.parametrize("lens", [[2, 4], [3, 1], [1, 3]], ids=["short-first", "short-last", "k0-first"])
+def test_mixed_k_verify_from_the_uniform_graph_equals_eager(lens):
+    """GraphedSteps.verify of requests with different draft counts (each padded in its row of the graph of the
+    longest): the outputs, in packed order, are the eager packed step's; after the same accept, a decode step of
+    both caches gives the same logits (committed states and the KV rows the lengths cover agree; the padding's
+    K/V rows past them are never read)."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
+                       check_values=False)
+    k = 3
+    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=k, max_batch=2, max_prefill_tokens=8, max_prefill_seqs=2)
+    gm = GraphedModel(m, batch_sizes=(2,), max_draft=k, num_slots=2, max_len=16).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    gs = GraphedSteps(gm)
+    _prefill(m, gm.cache, [3, 5], [1, 0])
+    twin = gm.cache.clone()
+    slots = torch.tensor([1, 0], dtype=I32)
+    ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(2))
+    qsl = torch.tensor([0, lens[0], sum(lens)], dtype=I32)
+    n0 = gs.padded_verifies
+    h = gs.verify(gs.cache, ids, m.metadata(gs.cache, slots, qsl, sum(lens)))
+    assert gs.padded_verifies == n0 + 1
+    want = m.verify(twin, ids, m.metadata(twin, slots, qsl, sum(lens)))
+    torch.testing.assert_close(h, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gs.logits(h), m.logits(want), rtol=1e-12, atol=1e-12)
+    acc = torch.tensor([max(1, L - 1) for L in lens], dtype=I32)
+    gs.accept(gs.cache, slots, acc)
+    m.accept(twin, slots, acc)
+    nxt = torch.tensor([7, 9])
+    one = torch.arange(3, dtype=I32)
+    got = m.logits(m.decode(gs.cache, nxt, m.metadata(gs.cache, slots, one, 2)))
+    torch.testing.assert_close(got, m.logits(m.decode(twin, nxt, m.metadata(twin, slots, one, 2))),
+                               rtol=1e-12, atol=1e-12)
