@@ -385,6 +385,7 @@ class GraphedSteps:
         self._step = 0
         self.replays = 0                      # steps served from a graph (for tests and reports)
         self.padded_verifies = 0              # of them, verifies of mixed k laid out in a uniform graph
+        self._real_lens = None                # the last padded verify's tokens per request (device), for accept
 
     def __getattr__(self, name):
         return getattr(self._gm.m, name)
@@ -416,7 +417,15 @@ class GraphedSteps:
         return self._eager("prefill", lambda: self._gm.m.prefill(cache, input_ids, meta, query_start_loc_cpu))
 
     def accept(self, cache, state_indices, num_accepted):
+        """model.accept. After a padded verify (``verify``) gdn_accept sees each request's padded length, so an
+        accept beyond the request's own tokens is turned into 0 on the device: a count the rule faults
+        (E_ACCEPT_RANGE, raised by ``cache.check()``; nothing of the request committed), as the eager verify's
+        accept would have been; never a commit of padding. The fault names the request; the count it quotes is
+        that 0 against the padded length."""
         self._step = 0
+        lens, self._real_lens = self._real_lens, None
+        if lens is not None and num_accepted.shape == lens.shape:
+            num_accepted = torch.where(num_accepted <= lens.to(num_accepted.dtype), num_accepted, 0)
         return self._eager("accept", lambda: self._gm.m.accept(cache, state_indices, num_accepted))
 
     def decode(self, cache, input_ids, meta):
@@ -438,6 +447,7 @@ class GraphedSteps:
         positions >= max_len (build_step_metadata). A causal step: no real token reads a later one, so the real
         tokens' outputs are the packed layout's."""
         self._step = 0
+        self._real_lens = None
         n, t = meta.num_reqs, meta.num_tokens
         desc, pick = None, None
         if self._ok(cache) and n:
@@ -455,6 +465,7 @@ class GraphedSteps:
         if pick is not None:                                    # padding tokens: id 0 (any id would do)
             ids = torch.zeros(n * T, dtype=input_ids.dtype, device=input_ids.device).index_copy_(0, pick, input_ids)
             self.padded_verifies += 1
+            self._real_lens = torch.tensor(lens, dtype=torch.int32, device=input_ids.device)
         self._gm._fill_inputs(desc, ids, meta.state_indices)
         h, logits = self._gm.lc.replay(desc)
         if pick is None:

@@ -701,3 +701,25 @@ def test_mixed_k_verify_from_the_uniform_graph_equals_eager(lens):
     got = m.logits(m.decode(gs.cache, nxt, m.metadata(gs.cache, slots, one, 2)))
     torch.testing.assert_close(got, m.logits(m.decode(twin, nxt, m.metadata(twin, slots, one, 2))),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_mixed_k_verify_from_a_graph_refuses_to_accept_its_padding():
+    """After a padded verify, accepting more tokens than a request brought faults (as after the eager verify) and
+    commits nothing of that request: the padding is never accepted."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
+                       check_values=False)
+    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=3, max_batch=2, max_prefill_tokens=8, max_prefill_seqs=2)
+    gm = GraphedModel(m, batch_sizes=(2,), max_draft=3, num_slots=2, max_len=16).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    gs = GraphedSteps(gm)
+    _prefill(m, gm.cache, [3, 5], [1, 0])
+    slots, qsl = torch.tensor([1, 0], dtype=I32), torch.tensor([0, 2, 6], dtype=I32)
+    gs.verify(gs.cache, torch.arange(6), m.metadata(gs.cache, slots, qsl, 6))
+    assert gs.padded_verifies == 1
+    before = gs.cache.clone()
+    with pytest.raises(ValueError, match=r"num_accepted\[0\]"):
+        gs.accept(gs.cache, slots, torch.tensor([3, 2], dtype=I32))      # request 0 brought 2 tokens
+        gs.cache.check()
+    for s_, t_ in zip(gs.cache.gdn[0].tensors(), before.gdn[0].tensors()):
+        assert torch.equal(s_[1], t_[1])                                  # slot 1 (request 0): nothing committed
