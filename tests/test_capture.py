@@ -668,21 +668,26 @@ def test_speculative_loop_over_graphs_is_lossless():
         assert any(st.graph.graph.replays for st in gm.lc.steps.values() if st.desc.mode == mode), mode
 
 
+def _graphed_pair():
+    """A float64 tiny model (refgdn ops) with graphs for 2 requests and up to 3 drafts, two prompts prefilled in
+    slots 1 and 0: (model, GraphedModel, GraphedSteps)."""
+    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
+                       check_values=False)
+    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=3, max_batch=2, max_prefill_tokens=8, max_prefill_seqs=2)
+    gm = GraphedModel(m, batch_sizes=(2,), max_draft=3, num_slots=2, max_len=16).setup(
+        profile=lambda: profile_traffic(m, cfg))
+    _prefill(m, gm.cache, [3, 5], [1, 0])
+    return m, gm, GraphedSteps(gm)
+
+
 @pytest.mark.parametrize("lens", [[2, 4], [3, 1], [1, 3]], ids=["short-first", "short-last", "k0-first"])
 def test_mixed_k_verify_from_the_uniform_graph_equals_eager(lens):
     """GraphedSteps.verify of requests with different draft counts (each padded in its row of the graph of the
     longest): the outputs, in packed order, are the eager packed step's; after the same accept, a decode step of
     both caches gives the same logits (committed states and the KV rows the lengths cover agree; the padding's
     K/V rows past them are never read)."""
-    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
-    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
-                       check_values=False)
-    k = 3
-    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=k, max_batch=2, max_prefill_tokens=8, max_prefill_seqs=2)
-    gm = GraphedModel(m, batch_sizes=(2,), max_draft=k, num_slots=2, max_len=16).setup(
-        profile=lambda: profile_traffic(m, cfg))
-    gs = GraphedSteps(gm)
-    _prefill(m, gm.cache, [3, 5], [1, 0])
+    m, gm, gs = _graphed_pair()
     twin = gm.cache.clone()
     slots = torch.tensor([1, 0], dtype=I32)
     ids = torch.randint(0, m.config.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(2))
@@ -706,14 +711,7 @@ def test_mixed_k_verify_from_the_uniform_graph_equals_eager(lens):
 def test_mixed_k_verify_from_a_graph_refuses_to_accept_its_padding():
     """After a padded verify, accepting more tokens than a request brought faults (as after the eager verify) and
     commits nothing of that request: the padding is never accepted."""
-    from fast.graphs import GraphedModel, GraphedSteps, profile_traffic
-    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops=traced_ops(refgdn), dtype=torch.float64, seed=5,
-                       check_values=False)
-    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=3, max_batch=2, max_prefill_tokens=8, max_prefill_seqs=2)
-    gm = GraphedModel(m, batch_sizes=(2,), max_draft=3, num_slots=2, max_len=16).setup(
-        profile=lambda: profile_traffic(m, cfg))
-    gs = GraphedSteps(gm)
-    _prefill(m, gm.cache, [3, 5], [1, 0])
+    m, gm, gs = _graphed_pair()
     slots, qsl = torch.tensor([1, 0], dtype=I32), torch.tensor([0, 2, 6], dtype=I32)
     gs.verify(gs.cache, torch.arange(6), m.metadata(gs.cache, slots, qsl, 6))
     assert gs.padded_verifies == 1
