@@ -91,15 +91,15 @@ CONV_D, CONV_W = 2 * 16 * K + HV * V, 4
 CONV_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (8, 3), (32, 3))
 
 
-def conv_call(N: int, k: int, seed: int = 0, fla=None):
-    """One layer's conv update on its own pool (random contents, slots by a random permutation): a callable; fla:
+def conv_call(N: int, k: int, seed: int = 0, peer: bool = False):
+    """One layer's conv update on its own pool (random contents, slots by a random permutation): a callable; peer:
     fla 0.6.0's causal_conv1d_update on a per-request cache [N, D, W] instead (decode only)."""
     import fast.vllm_ops as FV
     gen = torch.Generator().manual_seed(seed)
     D, W = CONV_D, CONV_W
     bf = dict(dtype=torch.bfloat16, device="cuda")
     w = (torch.randn(D, W, generator=gen) / W ** 0.5).to(**bf)
-    if fla is not None:
+    if peer:
         from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_update
         x, cache = torch.randn(N, D, generator=gen).to(**bf), torch.randn(N, D, W, generator=gen).to(**bf)
         return lambda: fla_update(x, cache, None, w, None, "silu")  # noqa: E731
@@ -128,7 +128,7 @@ def conv_rows(copy_gbps: float, cases=CONV_CASES) -> list:
         gbs = conv_bytes(N, k) / us / 1e3
         out.append(dict(what=what, N=N, impl="fast.vllm_ops conv", us=us, GBps=gbs, of_copy=gbs / copy_gbps))
         if fla is not None and k == 0:
-            fus = per_layer_us(lambda i: conv_call(N, k, i, fla=fla))
+            fus = per_layer_us(lambda i: conv_call(N, k, i, peer=True))
             out.append(dict(what=what, N=N, impl="fla causal_conv1d_update (per-request cache)", us=fus,
                             vs_fast=fus / us))
     return out

@@ -369,22 +369,24 @@ CONV_BAD = [
 ]
 
 
-def _override(args: dict, kw: dict, bad: dict) -> None:
-    """bad's entries replace the call's leading arguments (args) or its keywords (kw); tensors moved to DEV."""
+def _refused_before_any_write(fn, args: dict, kw: dict, state: str, bad: dict, words: str) -> None:
+    """fn(*args.values(), **kw) with bad's entries put over the leading arguments (args) or the keywords (kw), tensors
+    moved to DEV, raises a ValueError matching words, and the call's state tensor args[state] is left as it was."""
+    watched = args[state]
+    before = watched.clone()
     for name, val in bad.items():
         (args if name in args else kw)[name] = val.to(DEV) if isinstance(val, torch.Tensor) else val
+    with pytest.raises(ValueError, match=words):
+        fn(*args.values(), **kw)
+    assert torch.equal(watched, before)
 
 
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 @pytest.mark.parametrize("bad,words", CONV_BAD)
 def test_conv_bad_inputs_raise_before_any_write(pkg, bad, words):
     x, state, w, b, kw = _conv_call()
-    args = dict(x=x, conv_state=state, weight=w, bias=b)
-    _override(args, kw, bad)
-    before = state.clone()
-    with pytest.raises(ValueError, match=words):
-        pkg.causal_conv1d_update(args["x"], args["conv_state"], args["weight"], args["bias"], **kw)
-    assert torch.equal(state, before)
+    _refused_before_any_write(pkg.causal_conv1d_update, dict(x=x, conv_state=state, weight=w, bias=b), kw,
+                              "conv_state", bad, words)
 
 
 CONV_BAD_VALUES = [
@@ -515,12 +517,8 @@ CONV_FN_BAD = [
 @pytest.mark.parametrize("bad,words", CONV_FN_BAD)
 def test_conv_fn_bad_inputs_raise_before_any_write(pkg, bad, words):
     x, w, b, states, kw = _conv_fn_call()
-    args = dict(x=x, weight=w, bias=b, conv_states=states)
-    _override(args, kw, bad)
-    before = states.clone()
-    with pytest.raises(ValueError, match=words):
-        pkg.causal_conv1d_fn(args["x"], args["weight"], args["bias"], args["conv_states"], **kw)
-    assert torch.equal(states, before)
+    _refused_before_any_write(pkg.causal_conv1d_fn, dict(x=x, weight=w, bias=b, conv_states=states), kw,
+                              "conv_states", bad, words)
 
 
 @pytest.mark.parametrize("bad,words", [
