@@ -159,7 +159,15 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         conv_state[s, :, :W - 1] <- u[:, L_b:]               (otherwise: the last W - 1 inputs)
 
     With drafts the row keeps W - 2 past inputs and every new one, so the next call starts its window at the last
-    accepted token (vLLM's rollback of the conv). x is rounded to conv_state's dtype first, as vLLM does; sums in
+    accepted token (vLLM's rollback of the conv). Without drafts the window stays in the row's first W - 1 columns,
+    where every later read looks (this call's at offset 0, a verify's at num_accepted_tokens - 1, causal_conv1d_fn's).
+    vLLM's kernel instead shifts the whole row left by L_b and writes x at its end; for C = W - 1 (its non-speculative
+    cache) and for requests of max_query_len tokens that is the same. It differs for C > W - 1 (a speculative cache
+    in a step whose batch has no drafts at all: vLLM's next read at the row's start would then miss x) and for a
+    request shorter than the others in a query_start_loc call; vLLM's GDN layer sends one token per request there.
+    A call without num_accepted_tokens reads the row's start, so after a verify it is right only when one token was
+    accepted (vLLM keeps a request with zero drafts on its speculative path while any request has drafts).
+    x is rounded to conv_state's dtype first, as vLLM does; sums in
     float32 (float64 when any input is). A request whose slot is pad_slot_id (or negative) is padded: zeros out, nothing
     written (vLLM leaves its outputs unwritten); a request without tokens writes nothing. activation: None, "silu" /
     "swish", or vLLM's bool (True: silu). max_query_len and validate_data (vLLM's shape asserts: the shapes are always

@@ -325,7 +325,9 @@ def test_fused_gdn_gating_in_vllms_order(shape, dtype):
 
 def test_conv_refgdn_rounds_equal_the_conv_over_the_accepted_history():
     """float64, speculative rounds: each round's outputs are refgdn.causal_conv1d's over the request's history of
-    accepted inputs (the simplest form: the conv of the whole sequence), whatever was rejected before."""
+    accepted inputs (the simplest form: the conv of the whole sequence), whatever was rejected before. Rounds 0 and 3
+    have no drafts (vLLM's non-speculative call on the speculative cache, one token each, as after a prefill or a
+    round that accepted one token): the next verify still sees their token."""
     gen = torch.Generator().manual_seed(3)
     D, W, k, S = 12, 4, 3, 5
     C = W - 2 + 1 + k
@@ -334,14 +336,18 @@ def test_conv_refgdn_rounds_equal_the_conv_over_the_accepted_history():
     slots = [3, 0]
     hist = [state[s, :, :W - 1].clone() for s in slots]            # [D, W - 1]: each request's past inputs
     acc = [1, 1]                                                    # the first call's windows start at column 0
-    for rnd in range(4):
-        x = torch.randn(2, D, 1 + k, generator=gen, dtype=D64)
-        y = RV.causal_conv1d_update(x, state, w, b, "silu", torch.tensor(slots, dtype=I32),
-                                    torch.tensor(acc, dtype=I32))       # refgdn on the CPU, whatever DEV is
+    plain = (0, 3)                                                  # rounds without drafts
+    for rnd in range(5):
+        drafts = rnd not in plain
+        x = torch.randn(2, D, 1 + k if drafts else 1, generator=gen, dtype=D64)
+        y = RV.causal_conv1d_update(x if drafts else x[:, :, 0], state, w, b, "silu", torch.tensor(slots, dtype=I32),
+                                    torch.tensor(acc, dtype=I32) if drafts else None)  # refgdn on the CPU
+        y = y if drafts else y[:, :, None]
         for n in range(2):
             want, _ = refgdn.causal_conv1d(x[n].T[None], w, b, "silu", initial_state=hist[n][None, :, -(W - 1):])
             torch.testing.assert_close(y[n], want[0].T, rtol=1e-12, atol=1e-12)
-        acc = [int(a) for a in torch.randint(1, 2 + k, (2,), generator=gen)]
+        acc = [int(a) for a in torch.randint(1, 2 + k, (2,), generator=gen)] if drafts else [1, 1]
+        acc = [1, 1] if rnd + 1 in plain else acc       # a plain call reads the row's start: one accepted before it
         hist = [torch.cat([hist[n], x[n][:, :acc[n]]], 1) for n in range(2)]
 
 
