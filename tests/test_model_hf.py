@@ -49,11 +49,12 @@ class _Float64Torch(types.ModuleType):
 
 
 @contextlib.contextmanager
-def hf_float64(monkeypatch):
-    """transformers' Qwen3-Next computing in float64 throughout, on its torch fallback paths."""
+def hf_float64(monkeypatch, mod=hf_mod):
+    """transformers' Qwen3-Next (or the modeling module ``mod`` of another family: Qwen3.5's has the same
+    functions) computing in float64 throughout, on its torch fallback paths."""
     calls = {"chunk": 0, "conv": 0}
-    chunk = getattr(hf_mod.torch_chunk_gated_delta_rule, "__wrapped__", hf_mod.torch_chunk_gated_delta_rule)
-    conv = getattr(hf_mod.causal_conv1d_fn, "__wrapped__", hf_mod.causal_conv1d_fn)
+    chunk = getattr(mod.torch_chunk_gated_delta_rule, "__wrapped__", mod.torch_chunk_gated_delta_rule)
+    conv = getattr(mod.causal_conv1d_fn, "__wrapped__", mod.causal_conv1d_fn)
 
     def chunk_counted(*a, **k):
         calls["chunk"] += 1
@@ -63,12 +64,12 @@ def hf_float64(monkeypatch):
         calls["conv"] += 1
         return conv(*a, **k)
 
-    monkeypatch.setattr(hf_mod, "torch", _Float64Torch())
+    monkeypatch.setattr(mod, "torch", _Float64Torch())
     # every .float() means float64 here, integer tensors included (transformers 5.17's rotary multiplies
     # inv_freq.float() by position_ids.float(): both must land in the same dtype)
     monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
-    monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", chunk_counted)
-    monkeypatch.setattr(hf_mod, "causal_conv1d_fn", conv_counted)
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", chunk_counted)
+    monkeypatch.setattr(mod, "causal_conv1d_fn", conv_counted)
     yield calls
 
 

@@ -5,8 +5,11 @@ Read: ``model.safetensors``, or the shards listed by ``model.safetensors.index.j
 per expert (``mlp.experts.E.{gate,up,down}_proj.weight``: what transformers' save_pretrained and the
 public checkpoints write) or fused as transformers 5 keeps them in memory
 (``mlp.experts.gate_up_proj [E, 2I, hidden]``, ``mlp.experts.down_proj [E, hidden, I]``): fused
-tensors are split on load. Strict: a missing key, an unexpected key or a shape mismatch raises
-ValueError naming the key, before any weight is copied.
+tensors are split on load. A multimodal Qwen3.5 checkpoint (``model.language_model.*``, ``model.visual.*``,
+``mtp.*``, ``lm_head.weight``) loads as its text model: the language model's keys under ``model.*``, the
+vision tower's left out. Strict: a missing key, an unexpected key or a shape mismatch raises
+ValueError naming the key, before any weight is copied. save_pretrained writes the text model's layout
+(``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``, by config.model_type).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from .config import Qwen3NextConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_LANGUAGE, _VISUAL = "model.language_model.", "model.visual."
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +70,14 @@ def _unfuse_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     return out
 
 
+def _text_model_keys(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A multimodal checkpoint's language model under the text model's names; its vision tower left out."""
+    if not any(k.startswith(_LANGUAGE) for k in tensors):
+        return tensors
+    return {("model." + k[len(_LANGUAGE):] if k.startswith(_LANGUAGE) else k): v for k, v in tensors.items()
+            if not k.startswith(_VISUAL)}
+
+
 def load_pretrained(cls, path: str, ops=None, dtype: Optional[torch.dtype] = None, device="cpu",
                     check_values: Optional[bool] = None):
     cfg_path = os.path.join(path, "config.json")
@@ -75,7 +87,7 @@ def load_pretrained(cls, path: str, ops=None, dtype: Optional[torch.dtype] = Non
     if dtype is None:
         name = config.extra.get("dtype") or config.extra.get("torch_dtype") or "float32"
         dtype = _DTYPES.get(name, torch.float32)
-    tensors = _unfuse_experts(_read_tensors(path))
+    tensors = _unfuse_experts(_text_model_keys(_read_tensors(path)))
     has_mtp = any(k.startswith("mtp.") for k in tensors)
     # the MTP head iff the checkpoint has mtp.* weights (with num_nextn_predict_layers == 0 they are unexpected)
     model = cls(config, ops=ops, dtype=dtype, device=device, seed=None,

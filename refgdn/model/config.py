@@ -1,5 +1,17 @@
 """The model configuration: Hugging Face ``Qwen3NextConfig`` field names, read from / written to config.json.
 
+Three families (``model_type``), one decoder:
+
+* ``qwen3_next`` (Qwen3-Next): GDN in-projections ``in_proj_qkvz`` / ``in_proj_ba``, head-interleaved;
+* ``qwen3_5_text`` (Qwen3.5 dense, ``Qwen3_5ForCausalLM``): ``in_proj_qkv`` (q | k | v, the conv's own channel
+  order), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; dense MLPs; the MTP layer count is ``mtp_num_hidden_layers``;
+* ``qwen3_5_moe_text`` (Qwen3.5-MoE): the same GDN projections, every MLP a routed MoE with normalised top-k weights.
+
+A multimodal Qwen3.5 config.json (``qwen3_5`` / ``qwen3_5_moe``, the language model under ``text_config``) is read
+as its text model; ``tie_word_embeddings`` is taken from the outer config. Qwen3.5's multi-axis rotary
+(``mrope_section``, ``mrope_interleaved``) is read and kept: for text, whose three position axes are equal, it is
+the one-axis rotary computed here.
+
 Only the fields this model uses are typed; any other key of a config.json (architectures,
 bos_token_id, transformers_version, ...) is kept in ``extra`` and written back unchanged.
 Rotary settings: transformers 5 writes ``rope_parameters = {rope_type, rope_theta,
@@ -14,6 +26,17 @@ import json
 from typing import Any, Dict, List, Optional
 
 LINEAR, FULL = "linear_attention", "full_attention"
+QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE = "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"
+ARCHITECTURES = {QWEN3_NEXT: "Qwen3NextForCausalLM", QWEN3_5: "Qwen3_5ForCausalLM",
+                 QWEN3_5_MOE: "Qwen3_5MoeForCausalLM"}
+_OUTER = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}        # multimodal configs: text_config is the model
+# transformers' own defaults where a family's differ from Qwen3-Next's (a config.json may leave them out)
+_FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    QWEN3_5: dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                  num_key_value_heads=4, num_experts=0, num_nextn_predict_layers=0),
+    QWEN3_5_MOE: dict(vocab_size=248320, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
+                      norm_topk_prob=True, num_nextn_predict_layers=0),
+}
 
 
 @dataclasses.dataclass
@@ -50,6 +73,7 @@ class Qwen3NextConfig:
     layer_types: Optional[List[str]] = None
     full_attention_interval: int = 4
     num_nextn_predict_layers: int = 1
+    model_type: str = QWEN3_NEXT
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -63,6 +87,18 @@ class Qwen3NextConfig:
     # --------------------------------------------------------------------------------------
     def validate(self) -> None:
         """ValueError naming the field on an inconsistent config."""
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"config.model_type must be one of {sorted(ARCHITECTURES)} (or a multimodal "
+                             f"{sorted(_OUTER)} config.json), got {self.model_type!r}")
+        if self.model_type == QWEN3_5 and self.num_experts:
+            raise ValueError(f"config.num_experts={self.num_experts}: a {QWEN3_5} model is dense (num_experts = 0; "
+                             f"{QWEN3_5_MOE} has experts)")
+        if self.model_type == QWEN3_5_MOE and (not self.num_experts or self.mlp_only_layers
+                                               or self.decoder_sparse_step != 1 or not self.norm_topk_prob):
+            raise ValueError(f"config: every {QWEN3_5_MOE} MLP is a MoE with normalised top-k weights "
+                             f"(num_experts > 0, mlp_only_layers = [], decoder_sparse_step = 1, norm_topk_prob = "
+                             f"True), got num_experts={self.num_experts}, mlp_only_layers={self.mlp_only_layers}, "
+                             f"decoder_sparse_step={self.decoder_sparse_step}, norm_topk_prob={self.norm_topk_prob}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step"):
@@ -100,6 +136,11 @@ class Qwen3NextConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def split_gdn_projections(self) -> bool:
+        """Qwen3.5's GDN in-projections (in_proj_qkv / z / b / a) rather than Qwen3-Next's in_proj_qkvz / ba."""
+        return self.model_type != QWEN3_NEXT
+
+    @property
     def conv_dim(self) -> int:
         """D = 2 * H * K + HV * V: the GDN conv channels (q | k | v)."""
         return (2 * self.linear_num_key_heads * self.linear_key_head_dim
@@ -114,6 +155,19 @@ class Qwen3NextConfig:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Qwen3NextConfig":
         d = dict(d)
+        if d.get("model_type") in _OUTER:                       # multimodal Qwen3.5: its language model
+            outer, d = d, dict(d.get("text_config") or {})
+            d["model_type"] = _OUTER[outer["model_type"]]
+            for k in ("tie_word_embeddings", "dtype", "torch_dtype"):        # the outer config's say
+                if k in outer:
+                    d[k] = outer[k]
+        family = d.get("model_type", QWEN3_NEXT)
+        if family in (QWEN3_5, QWEN3_5_MOE):
+            if "mtp_num_hidden_layers" in d:                     # Qwen3.5's name for the MTP layer count
+                d["num_nextn_predict_layers"] = d.pop("mtp_num_hidden_layers")
+            for k, v in _FAMILY_DEFAULTS[family].items():
+                d.setdefault(k, v)
+            d.pop("architectures", None)                         # written back from the family
         rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None)
         if rope:
             rtype = rope.get("rope_type", rope.get("type", "default"))
@@ -123,6 +177,10 @@ class Qwen3NextConfig:
                 d["rope_theta"] = rope["rope_theta"]
             if "partial_rotary_factor" in rope:
                 d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+            mrope = {k: rope[k] for k in ("mrope_section", "mrope_interleaved") if k in rope}
+            if mrope:                                            # text positions: the one-axis rotary (module doc)
+                d.setdefault("extra", {})
+                d["extra"] = dict(d["extra"], rope_mrope=mrope)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         extra = dict(d.get("extra", {}))
@@ -132,12 +190,22 @@ class Qwen3NextConfig:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> Dict[str, Any]:
+        """config.json of the family's text model (a multimodal Qwen3.5 config is written as its language model)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("extra", "rope_theta", "partial_rotary_factor", "full_attention_interval")}
+        extra = dict(self.extra)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.partial_rotary_factor}
-        out = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
-        out.update(self.extra)
+                                "partial_rotary_factor": self.partial_rotary_factor, **extra.pop("rope_mrope", {})}
+        if self.model_type != QWEN3_NEXT:                          # Qwen3.5's own names; no unused MoE fields
+            d["mtp_num_hidden_layers"] = d.pop("num_nextn_predict_layers")
+            drop = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+            if self.model_type == QWEN3_5:
+                drop += ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size")
+            for k in drop:
+                d.pop(k)
+        out = {"architectures": [ARCHITECTURES[self.model_type]]}
+        out.update(extra)
         out.update(d)
         return out
 

@@ -265,10 +265,11 @@ class GatedDeltaNet(nn.Module):
     """The GDN token mixer (Qwen3-Next ``linear_attn``), its core through the ops namespace.
 
     x: [T, hidden] -> [T, hidden].  H = linear_num_key_heads, HV = linear_num_value_heads, G = HV / H.
-    in_proj_qkvz gives, per q/k head h, [q_h (K) | k_h (K) | v (G*V) | z (G*V)]; in_proj_ba gives per
-    h [b (G) | a (G)] (value head h*G + j). mixed_qkv = [q | k | v] (D = 2HK + HV V) goes through
-    the causal conv (silu), then q, k -> l2norm, g = -exp(A_log) softplus(a + dt_bias),
-    beta = sigmoid(b), the gated delta rule, the gated RMSNorm with z, and out_proj.
+    Qwen3-Next: in_proj_qkvz gives, per q/k head h, [q_h (K) | k_h (K) | v (G*V) | z (G*V)]; in_proj_ba
+    gives per h [b (G) | a (G)] (value head h*G + j). Qwen3.5 (config.split_gdn_projections): in_proj_qkv
+    gives mixed_qkv as it is, in_proj_z, in_proj_b, in_proj_a the rest. mixed_qkv = [q | k | v]
+    (D = 2HK + HV V) goes through the causal conv (silu), then q, k -> l2norm, g = -exp(A_log)
+    softplus(a + dt_bias), beta = sigmoid(b), the gated delta rule, the gated RMSNorm with z, and out_proj.
     """
 
     def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
@@ -278,8 +279,16 @@ class GatedDeltaNet(nn.Module):
         self.K, self.V, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         self.G = self.HV // self.H
         self.D = cfg.conv_dim
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.H * self.K + 2 * self.HV * self.V, bias=False, **f)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.HV, bias=False, **f)
+        self.split = cfg.split_gdn_projections
+        if self.split:                                  # Qwen3.5
+            self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.D, bias=False, **f)
+            self.in_proj_z = nn.Linear(cfg.hidden_size, self.HV * self.V, bias=False, **f)
+            self.in_proj_b = nn.Linear(cfg.hidden_size, self.HV, bias=False, **f)
+            self.in_proj_a = nn.Linear(cfg.hidden_size, self.HV, bias=False, **f)
+        else:                                           # Qwen3-Next
+            self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.H * self.K + 2 * self.HV * self.V, bias=False,
+                                          **f)
+            self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.HV, bias=False, **f)
         self.conv1d = Conv1dWeight(self.D, self.W, **f)
         self.A_log = nn.Parameter(torch.zeros(self.HV, **f))
         self.dt_bias = nn.Parameter(torch.ones(self.HV, **f))
@@ -292,8 +301,11 @@ class GatedDeltaNet(nn.Module):
         return self.conv1d.weight[:, 0, :]
 
     def project(self, x: torch.Tensor):
-        """x: [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b, a [T, HV] (HF's head-interleaved split)."""
+        """x: [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b, a [T, HV] (Qwen3-Next: HF's head-interleaved split)."""
         H, K, V, G = self.H, self.K, self.V, self.G
+        if self.split:
+            z = rearrange(self.in_proj_z(x), "t (hv v) -> t hv v", v=V)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         qkvz = rearrange(self.in_proj_qkvz(x), "t (h c) -> t h c", h=H)      # c = 2K + 2GV
         q, k, v, z = torch.split(qkvz, [K, K, G * V, G * V], dim=-1)
         ba = rearrange(self.in_proj_ba(x), "t (h c) -> t h c", h=H)          # c = 2G
