@@ -143,17 +143,25 @@ def test_refgdn_float64_matches_transformers(truth):
         assert rel < 1e-10, f"{family} prompt {n} (length {len(prompts[n])}): relative error {rel:.3e}"
 
 
+def _fast_against_truth(dense_truth, dtype, device):
+    family, path, prompts, logits, _ = dense_truth
+    ref = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=dtype, device=device)
+    fast = Qwen3NextModel.from_pretrained(path, ops="fast", dtype=dtype, device=device)
+    ref_out, fast_out = run_ours(ref, prompts), run_ours(fast, prompts)
+    for n in range(len(prompts)):
+        res = evaluate(Check(f"logits[{n}]", fast_out[n].cpu(), logits[n], ref=ref_out[n].cpu(), dtype=dtype))
+        assert res["passed"], f"prompt {n} (length {len(prompts[n])}) {dtype}: {res}"
+
+
 def test_fast_float32_by_conformance_rule(dense_truth):
     """The dense model: fast's GDN path behind Qwen3.5's projections (the MoE and the multimodal prefix are the
     loading's, which the refgdn comparison covers)."""
-    family, path, prompts, logits, _ = dense_truth
-    ref = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=torch.float32, device=DEVICE)
-    fast = Qwen3NextModel.from_pretrained(path, ops="fast", dtype=torch.float32, device=DEVICE)
-    ref_out, fast_out = run_ours(ref, prompts), run_ours(fast, prompts)
-    for n in range(len(prompts)):
-        res = evaluate(Check(f"logits[{n}]", fast_out[n].cpu(), logits[n], ref=ref_out[n].cpu(),
-                             dtype=torch.float32))
-        assert res["passed"], f"prompt {n} (length {len(prompts[n])}): {res}"
+    _fast_against_truth(dense_truth, torch.float32, DEVICE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16)")
+def test_fast_cuda_bfloat16_by_conformance_rule(dense_truth):
+    _fast_against_truth(dense_truth, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
