@@ -62,14 +62,19 @@ def _same(a, b):
     assert torch.equal(a.kv_lens_buf, b.kv_lens_buf) and torch.equal(a.mtp_kv_lens_buf, b.mtp_kv_lens_buf)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_graph_replay_equals_eager_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,family", [
+    pytest.param(torch.bfloat16, {}, id="bf16"),
+    pytest.param(torch.float32, {}, id="fp32"),
+    pytest.param(torch.bfloat16, dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1), id="bf16-qwen3_5_moe"),
+])
+def test_graph_replay_equals_eager_bit_for_bit(dtype, family):
     """Greedy speculative rounds with k = 1..5 on padded batches: graph and eager (same padded shapes)
-    give equal logits, accepted tokens, GDN states, conv windows, KV caches and lengths, every round."""
+    give equal logits, accepted tokens, GDN states, conv windows, KV caches and lengths, every round
+    (Qwen3-Next's tiny preset, and the same as a Qwen3.5-MoE: its split GDN projections, every MLP routed)."""
     from fast.graphs import GraphedModel, profile_traffic
     from refgdn.capture import ServingConfig
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
-    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny"), ops="fast", dtype=dtype, device="cuda", seed=1)
+    m = Qwen3NextModel(Qwen3NextConfig.preset("tiny", **family), ops="fast", dtype=dtype, device="cuda", seed=1)
     K = 5
     cfg = ServingConfig(capture_batch_sizes=(2, 4), max_draft=K, max_batch=4, max_prefill_tokens=64,
                         max_prefill_seqs=4, device="cuda")
