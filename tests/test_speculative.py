@@ -68,6 +68,23 @@ def test_greedy_speculative_equals_plain_refgdn64(m64):
     assert none > 0 and part > 0 and full > 0, (none, part, full)
 
 
+@pytest.mark.parametrize("family", [
+    pytest.param(dict(model_type="qwen3_5_text", num_experts=0), id="qwen3_5"),
+    pytest.param(dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1), id="qwen3_5_moe"),
+])
+def test_greedy_speculative_equals_plain_qwen3_5_refgdn64(family):
+    """The same losslessness for the Qwen3.5 families (their GDN projections, dense or every MLP routed; the MTP
+    layer's MLP follows the family), k = 1 and 3."""
+    m = draft_friendly_model(vocab_size=16, mix=0.2, **family)
+    prompts = random_prompts(LENS, 16, seed=3)
+    plain = generate_plain(m, prompts, 8, slots=SLOTS)
+    specs = [generate_speculative(m, prompts, 8, k, slots=SLOTS) for k in (1, 3)]
+    for spec in specs:
+        assert spec.tokens == plain.tokens, (spec.tokens, plain.tokens)
+    none, part, full = _kinds(specs)
+    assert none > 0 and full > 0, (none, part, full)
+
+
 def test_greedy_mixed_k_budgets_and_eos_refgdn64(m64):
     """Different k, max_new_tokens and an eos per request in one batch: requests finish at different times."""
     prompts = random_prompts((7, 3, 4), 16, seed=5)
