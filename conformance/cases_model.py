@@ -143,11 +143,17 @@ def _spec_case(name: str, k, *, lens=(5, 2, 7), max_new=8, slots=(2, 0, 3), dtyp
 
 def cases(quick: bool, device: str) -> list:
     """quick (CPU interpreter, CI): one 2-layer case with k = 3 and one with mixed k per request.
-    Full: draft_steps 1..7 on the 4-layer tiny preset (3 GDN layers, dense + MoE). float32 only: greedy tokens
+    Full: draft_steps 1..7 on the 4-layer tiny preset (3 GDN layers, dense + MoE), and k = 3 on it as a Qwen3.5 and
+    a Qwen3.5-MoE model. float32 only: greedy tokens
     of a bf16 model need not equal the float64 truth's (rounding flips close argmaxes), so no exact check applies."""
     out = [_spec_case("tiny2-k3", 3, quick=True),
            _spec_case("tiny2-mixed-k", [1, 4, 2], seed=1, quick=True)]
     for k in range(1, 8):
         out.append(_spec_case(f"tiny4-k{k}", k, seed=10 + k, max_new=12, overrides=dict(vocab_size=16), mix=0.2,
                               quick=False))
+    # the Qwen3.5 families: their GDN projections (in_proj_qkv / z / b / a), dense or every MLP routed
+    for name, fam in (("qwen3_5", dict(model_type="qwen3_5_text", num_experts=0)),
+                      ("qwen3_5_moe", dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1))):
+        out.append(_spec_case(f"tiny4-{name}-k3", 3, seed=20, max_new=12, overrides=dict(vocab_size=16, **fam),
+                              mix=0.2, quick=False))
     return [c for c in out if c.quick or not quick]
