@@ -241,12 +241,16 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
     its hub-kernel wrapper applies to fla), float32: a prompt's logits and a cached decode step's pass the
     conformance rule against transformers' float64 run, with transformers' torch fallbacks in float32 as the
     reference precision."""
-    import fast
     path, prompts, _, _ = hf_truth
-    prompt, token = prompts[2], torch.tensor(5)
-    torch_chunk = getattr(hf_mod.torch_chunk_gated_delta_rule, "__wrapped__", hf_mod.torch_chunk_gated_delta_rule)
-    torch_rec = getattr(hf_mod.torch_recurrent_gated_delta_rule, "__wrapped__",
-                        hf_mod.torch_recurrent_gated_delta_rule)
+    transformers_runs_on_fast(path, transformers.Qwen3NextForCausalLM, hf_mod, prompts[2], torch.tensor(5))
+
+
+def transformers_runs_on_fast(path, cls, mod, prompt, token) -> None:
+    """test_transformers_qwen3_next_runs_on_fast_ops's check for the checkpoint ``path`` of transformers' class
+    ``cls``, whose modeling module ``mod`` holds the delta-rule functions (Qwen3.5's has its own)."""
+    import fast
+    torch_chunk = getattr(mod.torch_chunk_gated_delta_rule, "__wrapped__", mod.torch_chunk_gated_delta_rule)
+    torch_rec = getattr(mod.torch_recurrent_gated_delta_rule, "__wrapped__", mod.torch_recurrent_gated_delta_rule)
     load = dict(attn_implementation="eager", experts_implementation="eager")
     runs = {}
     for name, dtype, chunk, rec in (("truth", torch.float64, torch_chunk, torch_rec),
@@ -255,7 +259,7 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
                                      _hf_kwargs_filter(fast.fused_recurrent_gated_delta_rule))):
         mp = pytest.MonkeyPatch()
         try:
-            with (hf_float64(mp) if dtype == torch.float64 else contextlib.nullcontext()):
+            with (hf_float64(mp, mod) if dtype == torch.float64 else contextlib.nullcontext()):
                 calls = {"chunk": 0, "rec": 0}
 
                 def counted(f, key):
@@ -263,9 +267,9 @@ def test_transformers_qwen3_next_runs_on_fast_ops(hf_truth, monkeypatch):
                         calls[key] += 1
                         return f(*a, **k)
                     return g
-                mp.setattr(hf_mod, "torch_chunk_gated_delta_rule", counted(chunk, "chunk"))
-                mp.setattr(hf_mod, "torch_recurrent_gated_delta_rule", counted(rec, "rec"))
-                hf = transformers.Qwen3NextForCausalLM.from_pretrained(path, dtype=dtype, **load).eval()
+                mp.setattr(mod, "torch_chunk_gated_delta_rule", counted(chunk, "chunk"))
+                mp.setattr(mod, "torch_recurrent_gated_delta_rule", counted(rec, "rec"))
+                hf = cls.from_pretrained(path, dtype=dtype, **load).eval()
                 hf = hf.to("cpu" if dtype == torch.float64 else DEVICE)   # fast's kernels: native on a GPU
                 runs[name] = _hf_prefill_then_step(hf, prompt, token)
                 assert calls == {"chunk": 3, "rec": 3}, (name, calls)      # 3 GDN layers: one prefill, one step

@@ -12,7 +12,8 @@ torch fallbacks, one prompt at a time; ours one varlen prefill):
   multimodal checkpoint layout (its language model; its vision tower left out);
 * fast ops, float32 (the dense model): by the conformance rule against the float64 truth, refgdn in float32 as
   the reference precision;
-* the other direction: our save_pretrained of a Qwen3.5 model (with MTP weights) loads into transformers.
+* the other direction: our save_pretrained of a Qwen3.5 model (with MTP weights) loads into transformers;
+* transformers' own Qwen3.5 runs on fast's chunk and recurrent ops in place of fla's.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ mod_moe = importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen
 
 from conformance.core import Check, evaluate  # noqa: E402
 from refgdn.model import Qwen3NextConfig, Qwen3NextModel  # noqa: E402
-from tests.test_model_hf import DEVICE, SEED, hf_float64, randomize, run_ours  # noqa: E402
+from tests.test_model_hf import (DEVICE, SEED, hf_float64, randomize, run_ours,  # noqa: E402
+                                 transformers_runs_on_fast)
 
 PROMPT_LENS = (1, 9, 70)                                      # 70 > 64: two chunks in both chunked forms
 LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -162,6 +164,14 @@ def test_fast_float32_by_conformance_rule(dense_truth):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16)")
 def test_fast_cuda_bfloat16_by_conformance_rule(dense_truth):
     _fast_against_truth(dense_truth, torch.bfloat16, "cuda")
+
+
+def test_transformers_qwen3_5_runs_on_fast_ops(dense_truth):
+    """transformers' own Qwen3.5 with fast.chunk_gated_delta_rule and fast.fused_recurrent_gated_delta_rule in place
+    of fla's, float32: a prompt's logits and a cached decode step's pass the conformance rule against its float64
+    run (test_model_hf.py's Qwen3-Next check, on Qwen3.5's modeling module)."""
+    family, path, prompts, _, _ = dense_truth
+    transformers_runs_on_fast(path, transformers.Qwen3_5ForCausalLM, mod_dense, prompts[1], torch.tensor(5))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
