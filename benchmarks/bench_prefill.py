@@ -86,12 +86,12 @@ def rel_errors(x: torch.Tensor, truth: torch.Tensor) -> tuple:
 
 
 def chunk_case_inputs(T: int, seq_lens: Optional[list], B: int, device: str, host_copy: bool = False,
-                      l2norm: bool = False) -> tuple:
+                      l2norm: bool = False, heads: Optional[tuple] = None) -> tuple:
     """(q, k, v, g, beta, keyword arguments) of one chunk-table case: B sequences of T tokens (dense, no initial
     state) or the sequences seq_lens (varlen, an initial state each; host_copy: cu_seqlens_cpu too); the final state
-    written; l2norm: use_qk_l2norm_in_kernel=True."""
+    written; l2norm: use_qk_l2norm_in_kernel=True; heads: (H, HV), default Qwen3-Next's (H, HV)."""
     N = len(seq_lens) if seq_lens else None
-    q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B)
+    q, k, v, g, beta, S0 = gdn_inputs(T, device, N, B=B, heads=heads)
     kw = dict(initial_state=S0, output_final_state=True)
     if l2norm:
         kw["use_qk_l2norm_in_kernel"] = True
@@ -103,15 +103,18 @@ def chunk_case_inputs(T: int, seq_lens: Optional[list], B: int, device: str, hos
     return q, k, v, g, beta, kw
 
 
-def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0, B: int = 1):
-    """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B, T, ...]; S0 [N, HV, K, V] if N."""
+def gdn_inputs(T: int, device: str, N: Optional[int] = None, seed: int = 0, B: int = 1,
+               heads: Optional[tuple] = None):
+    """q, k (unit-norm), v, g (log-decay, float32), beta (bf16), [B, T, ...]; S0 [N, HV, K, V] if N.
+    heads: (H, HV) (default: the module's, Qwen3-Next's 16 / 32)."""
+    h, hv = heads or (H, HV)
     gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(B, T, H, K, device=device, generator=gen).to(DTYPE)
-    k = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(DTYPE)
-    v = torch.randn(B, T, HV, V, device=device, generator=gen).to(DTYPE)
-    g = F.logsigmoid(torch.randn(B, T, HV, device=device, generator=gen) + 3.0)  # mostly weak decay
-    beta = torch.sigmoid(torch.randn(B, T, HV, device=device, generator=gen)).to(DTYPE)
-    S0 = (0.1 * torch.randn(N, HV, K, V, device=device, generator=gen)) if N else None
+    q = torch.randn(B, T, h, K, device=device, generator=gen).to(DTYPE)
+    k = F.normalize(torch.randn(B, T, h, K, device=device, generator=gen), dim=-1).to(DTYPE)
+    v = torch.randn(B, T, hv, V, device=device, generator=gen).to(DTYPE)
+    g = F.logsigmoid(torch.randn(B, T, hv, device=device, generator=gen) + 3.0)  # mostly weak decay
+    beta = torch.sigmoid(torch.randn(B, T, hv, device=device, generator=gen)).to(DTYPE)
+    S0 = (0.1 * torch.randn(N, hv, K, V, device=device, generator=gen)) if N else None
     return q, k, v, g, beta, S0
 
 
@@ -167,12 +170,13 @@ def _bench_or_error(fn: Callable, warm: bool = False, time_fn: Optional[Callable
 # ----------------------------------------------------------------------------------------------
 
 def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, l2norm: bool = False,
-                fla_draws: int = FLA_DRAWS) -> list:
+                fla_draws: int = FLA_DRAWS, heads: Optional[tuple] = None) -> list:
     """The chunk rows (fast, fla, the refgdn oracle at the first T); only: the cases whose name contains it.
     l2norm: both called with use_qk_l2norm_in_kernel=True (how vLLM runs Qwen3-Next; the issue's baseline table
     names it), the case names marked "l2norm"; by default q and k come normalised and neither normalises.
     fla_draws: fla's time is its best over this many autotune draws (common.best_of_autotune_draws; the draws'
-    times in the note), its device time that of the best draw's picks."""
+    times in the note), its device time that of the best draw's picks. heads: (H, HV) other than Qwen3-Next's
+    16 / 32 (e.g. Qwen3.5's larger models' 16 / 64), named in each row."""
     rows = []
     fast_chunk = _fast("chunk_gated_delta_rule")
     fla = common.try_import_fla()
@@ -187,8 +191,10 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
     cases.append((f"varlen 16 seqs, {VARLEN_TOTAL} tok, init, cu_seqlens_cpu", VARLEN_TOTAL, lens, 1, True))
     if l2norm:
         cases = [(name + ", l2norm", *rest) for name, *rest in cases]
+    if heads is not None:
+        cases = [(name + f", H={heads[0]} HV={heads[1]}", *rest) for name, *rest in cases]
     for i, (name, T, seq_lens, B, host_copy) in enumerate([c for c in cases if only is None or only in c[0]]):
-        q, k, v, g, beta, kw = chunk_case_inputs(T, seq_lens, B, device, host_copy, l2norm)
+        q, k, v, g, beta, kw = chunk_case_inputs(T, seq_lens, B, device, host_copy, l2norm, heads)
         notes = []
         ms = dev_ms = None
         if fast_chunk is not None:
@@ -218,10 +224,11 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
                 fla_dev = device_ms(call) if not err else None
             except Exception as e:  # noqa: BLE001
                 notes.append(f"fla: {type(e).__name__}: {e}"[:120])
-        rows.append(_row(name, B * T, ms, flops=chunk_flops(B * T), ceiling=tflops_ceiling, fla_ms=fla_ms,
+        rows.append(_row(name, B * T, ms, flops=chunk_flops(B * T, heads=(heads or (H, HV))[1]),
+                         ceiling=tflops_ceiling, fla_ms=fla_ms,
                          note="; ".join(notes), device=(dev_ms, fla_dev)))
         print(_progress(rows[-1]), file=sys.stderr)
-        if T == CHUNK_TS[0] and B == 1 and not seq_lens:
+        if T == CHUNK_TS[0] and B == 1 and not seq_lens and heads is None:
             rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
             print(_progress(rows[-1]), file=sys.stderr)
         del q, k, v, g, beta, kw

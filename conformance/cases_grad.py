@@ -106,6 +106,7 @@ def _gdn_grad_families(quick: bool) -> dict:
         # state pass): BV 32 at B = 4 (256 (sequence, head, 64-column) programs), BV 64 at B = 8 (512)
         "qwen3next-B4-bv32": dict(base, B=4, T=192, H=16, HV=32, l2=True),
         "qwen3next-B8-bv64": dict(base, B=8, T=130, H=16, HV=32, l2=True),
+        "qwen3_5-B2-hv64": dict(base, B=2, T=192, H=16, HV=64, l2=True),     # Qwen3.5's 16 key / 64 value heads
         "fla-logits-neg-eigval-vk-K64-V96": dict(base, T=200, K=64, V=96, logits=True, neg=True, vk=True),
     }
     return {k: (v, CHUNK_SIZES) for k, v in fams.items()}

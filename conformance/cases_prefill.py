@@ -224,6 +224,9 @@ def _gdn_families(quick: bool) -> dict:
         # and [V, K] states, at K != V; and at Qwen3-Next's heads on the fused path (l2norm) with beta up to 2
         "fla-logits-neg-eigval-vk-K64-V96": dict(base, T=500, K=64, V=96, logits=True, neg=True, vk=True),
         "qwen3next-B4-neg-eigval": dict(base, B=4, T=300, H=16, HV=32, l2=True, logits=True, neg=True),
+        # Qwen3.5's larger models: 16 key / 64 value heads (four value heads per key head; conv width 12288)
+        "qwen3_5-B2-hv64": dict(base, B=2, T=300, H=16, HV=64, l2=True),
+        "qwen3_5-varlen-hv64": dict(base, B=1, T=700, H=16, HV=64, l2=True, cu=[0, 1, 130, 300, 301, 700]),
     }
 
 

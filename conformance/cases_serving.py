@@ -318,6 +318,11 @@ def cases(quick: bool, device: str) -> list:
             out.append(_serving_case(f"prefill-one-long-bf16-state{sname}", N=1, slots=[3], num_slots=4, H=2,
                                      HV=4, K=128, V=128, drafts=(0,), rounds=0, max_draft=0, dtype=torch.bfloat16,
                                      state_dtype=sdt, seed=47, quick=quick, prefills=[((4099,), (True,))]))
+        # Qwen3.5's larger models group four value heads per key head (16 key / 64 value heads)
+        out.append(_serving_case("qwen3_5-gva4-bf16", N=4, slots=[5, -1, 1, 2], num_slots=8, H=2, HV=8, K=128,
+                                 V=128, drafts=(0, 1, 3), rounds=3, decode_every=1, max_draft=3,
+                                 dtype=torch.bfloat16, seed=67, quick=quick,
+                                 prefills=[((300, 7, 1, 129), (True, True, False, True))]))
         # (seed 59 failed the rule on committed_ssm by 7 % before gdn_prefill's state update took two bf16 terms:
         # ratio 1.070 -> 0.901; benchmarks/RESULTS.md)
         out.append(_serving_case("prefill-paged-cache-bf16", N=3, slots=[1, 3, -1], num_slots=4, H=2, HV=4, K=128,
