@@ -362,7 +362,8 @@ STATE_SWEEP_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(
 
 
 def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIGS, iters: int = 5,
-                paths=((False, False), (True, False), (True, True), (False, True))) -> list:
+                paths=((False, False), (True, False), (True, True), (False, True)),
+                heads: Optional[tuple] = None) -> list:
     """Kernel 3 (chunk_state_kernel, the sequential state pass) over a config grid, at the same token count split
     into 1..8 sequences, along each path (from_a, fuse_output): v_new formed from w, u (kernel 2 runs) or from A in
     the pass (FROM_A; kernel 2 skipped), and o by kernel 4 or in the pass (OUTPUT; kernel 4 skipped, h and v_new
@@ -370,7 +371,7 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     under each config beside the pinned one (fast.chunk.state.state_config), passed as the forward's ``configs``,
     ``from_a`` and ``fuse_output`` arguments; "rule" marks the path the forward takes (FROM_A always; OUTPUT by
     fast.chunk.state.state_fuses_output). How the pinned BV rule (sixth session of 2026-11-23), FROM_A and the
-    OUTPUT rule (2026-11-24) were chosen; run:
+    OUTPUT rule (2026-11-24) were chosen; heads: (H, HV) other than Qwen3-Next's; run:
     python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.state_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd
     from fast.chunk.state import state_config, state_fuses_output
@@ -380,10 +381,11 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
 
     rows = []
     for B, T in cases:
-        q, k, v, g, beta, _ = gdn_inputs(T, device, B=B)
-        rule = (True, state_fuses_output(B, HV, K, V, q.device))
+        q, k, v, g, beta, _ = gdn_inputs(T, device, B=B, heads=heads)
+        hv = v.shape[2]
+        rule = (True, state_fuses_output(B, hv, K, V, q.device))
         for fa, fu in paths:
-            pinned = state_config(B, HV, K, V, q.device, fused=fu)
+            pinned = state_config(B, hv, K, V, q.device, fused=fu)
             for cfg in (None,) + tuple(configs):
                 over = {"state": cfg} if cfg else None
 
@@ -394,7 +396,7 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
                     ms, total, note = state_ms(fwd), common.bench(fwd), ""
                 except Exception as e:  # noqa: BLE001 - a config that does not run is reported
                     ms, total, note = None, None, f"{type(e).__name__}: {e}"[:100]
-                rows.append(dict(case=f"B={B} T={T}", from_a=fa, fuse_output=fu,
+                rows.append(dict(case=f"B={B} T={T} HV={hv}", from_a=fa, fuse_output=fu,
                                  config=f"pinned {pinned}" if cfg is None else str(cfg),
                                  **{"state ms": ms, "forward ms": total},
                                  note=("rule; " if (fa, fu) == rule and cfg is None else "") + note))
@@ -526,27 +528,30 @@ PIPELINE_CONFIG_VARIANTS = ((None, None), (None, {"state": dict(num_stages=2)}),
                             (None, {"output": dict(BV=64)}), (None, {"state": dict(num_stages=2), "output": dict(BV=64)}))
 
 
-def pipeline_sweep(device: str, Ts=(16384, 65536), variants=PIPELINE_VARIANTS) -> list:
+def pipeline_sweep(device: str, Ts=(16384, 65536), variants=PIPELINE_VARIANTS, heads: Optional[tuple] = None,
+                   fuse_output: Optional[bool] = None) -> list:
     """The B = 1 forward pipelined over segments (fast.chunk.pipeline) by segment count (None: the rule's) and configs:
     the pipeline's benchmark knobs (configs={"pipeline": {"ahead": segments whose kernel 1 the caller's stream queues
     before a kernel 4, "weights": relative segment lengths}}) or the kernels' (PIPELINE_CONFIG_VARIANTS). Per row:
     the device time (the call replayed from a CUDA graph, do_bench) and the eager time (do_bench, host included), ms;
-    "rule" marks pipeline_segments' choice. Run:
+    "rule" marks pipeline_segments' choice. heads: (H, HV) other than Qwen3-Next's; fuse_output: the forward's
+    (None: its rule; the pipeline runs only without the fused pass). Run:
     python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.pipeline_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd, pipeline_segments
 
     from .bench_decode import graphed
     rows = []
     for T in Ts:
-        q, k, v, g, beta, _ = gdn_inputs(T, device)
+        q, k, v, g, beta, _ = gdn_inputs(T, device, heads=heads)
         rule = pipeline_segments(1, T, CHUNK, q.device, False)
         for S, cfgs in variants:
             def fwd():
                 return chunk_gated_delta_rule_fwd(q, k, v, g, beta, chunk_size=CHUNK, output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True, segments=S, configs=cfgs)
+                                                  use_qk_l2norm_in_kernel=True, segments=S, configs=cfgs,
+                                                  fuse_output=fuse_output)
             replay = graphed(fwd)
             dev = common.bench(replay) if replay is not None else float("nan")
-            rows.append(dict(case=f"B=1 T={T}", segments=S or rule, configs=str(cfgs or {}), **{
+            rows.append(dict(case=f"B=1 T={T} HV={v.shape[2]}", segments=S or rule, configs=str(cfgs or {}), **{
                 "device ms": dev, "eager ms": common.bench(fwd)},
                 note="rule" if S in (None, rule) and not cfgs else ""))
             print(rows[-1], flush=True)

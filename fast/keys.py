@@ -403,7 +403,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     total = T > 0 if varlen else B * cdiv(T, BT) > 0           # some chunk exists
     interp = is_interpreting()
     dev = device if device is not None else q.device
-    fused = _chunk.state_fuses_output(N, HV, K, V, dev)       # the state pass forms o too (kernel 4 not run)
+    fused = _chunk.forward_fuses_output(N, T, BT, HV, K, V, dev)   # the state pass forms o too (no kernel 4)
     out = []
 
     def opts(cfg):

@@ -45,7 +45,7 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        S <- exp(G_last) S + K^T (exp(G_last - G) v_new)                   (S: fp32 [K, BV] in registers)
        The forward skips kernel 2: the pass forms v_new = A (beta (V - exp(G) (K S))) itself from A, k, v, beta
        (FROM_A), so w and u never go through HBM and v_new is rounded once (kernel 2's path rounds w and u, then
-       v_new). With many (sequence, head) pairs the pass also forms o (OUTPUT, state.state_fuses_output; stage
+       v_new). With many (sequence, head) pairs the pass also forms o (OUTPUT, pipeline.forward_fuses_output; stage
        twin state_output_wy): kernel 4's products on the chunk-start state and v_new it holds, so h and v_new
        are never stored. With l2norm in the kernel it scales o's rows by q's row scales 1 / |q_i|, formed once
        per row by ``row_scales_kernel`` (launched after kernel 1), not from q's tile in each of its programs.
@@ -125,7 +125,7 @@ from .state import (_launch_state, chunk_state_kernel, state_config, state_fuses
 from .output import (_launch_output, _launch_row_scales, chunk_output, chunk_output_kernel, output_config,  # noqa: F401
                      row_scales, row_scales_config, row_scales_kernel)
 from .recurrent import recurrent_config, recurrent_kernel  # noqa: F401
-from .pipeline import pipeline_segments, pipelined_forward  # noqa: F401
+from .pipeline import forward_fuses_output, pipeline_segments, pipelined_forward  # noqa: F401
 
 
 # ============================================================================================
@@ -302,7 +302,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     0.632 vs 0.772, H200), and more accurate: o's error against the float64 truth, B=1 T=4096, mean of 5 seeds,
     max-norm / Frobenius, 6.40e-3 / 3.35e-3 against 6.89e-3 / 3.71e-3 for kernel 2's path (fla 0.6.0: 6.78e-3
     / 3.71e-3; benchmarks.bench_prefill.error_rows). fuse_output: whether the state pass also forms o (kernel 4 skipped,
-    h and v_new never stored); None: fast.chunk.state.state_fuses_output's rule (tests run both). segments: how many
+    h and v_new never stored); None: fast.chunk.pipeline.forward_fuses_output's rule (tests run both). segments: how many
     segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
     for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule.
     offsets_unchecked (the public function: varlen, N >= 2, no host copy of cu_seqlens): its values are not
@@ -357,7 +357,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                      else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev))
         h0 = initial_state                                                # (read in place: any strides)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    fused = state_fuses_output(N, HV, K, V, dev) if fuse_output is None else fuse_output
+    fused = forward_fuses_output(N, T, BT, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,

@@ -31,7 +31,7 @@ import torch
 from ..utils import cdiv, is_interpreting
 from .common import _Chunks
 from .output import _launch_output
-from .state import _launch_state
+from .state import _launch_state, state_fuses_output
 from .wy import _launch_kkt, _launch_w_u
 
 _STREAMS: dict = {}                 # device index -> the state pass's high-priority stream
@@ -62,6 +62,19 @@ def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool
         return 1
     chunks = cdiv(T, BT)
     return 4 if chunks >= 512 else 2 if chunks >= 256 else 1
+
+
+def forward_fuses_output(N: int, T: int, BT: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+    """Whether the forward forms o in the state pass: state_fuses_output's rule, except for a single sequence long
+    enough to be pipelined unfused (pipeline_segments > 1), which keeps kernel 4 and the pipeline. At Qwen3-Next's
+    32 value heads a single sequence is never fused anyway; at Qwen3.5's 64 (16 key heads) the pass has enough
+    programs to fuse, but the pipeline is faster. H200, Triton 3.6, bf16, l2norm in the kernel, B = 1, H = 16,
+    HV = 64 (benchmarks.bench_prefill.state_sweep / pipeline_sweep with heads=(16, 64), 2026-11-28), ms, eager
+    (device time of a graph replay): T = 16384 fused 1.252-1.259 (1.26), unfused 2 segments 1.240 (1.126); T = 65536
+    fused 4.940-4.947, unfused 4 segments 4.39-4.61 (4.399); and B = 2, T = 8192 (not pipelined) fused 0.953,
+    unfused 1.040 (the rule's choice stands)."""
+    fused = state_fuses_output(N, HV, K, V, device)
+    return fused and not (N == 1 and pipeline_segments(1, T, BT, device, False) > 1)
 
 
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
