@@ -129,7 +129,8 @@ def test_config_from_transformers(truth):
     assert c.extra["rope_mrope"] == {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
     want = "SparseMoeBlock" if family == "moe" else "MLP"
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == [want] * 4
-    assert not model.has_mtp and c.num_nextn_predict_layers == 0    # no mtp.* weights, no MTP count given
+    assert not model.has_mtp                    # no mtp.* weights (an absent MTP count reads as vLLM's default, 1)
+    assert c.num_nextn_predict_layers == 1
     written = c.to_dict()                                           # back as the family's text model
     assert written["architectures"] == [{"qwen3_5_text": "Qwen3_5ForCausalLM",
                                          "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}[c.model_type]]

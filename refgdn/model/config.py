@@ -33,10 +33,10 @@ _OUTER = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}        # multimodal co
 # transformers' own defaults where a family's differ from Qwen3-Next's (a config.json may leave them out)
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     QWEN3_5: dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                  num_key_value_heads=4, num_experts=0, num_nextn_predict_layers=0),
+                  num_key_value_heads=4, num_experts=0),
     QWEN3_5_MOE: dict(vocab_size=248320, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
-                      norm_topk_prob=True, num_nextn_predict_layers=0),
-}
+                      norm_topk_prob=True),
+}   # (an absent mtp_num_hidden_layers means 1, as vLLM's Qwen3.5 MTP reads it; the head is built iff mtp.* exists)
 
 
 @dataclasses.dataclass
@@ -179,8 +179,7 @@ class Qwen3NextConfig:
                 d["partial_rotary_factor"] = rope["partial_rotary_factor"]
             mrope = {k: rope[k] for k in ("mrope_section", "mrope_interleaved") if k in rope}
             if mrope:                                            # text positions: the one-axis rotary (module doc)
-                d.setdefault("extra", {})
-                d["extra"] = dict(d["extra"], rope_mrope=mrope)
+                d["extra"] = dict(d.get("extra", {}), rope_mrope=mrope)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         extra = dict(d.get("extra", {}))
