@@ -64,11 +64,19 @@ def parse_prompts(text: str):
     return out
 
 
+# --model-type: a preset's overrides per family (Qwen3.5 dense has no experts; Qwen3.5-MoE routes every MLP)
+FAMILIES = {"qwen3_next": {}, "qwen3_5_text": dict(model_type="qwen3_5_text", num_experts=0),
+            "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1)}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m refgdn.generate", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="DIR", help="config.json + *.safetensors (Hugging Face names)")
     src.add_argument("--preset", default=None, help="random weights of a config preset (tiny, bench); default tiny")
+    ap.add_argument("--model-type", choices=list(FAMILIES), default=None,
+                    help="presets: the model family (default qwen3_next; qwen3_5_text: Qwen3.5's GDN projections, "
+                         "dense MLPs; qwen3_5_moe_text: every MLP routed)")
     ap.add_argument("--ops", choices=["refgdn", "fast"], default="refgdn")
     ap.add_argument("--draft-steps", type=int, default=3, metavar="K", help="MTP draft steps per round (0: plain only)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling / rejection sampling")
@@ -99,7 +107,7 @@ def build_model(args, torch):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     if args.checkpoint:
         return Qwen3NextModel.from_pretrained(args.checkpoint, ops=args.ops, dtype=dtype, device=device)
-    cfg = Qwen3NextConfig.preset(args.preset or "tiny")
+    cfg = Qwen3NextConfig.preset(args.preset or "tiny", **FAMILIES[args.model_type or "qwen3_next"])
     if args.draft_friendly is not None:
         from conformance.cases_model import draft_friendly_state, model_from_state
         return model_from_state(cfg, draft_friendly_state(cfg, args.seed, args.draft_friendly), args.ops, dtype,
@@ -128,6 +136,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.ops == "fast" and args.dtype == "float64":
         print("--dtype float64 is for --ops refgdn (the fast kernels take float32 / bfloat16 / float16)", file=sys.stderr)
+        return 2
+    if args.model_type is not None and args.checkpoint:
+        print("--model-type is for --preset (a checkpoint's config.json names its own family)", file=sys.stderr)
         return 2
     if args.ops == "fast":
         import fast  # noqa: F401  (sets TRITON_INTERPRET on a CPU-only machine before triton loads)

@@ -300,6 +300,12 @@ def test_generate_command(capsys, tmp_path):
     assert rc == 0
     assert "greedy speculative == plain: True" in out and "acceptance rate" in out and "tok/s" in out
     assert "mean accepted length per round" in out
+    # a preset as a Qwen3.5 model (its GDN projections, dense MLPs); --model-type is for presets only
+    rc = main(["--preset", "tiny", "--model-type", "qwen3_5_text", "--dtype", "float64", "--max-new-tokens", "4",
+               "--draft-steps", "2", "--draft-friendly", "0.2", "--prompt-ids", "1,2,3", "--no-progress"])
+    assert rc == 0 and "greedy speculative == plain: True" in capsys.readouterr().out
+    assert main(["--checkpoint", str(tmp_path), "--model-type", "qwen3_5_text", "--no-progress"]) == 2
+    assert "--model-type is for --preset" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
