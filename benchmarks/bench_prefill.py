@@ -374,7 +374,8 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     OUTPUT rule (2026-11-24) were chosen; heads: (H, HV) other than Qwen3-Next's; run:
     python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.state_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd
-    from fast.chunk.state import state_config, state_fuses_output
+    from fast.chunk.pipeline import forward_fuses_output
+    from fast.chunk.state import state_config
 
     def state_ms(fn) -> float:
         return next((ms for name, ms, _ in _kernel_times(fn, iters) if name == "chunk_state_kernel"), float("nan"))
@@ -383,7 +384,7 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
     for B, T in cases:
         q, k, v, g, beta, _ = gdn_inputs(T, device, B=B, heads=heads)
         hv = v.shape[2]
-        rule = (True, state_fuses_output(B, hv, K, V, q.device))
+        rule = (True, forward_fuses_output(B, T, CHUNK, hv, K, V, q.device))
         for fa, fu in paths:
             pinned = state_config(B, hv, K, V, q.device, fused=fu)
             for cfg in (None,) + tuple(configs):
@@ -420,13 +421,14 @@ def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32
     ``configs={"state": {"PREFETCH_BETA": ...}}``. How the rule of 2026-11-27 was chosen; rerun it on a new Triton:
     python -c "import benchmarks.bench_prefill as b; [print(r) for r in b.prefetch_sweep('cuda')]"."""
     from fast.chunk import chunk_gated_delta_rule_fwd
-    from fast.chunk.state import state_fuses_output, state_prefetch_beta
+    from fast.chunk.pipeline import forward_fuses_output
+    from fast.chunk.state import state_prefetch_beta
 
     rows = []
     for B, T in cases:
         lens = varlen_lengths() if T is None else None
         N = len(lens) if lens else B
-        fused = state_fuses_output(N, HV, K, V, torch.device(device))
+        fused = forward_fuses_output(N, T or VARLEN_TOTAL, CHUNK, HV, K, V, torch.device(device))
         for l2 in l2norms:
             q, k, v, g, beta0, kw = chunk_case_inputs(T or VARLEN_TOTAL, lens, B, device, l2norm=l2)
             forms = dict(bf16=(beta0.to(torch.bfloat16), {}), fp32=(beta0.float(), {}),
@@ -691,7 +693,7 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
     max-norm error over the seeds."""
     import refgdn
     from fast.chunk import chunk_gated_delta_rule_fwd
-    from fast.chunk.state import state_fuses_output
+    from fast.chunk.pipeline import forward_fuses_output
 
     fla = common.try_import_fla()
     rows = []
@@ -702,7 +704,7 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
             o_t, s_t = refgdn.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                                      initial_state=S0.double(), output_final_state=True,
                                                      chunk_size=CHUNK)
-            rule = state_fuses_output(B, HV, K, V, q.device)
+            rule = forward_fuses_output(B, T, CHUNK, HV, K, V, q.device)
             for from_a, fused in ((True, rule), (True, not rule), (False, False)):
                 o, st = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=S0, output_final_state=True,
                                                    chunk_size=CHUNK, fuse_output=fused, from_a=from_a)

@@ -152,8 +152,7 @@ def cases(quick: bool, device: str) -> list:
         out.append(_spec_case(f"tiny4-k{k}", k, seed=10 + k, max_new=12, overrides=dict(vocab_size=16), mix=0.2,
                               quick=False))
     # the Qwen3.5 families: their GDN projections (in_proj_qkv / z / b / a), dense or every MLP routed
-    for name, fam in (("qwen3_5", dict(model_type="qwen3_5_text", num_experts=0)),
-                      ("qwen3_5_moe", dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1))):
-        out.append(_spec_case(f"tiny4-{name}-k3", 3, seed=20, max_new=12, overrides=dict(vocab_size=16, **fam),
-                              mix=0.2, quick=False))
+    for name, family in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
+        out.append(_spec_case(f"tiny4-{name}-k3", 3, seed=20, max_new=12,
+                              overrides=dict(vocab_size=16, model_type=family), mix=0.2, quick=False))
     return [c for c in out if c.quick or not quick]

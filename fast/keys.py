@@ -573,7 +573,7 @@ def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None
         return []
     D, W, C = x.shape[1], weight.shape[1], conv_state.shape[2]
     act = "silu" if activation is True else (None if activation is False else activation)
-    cfg = _conv.vllm_conv_update_config(D, B, x.shape[0] * (x.shape[2] if x.dim() == 3 else 1))   # tokens in all
+    cfg = _conv.vllm_conv_update_config(D, B, x.numel() // D)      # tokens in all, in any of x's layouts
     return [CompileKey.make(
         "conv_update_slots_kernel",
         dict(D=D, C=C, W=W, BD=cfg["BD"], CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,

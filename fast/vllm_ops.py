@@ -158,7 +158,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         T, (s_xb, s_xd, s_xt) = x.shape[2], x.stride()
         s_yb, s_yd, s_yt = y.stride()
     fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
-    cfg = vllm_conv_update_config(D, B, T if query_start_loc is not None else B * T)
+    cfg = vllm_conv_update_config(D, B, x.numel() // D)     # tokens in all, in any of x's layouts (as fast.keys)
     BD = cfg.pop("BD")
     conv_update_slots_kernel[(cdiv(D, BD), B)](
         x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens, query_start_loc, T, S, pad_slot_id,

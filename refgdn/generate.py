@@ -64,17 +64,12 @@ def parse_prompts(text: str):
     return out
 
 
-# --model-type: a preset's overrides per family (Qwen3.5 dense has no experts; Qwen3.5-MoE routes every MLP)
-FAMILIES = {"qwen3_next": {}, "qwen3_5_text": dict(model_type="qwen3_5_text", num_experts=0),
-            "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", decoder_sparse_step=1)}
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m refgdn.generate", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="DIR", help="config.json + *.safetensors (Hugging Face names)")
     src.add_argument("--preset", default=None, help="random weights of a config preset (tiny, bench); default tiny")
-    ap.add_argument("--model-type", choices=list(FAMILIES), default=None,
+    ap.add_argument("--model-type", choices=["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], default=None,
                     help="presets: the model family (default qwen3_next; qwen3_5_text: Qwen3.5's GDN projections, "
                          "dense MLPs; qwen3_5_moe_text: every MLP routed)")
     ap.add_argument("--ops", choices=["refgdn", "fast"], default="refgdn")
@@ -107,7 +102,7 @@ def build_model(args, torch):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     if args.checkpoint:
         return Qwen3NextModel.from_pretrained(args.checkpoint, ops=args.ops, dtype=dtype, device=device)
-    cfg = Qwen3NextConfig.preset(args.preset or "tiny", **FAMILIES[args.model_type or "qwen3_next"])
+    cfg = Qwen3NextConfig.preset(args.preset or "tiny", model_type=args.model_type or "qwen3_next")
     if args.draft_friendly is not None:
         from conformance.cases_model import draft_friendly_state, model_from_state
         return model_from_state(cfg, draft_friendly_state(cfg, args.seed, args.draft_friendly), args.ops, dtype,

@@ -32,6 +32,7 @@ mod_moe = importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen
 
 from conformance.core import Check, evaluate  # noqa: E402
 from refgdn.model import Qwen3NextConfig, Qwen3NextModel  # noqa: E402
+from refgdn.model.config import PRESETS  # noqa: E402
 from tests.test_model_hf import (DEVICE, SEED, hf_float64, randomize, run_ours,  # noqa: E402
                                  transformers_runs_on_fast)
 
@@ -181,8 +182,8 @@ def test_our_qwen3_5_checkpoint_loads_into_transformers(tmp_path, model_type):
     mtp_num_hidden_layers; transformers (which leaves mtp.* out) gives our logits in float64; and the directory
     loads back into ours with the MTP head."""
     moe = model_type == "qwen3_5_moe_text"
-    over = dict(model_type=model_type, decoder_sparse_step=1) if moe else dict(model_type=model_type, num_experts=0)
-    model = Qwen3NextModel(Qwen3NextConfig.preset("tiny", **over), ops="refgdn", dtype=torch.float64, seed=7)
+    model = Qwen3NextModel(Qwen3NextConfig.preset("tiny", model_type=model_type), ops="refgdn", dtype=torch.float64,
+                           seed=7)
     model.save_pretrained(tmp_path)
     with open(os.path.join(tmp_path, "config.json")) as f:
         cfg = json.load(f)
@@ -211,7 +212,10 @@ def test_our_qwen3_5_checkpoint_loads_into_transformers(tmp_path, model_type):
 def test_qwen3_5_config_refusals():
     with pytest.raises(ValueError, match="model_type must be one of"):
         Qwen3NextConfig.preset("tiny", model_type="qwen3_vl")
+    tiny = PRESETS["tiny"]                       # (preset(..., model_type=...) adapts it; the constructor does not)
     with pytest.raises(ValueError, match="qwen3_5_text model is dense"):
-        Qwen3NextConfig.preset("tiny", model_type="qwen3_5_text")          # the tiny preset has experts
+        Qwen3NextConfig(**dict(tiny, model_type="qwen3_5_text"))          # the tiny preset has experts
     with pytest.raises(ValueError, match="every qwen3_5_moe_text MLP is a MoE"):
-        Qwen3NextConfig.preset("tiny", model_type="qwen3_5_moe_text")      # decoder_sparse_step = 2 there
+        Qwen3NextConfig(**dict(tiny, model_type="qwen3_5_moe_text"))      # decoder_sparse_step = 2 there
+    with pytest.raises(ValueError, match="every qwen3_5_moe_text MLP is a MoE"):
+        Qwen3NextConfig.preset("bench", model_type="qwen3_5_moe_text")    # the bench preset has no experts

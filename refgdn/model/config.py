@@ -37,6 +37,10 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     QWEN3_5_MOE: dict(vocab_size=248320, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
                       norm_topk_prob=True),
 }   # (an absent mtp_num_hidden_layers means 1, as vLLM's Qwen3.5 MTP reads it; the head is built iff mtp.* exists)
+# a preset taken as another family (preset(name, model_type=...)): what the family fixes (Qwen3.5 is dense;
+# Qwen3.5-MoE routes every MLP), before the caller's other overrides
+_PRESET_FAMILY: Dict[str, Dict[str, Any]] = {QWEN3_5: dict(num_experts=0),
+                                             QWEN3_5_MOE: dict(decoder_sparse_step=1, mlp_only_layers=[])}
 
 
 @dataclasses.dataclass
@@ -167,7 +171,7 @@ class Qwen3NextConfig:
                 d["num_nextn_predict_layers"] = d.pop("mtp_num_hidden_layers")
             for k, v in _FAMILY_DEFAULTS[family].items():
                 d.setdefault(k, v)
-            d.pop("architectures", None)                         # written back from the family
+        d.pop("architectures", None)                             # to_dict writes the family's
         rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None)
         if rope:
             rtype = rope.get("rope_type", rope.get("type", "default"))
@@ -226,10 +230,13 @@ class Qwen3NextConfig:
         4 layers with one full-attention layer; vocab 32K). Its MLP is dense SwiGLU with intermediate
         5632 = Qwen3-Next's active MoE width (10 experts x 512 + shared 512): the same FLOPs per token
         without a plain-torch expert loop in the timings.
+        ``model_type`` among the overrides takes the preset as that family: a Qwen3.5 preset has no experts, a
+        Qwen3.5-MoE one routes every MLP (then the other overrides).
         """
         if name not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
         d = dict(PRESETS[name])
+        d.update(_PRESET_FAMILY.get(overrides.get("model_type"), {}))
         d.update(overrides)
         return cls(**d)
 
