@@ -42,8 +42,9 @@ N and dropped (2026-11-24, H200 and H100): the conv programs asking L2 for the s
 program), so the state's traffic would fill the conv's time: slower at every N, per layer of a 32-layer graph
 N = 8 12.4 -> 14.1 us (H200), 14.8 -> 16.6-17.7 (H100); N = 4 +0.4-1.1 us; N = 1 within noise.
 
-Small batches (N <= PDL_MAX_N, sm_90+): the step is latency-bound (one request's state is 2 MB at
-Qwen3-Next's shape), so both launches are programmatic dependents (PDL): the conv kernel loads what its
+Small batches (decode N <= DECODE_PDL_MAX_N: 64 requests with float32 states, 32 with 16-bit ones; verify N <=
+PDL_MAX_N = 32; sm_90+) both launches are programmatic dependents (PDL; at the smallest N the step is latency-bound:
+one request's state is 2 MB at Qwen3-Next's shape): the conv kernel loads what its
 predecessor cannot be writing (without drafts: the slot, its window and taps), waits for it, and then lets
 the step kernel start, whose programs read their state blocks
 (and, for decode, a and b) while the conv runs and wait (``gdc_wait``) only before the conv's outputs.
@@ -152,7 +153,9 @@ _E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE
 _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
 MIN_PROGRAMS = 1024  # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
-PDL_MAX_N = 8        # both step kernels are programmatic dependents up to this many requests
+PDL_MAX_N = 32       # verify: both kernels programmatic dependents up to this many requests (step_config)
+DECODE_PDL_MAX_N = {4: 64, 2: 32}   # decode: the same, by the SSM state's element size (step_config)
+CONV_SMALL_N = 8     # conv_config: up to this many requests, short-lived two-warp programs
 DUP_BLOCK = 128      # state_indices rows per step of the conv kernels' duplicate scan (fixed: one variant)
 _SCAN_ROWS, _SCAN_COLS = _Const(16), _Const(32)   # tiles of the error path's earlier-fault scan
 ACCEPT_BLOCK = 64    # requests per accept_kernel program (fixed: one variant for every N)
@@ -162,24 +165,36 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
                 N: Optional[int] = None, override: Optional[dict] = None, pdl_ok: bool = False) -> dict:
     """Pinned launch config of gdn_step_kernel: BV (V-block), num_warps, HPP (value heads per program),
     fold (decay folded into a scalar), pdl (launched as the conv kernel's programmatic dependent: only
-    where ``pdl_ok``, the device has it (pdl_supported), and for N <= PDL_MAX_N requests). N: the number
-    of requests (None: large). override: keys put over the heuristic's (benchmark sweeps and tests:
-    benchmarks/bench_decode.launch_overrides; the ops never pass it; each distinct config is its own
-    compiled variant; an override cannot turn pdl on where pdl_ok is False).
+    where ``pdl_ok``, the device has it (pdl_supported), and for N <= DECODE_PDL_MAX_N[state element size]
+    requests in decode, N <= PDL_MAX_N in verify). N: the number of requests (None: large). override: keys
+    put over the heuristic's (benchmark sweeps and tests: benchmarks/bench_decode.launch_overrides; the ops
+    never pass it; each distinct config is its own compiled variant; an override cannot turn pdl on where
+    pdl_ok is False).
 
-    PDL: at small N the step is latency-bound (the state of one request is 2 MB at Qwen3-Next's shape);
-    starting the step kernel's state reads while the conv kernel runs hides the conv. Per layer of a
-    32-layer graph (H100, float32 state, benchmarks/bench_graphs.py): N = 1 5.4-5.8 us with PDL vs 6.8
-    without (BV 16); N = 8 17.1 vs 18.4 (BV 32, one warp) but 19.0 vs 18.4 with BV 64 in four warps;
-    N = 16 32.9 vs 30.5 (the early programs crowd the conv's). At N = 256 (H200) no gain for float32,
-    10 % slower for bfloat16 states.
+    K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in registers.
+    Decode is memory-bound: [K, 64] blocks at 8 KB per warp (float32 four warps, 16-bit states two) keep
+    the most bytes in flight; small batches halve BV (down to 16) until there are MIN_PROGRAMS programs,
+    one warp per block of at most 16 KB. Verify does 2-3 flops per state element per token
+    (compute-bound): [K, 32] blocks in one warp, where the reductions over K are shuffles (no shared
+    memory, no barrier). HPP heads per program (a divisor of HV): the next head's block loads while one
+    is worked on.
 
-    K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in
-    registers. Measured on an H200 at Qwen3-Next's shape (N = 256; benchmarks/bench_decode.py --sweep):
-    decode is memory-bound: 32 KB blocks over 4 warps ([K, 64] float32, [K, 128] bfloat16 at K = 128)
-    keep the most bytes in flight; verify does 2-3 flops per state element per token (compute-bound):
-    [K, 32] blocks in one warp, where the reductions over K are shuffles (no shared memory, no barrier).
-    HPP heads per program (a divisor of HV): the next head's block loads while one is worked on.
+    Measured per layer of a 32-layer CUDA graph (8 layers at N >= 128), HV = 32, K = V = 128, no conv
+    bias, H200, Triton 3.6, 2026-11-28 (benchmarks/RESULTS.md, "Decode configs by N and state dtype"),
+    us, two rounds within 0.2:
+    - float32 state, PDL on / off at the pinned blocks: N = 8 11.6 / 13.9, 12 17.3 / 19.4, 16 22.6 / 23.5,
+      24 31.3 / 32.3, 32 40.1 / 40.9, 48 57.5 / 58.8, 64 75.6 / 76.0, 128 147.0 / 145.9, 256 289.8 / 286.5:
+      PDL up to 64 requests (an H100 run of the 2026-11-23 kernels had put the cut at 8).
+    - bfloat16 state (vLLM's default SSM cache dtype): [K, 128] blocks in four warps (the rule before)
+      at N = 32 / 64 29.4 / 50.8 without PDL against [K, 64] in two warps 26.4 / 47.3; at N = 16 / 24
+      the halving loop had left [K, 64] in one warp, 25.6 / 34.5 us, now [K, 64] in two, with PDL 14.9 /
+      20.6 ([K, 32] in one warp: 14.2 / 20.1); N = 128 / 256 (no PDL) 93.7 / 180.0 against 89.4 / 175.2.
+      PDL on / off with [K, 64] in two warps: N = 32 26.1 / 26.4, N = 64 48.7 / 47.3, N = 128 95.6 /
+      89.4: PDL up to 32 requests.
+    - verify, 1 + 3 tokens, PDL on / off: float32 N = 8 / 16 / 32 20.3 / 22.0, 34.3 / 35.1, 59.9 / 60.2;
+      bfloat16 16.8 / 18.8, 28.1 / 29.4, 48.9 / 49.8: PDL up to 32 requests.
+    - H100, float32 (2026-11-23, the kernels of then): N = 1 BV 16 5.8 us (BV 64 6.7); N = 2 BV 16 7.2
+      (BV 32 7.9); N = 4 BV 16 10.1 (BV 64 11.3); N = 8 BV 32 one warp 17.1 (two warps 18.8, BV 64 18.4).
     """
     BK = next_pow2(K)
     if is_interpreting():
@@ -189,18 +204,17 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True)
     else:
         elem = torch.empty(0, dtype=state_dtype).element_size()
-        BV = min(next_pow2(V), max(256 // elem, 8))     # 256-byte rows: [128, 64] fp32, [128, 128] bf16
+        BV = min(next_pow2(V), 64)                      # [128, 64] blocks, 8 KB per warp: fp32 4 warps, bf16 2
         warps = max(1, min(8, BK * BV * elem // 8192))
-        # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs, one warp for blocks of
-        # at most 16 KB. Per layer of a 32-layer graph (HV = 32, K = V = 128, fp32 state, H100, PDL where
-        # pinned; benchmarks/bench_graphs.py --only sweep): N = 1 BV 16 5.8 us (BV 64 6.7); N = 2 BV 16 7.2
-        # (BV 32 7.9); N = 4 BV 16 10.1 (BV 64 11.3); N = 8 BV 32 one warp 17.1 (two warps 18.8, BV 64 18.4);
-        # N = 16 BV 64 four warps 30.5 (BV 32 one warp 33.3)
+        # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs, one warp per block of
+        # at most 16 KB (figures in the docstring)
         while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
             BV //= 2
             warps = max(1, min(8, BK * BV * elem // 16384))
         cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
-    cfg["pdl"] = N is not None and N <= PDL_MAX_N
+    pdl_max = PDL_MAX_N if mode == "verify" else DECODE_PDL_MAX_N.get(
+        torch.empty(0, dtype=state_dtype).element_size(), PDL_MAX_N)
+    cfg["pdl"] = N is not None and N <= pdl_max
     if override:
         cfg.update(override)
     cfg["pdl"] = bool(cfg["pdl"]) and pdl_ok and not is_interpreting()
@@ -223,7 +237,7 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     """Pinned launch config of the conv step kernels: BD channels per program, num_warps. N: the number of
     requests (None: large). override: as step_config's.
 
-    Up to PDL_MAX_N requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step
+    Up to CONV_SMALL_N requests: 256 channels in two warps (fewer, shorter-lived programs: the conv is the step
     kernel's wait). Per layer of a 32-layer graph (Triton 3.6, 2026-11-25, after the conv's window and taps moved
     before its wait; two runs each, us): H200 N = 8 BD 256 two warps 11.67-11.73, BD 128 two warps 11.56-11.65,
     BD 128 one warp 11.81, BD 64 one warp (the rule for 5..8 before) 12.07-12.19, BD 256 / 512 in one / two warps
@@ -242,7 +256,7 @@ def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[
     """
     if is_interpreting():
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=1)
-    elif N is not None and N <= PDL_MAX_N:
+    elif N is not None and N <= CONV_SMALL_N:
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=2)
     else:
         cfg = dict(BD=min(next_pow2(D), 256), num_warps=4)
