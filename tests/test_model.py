@@ -676,3 +676,54 @@ def test_prefill_attention_shares_a_requests_kv_rows(model64, monkeypatch):
     assert spans_seen == [True, True, False, False]
     for a, b in zip(runs[True], runs[False]):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+
+
+@pytest.mark.parametrize("family", [pytest.param("qwen3_next", id="qwen3_next"),
+                                    pytest.param("qwen3_5_text", id="qwen3_5")])
+def test_mtp_dedicated_embeddings(tmp_path, family):
+    """config.mtp_use_dedicated_embeddings: the MTP head embeds its tokens with its own mtp.embed_tokens. With that
+    table set to the target's, the head's outputs are the shared-table model's bit for bit (the flag changes only
+    which table is read); with its own random table they differ. The key round-trips through save / load; a
+    checkpoint that has the key loads with the flag on (as vLLM loads an MTP checkpoint's own embedding); a flag
+    without the key is a missing key; a Qwen3-Next config.json gets the field only when it is on."""
+    shared = tiny(model_type=family)
+    own = tiny(model_type=family, mtp_use_dedicated_embeddings=True)
+    assert "mtp.embed_tokens.weight" in own.hf_parameters() and "mtp.embed_tokens.weight" not in shared.hf_parameters()
+    prompts = ids_of((5, 3), seed=9)
+    si, qsl = torch.tensor([0, 2], dtype=I32), qsl_of([5, 3])
+    ids = torch.cat(prompts)
+    shifted = torch.cat([prompts[0][1:], torch.tensor([7]), prompts[1][1:], torch.tensor([8])])
+
+    def mtp_out(m):
+        cache = m.allocate_cache(3, MAXLEN, max_draft=2)
+        hidden = m.prefill(cache, ids, m.metadata(cache, si, qsl, 8))
+        return m.mtp(cache, shifted, hidden, m.metadata(cache, si, qsl, 8, mtp=True))
+
+    want = mtp_out(shared)
+    assert not torch.equal(mtp_out(own), want)          # its own random table is read
+    with torch.no_grad():
+        own.mtp_head.embed_tokens.weight.copy_(shared.model.embed_tokens.weight)
+    assert torch.equal(mtp_out(own), want)
+
+    own.save_pretrained(tmp_path / "own")
+    cfg = json.loads((tmp_path / "own" / "config.json").read_text())
+    assert cfg["mtp_use_dedicated_embeddings"] is True
+    back = Qwen3NextModel.from_pretrained(tmp_path / "own")
+    assert back.config.mtp_use_dedicated_embeddings
+    assert torch.equal(back.mtp_head.embed_tokens.weight, own.mtp_head.embed_tokens.weight)
+    assert torch.equal(mtp_out(back), want)
+    # the key without the flag: the checkpoint says the head has its own table
+    del cfg["mtp_use_dedicated_embeddings"]
+    (tmp_path / "own" / "config.json").write_text(json.dumps(cfg))
+    assert Qwen3NextModel.from_pretrained(tmp_path / "own").config.mtp_use_dedicated_embeddings
+    # the flag without the key
+    shared.save_pretrained(tmp_path / "shared")
+    cfg = json.loads((tmp_path / "shared" / "config.json").read_text())
+    assert cfg.get("mtp_use_dedicated_embeddings", False) is False
+    assert ("mtp_use_dedicated_embeddings" in cfg) == (family != "qwen3_next")
+    cfg["mtp_use_dedicated_embeddings"] = True
+    (tmp_path / "shared" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing key 'mtp.embed_tokens.weight'"):
+        Qwen3NextModel.from_pretrained(tmp_path / "shared")
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings must be a bool"):
+        Qwen3NextConfig.preset("tiny", mtp_use_dedicated_embeddings=1)

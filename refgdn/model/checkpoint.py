@@ -89,6 +89,8 @@ def load_pretrained(cls, path: str, ops=None, dtype: Optional[torch.dtype] = Non
         dtype = _DTYPES.get(name, torch.float32)
     tensors = _unfuse_experts(_text_model_keys(_read_tensors(path)))
     has_mtp = any(k.startswith("mtp.") for k in tensors)
+    if "mtp.embed_tokens.weight" in tensors:    # the MTP head's own embedding: used where a checkpoint has it
+        config.mtp_use_dedicated_embeddings = True
     # the MTP head iff the checkpoint has mtp.* weights (with num_nextn_predict_layers == 0 they are unexpected)
     model = cls(config, ops=ops, dtype=dtype, device=device, seed=None,
                 mtp=bool(has_mtp and config.num_nextn_predict_layers > 0), check_values=check_values)

@@ -4,7 +4,8 @@ Three families (``model_type``), one decoder:
 
 * ``qwen3_next`` (Qwen3-Next): GDN in-projections ``in_proj_qkvz`` / ``in_proj_ba``, head-interleaved;
 * ``qwen3_5_text`` (Qwen3.5 dense, ``Qwen3_5ForCausalLM``): ``in_proj_qkv`` (q | k | v, the conv's own channel
-  order), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; dense MLPs; the MTP layer count is ``mtp_num_hidden_layers``;
+  order), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; dense MLPs; the MTP layer count is ``mtp_num_hidden_layers``
+  (``mtp_use_dedicated_embeddings``: the MTP head's own ``mtp.embed_tokens``; a checkpoint with that key sets it);
 * ``qwen3_5_moe_text`` (Qwen3.5-MoE): the same GDN projections, every MLP a routed MoE with normalised top-k weights.
 
 A multimodal Qwen3.5 config.json (``qwen3_5`` / ``qwen3_5_moe``, the language model under ``text_config``) is read
@@ -77,6 +78,7 @@ class Qwen3NextConfig:
     layer_types: Optional[List[str]] = None
     full_attention_interval: int = 4
     num_nextn_predict_layers: int = 1
+    mtp_use_dedicated_embeddings: bool = False     # the MTP head's own token embedding (mtp.embed_tokens)
     model_type: str = QWEN3_NEXT
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -130,6 +132,9 @@ class Qwen3NextConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"config.num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
+        if not isinstance(self.mtp_use_dedicated_embeddings, bool):
+            raise ValueError(f"config.mtp_use_dedicated_embeddings must be a bool, "
+                             f"got {self.mtp_use_dedicated_embeddings!r}")
         if self.num_nextn_predict_layers not in (0, 1):
             raise ValueError(f"config.num_nextn_predict_layers must be 0 or 1 (one MTP layer, as Qwen3-Next), "
                              f"got {self.num_nextn_predict_layers!r}")
@@ -199,6 +204,8 @@ class Qwen3NextConfig:
         extra = dict(self.extra)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                 "partial_rotary_factor": self.partial_rotary_factor, **extra.pop("rope_mrope", {})}
+        if self.model_type == QWEN3_NEXT and not self.mtp_use_dedicated_embeddings:
+            d.pop("mtp_use_dedicated_embeddings")                  # a Qwen3.5 field; Qwen3-Next's files lack it
         if self.model_type != QWEN3_NEXT:                          # Qwen3.5's own names; no unused MoE fields
             d["mtp_num_hidden_layers"] = d.pop("num_nextn_predict_layers")
             drop = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")

@@ -376,7 +376,8 @@ class Qwen3NextModel(nn.Module):
             raise ValueError(f"hidden must have shape [T, hidden] = [{input_ids.shape[0]}, {self.config.hidden_size}], "
                              f"got {list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
         head = self.mtp_head
-        e = head.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
+        embed = head.embed_tokens if self.config.mtp_use_dedicated_embeddings else self.model.embed_tokens
+        e = head.pre_fc_norm_embedding(embed(input_ids))
         h = head.pre_fc_norm_hidden(hidden.to(self.dtype))
         x = head.fc(torch.cat([e, h], dim=-1))
         step = attn_step(meta, cache.mtp_kv[0], self.rotary, compute_dtype(x)) if cache.mtp_kv else None

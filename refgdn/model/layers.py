@@ -375,7 +375,8 @@ class MTPHead(nn.Module):
     """Qwen3-Next's multi-token-prediction head (``mtp.*``).
 
     x = fc([pre_fc_norm_embedding(embed(tok)); pre_fc_norm_hidden(h)]), one full-attention decoder
-    layer with its own KV cache, then ``norm``; logits through the target's lm_head.
+    layer with its own KV cache, then ``norm``; logits through the target's lm_head. embed is the target's
+    ``model.embed_tokens``, or the head's own ``mtp.embed_tokens`` with ``config.mtp_use_dedicated_embeddings``.
     """
 
     def __init__(self, cfg: Qwen3NextConfig, dtype=None, device=None):
@@ -386,3 +387,5 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
         self.layers = nn.ModuleList(DecoderLayer(cfg, FULL, i, **f) for i in range(cfg.num_nextn_predict_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        if cfg.mtp_use_dedicated_embeddings:       # registered last: other heads' random init unchanged
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **f)
