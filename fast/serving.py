@@ -197,13 +197,13 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
       (BV 32 7.9); N = 4 BV 16 10.1 (BV 64 11.3); N = 8 BV 32 one warp 17.1 (two warps 18.8, BV 64 18.4).
     """
     BK = next_pow2(K)
+    elem = torch.empty(0, dtype=state_dtype).element_size()
     if is_interpreting():
         cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True)
     elif mode == "verify":
         BV = min(next_pow2(V), 32)
         cfg = dict(BV=BV, num_warps=max(1, min(8, BK * BV // 4096)), HPP=1, fold=True)
     else:
-        elem = torch.empty(0, dtype=state_dtype).element_size()
         BV = min(next_pow2(V), 64)                      # [128, 64] blocks, 8 KB per warp: fp32 4 warps, bf16 2
         warps = max(1, min(8, BK * BV * elem // 8192))
         # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs, one warp per block of
@@ -212,8 +212,7 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
             BV //= 2
             warps = max(1, min(8, BK * BV * elem // 16384))
         cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
-    pdl_max = PDL_MAX_N if mode == "verify" else DECODE_PDL_MAX_N.get(
-        torch.empty(0, dtype=state_dtype).element_size(), PDL_MAX_N)
+    pdl_max = PDL_MAX_N if mode == "verify" else DECODE_PDL_MAX_N.get(elem, PDL_MAX_N)
     cfg["pdl"] = N is not None and N <= pdl_max
     if override:
         cfg.update(override)
