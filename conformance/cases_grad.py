@@ -87,6 +87,7 @@ def _gdn_grad_families(quick: bool) -> dict:
             "strided-slices": (dict(base, T=40, strided=True), (16,)),
             "qk-l2norm-fused-gating": (dict(base, T=70, l2=True, fused=True), (64,)),
             "strong-decay-gva4": (dict(base, T=50, HV=4, K=16, V=16, gate="strong"), (32,)),
+            "gva3-l2norm": (dict(base, T=40, HV=3, K=16, V=16, l2=True), (16,)),    # a group of 3 (Qwen3.5-27B)
             "no-init-T1": (dict(base, T=1, init=False), (16,)),
             "fla-logits-neg-eigval-vk": (dict(base, T=50, K=32, V=16, logits=True, neg=True, vk=True), (16,)),
         }
@@ -107,6 +108,7 @@ def _gdn_grad_families(quick: bool) -> dict:
         "qwen3next-B4-bv32": dict(base, B=4, T=192, H=16, HV=32, l2=True),
         "qwen3next-B8-bv64": dict(base, B=8, T=130, H=16, HV=32, l2=True),
         "qwen3_5-B2-hv64": dict(base, B=2, T=192, H=16, HV=64, l2=True),     # Qwen3.5's 16 key / 64 value heads
+        "qwen3_5-B2-hv48": dict(base, B=2, T=192, H=16, HV=48, l2=True),     # Qwen3.5-27B's 16 / 48 (groups of 3)
         "fla-logits-neg-eigval-vk-K64-V96": dict(base, T=200, K=64, V=96, logits=True, neg=True, vk=True),
     }
     return {k: (v, CHUNK_SIZES) for k, v in fams.items()}

@@ -185,6 +185,7 @@ def _gdn_families(quick: bool) -> dict:
             "T129-strong-decay": dict(base, T=129, gate="strong", init=True),
             "varlen-empty-len1": dict(base, T=130, cu=[0, 0, 1, 1, 64, 129, 130], init=True),
             "gva4": dict(base, HV=4, K=16, V=32, init=True),
+            "gva3-l2norm": dict(base, T=90, HV=3, K=16, V=16, l2=True, init=True),   # a group of 3 (Qwen3.5-27B)
             "strided-slices": dict(base, B=2, init=True, strided=True),
             "qk-l2norm": dict(base, T=100, l2=True, init=True),
             "fused-gating": dict(base, T=100, fused=True, init=True),
@@ -227,12 +228,16 @@ def _gdn_families(quick: bool) -> dict:
         # Qwen3.5's larger models: 16 key / 64 value heads (four value heads per key head; conv width 12288)
         "qwen3_5-B2-hv64": dict(base, B=2, T=300, H=16, HV=64, l2=True),
         "qwen3_5-varlen-hv64": dict(base, B=1, T=700, H=16, HV=64, l2=True, cu=[0, 1, 130, 300, 301, 700]),
+        # Qwen3.5-27B: 16 key / 48 value heads, three value heads per key head (a group that is no power of two)
+        "qwen3_5-B2-hv48": dict(base, B=2, T=300, H=16, HV=48, l2=True),
+        "qwen3_5-varlen-hv48": dict(base, B=1, T=700, H=16, HV=48, l2=True, fused=True,
+                                    cu=[0, 1, 130, 300, 301, 700]),
     }
 
 
 def _recurrent_families(quick: bool) -> dict:
     fams = _gdn_families(quick)
-    keep = (["dense-T63-gva2", "T1-init", "varlen-empty-len1", "gva4", "strided-slices", "qk-l2norm",
+    keep = (["dense-T63-gva2", "T1-init", "varlen-empty-len1", "gva4", "gva3-l2norm", "strided-slices", "qk-l2norm",
              "fused-gating", "T129-strong-decay", "fla-logits-neg-eigval-vk"] if quick else list(fams))
     out = {k: fams[k] for k in keep}
     if not quick:  # the time loop is sequential: keep the full-matrix lengths moderate

@@ -266,6 +266,10 @@ def cases(quick: bool, device: str) -> list:
     # mixed k per request, padded rows, decode steps in between, strided inputs
     out.append(_serving_case("mixed-k-padded", N=4, slots=[2, -1, 0, 4], num_slots=6, H=2, HV=4, K=16, V=8,
                              drafts=(0, 1, 3, 7), rounds=4, decode_every=2, seed=7, strided=True))
+    # three value heads per key head (Qwen3.5-27B's 16 / 48): verify, accept, decode and a prefill
+    out.append(_serving_case("gva3-mixed-k-prefill", N=3, slots=[1, -1, 0], num_slots=4, H=1, HV=3, K=16, V=16,
+                             drafts=(0, 1, 3), rounds=2, decode_every=1, max_draft=3, seed=71,
+                             prefills=[((9, 1, 5), (True, False, True))]))
     # decode only (plain decode graph), bf16-class state precision is GPU-only in the quick set
     out.append(_serving_case("decode-only", N=3, slots=[1, -1, 0], num_slots=4, drafts=(0,), rounds=0,
                              decode_every=0, max_draft=0, seed=11, **small))
@@ -322,6 +326,10 @@ def cases(quick: bool, device: str) -> list:
         out.append(_serving_case("qwen3_5-gva4-bf16", N=4, slots=[5, -1, 1, 2], num_slots=8, H=2, HV=8, K=128,
                                  V=128, drafts=(0, 1, 3), rounds=3, decode_every=1, max_draft=3,
                                  dtype=torch.bfloat16, seed=67, quick=quick,
+                                 prefills=[((300, 7, 1, 129), (True, True, False, True))]))
+        out.append(_serving_case("qwen3_5-gva3-bf16", N=4, slots=[5, -1, 1, 2], num_slots=8, H=2, HV=6, K=128,
+                                 V=128, drafts=(0, 1, 3), rounds=3, decode_every=1, max_draft=3,
+                                 dtype=torch.bfloat16, seed=73, quick=quick,
                                  prefills=[((300, 7, 1, 129), (True, True, False, True))]))
         # (seed 59 failed the rule on committed_ssm by 7 % before gdn_prefill's state update took two bf16 terms:
         # ratio 1.070 -> 0.901; benchmarks/RESULTS.md)

@@ -131,6 +131,9 @@ def families(quick: bool, device: str) -> dict:
     out = {name: dict(p, **qwen) for name, p in out.items()}
     out["gva-l2norm-strided-odd-V"] = dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], H=2, HV=4, K=32,
                                            V=24, l2=True, strided=True, scale=0.3)
+    # three value heads per key head (Qwen3.5-27B: 16 / 48)
+    out["gva3-spec-l2norm"] = dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], acc=[2, 1, 1], l2=True,
+                                   **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128, V=128)))
     return out
 
 
