@@ -176,6 +176,17 @@ def test_refgdn_float64_matches_transformers(hf_truth):
         assert rel < 1e-10, f"prompt {n} (length {len(prompts[n])}): relative error {rel:.3e}"
 
 
+def test_refgdn_float64_matches_transformers_gva3(tmp_path_factory):
+    """Three value heads per key head (no power of two): in_proj_qkvz / in_proj_ba interleave q, k, then the
+    group's v and z per key head; refgdn's split of them against transformers' own."""
+    path, prompts, truth, _ = make_truth(tmp_path_factory, linear_num_value_heads=6)
+    model = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=torch.float64)
+    assert model.config.linear_num_value_heads == 6
+    for n, (o, t) in enumerate(zip(run_ours(model, prompts), truth)):
+        rel = ((o - t).abs().max() / t.abs().max()).item()
+        assert rel < 1e-10, f"prompt {n} (length {len(prompts[n])}): relative error {rel:.3e}"
+
+
 def _fast_against_truth(hf_truth, dtype, device):
     path, prompts, truth, _ = hf_truth
     ref = Qwen3NextModel.from_pretrained(path, ops="refgdn", dtype=dtype, device=device)

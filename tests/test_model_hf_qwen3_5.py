@@ -45,6 +45,7 @@ TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_laye
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                              "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
+GVA3 = dict(linear_num_value_heads=6)         # three value heads per key head, as Qwen3.5-27B's 16 / 48
 
 
 def _prompts(vocab: int) -> list:
@@ -59,7 +60,8 @@ def _hf_logits(hf, prompts) -> list:
 
 def _truth(path, family: str):
     """(checkpoint dir, prompts, transformers' float64 logits per prompt, fallback call counts) of a tiny random
-    model of ``family`` ("dense", "moe" or "multimodal": a dense text model under a vision tower)."""
+    model of ``family`` ("dense", "moe", "multimodal": a dense text model under a vision tower, or "dense-gva3":
+    three value heads per key head)."""
     mod = mod_moe if family == "moe" else mod_dense
     mp = pytest.MonkeyPatch()
     try:
@@ -68,8 +70,9 @@ def _truth(path, family: str):
             if family == "moe":
                 cfg = transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE)
                 cls = transformers.Qwen3_5MoeForCausalLM
-            elif family == "dense":
-                cfg, cls = transformers.Qwen3_5TextConfig(**TEXT), transformers.Qwen3_5ForCausalLM
+            elif family in ("dense", "dense-gva3"):
+                text = dict(TEXT, **(GVA3 if family == "dense-gva3" else {}))
+                cfg, cls = transformers.Qwen3_5TextConfig(**text), transformers.Qwen3_5ForCausalLM
             else:
                 cfg = transformers.Qwen3_5Config(
                     text_config=TEXT, vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=24,
@@ -97,7 +100,7 @@ def _family_truth(family: str, tmp_path_factory):
     return _TRUTHS[family]
 
 
-@pytest.fixture(scope="module", params=["dense", "moe", "multimodal"])
+@pytest.fixture(scope="module", params=["dense", "moe", "multimodal", "dense-gva3"])
 def truth(request, tmp_path_factory):
     return _family_truth(request.param, tmp_path_factory)
 
@@ -161,6 +164,11 @@ def test_fast_float32_by_conformance_rule(dense_truth):
     """The dense model: fast's GDN path behind Qwen3.5's projections (the MoE and the multimodal prefix are the
     loading's, which the refgdn comparison covers)."""
     _fast_against_truth(dense_truth, torch.float32, DEVICE)
+
+
+def test_fast_float32_gva3_by_conformance_rule(tmp_path_factory):
+    """Three value heads per key head (Qwen3.5-27B's grouping, no power of two) through fast's GDN path."""
+    _fast_against_truth(_family_truth("dense-gva3", tmp_path_factory), torch.float32, DEVICE)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bfloat16)")
