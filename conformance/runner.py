@@ -70,8 +70,9 @@ def collect(quick: bool, device: str, ops: Optional[Iterable[str]] = None,
     if ops:
         ops = set(ops)
         cases = [c for c in cases if c.op in ops]
-    if match:
-        cases = [c for c in cases if match in f"{c.op}/{c.case}"]
+    if match:                                   # comma-separated: any of the substrings
+        subs = [m for m in match.split(",") if m]
+        cases = [c for c in cases if any(m in f"{c.op}/{c.case}" for m in subs)]
     return cases, problems, notes
 
 
@@ -281,7 +282,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", default="conformance-report.json", metavar="PATH",
                     help="JSON report path (default: conformance-report.json)")
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
-    ap.add_argument("--cases", default=None, metavar="SUBSTR", help="only cases whose op/case contains SUBSTR")
+    ap.add_argument("--cases", default=None, metavar="SUBSTR[,SUBSTR...]",
+                    help="only cases whose op/case contains SUBSTR (any of several, comma-separated)")
     ap.add_argument("--dtypes", default=None, help="comma-separated dtypes to keep, e.g. float32,bfloat16")
     ap.add_argument("--all-rows", action="store_true", help="summary shows every check (default when <= 200 "
                     "checks; otherwise one row per case: its failing or worst check)")

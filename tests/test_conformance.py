@@ -109,6 +109,17 @@ def test_conv_state_off_by_one_ulp_fails_exact_check(monkeypatch):
     assert by_check["y"]["passed"] and not by_check["final_state"]["passed"]
 
 
+def test_cases_selects_any_of_comma_separated_substrings():
+    """--cases a,b: the cases matching a plus those matching b, no others (an empty piece selects nothing more)."""
+    mods = ("conformance.cases_prefill",)
+    a = runner.collect(True, "cpu", match="gva3", modules=mods)[0]
+    b = runner.collect(True, "cpu", match="dense-T63", modules=mods)[0]
+    both = runner.collect(True, "cpu", match="gva3,dense-T63,", modules=mods)[0]
+    assert a and b
+    key = lambda c: (c.op, c.case, str(c.dtype), c.chunk_size)  # noqa: E731
+    assert sorted(map(key, both)) == sorted(map(key, a + b)) and not set(map(key, a)) & set(map(key, b))
+
+
 def test_exception_is_a_failure_record_not_a_crash(capsys):
     def boom(device):
         raise RuntimeError("kernel exploded")
