@@ -6,8 +6,10 @@ Qwen3-Next and Mamba layers call) over an ops namespace's causal_conv1d / causal
         conv_state <- [conv_state[..., 1:], x] (the whole buffer shifts; the window is its last W-1 columns + x)
 
 ``refgdn.compat`` binds them to refgdn's ops, ``fast.compat`` to fast's: the same mapping, one definition.
-Refused by name (ValueError): ``seq_idx`` (use cu_seqlens with causal_conv1d), the circular-buffer
-``cache_seqlens``, ``conv_state_indices``, and updates of more than one token.
+``causal_conv1d_update``'s ``conv_state_indices`` [B] picks each row's state from a larger pool [S_pool, D, S]
+(continuous batching); the rows are gathered, updated and written back, the others untouched. Refused by name
+(ValueError): ``seq_idx`` (use cu_seqlens with causal_conv1d), the circular-buffer ``cache_seqlens``, and updates of
+more than one token.
 """
 from __future__ import annotations
 
@@ -43,15 +45,44 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return out, final
 
 
+def _checked_indices(idx, x, conv_state) -> torch.Tensor:
+    """conv_state_indices checked against x's batch and the pool (ValueError naming it): [B] int on the pool's
+    device, distinct, in range. Returns it as int64."""
+    B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
+        raise ValueError(f"conv_state must be a 3-D pool [S_pool, D, S] with conv_state_indices, got "
+                         f"{tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else type(conv_state)}")
+    if (not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1
+            or idx.shape[0] != B or idx.device != conv_state.device):
+        raise ValueError(f"conv_state_indices must be an int32 / int64 tensor [B] = [{B}] on {conv_state.device}, "
+                         f"got {idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__} "
+                         f"{list(idx.shape) if isinstance(idx, torch.Tensor) else ''}"
+                         f"{' on ' + str(idx.device) if isinstance(idx, torch.Tensor) else ''}")
+    vals = idx.tolist()
+    bad = [v for v in vals if not 0 <= v < conv_state.shape[0]]
+    if bad or len(set(vals)) != len(vals):
+        raise ValueError(f"conv_state_indices must be distinct and in [0, {conv_state.shape[0]}) (the pool's rows), "
+                         f"got {vals}")
+    return idx.long()
+
+
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, activation: Optional[str] = None, cache_seqlens=None,
                          conv_state_indices=None, *, ops=None) -> torch.Tensor:
     """x: [B, D] or [B, D, 1], conv_state: [B, D, S] with S >= W-1 (updated in place), weight: [D, W], bias: [D] ->
     out shaped as x. The window is conv_state's last W-1 columns and x; the whole buffer shifts by one column and
-    takes x last (causal-conv1d's semantics; transformers keeps S = W)."""
-    if cache_seqlens is not None or conv_state_indices is not None:
-        raise ValueError("cache_seqlens / conv_state_indices: not supported (a circular or indexed conv state); "
-                         "index the state's rows before the call")
+    takes x last (causal-conv1d's semantics; transformers keeps S = W).
+
+    conv_state_indices: [B] int32 / int64, distinct, in [0, S_pool): conv_state is a pool [S_pool, D, S] and row b
+    updates conv_state[conv_state_indices[b]] (the indices are read on the host to be checked: a sync)."""
+    if cache_seqlens is not None:
+        raise ValueError("cache_seqlens: not supported (a circular conv state)")
+    if conv_state_indices is not None:
+        idx = _checked_indices(conv_state_indices, x, conv_state)
+        rows = conv_state.index_select(0, idx)                  # [B, D, S]: the requests' states (copies)
+        y = causal_conv1d_update(x, rows, weight, bias, activation, ops=ops)   # (its checks raise first)
+        conv_state.index_copy_(0, idx, rows)
+        return y
     squeeze = isinstance(x, torch.Tensor) and x.dim() == 3
     if squeeze and x.shape[2] != 1:
         raise ValueError(f"x must be [B, D] or [B, D, 1] (one token per update), got {tuple(x.shape)}")

@@ -64,6 +64,34 @@ def test_fn_matches_transformers_and_the_states(mod):
     assert torch.equal(final.cpu(), f_r)                # the last W-1 inputs: copies
 
 
+def _i(v):
+    return torch.tensor(v, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("S", [W - 1, W], ids=lambda s: f"state-width-{s}")
+def test_update_with_conv_state_indices(mod, S):
+    """A pool of 7 states, B = 3 rows picked by conv_state_indices (int32 and int64): each picked row shifted as
+    transformers' update of those rows shifts them (bit for bit), the other rows untouched; the output by the
+    conformance rule against the float64 update."""
+    gen = torch.Generator().manual_seed(11 + S)
+    w, b = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    pool, x = torch.randn(7, D, S, generator=gen), torch.randn(B, D, 1, generator=gen)
+    for dt in (torch.int32, torch.int64):
+        idx = torch.tensor([5, 0, 3], dtype=dt)
+        rows = pool[idx.long()].clone()
+        want = HF_UPDATE(x, rows, w, b, "silu")
+        got_pool = pool.clone().to(DEVICE)
+        got = mod.causal_conv1d_update(x.to(DEVICE), got_pool, w.to(DEVICE), b.to(DEVICE), "silu",
+                                       conv_state_indices=idx.to(DEVICE))
+        assert got.shape == x.shape
+        want_pool = pool.clone()
+        want_pool[idx.long()] = rows
+        assert torch.equal(got_pool.cpu(), want_pool)            # picked rows shifted as transformers', others kept
+        _conforms("out", got, HF_UPDATE(x.double(), pool[idx.long()].double(), w.double(), b.double(), "silu"),
+                  want, torch.float32)
+
+
 @pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
 def test_refusals_name_the_argument_and_leave_the_state(mod):
     gen = torch.Generator().manual_seed(8)
@@ -72,7 +100,13 @@ def test_refusals_name_the_argument_and_leave_the_state(mod):
     before = st.clone()
     for call, arg in ((lambda: mod.causal_conv1d_update(x, st, w, cache_seqlens=torch.zeros(B)), "cache_seqlens"),
                       (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=torch.zeros(B)),
-                       "conv_state_indices"),
+                       "conv_state_indices"),                                            # float indices
+                      (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([0, 1, 1])),
+                       "conv_state_indices"),                                            # a duplicate
+                      (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([0, 1, 3])),
+                       "conv_state_indices"),                                            # out of the pool
+                      (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([0, 1])),
+                       "conv_state_indices"),                                            # not [B]
                       (lambda: mod.causal_conv1d_update(x.repeat(1, 1, 2), st, w), "x"),
                       (lambda: mod.causal_conv1d_update(x, st, w[:5]), "weight"),          # the op's own check
                       (lambda: mod.causal_conv1d_fn(x, w, seq_idx=torch.zeros(B, 1)), "seq_idx")):
