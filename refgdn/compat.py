@@ -48,7 +48,10 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def _checked_indices(idx, x, conv_state) -> torch.Tensor:
     """conv_state_indices checked against x's batch and the pool (ValueError naming it): [B] int on the pool's
     device, distinct, in range. Returns it as int64."""
-    B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, D] or [B, D, 1], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    B = x.shape[0]
     if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
         raise ValueError(f"conv_state must be a 3-D pool [S_pool, D, S] with conv_state_indices, got "
                          f"{tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else type(conv_state)}")
