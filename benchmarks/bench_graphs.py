@@ -4,7 +4,8 @@
    shape (H = 16, HV = 32, K = V = 128, bf16 activations, float32 state) at N = 1 and N = 8: per layer of
    one CUDA graph of 32 layers' steps (distinct caches: what a layer costs in a model's decode graph, its
    state out of L2), and one graph per step (do_bench median of the replay: graph launch latency included,
-   ~5 us at N = 1, which alone is the target); eager at N = 1 as host wall time per call (launch overhead included:
+   ~5 us at N = 1, which alone is the target), and per layer with a bfloat16 state (vLLM's default SSM cache dtype);
+   eager at N = 1 as host wall time per call (launch overhead included:
    a loop of calls, one synchronize at the end); fla's fused_recurrent_gated_delta_rule beside it in the
    same run (no conv, no gating). Targets (issue 10): <= 5 us (graph, N = 1), <= 11 us (graph, N = 8),
    <= 40 us (eager wall, N = 1).
@@ -22,13 +23,15 @@ from benchmarks import common
 from benchmarks.bench_decode import fla_fn, graphed, make_problem
 
 TITLE = "CUDA graphs: GDN decode step and the model (fast.graphs)"
-META = {"layer step": "fast.gdn_decode, H=16 HV=32 K=V=128 W=4, bf16 activations, float32 state",
+META = {"layer step": "fast.gdn_decode, H=16 HV=32 K=V=128 W=4, bf16 activations, float32 state (a bfloat16 "
+                      "state's row beside each N)",
         "model": "refgdn.model preset 'bench' (hidden 2048, 3 GDN + 1 attention layer, vocab 32K), fast ops, bf16",
         "targets (us)": "graph N=1 <= 5, graph N=8 <= 11, eager N=1 wall <= 40",
         "us": "per-layer rows: do_bench median of a 32-layer graph's replay / 32; one-graph rows: do_bench median "
               "of the replay; eager / model rows: host wall per call (sync at the end)"}
 
 
+BF16 = torch.bfloat16
 LAYERS = 32       # layers per graph in the "per layer" rows: 32 distinct caches, state > L2 (50 MB) at N = 1
 
 
@@ -45,11 +48,12 @@ def per_layer_us(make_call, layers: int = LAYERS) -> float:
     return common.bench(g) * 1e3 / layers if g is not None else float("nan")
 
 
-def fast_call(N: int, seed: int = 0, bias: bool = True):
-    """One GDN layer's decode step at Qwen3-Next's shape (float32 state) on its own problem: a callable. bias=False:
-    no conv bias, as Qwen3-Next's conv (its decode guard then holds two absent tensors: fast.launch.MetaGuard)."""
+def fast_call(N: int, seed: int = 0, bias: bool = True, state_dtype: torch.dtype = torch.float32):
+    """One GDN layer's decode step at Qwen3-Next's shape on its own problem: a callable. bias=False: no conv bias, as
+    Qwen3-Next's conv (its decode guard then holds two absent tensors: fast.launch.MetaGuard). state_dtype: the SSM
+    state's (float32; vLLM's default is the model's, bfloat16)."""
     import fast.serving as fs
-    p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
+    p = make_problem(N, 0, state_dtype, "cuda", seed=seed)
     args = (p["x"], p["a"], p["b"], p["conv_weight"], p["conv_bias"] if bias else None, p["A_log"], p["dt_bias"],
             p["cache"], p["idx"])
     return lambda: fs.gdn_decode(*args)  # noqa: E731
@@ -84,6 +88,11 @@ def layer_rows(batches=(1, 8), beside=()) -> list:
         rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph", N=N,
                          us=per_layer_us(lambda i: fast_call(N, i)), target={1: 5, 8: 11}.get(N),
                          note=f"pdl={fs.step_config(128, 128, torch.float32, 32, 'decode', N, pdl_ok=True)['pdl']}"))
+        rows.append(dict(what="GDN layer decode step", impl=f"fast, per layer of a {LAYERS}-layer graph, bfloat16 "
+                         "state (vLLM's default)", N=N, us=per_layer_us(lambda i: fast_call(N, i, bias=False,
+                                                                                           state_dtype=BF16)),
+                         note=f"no conv bias; pdl="
+                              f"{fs.step_config(128, 128, BF16, 32, 'decode', N, pdl_ok=True)['pdl']}"))
         for key in beside:
             for on in (False, True):
                 with launch_overrides(step={key: on}):
