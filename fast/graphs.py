@@ -109,17 +109,20 @@ class GraphedModel:
 
     model, cache: the model and its ModelCache (allocated by ``setup``'s reserve when None);
     batch_sizes: padded batch sizes captured; max_draft: verify graphs for k = 1..max_draft and the draft
-    graph; cuda_graphs: False = eager everywhere (same code path otherwise).
+    graph; cuda_graphs: False = eager everywhere (same code path otherwise); state_dtype: the GDN ssm state of
+    the cache ``setup`` allocates (None: the model's default, float32; a plan's ServingConfig.state_dtype
+    must agree).
     """
 
     def __init__(self, model, cache=None, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_draft: int = 0,
-                 cuda_graphs: bool = True, num_slots: int = 8, max_len: int = 256):
+                 cuda_graphs: bool = True, num_slots: int = 8, max_len: int = 256,
+                 state_dtype: Optional[torch.dtype] = None):
         self.m = model
         self.cache = cache
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_draft = max_draft
         self.cuda_graphs = bool(cuda_graphs)
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_slots, self.max_len, self.state_dtype = num_slots, max_len, state_dtype
         # on a CPU the graphs are refgdn.capture's simulated ones (same lifecycle, same checks)
         backend = CudaGraphBackend(model.device) if self.cuda_graphs and model.device.type == "cuda" else None
         self.lc = Lifecycle(model.device, graph_backend=backend, check_drafts=model.device.type == "cpu")
@@ -134,7 +137,8 @@ class GraphedModel:
             self.lc.check_profiled(planned)
         if self.cache is None:
             self.cache = self.lc.reserve(lambda: self.m.allocate_cache(self.num_slots, self.max_len,
-                                                                        max_draft=self.max_draft))
+                                                                        max_draft=self.max_draft,
+                                                                        state_dtype=self.state_dtype))
         else:
             self.lc.reserve(lambda: self.cache)
         if not self.cuda_graphs:
@@ -271,8 +275,9 @@ def profile_traffic(model, cfg: ServingConfig):
     1..max_prefill_seqs sequences, decode / verify / accept at every batch size."""
     m, dev = model, model.device
     n = max(cfg.max_batch, cfg.max_prefill_seqs)
+    # the state dtype the plan lists (a float64 model keeps its float64 state: it runs no kernel)
     cache = m.allocate_cache(n, max(cfg.max_prefill_tokens, 1) + 2 * (cfg.max_draft + 2) * 4 + 8,
-                             max_draft=cfg.max_draft)
+                             max_draft=cfg.max_draft, state_dtype=None if m.dtype == torch.float64 else cfg.state_dtype)
     for T in prefill_classes(cfg.max_prefill_tokens):
         for N in range(1, min(T, cfg.max_prefill_seqs) + 1):
             cache.reset(list(range(n)))

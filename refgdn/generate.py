@@ -84,6 +84,8 @@ def parse_args(argv=None):
                     help="without --prompt-ids/--prompt-file: N random prompts of lengths 3..16 (default 2)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="model dtype (default: bfloat16 on cuda, float32 on cpu; float64 only with refgdn)")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="GDN ssm state (default float32; vLLM serves with the model's dtype, e.g. bfloat16)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--seed", type=int, default=0, help="weights (presets), random prompts and sampling")
     ap.add_argument("--draft-friendly", type=float, default=None, metavar="MIX",
@@ -110,6 +112,17 @@ def build_model(args, torch):
     return Qwen3NextModel(cfg, ops=args.ops, dtype=dtype, device=device, seed=args.seed)
 
 
+def state_dtype(args):
+    """--state-dtype as a torch dtype (None: the model's default, float32)."""
+    import torch
+    return None if args.state_dtype is None else getattr(torch, args.state_dtype)
+
+
+def cache_len(prompts, args) -> int:
+    """Positions a request of this run can reach: its prompt, the new tokens and a round's drafts, with slack."""
+    return max(len(p) for p in prompts) + args.max_new_tokens + 2 * max(args.draft_steps, 0) + 8
+
+
 def graphed_steps(model, prompts, args):
     """The model's steps over fast.graphs (GraphedSteps): profile -> reserve -> warmup + capture, sized for
     this run (one padded batch size, verify graphs for k = 1..draft_steps, the draft-step graph)."""
@@ -117,12 +130,13 @@ def graphed_steps(model, prompts, args):
     from refgdn.capture import ServingConfig
     B = 1 << max(len(prompts) - 1, 0).bit_length()             # the padded batch size (a power of two)
     K = max(args.draft_steps, 0)
-    max_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * K + 8
+    max_len = cache_len(prompts, args)
+    sdt = state_dtype(args)
     cfg = ServingConfig(capture_batch_sizes=(B,), max_draft=K, max_batch=B,
                         max_prefill_tokens=sum(len(p) for p in prompts), max_prefill_seqs=len(prompts),
-                        device=str(model.device))
+                        state_dtype=sdt or ServingConfig.state_dtype, device=str(model.device))
     model.check_values = False      # host value checks read device memory (a sync): graphs check on the device
-    gm = GraphedModel(model, batch_sizes=(B,), max_draft=K, num_slots=B, max_len=max_len)
+    gm = GraphedModel(model, batch_sizes=(B,), max_draft=K, num_slots=B, max_len=max_len, state_dtype=sdt)
     gm.setup(profile=lambda: profile_traffic(model, cfg))
     return GraphedSteps(gm)
 
@@ -131,6 +145,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.ops == "fast" and args.dtype == "float64":
         print("--dtype float64 is for --ops refgdn (the fast kernels take float32 / bfloat16 / float16)", file=sys.stderr)
+        return 2
+    if args.cuda_graphs and args.ops != "fast":
+        print("--cuda-graphs is for --ops fast (the refgdn oracle reads its inputs' values on the host to check "
+              "them, which no graph can hold)", file=sys.stderr)
         return 2
     if args.model_type is not None and args.checkpoint:
         print("--model-type is for --preset (a checkpoint's config.json names its own family)", file=sys.stderr)
@@ -174,6 +192,11 @@ def main(argv=None) -> int:
         cache_kw = dict(cache=steps.cache)
         print(f"CUDA graphs: batch sizes {steps._gm.batch_sizes}, verify k = 1..{steps._gm.max_draft}, "
               f"compilations per phase {dict(steps._gm.lc.real_compiles)}")
+    elif args.state_dtype is not None:              # one cache in that state dtype for both runs
+        cache_kw = dict(cache=model.allocate_cache(len(prompts), cache_len(prompts, args),
+                                                   max_draft=max(args.draft_steps, 0), state_dtype=state_dtype(args)))
+    if "cache" in cache_kw and cache_kw["cache"].gdn:
+        print(f"GDN ssm state: {cache_kw['cache'].gdn[0].ssm_state.dtype}")
 
     plain = run("plain", lambda bar: generate_plain(steps, prompts, args.max_new_tokens, progress=bar, **common,
                                                     **cache_kw))

@@ -641,6 +641,29 @@ def test_graphed_model_on_cpu_equals_eager(model):
     assert all(torch.equal(a, b) for a, b in zip(toks, ref))
 
 
+def test_graphed_model_state_dtype(model):
+    """GraphedModel(state_dtype=bfloat16) (vLLM's default SSM cache dtype) with a plan of that state dtype: the
+    profile launches on such a cache, the reserved cache holds it, and graph replays equal the eager twin's steps
+    bit for bit, states included."""
+    from fast.graphs import GraphedModel, profile_traffic
+    bf16 = torch.bfloat16
+    cfg = ServingConfig(capture_batch_sizes=(2,), max_draft=1, max_batch=2, max_prefill_tokens=1, max_prefill_seqs=1,
+                        state_dtype=bf16)
+    gm = GraphedModel(model, batch_sizes=(2,), max_draft=1, num_slots=2, max_len=32, state_dtype=bf16).setup(
+        profile=lambda: profile_traffic(model, cfg))
+    assert [c.ssm_state.dtype for c in gm.cache.gdn] == [bf16] * len(gm.cache.gdn)
+    eager = GraphedModel(model, cache=gm.cache.clone(), batch_sizes=(2,), max_draft=1, cuda_graphs=False).setup()
+    eager.lc.seen_keys |= gm.lc.seen_keys
+    for g in (gm, eager):
+        _prefill(model, g.cache, [3, 2], [0, 1])
+    si = torch.arange(2, dtype=I32)
+    for step in range(3):
+        ids = torch.tensor([7 + step, 20 + step])
+        assert torch.equal(gm.decode(ids, si), eager.decode(ids, si))
+    for a, b in zip(gm.cache.gdn, eager.cache.gdn):
+        assert torch.equal(a.ssm_state, b.ssm_state) and torch.equal(a.conv_state, b.conv_state)
+
+
 def test_speculative_loop_over_graphs_is_lossless():
     """refgdn.speculative's loop on fast.graphs.GraphedSteps (simulated graphs, float64 model): greedy
     speculative tokens == plain greedy tokens, with decode / verify / draft steps served from graphs, verifies

@@ -304,6 +304,14 @@ def test_generate_command(capsys, tmp_path):
     assert rc == 0 and "greedy speculative == plain: True" in capsys.readouterr().out
     assert main(["--checkpoint", str(tmp_path), "--model-type", "qwen3_5_text", "--no-progress"]) == 2
     assert "--model-type is for --preset" in capsys.readouterr().err
+    # the GDN state in bfloat16 (vLLM's default; GraphedModel's state_dtype: tests/test_capture.py)
+    rc = main(["--preset", "tiny", "--dtype", "float32", "--state-dtype", "bfloat16", "--max-new-tokens", "3",
+               "--draft-steps", "2", "--draft-friendly", "0.2", "--prompt-ids", "1,2,3", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "GDN ssm state: torch.bfloat16" in out and "tok/s" in out, out
+    # graphs are fast's: the oracle checks its inputs' values on the host, which no graph can hold
+    assert main(["--preset", "tiny", "--ops", "refgdn", "--cuda-graphs", "--no-progress"]) == 2
+    assert "--cuda-graphs is for --ops fast" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
