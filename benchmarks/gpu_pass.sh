@@ -6,9 +6,9 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what the fourth session of 2026-11-23 wrote without timing it on a GPU: the
-#     prefill rows (varlen reads cu_seqlens once per call now), the eager decode's host pieces
-#     (host_overhead --device cuda), the decode layer rows and the config sweep (bench_graphs)
+#   pending (not in all): what the last session wrote without running it on a GPU (2026-11-28 13:58: the full
+#     conformance families at Qwen3.5-27B's 16 / 48 heads, the bfloat16-state row of bench_graphs' layer table,
+#     the prefill rows at 48 value heads), then the decode layer rows (printed and in $OUT/RESULTS.md)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -86,14 +86,15 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  timeout 240 python3 -m benchmarks --only prefill 2>&1 | tee "$OUT/bench-prefill.log" | tail -20; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | tee "$OUT/host-overhead.log" | tail -20
+  # (H200, 14 workers: the forward families ~1 min; the gradient's three chunk sizes at 48 heads take longer)
+  timeout 300 python3 -m conformance --device cuda --full --cases hv48 --jobs ${CONFORMANCE_JOBS:-14} \
+    --json "$OUT/conformance-hv48.json" 2>"$OUT/conformance-hv48.err" | tee "$OUT/conformance-hv48.log" | tail -6
   rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,2,4,8,16 2>&1 | grep "^|" | tee "$OUT/graphs.log"
+  timeout 150 python3 -c "from benchmarks import bench_prefill as bp
+for r in bp.bench_chunk('cuda', float('nan'), l2norm=True, heads=(16, 48), fla_draws=1): print(r)" 2>&1 \
+    | grep -v Warn | tee "$OUT/bench-prefill-hv48.log" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m benchmarks.bench_graphs --only layer --batches 1,8,32 2>&1 | grep "^|" | tee "$OUT/graphs.log"
   rc=$((rc | ${PIPESTATUS[0]}))
-  # the step / conv configs beside the pinned ones, per N (printed only)
-  timeout 240 python3 -m benchmarks.bench_graphs --only sweep --batches 1,2,4,8 --no-results 2>&1 | grep "^|" \
-    | tee "$OUT/graphs-sweep.log"; rc=$((rc | ${PIPESTATUS[0]}))
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *varlen* ]]; then
