@@ -181,7 +181,7 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
 
     Measured per layer of a 32-layer CUDA graph (8 layers at N >= 128), HV = 32, K = V = 128, no conv
     bias, H200, Triton 3.6, 2026-11-28 (benchmarks/RESULTS.md, "Decode configs by N and state dtype"),
-    us, two rounds within 0.2:
+    us, two rounds within 0.3:
     - float32 state, PDL on / off at the pinned blocks: N = 8 11.6 / 13.9, 12 17.3 / 19.4, 16 22.6 / 23.5,
       24 31.3 / 32.3, 32 40.1 / 40.9, 48 57.5 / 58.8, 64 75.6 / 76.0, 128 147.0 / 145.9, 256 289.8 / 286.5:
       PDL up to 64 requests (an H100 run of the 2026-11-23 kernels had put the cut at 8).
