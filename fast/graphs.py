@@ -300,20 +300,24 @@ def profile_traffic(model, cfg: ServingConfig):
 
 
 def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1, 2, 4, 8), max_draft: int = 5,
-                     rounds: int = 3, seed: int = 0, device: str = "cuda", ops="fast") -> dict:
+                     rounds: int = 3, seed: int = 0, device: str = "cuda", ops="fast",
+                     state_dtype: torch.dtype = torch.float32) -> dict:
     """GPU: the whole lifecycle in this process (run it in a fresh one), with Triton's compilations counted.
 
     Returns planned keys, keys Triton compiled (by the launch recorder's attribution), compilations per
     phase, and the keys first seen after profile. Serving traffic afterwards: prefills of random lengths,
-    decode and speculative rounds (k = 1..max_draft) at padded batch sizes below and above the graphs."""
+    decode and speculative rounds (k = 1..max_draft) at padded batch sizes below and above the graphs.
+    state_dtype: the GDN ssm state's (the plan's and the cache's)."""
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
     m = Qwen3NextModel(Qwen3NextConfig.preset(preset), ops=ops, dtype=dtype, device=device, seed=seed,
                        check_values=False)
     cfg = ServingConfig(capture_batch_sizes=batch_sizes, max_draft=max_draft, max_batch=max(batch_sizes) + 2,
-                        max_prefill_tokens=64, max_prefill_seqs=max(batch_sizes) + 2, device=device)
+                        max_prefill_tokens=64, max_prefill_seqs=max(batch_sizes) + 2, state_dtype=state_dtype,
+                        device=device)
     log = KeyLog()
     with recording(log):
-        gm = GraphedModel(m, batch_sizes=batch_sizes, max_draft=max_draft, num_slots=cfg.max_batch, max_len=512)
+        gm = GraphedModel(m, batch_sizes=batch_sizes, max_draft=max_draft, num_slots=cfg.max_batch, max_len=512,
+                          state_dtype=state_dtype)
         gm.setup(profile=lambda: profile_traffic(m, cfg), planned=plan(m, cfg).keys)
         gen = torch.Generator().manual_seed(seed)
         for n in (1, 3, cfg.max_batch):

@@ -33,11 +33,15 @@ def _run(code: str, timeout=900) -> str:
     return r.stdout
 
 
-def test_capture_compiles_nothing_and_compiled_keys_equal_plan():
-    out = _run("""
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_capture_compiles_nothing_and_compiled_keys_equal_plan(state_dtype):
+    """(bfloat16: the plan and the profile on a bfloat16 GDN state, vLLM's default; the profile allocated float32
+    states whatever the plan said until 2026-11-28, so such a plan could never have been covered.)"""
+    out = _run(f"""
         import json, torch
         from fast.graphs import lifecycle_report
-        print("REPORT", json.dumps(lifecycle_report("tiny", torch.bfloat16, batch_sizes=(1, 2, 4, 8), max_draft=5)))
+        print("REPORT", json.dumps(lifecycle_report("tiny", torch.bfloat16, batch_sizes=(1, 2, 4, 8), max_draft=5,
+                                                    state_dtype=torch.{state_dtype})))
     """)
     rep = json.loads(out.split("REPORT", 1)[1])
     print(json.dumps({k: v for k, v in rep.items() if k not in ("planned", "compiled")}, indent=1))
@@ -62,24 +66,27 @@ def _same(a, b):
     assert torch.equal(a.kv_lens_buf, b.kv_lens_buf) and torch.equal(a.mtp_kv_lens_buf, b.mtp_kv_lens_buf)
 
 
-@pytest.mark.parametrize("dtype,family", [
-    pytest.param(torch.bfloat16, {}, id="bf16"),
-    pytest.param(torch.float32, {}, id="fp32"),
-    pytest.param(torch.bfloat16, dict(model_type="qwen3_5_moe_text"), id="bf16-qwen3_5_moe"),
+@pytest.mark.parametrize("dtype,family,state_dtype", [
+    pytest.param(torch.bfloat16, {}, torch.float32, id="bf16"),
+    pytest.param(torch.float32, {}, torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, dict(model_type="qwen3_5_moe_text"), torch.float32, id="bf16-qwen3_5_moe"),
+    pytest.param(torch.bfloat16, {}, torch.bfloat16, id="bf16-bf16-state"),
 ])
-def test_graph_replay_equals_eager_bit_for_bit(dtype, family):
+def test_graph_replay_equals_eager_bit_for_bit(dtype, family, state_dtype):
     """Greedy speculative rounds with k = 1..5 on padded batches: graph and eager (same padded shapes)
     give equal logits, accepted tokens, GDN states, conv windows, KV caches and lengths, every round
-    (Qwen3-Next's tiny preset, and the same as a Qwen3.5-MoE: its split GDN projections, every MLP routed)."""
+    (Qwen3-Next's tiny preset, and the same as a Qwen3.5-MoE: its split GDN projections, every MLP routed;
+    and with a bfloat16 GDN state, vLLM's default)."""
     from fast.graphs import GraphedModel, profile_traffic
     from refgdn.capture import ServingConfig
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
     m = Qwen3NextModel(Qwen3NextConfig.preset("tiny", **family), ops="fast", dtype=dtype, device="cuda", seed=1)
     K = 5
     cfg = ServingConfig(capture_batch_sizes=(2, 4), max_draft=K, max_batch=4, max_prefill_tokens=64,
-                        max_prefill_seqs=4, device="cuda")
-    gm = GraphedModel(m, batch_sizes=(2, 4), max_draft=K, num_slots=4, max_len=256).setup(
+                        max_prefill_seqs=4, state_dtype=state_dtype, device="cuda")
+    gm = GraphedModel(m, batch_sizes=(2, 4), max_draft=K, num_slots=4, max_len=256, state_dtype=state_dtype).setup(
         profile=lambda: profile_traffic(m, cfg))
+    assert all(c.ssm_state.dtype == state_dtype for c in gm.cache.gdn)
     twin = gm.cache.clone()
     dev = "cuda"
     gen = torch.Generator().manual_seed(0)
