@@ -275,9 +275,8 @@ def profile_traffic(model, cfg: ServingConfig):
     1..max_prefill_seqs sequences, decode / verify / accept at every batch size."""
     m, dev = model, model.device
     n = max(cfg.max_batch, cfg.max_prefill_seqs)
-    # the state dtype the plan lists (a float64 model keeps its float64 state: it runs no kernel)
     cache = m.allocate_cache(n, max(cfg.max_prefill_tokens, 1) + 2 * (cfg.max_draft + 2) * 4 + 8,
-                             max_draft=cfg.max_draft, state_dtype=None if m.dtype == torch.float64 else cfg.state_dtype)
+                             max_draft=cfg.max_draft, state_dtype=cfg.state_dtype)     # the plan's state dtype
     for T in prefill_classes(cfg.max_prefill_tokens):
         for N in range(1, min(T, cfg.max_prefill_seqs) + 1):
             cache.reset(list(range(n)))
@@ -301,13 +300,13 @@ def profile_traffic(model, cfg: ServingConfig):
 
 def lifecycle_report(preset: str = "tiny", dtype=torch.bfloat16, batch_sizes=(1, 2, 4, 8), max_draft: int = 5,
                      rounds: int = 3, seed: int = 0, device: str = "cuda", ops="fast",
-                     state_dtype: torch.dtype = torch.float32) -> dict:
+                     state_dtype: Optional[torch.dtype] = None) -> dict:
     """GPU: the whole lifecycle in this process (run it in a fresh one), with Triton's compilations counted.
 
     Returns planned keys, keys Triton compiled (by the launch recorder's attribution), compilations per
     phase, and the keys first seen after profile. Serving traffic afterwards: prefills of random lengths,
     decode and speculative rounds (k = 1..max_draft) at padded batch sizes below and above the graphs.
-    state_dtype: the GDN ssm state's (the plan's and the cache's)."""
+    state_dtype: the GDN ssm state's (the plan's and the cache's; None: the model's default)."""
     from refgdn.model import Qwen3NextConfig, Qwen3NextModel
     m = Qwen3NextModel(Qwen3NextConfig.preset(preset), ops=ops, dtype=dtype, device=device, seed=seed,
                        check_values=False)

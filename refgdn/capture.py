@@ -1237,7 +1237,7 @@ class ServingConfig:
     capture_batch_sizes: padded batch sizes of the decode / verify / draft graphs; max_draft: k (verify
     graphs for 1 + k tokens, k = 1..max_draft); max_batch: largest batch served (eagerly above the largest
     graph); max_prefill_tokens / max_prefill_seqs: the largest packed prefill (tokens, sequences);
-    state_dtype: GDN ssm state; index_dtype / accept_dtype: dtypes of state_indices / num_accepted the
+    state_dtype: GDN ssm state (None: the model's default_state_dtype, float32); index_dtype / accept_dtype: dtypes of state_indices / num_accepted the
     caller passes; device: where the model runs (its SM count and type pick configs).
     """
 
@@ -1246,7 +1246,7 @@ class ServingConfig:
     max_batch: int = 8
     max_prefill_tokens: int = 64
     max_prefill_seqs: int = 4
-    state_dtype: torch.dtype = torch.float32
+    state_dtype: Optional[torch.dtype] = None
     index_dtype: torch.dtype = torch.int32
     accept_dtype: torch.dtype = torch.int32
     device: Any = "cpu"
@@ -1318,7 +1318,8 @@ def plan(model, cfg: ServingConfig, keys=None) -> Plan:
         return torch.empty(*shape, dtype=dtype, **meta)
 
     cache = rs.GDNStateCache.allocate(2, H, HV, K, V, conv_width=W, max_draft=cfg.max_draft,
-                                      state_dtype=cfg.state_dtype, act_dtype=dt, device="meta")
+                                      state_dtype=cfg.state_dtype or model.default_state_dtype, act_dtype=dt,
+                                      device="meta")
     conv_w = e(D, W)
     A_log, dt_bias = e(HV), e(HV)
     idx = cfg.index_dtype

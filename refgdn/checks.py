@@ -46,6 +46,16 @@ def _need_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
 
 
+def check_index_vector(name: str, t, B: int, device: torch.device) -> None:
+    """t: an int32 / int64 tensor [B] on ``device`` (slot or row indices, counts), else ValueError naming it."""
+    _need_tensor(name, t)
+    if tuple(t.shape) != (B,):
+        raise ValueError(f"{name} must have shape [B] = [{B}], got {_shape(t)}")
+    if t.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    _need_device(name, t, device)
+
+
 def check_float_param(name: str, t, shape: Sequence[int], contract: str, device: torch.device) -> None:
     """A floating tensor of exactly `shape` (described as `contract`, e.g. "[HV]") on `device`. A wrong rank gets the
     same message as a wrong size (the contract and the expected sizes)."""
@@ -700,14 +710,8 @@ def check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_
             raise ValueError(f"conv_state has {conv_state.shape[0]} rows for B = {B} requests (no conv_state_indices: "
                              "request b uses row b)")
     for name, t in (("conv_state_indices", conv_state_indices), ("num_accepted_tokens", num_accepted_tokens)):
-        if t is None:
-            continue
-        _need_tensor(name, t)
-        if tuple(t.shape) != (B,):
-            raise ValueError(f"{name} must have shape [B] = [{B}], got {_shape(t)}")
-        if t.dtype not in INT_DTYPES:
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-        _need_device(name, t, x.device)
+        if t is not None:
+            check_index_vector(name, t, B, x.device)
     return B, D, W, L
 
 
@@ -773,12 +777,7 @@ def check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cac
         raise ValueError(f"conv_states has {conv_states.shape[0]} rows for B = {B} requests (no cache_indices: request "
                          "b uses row b)")
     if cache_indices is not None:
-        _need_tensor("cache_indices", cache_indices)
-        if tuple(cache_indices.shape) != (B,):
-            raise ValueError(f"cache_indices must have shape [B] = [{B}], got {_shape(cache_indices)}")
-        if cache_indices.dtype not in INT_DTYPES:
-            raise ValueError(f"cache_indices must be int32 or int64, got {cache_indices.dtype}")
-        _need_device("cache_indices", cache_indices, x.device)
+        check_index_vector("cache_indices", cache_indices, B, x.device)
     if has_initial_state is not None:
         _need_tensor("has_initial_state", has_initial_state)
         if tuple(has_initial_state.shape) != (B,) or has_initial_state.dtype != torch.bool:

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .checks import _need_tensor, check_index_vector
+
 
 def _ops(ops):
     return sys.modules["refgdn"] if ops is None else ops
@@ -48,19 +50,11 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def _checked_indices(idx, x, conv_state) -> torch.Tensor:
     """conv_state_indices checked against x's batch and the pool (ValueError naming it): [B] int on the pool's
     device, distinct, in range. Returns it as int64."""
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
-        raise ValueError(f"x must be [B, D] or [B, D, 1], got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    B = x.shape[0]
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
-        raise ValueError(f"conv_state must be a 3-D pool [S_pool, D, S] with conv_state_indices, got "
-                         f"{tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else type(conv_state)}")
-    if (not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1
-            or idx.shape[0] != B or idx.device != conv_state.device):
-        raise ValueError(f"conv_state_indices must be an int32 / int64 tensor [B] = [{B}] on {conv_state.device}, "
-                         f"got {idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__} "
-                         f"{list(idx.shape) if isinstance(idx, torch.Tensor) else ''}"
-                         f"{' on ' + str(idx.device) if isinstance(idx, torch.Tensor) else ''}")
+    _need_tensor("x", x)
+    _need_tensor("conv_state", conv_state, 3)               # the pool [S_pool, D, S]
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, D] or [B, D, 1], got {tuple(x.shape)}")
+    check_index_vector("conv_state_indices", idx, x.shape[0], conv_state.device)
     vals = idx.tolist()
     bad = [v for v in vals if not 0 <= v < conv_state.shape[0]]
     if bad or len(set(vals)) != len(vals):

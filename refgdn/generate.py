@@ -134,7 +134,7 @@ def graphed_steps(model, prompts, args):
     sdt = state_dtype(args)
     cfg = ServingConfig(capture_batch_sizes=(B,), max_draft=K, max_batch=B,
                         max_prefill_tokens=sum(len(p) for p in prompts), max_prefill_seqs=len(prompts),
-                        state_dtype=sdt or ServingConfig.state_dtype, device=str(model.device))
+                        state_dtype=sdt, device=str(model.device))
     model.check_values = False      # host value checks read device memory (a sync): graphs check on the device
     gm = GraphedModel(model, batch_sizes=(B,), max_draft=K, num_slots=B, max_len=max_len, state_dtype=sdt)
     gm.setup(profile=lambda: profile_traffic(model, cfg))

@@ -161,6 +161,11 @@ class Qwen3NextModel(nn.Module):
     # ------------------------------------------------------------------------------------------
     # caches and metadata
     # ------------------------------------------------------------------------------------------
+    @property
+    def default_state_dtype(self) -> torch.dtype:
+        """The GDN ssm state's dtype when none is asked for: float32 (float64 for a float64 model)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
     def allocate_cache(self, num_slots: int, max_len: int, max_draft: int = 0,
                        state_dtype: Optional[torch.dtype] = None) -> ModelCache:
         """Zeroed caches for ``num_slots`` requests of up to ``max_len`` positions (prompt, generated
@@ -175,7 +180,7 @@ class Qwen3NextModel(nn.Module):
         if not isinstance(max_draft, int) or max_draft < 0:
             raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
         c, dt, dev = self.config, self.dtype, self.device
-        sdt = state_dtype or (torch.float64 if dt == torch.float64 else torch.float32)
+        sdt = state_dtype or self.default_state_dtype
         err = torch.zeros(4, dtype=torch.int64, device=dev)     # one fault buffer for every GDN layer
         gdn = [self.ops.GDNStateCache.allocate(num_slots + 1, c.linear_num_key_heads, c.linear_num_value_heads,
                                                c.linear_key_head_dim, c.linear_value_head_dim,
