@@ -152,7 +152,9 @@ _E_TOO_LONG, _E_AWAITING = _Const(rs.E_TOO_LONG), _Const(rs.E_AWAITING)
 _E_NO_VERIFY, _E_ACCEPT_RANGE = _Const(rs.E_NO_VERIFY), _Const(rs.E_ACCEPT_RANGE)
 _AWAIT = _Const(rs.AWAIT_ACCEPT)
 
-MIN_PROGRAMS = 1024  # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this (step_config)
+MIN_PROGRAMS = {4: 1024, 2: 2048}   # decode: BV shrinks until N * HV * cdiv(V, BV) reaches this, by the state's
+                                    # element size (step_config)
+FEW_PROGRAMS = 256   # decode, 16-bit states: [K, 16] blocks only where [K, 32] ones give fewer programs (step_config)
 PDL_MAX_N = 32       # verify: both kernels programmatic dependents up to this many requests (step_config)
 DECODE_PDL_MAX_N = {4: 64, 2: 32}   # decode: the same, by the SSM state's element size (step_config)
 CONV_SMALL_N = 8     # conv_config: up to this many requests, short-lived two-warp programs
@@ -173,7 +175,8 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
 
     K is kept whole (K <= 256) so each program reads its [K, BV] block once and keeps it in registers.
     Decode is memory-bound: [K, 64] blocks at 8 KB per warp (float32 four warps, 16-bit states two) keep
-    the most bytes in flight; small batches halve BV (down to 16) until there are MIN_PROGRAMS programs,
+    the most bytes in flight; small batches halve BV (down to 16) until there are MIN_PROGRAMS programs
+    (1024 for float32 states, 2048 for 16-bit ones, which stop at [K, 32] while that gives FEW_PROGRAMS),
     one warp per block of at most 16 KB. Verify does 2-3 flops per state element per token
     (compute-bound): [K, 32] blocks in one warp, where the reductions over K are shuffles (no shared
     memory, no barrier). HPP heads per program (a divisor of HV): the next head's block loads while one
@@ -191,6 +194,11 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
       20.6 ([K, 32] in one warp: 14.2 / 20.1); N = 128 / 256 (no PDL) 93.7 / 180.0 against 89.4 / 175.2.
       PDL on / off with [K, 64] in two warps: N = 32 26.1 / 26.4, N = 64 48.7 / 47.3, N = 128 95.6 /
       89.4: PDL up to 32 requests.
+    - bfloat16 state at small N, with PDL (2026-11-28 16:41, two rounds each), [K, 16] one warp / [K, 32] one warp
+      / [K, 64] two warps: N = 1 4.14 / 4.23 / 4.83; N = 2 4.95 / 4.66 / 5.31; N = 4 6.29 / 5.66-6.01 / 6.68;
+      N = 8 10.5 / 8.28 / 9.49; N = 12 13.4 / 11.7 / 12.8; N = 16 17.4 / 14.2 / 14.9; N = 24 25.4 / 20.2 / 20.6
+      ([K, 32] in two warps, [K, 64] in one or four: slower at every N): 16-bit states take [K, 32] in one warp
+      from 2 to 31 requests at 32 value heads (256 to 2047 programs), [K, 16] at one.
     - verify, 1 + 3 tokens, PDL on / off: float32 N = 8 / 16 / 32 20.3 / 22.0, 34.3 / 35.1, 59.9 / 60.2;
       bfloat16 16.8 / 18.8, 28.1 / 29.4, 48.9 / 49.8: PDL up to 32 requests.
     - H100, float32 (2026-11-23, the kernels of then): N = 1 BV 16 5.8 us (BV 64 6.7); N = 2 BV 16 7.2
@@ -207,8 +215,11 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
         BV = min(next_pow2(V), 64)                      # [128, 64] blocks, 8 KB per warp: fp32 4 warps, bf16 2
         warps = max(1, min(8, BK * BV * elem // 8192))
         # small batches: halve BV (down to 16) until there are MIN_PROGRAMS programs, one warp per block of
-        # at most 16 KB (figures in the docstring)
-        while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS:
+        # at most 16 KB; 16-bit states stop at [K, 32] unless that leaves fewer than FEW_PROGRAMS programs
+        # (figures in the docstring)
+        while N is not None and BV > 16 and N * HV * cdiv(V, BV) < MIN_PROGRAMS.get(elem, MIN_PROGRAMS[4]):
+            if elem == 2 and BV == 32 and N * HV * cdiv(V, BV) >= FEW_PROGRAMS:
+                break
             BV //= 2
             warps = max(1, min(8, BK * BV * elem // 16384))
         cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
