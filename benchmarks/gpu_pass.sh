@@ -6,7 +6,7 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what the last session wrote without running it on a GPU (2026-11-28 13:58: the full
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-28 13:58, run 16:41: the full
 #     conformance families at Qwen3.5-27B's 16 / 48 heads, the bfloat16-state row of bench_graphs' layer table,
 #     the prefill rows at 48 value heads), then the decode layer rows (printed and in $OUT/RESULTS.md)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
