@@ -545,7 +545,7 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
     else:
         write = _rec.WRITE_EACH_ROW
         hs = initial_state.dtype if initial_state is not None else _F32
-    cfg = _rec.slots_config(K, V, N, write != _rec.WRITE_FINAL)
+    cfg = _rec.slots_config(K, V, N, write != _rec.WRITE_FINAL, hs)
     return [CompileKey.make(
         "recurrent_slots_kernel",
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,

@@ -95,7 +95,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         L = 1
     S = pool.shape[0] if pool is not None else 0
     ps = pool.stride() if pool is not None else (0, 0, 0, 0)
-    cfg = slots_config(K, V, N, write != WRITE_FINAL)
+    cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype)
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
         q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, T, S, L, scale,

@@ -9,6 +9,7 @@ pinned config; the public function that launches it, ``recurrent_gated_delta_rul
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -214,14 +215,22 @@ def recurrent_slots_kernel(
                  b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, valid & (eos > bos)))
 
 
-def slots_config(K: int, V: int, N: int, per_token: bool) -> dict:
-    """recurrent_slots_kernel's pinned config: recurrent_config's (a [BK, BV] state block in one warp), but with a
-    store of every token's state (per_token) a wider block for N > 2 requests and a narrower one for fewer: per layer
-    of a 32-layer graph, H200, HV = 32, K = V = 128, fp32 state, 1 + 3 tokens (benchmarks.bench_vllm, RESULTS.md
-    2026-11-28): N = 1 BV 8 10.9 us vs 13.5 at BV 16; N = 8 BV 32 29.6 vs 36.9; N = 32 BV 32 110 vs 117. Decode (one
-    store at the end) is fastest at recurrent_config's BV 16 for N = 1, 8, 32. Pinned (no autotune: the kernel
-    writes the pool in place and runs inside CUDA graphs)."""
+def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dtype = torch.float32) -> dict:
+    """recurrent_slots_kernel's pinned config: recurrent_config's (a [BK, BV] state block in one warp), by the
+    stored states' dtype (state_dtype: the pool's, or of the per-row states written). Per layer of a 32-layer
+    graph, H200, HV = 32, K = V = 128, 1 + 3 tokens when per-token (benchmarks.bench_vllm; RESULTS.md 2026-11-28):
+    - float32, with a store of every token's state (per_token) a wider block for N > 2 requests and a narrower one
+      for fewer: N = 1 BV 8 10.9 us vs 13.5 at BV 16; N = 8 BV 32 29.6 vs 36.9; N = 32 BV 32 110 vs 117. Decode
+      (one store at the end) is fastest at recurrent_config's BV 16 for N = 1, 8, 32.
+    - 16-bit states (vLLM's default SSM cache dtype): decode BV 16 / 32, us, N = 1 4.64 / 4.96, N = 8 9.25 / 8.49,
+      N = 32 30.7 / 30.0, N = 128 113.7 / 108.0: BV 32 above two requests; per token BV 8 / 16 / 32: N = 1 12.1 /
+      10.5 / 12.1, N = 8 45.1 / 20.1 / 19.8, N = 32 182 / 72.8 / 74.2: BV 16.
+    Pinned (no autotune: the kernel writes the pool in place and runs inside CUDA graphs)."""
     cfg = recurrent_config(K, V)
-    if per_token and not is_interpreting():
+    if is_interpreting():
+        return cfg
+    if torch.empty(0, dtype=state_dtype).element_size() == 2:
+        cfg["BV"] = min(next_pow2(V), 16 if per_token or N <= 2 else 32)
+    elif per_token:
         cfg["BV"] = min(next_pow2(V), 8 if N <= 2 else 32)
     return cfg
