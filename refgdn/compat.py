@@ -7,7 +7,8 @@ Qwen3-Next and Mamba layers call) over an ops namespace's causal_conv1d / causal
 
 ``refgdn.compat`` binds them to refgdn's ops, ``fast.compat`` to fast's: the same mapping, one definition.
 ``causal_conv1d_update``'s ``conv_state_indices`` [B] picks each row's state from a larger pool [S_pool, D, S]
-(continuous batching); the rows are gathered, updated and written back, the others untouched. Refused by name
+(continuous batching); the rows are gathered, updated and written back, the others untouched; a negative index pads
+(zeros out, nothing written). Refused by name
 (ValueError): ``seq_idx`` (use cu_seqlens with causal_conv1d), the circular-buffer ``cache_seqlens``, and updates of
 more than one token.
 """
@@ -47,20 +48,20 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return out, final
 
 
-def _checked_indices(idx, x, conv_state) -> torch.Tensor:
+def _checked_indices(idx, x, conv_state) -> list:
     """conv_state_indices checked against x's batch and the pool (ValueError naming it): [B] int on the pool's
-    device, distinct, in range. Returns it as int64."""
+    device; its entries (read on the host) negative (a padded row) or distinct and in [0, S_pool). Returns them."""
     _need_tensor("x", x)
     _need_tensor("conv_state", conv_state, 3)               # the pool [S_pool, D, S]
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, D] or [B, D, 1], got {tuple(x.shape)}")
     check_index_vector("conv_state_indices", idx, x.shape[0], conv_state.device)
     vals = idx.tolist()
-    bad = [v for v in vals if not 0 <= v < conv_state.shape[0]]
-    if bad or len(set(vals)) != len(vals):
+    live = [v for v in vals if v >= 0]
+    if any(v >= conv_state.shape[0] for v in live) or len(set(live)) != len(live):
         raise ValueError(f"conv_state_indices must be distinct and in [0, {conv_state.shape[0]}) (the pool's rows), "
-                         f"got {vals}")
-    return idx.long()
+                         f"or negative (a padded row), got {vals}")
+    return vals
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -70,16 +71,26 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     out shaped as x. The window is conv_state's last W-1 columns and x; the whole buffer shifts by one column and
     takes x last (causal-conv1d's semantics; transformers keeps S = W).
 
-    conv_state_indices: [B] int32 / int64, distinct, in [0, S_pool): conv_state is a pool [S_pool, D, S] and row b
-    updates conv_state[conv_state_indices[b]] (the indices are read on the host to be checked: a sync)."""
+    conv_state_indices: [B] int32 / int64: conv_state is a pool [S_pool, D, S] and row b updates
+    conv_state[conv_state_indices[b]]; the entries are distinct and in [0, S_pool), or negative: a padded row
+    (causal-conv1d's padding, so a CUDA-graph batch keeps its shape), whose output is zeros and which writes no
+    state. The indices are read on the host to be checked (a sync)."""
     if cache_seqlens is not None:
         raise ValueError("cache_seqlens: not supported (a circular conv state)")
     if conv_state_indices is not None:
-        idx = _checked_indices(conv_state_indices, x, conv_state)
-        rows = conv_state.index_select(0, idx)                  # [B, D, S]: the requests' states (copies)
+        vals = _checked_indices(conv_state_indices, x, conv_state)
+        live = [b for b, v in enumerate(vals) if v >= 0]
+        idx = conv_state_indices.long().clamp(min=0)            # a padded row reads row 0 (a copy, never written)
+        rows = (conv_state.index_select(0, idx) if conv_state.shape[0]  # [B, D, S]: the requests' states (copies)
+                else conv_state.new_zeros(len(vals), *conv_state.shape[1:]))   # (an empty pool: every row padded)
         y = causal_conv1d_update(x, rows, weight, bias, activation, ops=ops)   # (its checks raise first)
-        conv_state.index_copy_(0, idx, rows)
-        return y
+        if len(live) == len(vals):
+            conv_state.index_copy_(0, idx, rows)
+            return y
+        keep = torch.tensor(live, dtype=torch.long, device=idx.device)
+        conv_state.index_copy_(0, idx.index_select(0, keep), rows.index_select(0, keep))
+        pad = torch.tensor([v < 0 for v in vals], device=y.device).view(-1, *([1] * (y.dim() - 1)))
+        return y.masked_fill(pad, 0)                              # padded rows: zeros
     squeeze = isinstance(x, torch.Tensor) and x.dim() == 3
     if squeeze and x.shape[2] != 1:
         raise ValueError(f"x must be [B, D] or [B, D, 1] (one token per update), got {tuple(x.shape)}")

@@ -93,6 +93,31 @@ def test_update_with_conv_state_indices(mod, S):
 
 
 @pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("pick", [[5, -1, 3], [-1, -1, -1], [-2, 6, -1]], ids=["one-padded", "all-padded", "two-padded"])
+def test_update_with_padded_conv_state_indices(mod, pick):
+    """Negative conv_state_indices are padded rows (causal-conv1d's padding): their outputs are zeros and no pool row
+    is written for them; the live rows are updated bit for bit as transformers' update of those rows alone."""
+    gen = torch.Generator().manual_seed(13)
+    w, b = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    pool, x = torch.randn(7, D, W, generator=gen), torch.randn(B, D, 1, generator=gen)
+    live = [i for i, v in enumerate(pick) if v >= 0]
+    got_pool = pool.clone().to(DEVICE)
+    got = mod.causal_conv1d_update(x.to(DEVICE), got_pool, w.to(DEVICE), b.to(DEVICE), "silu",
+                                   conv_state_indices=_i(pick))
+    want_pool, want = pool.clone(), torch.zeros_like(x)
+    if live:
+        rows = pool[[pick[i] for i in live]].clone()
+        want[live] = HF_UPDATE(x[live], rows, w, b, "silu")
+        want_pool[[pick[i] for i in live]] = rows
+    assert torch.equal(got_pool.cpu(), want_pool)                # only the live rows' states moved
+    padded = [i for i in range(B) if i not in live]
+    assert torch.equal(got.cpu()[padded], torch.zeros_like(x[padded]))
+    if live:
+        _conforms("out", got[live], HF_UPDATE(x[live].double(), pool[[pick[i] for i in live]].double(), w.double(),
+                                              b.double(), "silu"), want[live], torch.float32)
+
+
+@pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
 def test_refusals_name_the_argument_and_leave_the_state(mod):
     gen = torch.Generator().manual_seed(8)
     w, st = torch.randn(D, W, generator=gen).to(DEVICE), torch.randn(B, D, W, generator=gen).to(DEVICE)
@@ -105,6 +130,8 @@ def test_refusals_name_the_argument_and_leave_the_state(mod):
                        "conv_state_indices"),                                            # a duplicate
                       (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([0, 1, 3])),
                        "conv_state_indices"),                                            # out of the pool
+                      (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([-1, 1, 1])),
+                       "conv_state_indices"),                                            # a duplicate beside a pad
                       (lambda: mod.causal_conv1d_update(x, st, w, conv_state_indices=_i([0, 1])),
                        "conv_state_indices"),                                            # not [B]
                       (lambda: mod.causal_conv1d_update(x.repeat(1, 1, 2), st, w), "x"),
