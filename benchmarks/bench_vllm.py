@@ -1,7 +1,8 @@
 """vLLM's serving recurrent op (fast.vllm_ops.fused_recurrent_gated_delta_rule) on a GPU, beside fla's recurrent op.
 
 Shape: Qwen3-Next's (H = 16, HV = 32, K = V = 128), bf16 q / k / v, float32 g, beta and state, l2norm in the kernel,
-the state in a slot pool [S, HV, K, V] float32 (slots picked by a random permutation, as a server's would be).
+the state in a slot pool [S, HV, K, V] float32, and again in bfloat16 (vLLM's default SSM cache dtype; no fla peer
+there: fla's states are float32) (slots picked by a random permutation, as a server's would be).
 Rows, per layer of one CUDA graph of 32 layers' calls (each layer its own pool: a layer's state has left L2 by its
 next call, as in a model's decode graph; benchmarks.bench_graphs.per_layer_us):
 
@@ -12,7 +13,8 @@ next call, as in a model's decode graph; benchmarks.bench_graphs.per_layer_us):
     states gathered from the pool beforehand, the final state written to a new float32 tensor: fla 0.6.0 has no slot
     indices, and per-token states only as a new tensor).
 
-    bytes = 4 * HV * K * V * N * (1 + writes)     writes = 1 (decode), 1 + k (one state per token)
+    bytes = e * HV * K * V * N * (1 + writes)     e = the pool's element size (4 or 2), writes = 1 (decode),
+                                                  1 + k (one state per token)
 
 GB/s = bytes / time; "of copy" = that over the measured device copy bandwidth (read + write of 1 GiB buffers).
 
@@ -37,25 +39,26 @@ from benchmarks.bench_decode import HV, K, V, fla_fn, make_problem, step_inputs
 from benchmarks.bench_graphs import per_layer_us
 
 TITLE = "vLLM's serving recurrent op: fast.vllm_ops vs fla (per layer of a 32-layer graph)"
-META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, bf16 q/k/v, fp32 g/beta/state, "
-              "l2norm in the kernel",
+META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, bf16 q/k/v, fp32 g/beta, "
+              "fp32 state (and a bf16-pool set), l2norm in the kernel",
         "us": "do_bench median of a 32-layer graph's replay / 32",
-        "bytes": "4 HV K V N (1 + writes): writes 1 (decode) or 1 + k (a state per token)"}
+        "bytes": "e HV K V N (1 + writes): e the pool's element size, writes 1 (decode) or 1 + k (a state per token)"}
 CONV_TITLE = "vLLM's conv update: fast.vllm_ops.causal_conv1d_update vs fla (per layer of a 32-layer graph)"
 CONV_META = {"op": "fast.vllm_ops.causal_conv1d_update, D=8192 W=4, bf16 x/weight/state pool, no bias, SiLU",
              "us": "do_bench median of a 32-layer graph's replay / 32",
              "bytes": "2 N D ((W-1) + (W-1+k) + 2 (1+k)): window read, window written, x read, y written"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
+BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
 
-def fast_call(N: int, k: int, seed: int = 0):
-    """One layer's call on its own pool (N * (2 + k) slots, random contents): a callable."""
+def fast_call(N: int, k: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32):
+    """One layer's call on its own pool (N * (2 + k) slots of pool_dtype, random contents): a callable."""
     import fast.vllm_ops as FV
     p = make_problem(N, k, torch.float32, "cuda", seed=seed)
     q, kk, v, g, beta = step_inputs(p)
     gen = torch.Generator().manual_seed(seed)
     slots = N * (2 + k)
-    pool = (0.1 * torch.randn(slots, HV, K, V, generator=gen)).cuda()
+    pool = (0.1 * torch.randn(slots, HV, K, V, generator=gen)).to(pool_dtype).cuda()
     perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
     kw = dict(initial_state=pool, cu_seqlens=p["cu"], use_qk_l2norm_in_kernel=True)
     if k == 0:
@@ -66,19 +69,22 @@ def fast_call(N: int, k: int, seed: int = 0):
     return lambda: FV.fused_recurrent_gated_delta_rule(q, kk, v, g, beta, **kw)  # noqa: E731
 
 
-def state_bytes(N: int, k: int) -> int:
+def state_bytes(N: int, k: int, elem: int = 4) -> int:
     writes = 1 if k == 0 else 1 + k
-    return 4 * HV * K * V * N * (1 + writes)
+    return elem * HV * K * V * N * (1 + writes)
 
 
-def rows(copy_gbps: float, cases=CASES) -> list:
-    """The table's rows; copy_gbps: the device copy bandwidth measured by the caller (the "of copy" column)."""
-    fla = common.try_import_fla()
+def rows(copy_gbps: float, cases=CASES, pool_dtype: torch.dtype = torch.float32) -> list:
+    """The table's rows; copy_gbps: the device copy bandwidth measured by the caller (the "of copy" column).
+    pool_dtype: the state pool's dtype (fla's peer rows only with float32: its states are float32)."""
+    fla = common.try_import_fla() if pool_dtype == torch.float32 else None
+    elem = torch.empty(0, dtype=pool_dtype).element_size()
+    impl = "fast.vllm_ops" + ("" if pool_dtype == torch.float32 else f", {str(pool_dtype)[6:]} pool")
     out = []
     for N, k in cases:
-        us = per_layer_us(lambda i: fast_call(N, k, i))
-        gbs = state_bytes(N, k) / us / 1e3
-        out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl="fast.vllm_ops", us=us, GBps=gbs,
+        us = per_layer_us(lambda i: fast_call(N, k, i, pool_dtype))
+        gbs = state_bytes(N, k, elem) / us / 1e3
+        out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl=impl, us=us, GBps=gbs,
                         of_copy=gbs / copy_gbps))
         if fla is not None:
             fus = per_layer_us(lambda i: fla_fn(make_problem(N, k, torch.float32, "cuda", seed=i), fla)[0])
@@ -143,7 +149,7 @@ def main(argv=None):
         print("bench_vllm: needs a GPU")
         return
     copy = common.copy_bandwidth_gbs()          # measured once: the rows' "of copy" and the section's meta
-    r = rows(copy)
+    r = rows(copy) + rows(copy, BF16_CASES, torch.bfloat16)      # vLLM's default SSM cache dtype too
     print(common.format_table(r))
     c = conv_rows(copy)
     print(common.format_table(c))
