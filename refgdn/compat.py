@@ -73,7 +73,7 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
 
     conv_state_indices: [B] int32 / int64: conv_state is a pool [S_pool, D, S] and row b updates
     conv_state[conv_state_indices[b]]; the entries are distinct and in [0, S_pool), or negative: a padded row
-    (causal-conv1d's padding, so a CUDA-graph batch keeps its shape), whose output is zeros and which writes no
+    (causal-conv1d's padding: a padded batch keeps its shape), whose output is zeros and which writes no
     state. The indices are read on the host to be checked (a sync)."""
     if cache_seqlens is not None:
         raise ValueError("cache_seqlens: not supported (a circular conv state)")
