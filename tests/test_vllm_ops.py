@@ -126,6 +126,9 @@ def test_keys_equal_the_launches():
         for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0], LAYOUTS[3].values[0], LAYOUTS[4].values[0]):
             xs, pool, kw = _problem(p, torch.float32)
             F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw)
+        for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0]):    # a bf16 pool (vLLM's default): its own config
+            xs, pool, kw = _problem(p, torch.float32)
+            F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool.to(torch.bfloat16), **kw)
         a = torch.randn(3, 2, device=DEV)
         F.fused_gdn_gating(torch.rand(2, device=DEV), a, a, torch.randn(2, device=DEV))
         for p in conv_families(quick=True, device=DEV).values():
@@ -134,12 +137,12 @@ def test_keys_equal_the_launches():
         x, w, b, states, kw = conv_fn_problem(conv_fn_families(True, DEV)["prefill-mixed-padded-empty"],
                                               torch.float32, DEV)
         F.causal_conv1d_fn(x, w, b, states, **kw)
-    writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:4]]
-    assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 4 + ["gdn_gating_kernel"]
+    writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:6]]
+    assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 6 + ["gdn_gating_kernel"]
                                                     + ["conv_update_slots_kernel"] * len(conv_families(True, DEV))
                                                     + ["causal_conv1d_fwd_window_kernel",
                                                        "causal_conv1d_final_state_kernel"])
-    assert writes == [1, 2, 3, 3]
+    assert writes == [1, 2, 3, 3, 1, 2]
 
 
 def _decode_call(T=6):
