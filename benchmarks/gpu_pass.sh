@@ -87,7 +87,8 @@ fi
 if [[ $steps == *pending* ]]; then
   # what the session of 2026-11-28 16:41 wrote after its last GPU call: fast.compat's padded conv_state_indices (its
   # tests on the GPU), the vLLM keys test with a bf16 pool, and bench_vllm's bfloat16-pool rows (printed: --no-results)
-  timeout 120 python3 -m pytest -q -p no:benchmark tests/test_compat.py tests/test_vllm_ops.py::test_keys_equal_the_launches 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m pytest -q -p no:benchmark tests/test_compat.py \
+    tests/test_vllm_ops.py::test_keys_equal_the_launches 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 300 python3 -m benchmarks.bench_vllm --no-results 2>&1 | grep "^|" | tee "$OUT/bench-vllm.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
