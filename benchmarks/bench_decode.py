@@ -58,7 +58,7 @@ TITLE = "Decode / speculative verify: fast vs fla"
 
 
 def _elem(dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _sname(dtype) -> str:

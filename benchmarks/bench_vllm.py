@@ -78,12 +78,11 @@ def rows(copy_gbps: float, cases=CASES, pool_dtype: torch.dtype = torch.float32)
     """The table's rows; copy_gbps: the device copy bandwidth measured by the caller (the "of copy" column).
     pool_dtype: the state pool's dtype (fla's peer rows only with float32: its states are float32)."""
     fla = common.try_import_fla() if pool_dtype == torch.float32 else None
-    elem = torch.empty(0, dtype=pool_dtype).element_size()
     impl = "fast.vllm_ops" + ("" if pool_dtype == torch.float32 else f", {str(pool_dtype)[6:]} pool")
     out = []
     for N, k in cases:
         us = per_layer_us(lambda i: fast_call(N, k, i, pool_dtype))
-        gbs = state_bytes(N, k, elem) / us / 1e3
+        gbs = state_bytes(N, k, pool_dtype.itemsize) / us / 1e3
         out.append(dict(what="decode" if k == 0 else f"verify k={k}", N=N, impl=impl, us=us, GBps=gbs,
                         of_copy=gbs / copy_gbps))
         if fla is not None:

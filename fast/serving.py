@@ -205,7 +205,7 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
       (BV 32 7.9); N = 4 BV 16 10.1 (BV 64 11.3); N = 8 BV 32 one warp 17.1 (two warps 18.8, BV 64 18.4).
     """
     BK = next_pow2(K)
-    elem = torch.empty(0, dtype=state_dtype).element_size()
+    elem = state_dtype.itemsize
     if is_interpreting():
         cfg = dict(BV=min(next_pow2(V), 32), num_warps=1, HPP=1, fold=True)
     elif mode == "verify":

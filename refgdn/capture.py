@@ -1237,8 +1237,9 @@ class ServingConfig:
     capture_batch_sizes: padded batch sizes of the decode / verify / draft graphs; max_draft: k (verify
     graphs for 1 + k tokens, k = 1..max_draft); max_batch: largest batch served (eagerly above the largest
     graph); max_prefill_tokens / max_prefill_seqs: the largest packed prefill (tokens, sequences);
-    state_dtype: GDN ssm state (None: the model's default_state_dtype, float32); index_dtype / accept_dtype: dtypes of state_indices / num_accepted the
-    caller passes; device: where the model runs (its SM count and type pick configs).
+    state_dtype: GDN ssm state (None: the model's default_state_dtype, float32); index_dtype / accept_dtype:
+    dtypes of state_indices / num_accepted the caller passes; device: where the model runs (its SM count and
+    type pick configs).
     """
 
     capture_batch_sizes: Sequence[int] = (1, 2, 4, 8)

@@ -79,18 +79,17 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         raise ValueError("cache_seqlens: not supported (a circular conv state)")
     if conv_state_indices is not None:
         vals = _checked_indices(conv_state_indices, x, conv_state)
-        live = [b for b, v in enumerate(vals) if v >= 0]
         idx = conv_state_indices.long().clamp(min=0)            # a padded row reads row 0 (a copy, never written)
         rows = (conv_state.index_select(0, idx) if conv_state.shape[0]  # [B, D, S]: the requests' states (copies)
                 else conv_state.new_zeros(len(vals), *conv_state.shape[1:]))   # (an empty pool: every row padded)
         y = causal_conv1d_update(x, rows, weight, bias, activation, ops=ops)   # (its checks raise first)
-        if len(live) == len(vals):
-            conv_state.index_copy_(0, idx, rows)
-            return y
-        keep = torch.tensor(live, dtype=torch.long, device=idx.device)
-        conv_state.index_copy_(0, idx.index_select(0, keep), rows.index_select(0, keep))
-        pad = torch.tensor([v < 0 for v in vals], device=y.device).view(-1, *([1] * (y.dim() - 1)))
-        return y.masked_fill(pad, 0)                              # padded rows: zeros
+        live = [b for b, v in enumerate(vals) if v >= 0]
+        if len(live) < len(vals):                               # padded rows: zeros out, no row written
+            keep = torch.tensor(live, dtype=torch.long, device=idx.device)
+            idx, rows = idx.index_select(0, keep), rows.index_select(0, keep)
+            y = y.masked_fill((conv_state_indices < 0).view(-1, *([1] * (y.dim() - 1))), 0)
+        conv_state.index_copy_(0, idx, rows)
+        return y
     squeeze = isinstance(x, torch.Tensor) and x.dim() == 3
     if squeeze and x.shape[2] != 1:
         raise ValueError(f"x must be [B, D] or [B, D, 1] (one token per update), got {tuple(x.shape)}")

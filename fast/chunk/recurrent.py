@@ -229,7 +229,7 @@ def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dty
     cfg = recurrent_config(K, V)
     if is_interpreting():
         return cfg
-    if torch.empty(0, dtype=state_dtype).element_size() == 2:
+    if state_dtype.itemsize == 2:
         cfg["BV"] = min(next_pow2(V), 16 if per_token or N <= 2 else 32)
     elif per_token:
         cfg["BV"] = min(next_pow2(V), 8 if N <= 2 else 32)
