@@ -89,6 +89,9 @@ if [[ $steps == *pending* ]]; then
   # tests on the GPU), the vLLM keys test with a bf16 pool, and bench_vllm's bfloat16-pool rows (printed: --no-results)
   timeout 120 python3 -m pytest -q -p no:benchmark tests/test_compat.py \
     tests/test_vllm_ops.py::test_keys_equal_the_launches 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  # the review mend 0959093 (element sizes from dtype.itemsize in step_config / slots_config: the same configs)
+  timeout 120 python3 -m conformance --device cuda --full --ops gdn_decode,gdn_verify,vllm_fused_recurrent_gated_delta_rule \
+    --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 300 python3 -m benchmarks.bench_vllm --no-results 2>&1 | grep "^|" | tee "$OUT/bench-vllm.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
