@@ -10,6 +10,10 @@ with num_accepted_tokens, padded sequences, per-token states returned. Checked p
 The truth is refgdn's op in float64 on the same rounded inputs and a float64 copy of the pool; refgdn_p runs in
 the precision under test on the same pool dtype as fast (the rule in conformance.core).
 
+The packed decode (fused_recurrent_gated_delta_rule_packed_decode: gates, l2norm and delta rule on the conv's packed
+rows, the pool in vLLM's [S, HV, V, K] layout, slot 0 its null block): out and the written slots by the rule, null
+requests' outputs (zeros) and the other slots exact.
+
 The conv (causal_conv1d_update in vLLM's form: rows picked by conv_state_indices, drafts kept for the next call's
 window at num_accepted_tokens - 1): y by the rule; the new conv_state rows exactly refgdn's in the same precision
 (they are copies of inputs); untouched rows and padded requests' outputs exact. The problem builders are shared
@@ -25,6 +29,7 @@ from .cases_prefill import dtypes_for, seed_of
 from .core import DTYPE_NAMES, Case, Check
 
 OP = "vllm_fused_recurrent_gated_delta_rule"
+PACKED_OP = "vllm_packed_decode"
 CONV_OP = "vllm_causal_conv1d_update"
 CONV_FN_OP = "vllm_causal_conv1d_fn"
 
@@ -134,6 +139,87 @@ def families(quick: bool, device: str) -> dict:
     # three value heads per key head (Qwen3.5-27B: 16 / 48)
     out["gva3-spec-l2norm"] = dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], acc=[2, 1, 1], l2=True,
                                    **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128, V=128)))
+    return out
+
+
+def packed_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """(args, out) of one packed-decode call: args = [mixed_qkv, a, b, A_log, dt_bias, scale, pool, ssm_state_indices,
+    l2] in the op's order with out (filled with a sentinel: every entry must be written) between pool and the indices
+    added by the caller; mixed_qkv and a, b in dtype (k unit-norm unless l2), A_log / dt_bias float32, the pool [S, HV,
+    V, K] in p["pool_dtype"] (float32).
+
+    p: idx (one slot per request; <= 0 the null block); H, HV, K, V (1, 2, 16, 16); l2; scale; slots (9); strided
+    (mixed_qkv rows of a wider buffer, the pool a page-strided view: vLLM's hybrid-cache pages)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(p["idx"])
+    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, H, K), r(B, H, K), r(B, HV * V)
+    if not p.get("l2"):
+        k = torch.nn.functional.normalize(k, dim=-1)
+    x = torch.cat([q.flatten(1), k.flatten(1), v], 1).to(dtype).to(device)          # [B, 2 H K + HV V]
+    if p.get("strided"):
+        x = torch.cat([x, torch.zeros_like(x[:, :5])], 1)[:, :x.shape[1]]
+    a, b = (r(B, HV).to(dtype).to(device) for _ in range(2))
+    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+    dt_bias = (0.5 * r(HV)).float().to(device)
+    S = p.get("slots", 9)
+    pool = (0.5 * r(S, HV, V, K)).to(p.get("pool_dtype", torch.float32)).to(device)
+    if p.get("strided"):        # each slot a page: [V, K] blocks with a gap after every head
+        page = torch.zeros(S, HV, V + 1, K, dtype=pool.dtype, device=device)
+        page[:, :, :V] = pool
+        pool = page[:, :, :V]
+    idx = torch.tensor(p["idx"], dtype=torch.int32, device=device)
+    return [x, a, b, A_log, dt_bias, p.get("scale"), pool, idx, bool(p.get("l2"))]
+
+
+def packed_run(op, args: list) -> tuple:
+    """op on args with a fresh copy of the pool (its strides kept) and an out full of NaN -> (out, pool copy)."""
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = args
+    pool_c = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=pool.device)
+    pool_c.copy_(pool)
+    out = torch.full((x.shape[0], 1, pool.shape[1], pool.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+    got, state = op(x, a, b, A_log, dt_bias, scale, pool_c, out, idx, l2)
+    assert got is out and state is pool_c
+    return out, pool_c
+
+
+def packed_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    """fast vs refgdn in dtype vs refgdn in float64 (the module's rule): out, the written slots (in the pool's
+    dtype); the null requests' outputs (zeros) and every other slot exactly."""
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
+    args = packed_problem(p, dtype, device, seed)
+    wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
+    o_f, pool_f = packed_run(FV.fused_recurrent_gated_delta_rule_packed_decode, args)
+    o_r, pool_r = packed_run(RV.fused_recurrent_gated_delta_rule_packed_decode, args)
+    o_t, pool_t = packed_run(RV.fused_recurrent_gated_delta_rule_packed_decode, wide)
+    pool = args[6]
+    null = [n for n, s in enumerate(p["idx"]) if s <= 0]
+    moved = sorted(s for s in p["idx"] if s > 0)
+    still = [s for s in range(pool.shape[0]) if s not in moved]
+    return [Check("out", o_f, o_t, o_r), Check("null requests' outputs", o_f[null], torch.zeros_like(o_f[null]),
+                                               exact=True),
+            Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
+            Check("untouched slots", pool_f[still], pool[still], exact=True)]
+
+
+def packed_families(quick: bool, device: str) -> dict:
+    """One token per request from its slot; null requests (slot 0, vLLM's null block, and a negative entry); the
+    l2norm in the kernel; a bfloat16 pool (vLLM's default); Qwen3.5-27B's three value heads per key head; K, V not
+    powers of two with a scale; page-strided pool and strided rows. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
+    16 / 32 heads of 128."""
+    qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
+    out = {
+        "decode-null-slots": dict(idx=[5, 0, 2, -1, 7, 3]),
+        "decode-l2norm": dict(idx=[4, 1, 8], l2=True),
+        "decode-bf16-pool-l2norm": dict(idx=[6, 2, 0], l2=True, pool_dtype=torch.bfloat16),
+        "decode-strided-pages": dict(idx=[1, 8, 0, 4], l2=True, strided=True),
+    }
+    out = {name: dict(p, **qwen) for name, p in out.items()}
+    out["gva3-l2norm"] = dict(idx=[3, 7, 0], l2=True, **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128,
+                                                                                              V=128)))
+    out["odd-KV-scale"] = dict(idx=[2, 0, 5], H=2, HV=4, K=24, V=40, l2=True, scale=0.3)
     return out
 
 
@@ -281,8 +367,8 @@ def cases(quick: bool, device: str) -> list:
     except ImportError:
         return []
     out = []
-    for op, fams, check in ((OP, families, checks), (CONV_OP, conv_families, conv_checks),
-                            (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
+    for op, fams, check in ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
+                            (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
         for family, p in fams(quick, device).items():
             for dt in dtypes_for(device):
                 if p.get("fp32_x") and dt != torch.float32:        # (the family's x is float32 by construction)

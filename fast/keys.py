@@ -551,9 +551,33 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
              L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=initial_state is not None, INDEXED=idx is not None,
              SPEC=num_accepted_tokens is not None, WRITE=write, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype)),
+             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0),
         dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta_dt, pool=_dt(initial_state), o=v.dtype, hs=hs,
-             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens)),
+             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens), A_log=None, dt_bias=None),
+        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+
+
+def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                                                         ssm_state_indices, use_qk_l2norm_in_kernel=False, *,
+                                                         check_values=False) -> List[CompileKey]:
+    """Keys of fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode: one recurrent_slots_kernel with the
+    gates formed in it (float64: refgdn, none; no request: none)."""
+    if _fp64(mixed_qkv, a, b, A_log, dt_bias, initial_state):
+        return []
+    B = mixed_qkv.shape[0]
+    HV, V, K = initial_state.shape[1:]
+    H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
+    if B == 0:
+        return []
+    cfg = _rec.slots_config(K, V, B, False, initial_state.dtype)
+    return [CompileKey.make(
+        "recurrent_slots_kernel",
+        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=False,
+             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=_rec.WRITE_FINAL,
+             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(mixed_qkv.dtype), GATE=True, SLOT_LO=1, THRESHOLD=20.0),
+        dict(q=mixed_qkv.dtype, k=mixed_qkv.dtype, v=mixed_qkv.dtype, g=a.dtype, beta=b.dtype,
+             pool=initial_state.dtype, o=out.dtype, hs=initial_state.dtype, cu_seqlens=None,
+             idx=ssm_state_indices.dtype, num_acc=None, A_log=A_log.dtype, dt_bias=dt_bias.dtype),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
 
 
@@ -610,3 +634,4 @@ class vllm_ops:
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)
+    fused_recurrent_gated_delta_rule_packed_decode = staticmethod(_vllm_fused_recurrent_gated_delta_rule_packed_decode)

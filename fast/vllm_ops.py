@@ -4,7 +4,8 @@
 ``causal_conv1d_update``: conv_update_slots_kernel (fast.conv). ``causal_conv1d_fn``: fast's varlen conv in
 gdn_prefill's slot form. ``fused_recurrent_gated_delta_rule``: vLLM's serving form of the recurrent op (states in a slot
 pool, per-token slots for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent
-kernel (fast.chunk.recurrent.recurrent_slots_kernel).
+kernel (fast.chunk.recurrent.recurrent_slots_kernel). ``fused_recurrent_gated_delta_rule_packed_decode``: newer vLLM's
+decode without drafts, the same kernel with the gates formed in it, on views of the conv's packed rows.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 
 import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                           check_vllm_conv_update_inputs, check_vllm_recurrent_inputs,
-                           host_offsets, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows,
-                           vllm_recurrent_slots)
+                           check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs,
+                           check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
+                           vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
@@ -24,7 +25,8 @@ from .gating import gdn_gating as _gating
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update",
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "causal_conv1d_update",
            "causal_conv1d_fn"]
 
 
@@ -98,13 +100,61 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype)
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, T, S, L, scale,
+        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, None, None, T, S, L, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         *ps, *hs.stride(), s_in, s_it,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
         L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=pool is not None, INDEXED=idx is not None,
         SPEC=num_accepted_tokens is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
     return o, hs
+
+
+def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                                                   ssm_state_indices, use_qk_l2norm_in_kernel: bool = False, *,
+                                                   check_values: bool = False):
+    """vLLM's packed decode (refgdn.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode's twin, same semantics):
+    the gates, the l2norm and the delta rule of one token per request in one Triton launch.
+
+    mixed_qkv: [B, 2 H K + HV V] (q | k | v per row)   a, b: [B, HV] (raw gate projections)   A_log, dt_bias: [HV]
+    initial_state: the pool [S, HV, V, K] (vLLM's layout; any strides)   out: [B, 1, HV, V] contiguous, written in
+    place   ssm_state_indices: [B] int (<= 0: vLLM's null block, a padded request)   -> (out, initial_state)
+
+        g = -exp(A_log) softplus(a + dt_bias);  beta = sigmoid(b)
+        S <- exp(g) S ;  S <- S + k (beta (v - S^T k))^T ;  o = scale S^T q       (S = initial_state[slot]^T)
+
+    recurrent_slots_kernel with its gates formed in the kernel (GATE) on views of mixed_qkv, a and b (nothing is
+    copied) and the pool seen as [S, HV, K, V] through its strides. Shapes, dtypes and devices are checked on the
+    host; the slots only with check_values=True (a host read), so by default the call can be captured in a CUDA graph.
+    Unchecked slots stay memory-safe: one outside [1, S) pads its request (zeros out, nothing read or written); two
+    requests on one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
+    """
+    B, H, HV, K, V = check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                                                     ssm_state_indices, use_qk_l2norm_in_kernel)
+    if _is_fp64(mixed_qkv, a, b, A_log, dt_bias, initial_state):
+        return _ref.fused_recurrent_gated_delta_rule_packed_decode(
+            mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, use_qk_l2norm_in_kernel)
+    _check_fast_limits(K, V)
+    if check_values:
+        vllm_packed_decode_slots(ssm_state_indices, initial_state.shape[0])
+    if B == 0:
+        return out, initial_state
+    scale = K ** -0.5 if scale is None else float(scale)
+    x = _unit_last(mixed_qkv)
+    q = x[:, :H * K].unflatten(1, (H, K))[:, None]                # [B, 1, H, K]: views of the packed rows
+    k = x[:, H * K:2 * H * K].unflatten(1, (H, K))[:, None]
+    v = x[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]           # [B, 1, HV, V]
+    ga, gb = a[:, None], b[:, None]                               # [B, 1, HV]: the raw gates, formed in the kernel
+    pool = initial_state.transpose(-1, -2)                        # [S, HV, K, V]: the same memory
+    cfg = slots_config(K, V, B, False, pool.dtype)
+    BV = cfg.pop("BV")
+    recurrent_slots_kernel[(cdiv(V, BV), B * HV)](
+        q, k, v, ga, gb, pool, out, pool, None, ssm_state_indices, None, A_log, dt_bias, 1, pool.shape[0], 1, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ga.stride(), *gb.stride(),
+        *pool.stride(), *pool.stride(), ssm_state_indices.stride(0), 0,
+        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=False, L2NORM=use_qk_l2norm_in_kernel,
+        USE_POOL=True, INDEXED=True, SPEC=False, WRITE=WRITE_FINAL, EPS=L2NORM_EPS, PRECISE=_precise(mixed_qkv.dtype),
+        GATE=True, SLOT_LO=1, **cfg)
+    return out, initial_state
 
 
 def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):

@@ -649,6 +649,63 @@ def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_acce
     return out
 
 
+def check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
+                                    use_qk_l2norm_in_kernel) -> Tuple[int, int, int, int, int]:
+    """Validate vLLM's fused_recurrent_gated_delta_rule_packed_decode arguments (shapes, dtypes, devices; the slot
+    values are :func:`vllm_packed_decode_slots`'); return (B, H, HV, K, V).
+
+    initial_state: the slot pool in vLLM's layout [S, HV, V, K] (each head's state transposed); mixed_qkv: [B, 2 H K
+    + HV V], each row q | k | v of one request (H read from its width); a, b: [B, HV]; A_log, dt_bias: [HV]; out:
+    [B, 1, HV, V] contiguous (written in place); ssm_state_indices: [B] int.
+    """
+    _need_tensor("initial_state", initial_state, 4)
+    _need_float("initial_state", initial_state)
+    if initial_state.shape[0] < 1 or min(initial_state.shape[1:]) < 1:
+        raise ValueError(f"initial_state must be the slot pool [S, HV, V, K] with every size >= 1 (vLLM's layout), "
+                         f"got {_shape(initial_state)}")
+    HV, V, K = initial_state.shape[1:]
+    device = initial_state.device
+    _need_tensor("mixed_qkv", mixed_qkv, 2)
+    _need_float("mixed_qkv", mixed_qkv)
+    _need_device("mixed_qkv", mixed_qkv, device)
+    B, width = mixed_qkv.shape
+    qk = width - HV * V
+    if qk <= 0 or qk % (2 * K):
+        raise ValueError(f"mixed_qkv must be [B, 2 H K + HV V] (q | k | v per row; HV = {HV}, V = {V}, K = {K} from "
+                         f"initial_state [S, HV, V, K]), got {_shape(mixed_qkv)}")
+    H = qk // (2 * K)
+    if HV % H:
+        raise ValueError(f"mixed_qkv's width gives H = {H} query/key heads, which must divide HV = {HV} (value heads "
+                         f"of initial_state [S, HV, V, K]), got {_shape(mixed_qkv)}")
+    for name, t in (("a", a), ("b", b)):
+        check_float_param(name, t, (B, HV), "[B, HV]", device)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float_param(name, t, (HV,), "[HV]", device)
+    check_float_param("out", out, (B, 1, HV, V), "[B, 1, HV, V]", device)
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (written in place as [B, 1, HV, V]), got strides {out.stride()}")
+    check_index_vector("ssm_state_indices", ssm_state_indices, B, device)
+    check_scale(scale)
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise ValueError(f"use_qk_l2norm_in_kernel must be a bool, got {use_qk_l2norm_in_kernel!r}")
+    return B, H, HV, K, V
+
+
+def vllm_packed_decode_slots(ssm_state_indices: torch.Tensor, num_slots: int) -> List[int]:
+    """The slot of each request of vLLM's packed decode, from the values (a host read): entries <= 0 are vLLM's null
+    block (a padded request: output zeros, nothing read or written). Raises ValueError naming the entry for a slot >=
+    num_slots or a slot given to two requests."""
+    slots = ssm_state_indices.tolist()                          # host read: value checks
+    owner = {}
+    for n, s in enumerate(slots):
+        if s >= num_slots:
+            raise ValueError(f"ssm_state_indices[{n}] = {s} is outside the pool's {num_slots} slots (entries <= 0: "
+                             "the null block, a padded request)")
+        if s > 0 and owner.setdefault(s, n) != n:
+            raise ValueError(f"slot {s} is given to requests {owner[s]} and {n} (ssm_state_indices)")
+    return slots
+
+
 def check_vllm_gating_arguments(a, beta, threshold) -> None:
     """vLLM's fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0): a is [N, HV] or [B, T, HV]; softplus'
     beta and threshold only at the values every Qwen3-Next caller passes (this package's softplus is log(1 + e^x),

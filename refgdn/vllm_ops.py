@@ -10,6 +10,10 @@ in place,
                               starts from slot [n, num_accepted_tokens[n] - 1] (the last accepted draft's state:
                               vLLM's rollback by checkpoints).
 
+Newer vLLM decodes without drafts through ``fused_recurrent_gated_delta_rule_packed_decode``: the gates, the l2norm
+and the delta rule in one op on the conv's packed q | k | v rows, the pool in its [S, HV, V, K] layout, slot 0 its
+null block.
+
 From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). From its mamba ops: ``causal_conv1d_update`` (decode
 and verification, with the drafts' rollback) and ``causal_conv1d_fn`` (prefill). So vLLM's imports of these names become
 ``from refgdn.vllm_ops import ...`` (the oracle) or ``from fast.vllm_ops import ...`` (Triton). Both packages'
@@ -21,14 +25,17 @@ from __future__ import annotations
 import torch
 
 from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                     check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_recurrent_inputs,
-                     host_offsets, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows, vllm_recurrent_slots)
+                     check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_packed_decode_inputs,
+                     check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
+                     vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import gdn_gating as _gating
+from .gating import softplus as _softplus
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gating", "causal_conv1d_update",
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "causal_conv1d_update",
            "causal_conv1d_fn"]
 
 
@@ -117,6 +124,56 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         pool[slot].copy_(S.to(pool.dtype))
     o = o.reshape(B, T, HV, V)
     return o, (pool if inplace_final_state else per_token)
+
+
+def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                                                   ssm_state_indices, use_qk_l2norm_in_kernel: bool = False, *,
+                                                   check_values: bool = False):
+    """vLLM's non-speculative GDN decode in one op: the gates, the l2norm and the delta rule for one token per
+    request, straight from the conv's packed output, the state read from and written to its slot in place.
+
+    mixed_qkv: [B, 2 H K + HV V] (row n: request n's q | k | v, the conv update's output)   a, b: [B, HV] (the raw
+    gate projections)   A_log, dt_bias: [HV]   initial_state: the slot pool [S, HV, V, K] (vLLM's layout: each
+    head's state stored transposed, K contiguous)   out: [B, 1, HV, V], written in place   ssm_state_indices: [B] int
+    -> (out, initial_state)
+
+        g = -exp(A_log) softplus(a + dt_bias);  beta = sigmoid(b)
+        S <- exp(g) S ;  S <- S + k (beta (v - S^T k))^T ;  o = scale S^T q       (S = initial_state[slot]^T)
+
+    H is read from mixed_qkv's width; scale None means K ** -0.5 (vLLM always passes it). An entry of
+    ssm_state_indices <= 0 is vLLM's null block (NULL_BLOCK_ID = 0: slot 0 is never a request's): that request's
+    output is zeros and no slot is read or written. Computed in float32 (float64 when any input or the pool is), the
+    state rounded once to the pool's dtype. Where this differs from vLLM's kernel: beta = sigmoid(b) stays in the
+    compute dtype (vLLM's kernel rounds it to b's dtype first: a rounding, not a semantic). The slot values are
+    checked here on every call (check_values is accepted for the signature of fast's twin, which reads them only when
+    asked): slots below S, no slot given to two requests (refgdn.checks.vllm_packed_decode_slots).
+    """
+    B, H, HV, K, V = check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                                                     ssm_state_indices, use_qk_l2norm_in_kernel)
+    pool = initial_state
+    slots = vllm_packed_decode_slots(ssm_state_indices, pool.shape[0])
+    wide = (torch.float64 if torch.float64 in (mixed_qkv.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype,
+                                               pool.dtype) else torch.float32)
+    live = [n for n, s in enumerate(slots) if s > 0]
+    o = torch.zeros(B, 1, HV, V, dtype=wide, device=mixed_qkv.device)
+    if live:
+        rows = torch.tensor(live, device=mixed_qkv.device)
+        read = torch.tensor([slots[n] for n in live], device=mixed_qkv.device)
+        x = mixed_qkv.index_select(0, rows).to(wide)                               # [n, 2 H K + HV V]
+        q = x[:, :H * K].reshape(len(live), 1, H, K)                               # [n, 1, H, K]
+        k = x[:, H * K:2 * H * K].reshape(len(live), 1, H, K)
+        v = x[:, 2 * H * K:].reshape(len(live), 1, HV, V)                          # [n, 1, HV, V]
+        # the gates in the compute dtype (precision hazard: softplus' exp of a large argument: refgdn's softplus)
+        g = -torch.exp(A_log.to(wide)) * _softplus(a.index_select(0, rows).to(wide) + dt_bias.to(wide))
+        beta = torch.sigmoid(b.index_select(0, rows).to(wide))                     # [n, HV]
+        s0 = pool.index_select(0, read).transpose(-1, -2).to(wide)                 # [n, HV, V, K] -> [n, HV, K, V]
+        o_live, s1 = _recurrent(q, k, v, g[:, None], beta[:, None], scale=scale, initial_state=s0,
+                                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        o[rows] = o_live
+    out.copy_(o)                                                                   # (checks above: nothing written)
+    if live:
+        pool.index_copy_(0, read, s1.transpose(-1, -2).to(pool.dtype))            # back to [n, HV, V, K]
+    return out, initial_state
 
 
 def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):

@@ -136,22 +136,26 @@ def _masked_by(m, cond):
 
 @triton.jit(do_not_specialize=["T", "S", "L"])
 def recurrent_slots_kernel(
-    q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, T, S, L, scale,
+    q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, T, S, L, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     s_pn, s_ph, s_pk, s_pv, s_hn, s_hh, s_hk, s_hv, s_in, s_it,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
+    GATE: tl.constexpr = False, SLOT_LO: tl.constexpr = 0, THRESHOLD: tl.constexpr = 20.0,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
     ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
-    Absent pointers (pool, cu_seqlens, idx, num_acc) are None: only their constexpr branches read them.
+    GATE (fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode): g and beta hold the raw gate projections a
+    and b, and each token's gates are formed here: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
+    Absent pointers (pool, cu_seqlens, idx, num_acc, A_log, dt_bias) are None: only their constexpr branches read them.
     Read slot: INDEXED, idx[n, col] with col = num_acc[n] - 1 (SPEC) or 0 (idx [N] is [N, 1] with s_it unused);
-    else pool[n] (USE_POOL) or zeros. A slot outside [0, S) marks a padded sequence: o zeros, no pool store
-    (memory safety: the host checks name such values only when asked). WRITE_FINAL: the final state to the read
+    else pool[n] (USE_POOL) or zeros. A slot outside [SLOT_LO, S) marks a padded sequence: o zeros, no pool store
+    (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked).
+    WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [0, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
     Stores round to the destination's dtype; the running state stays fp32 in registers.
@@ -177,7 +181,7 @@ def recurrent_slots_kernel(
             col = tl.load(num_acc + i_n).to(tl.int64) - 1
             col = tl.minimum(tl.maximum(col, 0), L - 1)       # memory safety for out-of-range counts
         slot = tl.load(p_idx + col * s_it).to(tl.int64)
-        valid = (slot >= 0) & (slot < S)
+        valid = (slot >= SLOT_LO) & (slot < S)
     else:
         slot = i_n.to(tl.int64)
         valid = slot >= 0
@@ -192,10 +196,16 @@ def recurrent_slots_kernel(
     v_base = v + i_b * s_vb + i_h * s_vh
     g_base = g + i_b * s_gb + i_h * s_gh
     b_base = beta + i_b * s_bb + i_h * s_bh
+    if GATE:
+        A_log_h = tl.load(A_log + i_h).to(tl.float32)
+        dt_bias_h = tl.load(dt_bias + i_h).to(tl.float32)
     for t in range(bos, eos):
         t64 = (i_b * 0 + t).to(tl.int64)
         b_q, b_k, b_v, b_g, b_beta = _load_token(q_base, k_base, v_base, g_base, b_base, t64, s_qt, s_kt, s_vt,
                                                  s_gt, s_bt, o_k, o_v, m_k, m_v)
+        if GATE:                                     # b_g, b_beta hold a, b: the gates in fp32, beta never rounded
+            b_g = _gate(b_g, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
+            b_beta = _beta_of(b_beta, True, 1, PRECISE)
         b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, b_g, b_beta.to(tl.float32), scale, L2NORM, EPS, PRECISE)
         b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
