@@ -16,8 +16,8 @@ import fast
 import fast.vllm_ops as FV
 import refgdn
 import refgdn.vllm_ops as RV
-from conformance.cases_vllm import (conv_families, conv_fn_families, conv_fn_problem, conv_problem, families, problem,
-                                   run as _run)
+from conformance.cases_vllm import (conv_families, conv_fn_families, conv_fn_problem, conv_problem, families,
+                                   packed_families, packed_problem, packed_run, problem, run as _run)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
@@ -323,6 +323,194 @@ def test_fused_gdn_gating_in_vllms_order(shape, dtype):
             pkg.fused_gdn_gating(A_log, a.reshape(-1), b.reshape(-1), dt_bias)
 
 
+
+# ------------------------------------------------------------------------------ the packed decode (newer vLLM)
+
+PACKED = [pytest.param(p, id=name) for name, p in packed_families(quick=True, device=DEV).items()]
+PACKED_OP = "fused_recurrent_gated_delta_rule_packed_decode"
+
+
+def _packed(p, dtype=torch.float32, seed=0):
+    return packed_problem(p, dtype, DEV, seed)
+
+
+@pytest.mark.parametrize("p", PACKED)
+def test_packed_refgdn_equals_the_step_written_out(p):
+    """float64: each live request's output and new slot are one step of the rule written out here (the gates, the
+    l2norm, the state transposed as vLLM stores it); null requests' outputs are zeros; every other slot is untouched."""
+    args = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in _packed(p)]
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = args
+    out, after = packed_run(RV.fused_recurrent_gated_delta_rule_packed_decode, args)
+    HV, V, K = pool.shape[1:]
+    H = (x.shape[1] - HV * V) // (2 * K)
+    scale = K ** -0.5 if scale is None else scale
+    for n, s in enumerate(p["idx"]):
+        if s <= 0:
+            assert torch.equal(out[n], torch.zeros_like(out[n]))
+            continue
+        for h in range(HV):
+            hk = h // (HV // H)
+            q, k = x[n, hk * K:(hk + 1) * K], x[n, (H + hk) * K:(H + hk + 1) * K]
+            v = x[n, 2 * H * K + h * V:2 * H * K + (h + 1) * V]
+            if l2:
+                q, k = q / torch.sqrt(q @ q + 1e-6), k / torch.sqrt(k @ k + 1e-6)
+            g = -torch.exp(A_log[h]) * torch.nn.functional.softplus(a[n, h] + dt_bias[h])
+            beta = torch.sigmoid(b[n, h])
+            state = torch.exp(g) * pool[s, h].T                       # [K, V]
+            state = state + torch.outer(k, beta * (v - state.T @ k))
+            torch.testing.assert_close(out[n, 0, h], scale * state.T @ q, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(after[s, h], state.T, rtol=1e-12, atol=1e-12)
+    for s in range(pool.shape[0]):
+        if s not in p["idx"]:
+            assert torch.equal(after[s], pool[s]), f"slot {s} written"
+
+
+def test_packed_equals_vllms_two_op_decode():
+    """The packed op is vLLM's older decode in one launch: fused_gdn_gating, then fused_recurrent_gated_delta_rule on
+    the same pool seen as [S, HV, K, V] with the null requests' slots as -1 (fp32: equal to rounding)."""
+    p = dict(idx=[5, 0, 2, 7, 3], H=2, HV=4, K=16, V=24, l2=True)
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = _packed(p)
+    out, after = packed_run(FV.fused_recurrent_gated_delta_rule_packed_decode, [x, a, b, A_log, dt_bias, scale, pool,
+                                                                                idx, l2])
+    H, HV, K, V = 2, 4, 16, 24
+    g, beta = FV.fused_gdn_gating(A_log, a, b, dt_bias)
+    q, k, v = (t.reshape(1, -1, *shape) for t, shape in ((x[:, :H * K], (H, K)), (x[:, H * K:2 * H * K], (H, K)),
+                                                          (x[:, 2 * H * K:], (HV, V))))
+    pool2 = pool.clone()
+    o2, _ = FV.fused_recurrent_gated_delta_rule(q, k, v, g, beta, None, pool2.transpose(-1, -2), True,
+                                                torch.arange(6, dtype=I32, device=DEV), torch.where(idx > 0, idx, -1),
+                                                use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, o2.reshape(out.shape))
+    torch.testing.assert_close(after, pool2)
+
+
+PACKED_BAD = [
+    pytest.param(lambda c: c.update(x=c["x"][:, 1:]), r"mixed_qkv must be \[B, 2 H K \+ HV V\]", id="qkv-width"),
+    pytest.param(lambda c: c.update(x=torch.zeros(3, 3 * 2 * 16 + 2 * 16, device=DEV)), "must divide HV",
+                 id="H-not-dividing-HV"),
+    pytest.param(lambda c: c.update(a=c["a"][:, :1]), r"a must have shape \[B, HV\]", id="a-wrong-HV"),
+    pytest.param(lambda c: c.update(A_log=c["A_log"][None]), r"A_log must have shape \[HV\]", id="A_log-2d"),
+    pytest.param(lambda c: c.update(out=c["out"][:, 0]), r"out must have shape \[B, 1, HV, V\]", id="out-3d"),
+    pytest.param(lambda c: c.update(out=torch.zeros(3, 1, 16, 2, device=DEV).transpose(2, 3)),
+                 "out must be contiguous", id="out-strided"),
+    pytest.param(lambda c: c.update(idx=c["idx"].float()), "int32 or int64", id="indices-float"),
+    pytest.param(lambda c: c.update(idx=c["idx"][:2]), r"ssm_state_indices must have shape \[B\]",
+                 id="indices-wrong-B"),
+    pytest.param(lambda c: c.update(pool=c["pool"][0]), "initial_state must be 4-D", id="pool-3d"),
+    pytest.param(lambda c: c.update(l2=1), "use_qk_l2norm_in_kernel must be a bool", id="l2-not-bool"),
+]
+
+
+def _packed_case(idx=(4, 0, 1)):
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = _packed(dict(idx=list(idx)))
+    return dict(x=x, a=a, b=b, A_log=A_log, dt_bias=dt_bias, pool=pool, idx=idx, l2=l2,
+                out=torch.zeros(len(idx), 1, 2, 16, device=DEV))
+
+
+def _packed_call(pkg, c, **kw):
+    return getattr(pkg, PACKED_OP)(c["x"], c["a"], c["b"], c["A_log"], c["dt_bias"], None, c["pool"], c["out"],
+                                   c["idx"], c["l2"], **kw)
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", PACKED_BAD)
+def test_packed_bad_inputs_raise_before_any_write(pkg, bad, words):
+    c = _packed_case()
+    bad(c)
+    before, out_before = c["pool"].clone(), c["out"].clone()
+    with pytest.raises(ValueError, match=words):
+        _packed_call(pkg, c)
+    assert torch.equal(c["pool"], before) and torch.equal(c["out"], out_before)
+
+
+@pytest.mark.parametrize("idx,words", [
+    pytest.param((4, 0, S), r"ssm_state_indices\[2\] = 9 is outside the pool's 9 slots", id="slot-past-the-pool"),
+    pytest.param((4, 0, 4), "slot 4 is given to requests 0 and 2", id="two-requests-one-slot"),
+])
+def test_packed_bad_slot_values(idx, words):
+    """refgdn always checks the slots; fast with check_values=True (the same words); both before any write. Several
+    null entries (0, negative) are fine: they touch nothing."""
+    for pkg, extra in ((RV, {}), (FV, dict(check_values=True))):
+        c = _packed_case(idx)
+        before = c["pool"].clone()
+        with pytest.raises(ValueError, match=words):
+            _packed_call(pkg, c, **extra)
+        assert torch.equal(c["pool"], before)
+        c = _packed_case((0, -1, 0))
+        _packed_call(pkg, c, **extra)
+        assert torch.equal(c["pool"], before) and torch.equal(c["out"], torch.zeros_like(c["out"]))
+
+
+def test_packed_fast_is_memory_safe_on_unchecked_slots():
+    """Without check_values a slot past the pool pads its request (zeros out, nothing read or written): refgdn's
+    result with that entry null."""
+    c = _packed_case((4, S + 5, 1))
+    o, after = packed_run(getattr(FV, PACKED_OP), [c["x"], c["a"], c["b"], c["A_log"], c["dt_bias"], None, c["pool"],
+                                                   c["idx"], c["l2"]])
+    o_r, after_r = packed_run(getattr(RV, PACKED_OP), [c["x"], c["a"], c["b"], c["A_log"], c["dt_bias"], None,
+                                                       c["pool"], _t([4, 0, 1]), c["l2"]])
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    torch.testing.assert_close(o, o_r)
+    torch.testing.assert_close(after, after_r)
+    assert torch.equal(after[[0, 2, 3, 5, 6, 7, 8]], c["pool"][[0, 2, 3, 5, 6, 7, 8]])
+
+
+def test_packed_fast_reads_nothing_back_unless_asked():
+    """vLLM calls it inside CUDA graphs: no host read without check_values (refgdn.capture's guards), one with it."""
+    from refgdn.capture import HostSyncInCapture, capture_guards
+    c = _packed_case()
+    with capture_guards("vllm_ops", DEV):
+        _packed_call(FV, c)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("vllm_ops", DEV):
+            _packed_call(FV, c, check_values=True)
+
+
+def test_packed_keys_equal_the_launches():
+    """fast.keys.vllm_ops predicts the packed op's launch (traced_ops raises on a mismatch): float32 and bf16 pools,
+    with and without the l2norm, a float64 call (refgdn: nothing launched)."""
+    from fast import keys as fk
+    from refgdn.capture import KeyLog, recording, traced_ops
+    F = traced_ops(FV, keys=fk.vllm_ops)
+    log = KeyLog()
+    with recording(log):
+        for name in ("decode-null-slots", "decode-bf16-pool-l2norm", "gva3-l2norm"):
+            packed_run(getattr(F, PACKED_OP), _packed(packed_families(True, DEV)[name]))
+        args = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in _packed(packed_families(True, DEV)["decode-l2norm"])]
+        packed_run(getattr(F, PACKED_OP), args)
+    launched = [key for key in log.launched if key is not None]          # (None: a call that launches nothing)
+    assert len(log.launched) == 4 and [key.kernel for key in launched] == ["recurrent_slots_kernel"] * 3
+    assert {dict(key.constexprs)["GATE"] for key in launched} == {True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
+def test_packed_cuda_graph_replay_equals_eager():
+    """Captured once, replayed on new rows copied into the static buffers: bit for bit the eager call's out and pool,
+    round after round (a bf16 pool, vLLM's default)."""
+    p = dict(packed_families(True, DEV)["decode-bf16-pool-l2norm"])
+    static = _packed(p, torch.bfloat16)
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = static
+    g_pool, e_pool = pool.clone(), pool.clone()
+    out = torch.empty(x.shape[0], 1, pool.shape[1], pool.shape[2], dtype=x.dtype, device=DEV)
+    op = getattr(FV, PACKED_OP)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(x, a, b, A_log, dt_bias, scale, g_pool.clone(), out, idx, l2)             # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(x, a, b, A_log, dt_bias, scale, g_pool, out, idx, l2)
+    for rnd in range(3):
+        new = _packed(p, torch.bfloat16, seed=10 + rnd)
+        for dst, src in zip((x, a, b), new[:3]):
+            dst.copy_(src)
+        graph.replay()
+        out_e = torch.empty_like(out)
+        op(*new[:6], e_pool, out_e, idx, l2)
+        torch.cuda.synchronize()
+        assert torch.equal(out, out_e) and torch.equal(g_pool, e_pool), rnd
 
 # ---------------------------------------------------------------------------------------------- the conv
 
