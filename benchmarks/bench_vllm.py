@@ -28,7 +28,19 @@ D = 2 H K + HV V = 8192, W = 4, bf16 x, weight and conv-state pool [S, D, C] (C 
 
     conv bytes = 2 N D ((W - 1) + (W - 1 + k) + 2 (1 + k))    window read, window written, x read, y written
 
-Run: python -m benchmarks.bench_vllm [--no-results]
+Newer vLLM's decode without drafts (fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode), a third table:
+the conv's packed rows [N, 2 H K + HV V] bf16, the raw gates a, b [N, HV] bf16, the pool [S, HV, V, K] (vLLM's layout)
+in float32 and bfloat16, l2norm in the kernel, slots by a random permutation (slot 0, the null block, never drawn):
+
+  - fast's packed op (one launch: gates, l2norm, delta rule);
+  - the same step as vLLM's older two ops in fast (fused_gdn_gating, then fused_recurrent_gated_delta_rule on views
+    of the packed rows and the pool seen as [S, HV, K, V]);
+  - fla 0.6.0's fused_recurrent_gated_delta_rule alone beside the float32 rows (its gates formed beforehand, not
+    timed; gathered initial states; benchmarks.bench_decode.fla_fn).
+
+    packed bytes = e * HV * K * V * N * 2        the state read and written once (inputs and outputs are < 1 %)
+
+Run: python -m benchmarks.bench_vllm [--no-results] [--only packed]
 """
 from __future__ import annotations
 
@@ -47,6 +59,11 @@ CONV_TITLE = "vLLM's conv update: fast.vllm_ops.causal_conv1d_update vs fla (per
 CONV_META = {"op": "fast.vllm_ops.causal_conv1d_update, D=8192 W=4, bf16 x/weight/state pool, no bias, SiLU",
              "us": "do_bench median of a 32-layer graph's replay / 32",
              "bytes": "2 N D ((W-1) + (W-1+k) + 2 (1+k)): window read, window written, x read, y written"}
+PACKED_TITLE = "vLLM's packed decode: fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode (per layer of a 32-layer graph)"
+PACKED_META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_decode, H=16 HV=32 K=V=128, bf16 packed "
+                     "rows and gates, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
+               "us": "do_bench median of a 32-layer graph's replay / 32",
+               "bytes": "e HV K V N 2: e the pool's element size"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
@@ -139,22 +156,77 @@ def conv_rows(copy_gbps: float, cases=CONV_CASES) -> list:
     return out
 
 
+PACKED_N = (1, 8, 32, 128)
+
+
+def packed_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, two_ops: bool = False):
+    """One layer's packed decode on its own pool (2 N + 1 slots [S, HV, V, K] of pool_dtype, random contents): a
+    callable; two_ops: fused_gdn_gating, then fused_recurrent_gated_delta_rule on the same memory instead."""
+    import fast.vllm_ops as FV
+    p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    slots = 2 * N + 1
+    pool = (0.1 * torch.randn(slots, HV, V, K, generator=gen)).to(pool_dtype).cuda()
+    idx = (1 + torch.randperm(slots - 1, generator=gen)[:N]).to(torch.int32).cuda()      # slot 0: the null block
+    x, a, b = p["x"], p["a"], p["b"]
+    out = torch.empty(N, 1, HV, V, dtype=x.dtype, device="cuda")
+    if not two_ops:
+        return lambda: FV.fused_recurrent_gated_delta_rule_packed_decode(  # noqa: E731
+            x, a, b, p["A_log"], p["dt_bias"], K ** -0.5, pool, out, idx, True)
+    H = (x.shape[1] - HV * V) // (2 * K)
+    q = x[:, :H * K].unflatten(1, (H, K))[None]                    # [1, N, H, K]: views of the packed rows
+    kk = x[:, H * K:2 * H * K].unflatten(1, (H, K))[None]
+    v = x[:, 2 * H * K:].unflatten(1, (HV, V))[None]
+    cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
+
+    def call():
+        g, beta = FV.fused_gdn_gating(p["A_log"], a, b, p["dt_bias"])
+        return FV.fused_recurrent_gated_delta_rule(q, kk, v, g, beta, K ** -0.5, pool.transpose(-1, -2), True, cu,
+                                                   idx, use_qk_l2norm_in_kernel=True)
+    return call
+
+
+def packed_rows(copy_gbps: float, ns=PACKED_N) -> list:
+    """The packed-decode table's rows (same columns as rows()), float32 then bfloat16 pools."""
+    fla = common.try_import_fla()
+    out = []
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        tag = "" if pool_dtype == torch.float32 else ", bf16 pool"
+        for N in ns:
+            us = per_layer_us(lambda i: packed_call(N, i, pool_dtype))
+            gbs = pool_dtype.itemsize * HV * K * V * N * 2 / us / 1e3
+            out.append(dict(what="packed decode", N=N, impl="fast.vllm_ops packed" + tag, us=us, GBps=gbs,
+                            of_copy=gbs / copy_gbps))
+            two = per_layer_us(lambda i: packed_call(N, i, pool_dtype, two_ops=True))
+            out.append(dict(what="packed decode", N=N, impl="fast: fused_gdn_gating + fused_recurrent" + tag, us=two,
+                            vs_fast=two / us))
+            if fla is not None and pool_dtype == torch.float32:
+                fus = per_layer_us(lambda i: fla_fn(make_problem(N, 0, torch.float32, "cuda", seed=i), fla)[0])
+                out.append(dict(what="packed decode", N=N, impl="fla fused_recurrent alone (gates formed beforehand, "
+                                "gathered state in, fp32 final state out)", us=fus, vs_fast=fus / us))
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--only", choices=("packed", "recurrent", "conv"), help="only that table")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_vllm: needs a GPU")
         return
     copy = common.copy_bandwidth_gbs()          # measured once: the rows' "of copy" and the section's meta
-    r = rows(copy) + rows(copy, BF16_CASES, torch.bfloat16)      # vLLM's default SSM cache dtype too
-    print(common.format_table(r))
-    c = conv_rows(copy)
-    print(common.format_table(c))
-    if not ns.no_results:
-        common.append_results(TITLE, r, meta=dict(META, copy_GBps=copy))
-        common.append_results(CONV_TITLE, c, meta=dict(CONV_META, copy_GBps=copy))
+    tables = (("recurrent", TITLE, META, lambda: rows(copy) + rows(copy, BF16_CASES, torch.bfloat16)),
+              ("packed", PACKED_TITLE, PACKED_META, lambda: packed_rows(copy)),
+              ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)))
+    for name, title, meta, make in tables:
+        if ns.only not in (None, name):
+            continue
+        r = make()
+        print(common.format_table(r), flush=True)
+        if not ns.no_results:
+            common.append_results(title, r, meta=dict(meta, copy_GBps=copy))
 
 
 if __name__ == "__main__":

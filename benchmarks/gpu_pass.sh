@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-28 16:41: fast.compat's padded
-#     conv_state_indices on the GPU, bench_vllm's bfloat16-pool rows)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-28 20:03: vLLM's packed decode,
+#     bench_vllm's bfloat16-pool rows)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -85,15 +85,17 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-28 16:41 wrote after its last GPU call: fast.compat's padded conv_state_indices (its
-  # tests on the GPU), the vLLM keys test with a bf16 pool, and bench_vllm's bfloat16-pool rows (printed: --no-results)
-  timeout 120 python3 -m pytest -q -p no:benchmark tests/test_compat.py \
-    tests/test_vllm_ops.py::test_keys_equal_the_launches 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  # the review mend 0959093 (element sizes from dtype.itemsize in step_config / slots_config: the same configs)
-  timeout 120 python3 -m conformance --device cuda --full --ops gdn_decode,gdn_verify,vllm_fused_recurrent_gated_delta_rule \
-    --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 300 python3 -m benchmarks.bench_vllm --no-results 2>&1 | grep "^|" | tee "$OUT/bench-vllm.log"
+  # what the session of 2026-11-28 20:03 wrote without a GPU: vLLM's packed decode (its tests, the CUDA-graph one
+  # among them; its conformance op in full, bf16 included; its table), and bench_vllm's recurrent table with the
+  # bfloat16-pool rows of the session before (cut by the time limit there)
+  timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py 2>&1 | tail -3
   rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m conformance --device cuda --full --ops vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule \
+    --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+  for t in packed recurrent; do
+    timeout 240 python3 -m benchmarks.bench_vllm --no-results --only $t 2>&1 | grep --line-buffered "^|" \
+      | tee "$OUT/bench-vllm-$t.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  done
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
