@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import common
-from benchmarks.bench_decode import HV, K, V, fla_fn, make_problem, step_inputs
+from benchmarks.bench_decode import HV, H, K, V, fla_fn, make_problem, step_inputs
 from benchmarks.bench_graphs import per_layer_us
 
 TITLE = "vLLM's serving recurrent op: fast.vllm_ops vs fla (per layer of a 32-layer graph)"
@@ -75,7 +75,8 @@ def fast_call(N: int, k: int, seed: int = 0, pool_dtype: torch.dtype = torch.flo
     q, kk, v, g, beta = step_inputs(p)
     gen = torch.Generator().manual_seed(seed)
     slots = N * (2 + k)
-    pool = (0.1 * torch.randn(slots, HV, K, V, generator=gen)).to(pool_dtype).cuda()
+    pool = (0.1 * torch.randn(slots, HV, K, V, generator=torch.Generator(device="cuda").manual_seed(seed),
+                              device="cuda")).to(pool_dtype)       # (drawn on the GPU: see packed_call)
     perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
     kw = dict(initial_state=pool, cu_seqlens=p["cu"], use_qk_l2norm_in_kernel=True)
     if k == 0:
@@ -163,24 +164,26 @@ def packed_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, 
     """One layer's packed decode on its own pool (2 N + 1 slots [S, HV, V, K] of pool_dtype, random contents): a
     callable; two_ops: fused_gdn_gating, then fused_recurrent_gated_delta_rule on the same memory instead."""
     import fast.vllm_ops as FV
-    p = make_problem(N, 0, torch.float32, "cuda", seed=seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)          # (drawn on the GPU: a CPU draw of 32 pools of
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731      # N = 128 takes minutes)
     slots = 2 * N + 1
-    pool = (0.1 * torch.randn(slots, HV, V, K, generator=gen)).to(pool_dtype).cuda()
-    idx = (1 + torch.randperm(slots - 1, generator=gen)[:N]).to(torch.int32).cuda()      # slot 0: the null block
-    x, a, b = p["x"], p["a"], p["b"]
+    pool = (0.1 * rnd(slots, HV, V, K)).to(pool_dtype)
+    perm = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))
+    idx = (1 + perm[:N]).to(device="cuda", dtype=torch.int32)     # slot 0: the null block
+    x = rnd(N, 2 * H * K + HV * V).to(torch.bfloat16)
+    a, b = rnd(N, HV).to(torch.bfloat16), rnd(N, HV).to(torch.bfloat16)
+    A_log, dt_bias = torch.rand(HV, generator=gen, device="cuda") * 2 - 1, 0.5 * rnd(HV)
     out = torch.empty(N, 1, HV, V, dtype=x.dtype, device="cuda")
     if not two_ops:
         return lambda: FV.fused_recurrent_gated_delta_rule_packed_decode(  # noqa: E731
-            x, a, b, p["A_log"], p["dt_bias"], K ** -0.5, pool, out, idx, True)
-    H = (x.shape[1] - HV * V) // (2 * K)
+            x, a, b, A_log, dt_bias, K ** -0.5, pool, out, idx, True)
     q = x[:, :H * K].unflatten(1, (H, K))[None]                    # [1, N, H, K]: views of the packed rows
     kk = x[:, H * K:2 * H * K].unflatten(1, (H, K))[None]
     v = x[:, 2 * H * K:].unflatten(1, (HV, V))[None]
     cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
 
     def call():
-        g, beta = FV.fused_gdn_gating(p["A_log"], a, b, p["dt_bias"])
+        g, beta = FV.fused_gdn_gating(A_log, a, b, dt_bias)
         return FV.fused_recurrent_gated_delta_rule(q, kk, v, g, beta, K ** -0.5, pool.transpose(-1, -2), True, cu,
                                                    idx, use_qk_l2norm_in_kernel=True)
     return call
@@ -200,7 +203,7 @@ def packed_rows(copy_gbps: float, ns=PACKED_N) -> list:
             two = per_layer_us(lambda i: packed_call(N, i, pool_dtype, two_ops=True))
             out.append(dict(what="packed decode", N=N, impl="fast: fused_gdn_gating + fused_recurrent" + tag, us=two,
                             vs_fast=two / us))
-            if fla is not None and pool_dtype == torch.float32:
+            if fla is not None and pool_dtype == torch.float32 and N <= 32:     # (N = 128: the recurrent table)
                 fus = per_layer_us(lambda i: fla_fn(make_problem(N, 0, torch.float32, "cuda", seed=i), fla)[0])
                 out.append(dict(what="packed decode", N=N, impl="fla fused_recurrent alone (gates formed beforehand, "
                                 "gathered state in, fp32 final state out)", us=fus, vs_fast=fus / us))

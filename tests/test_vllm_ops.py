@@ -508,7 +508,7 @@ def test_packed_cuda_graph_replay_equals_eager():
             dst.copy_(src)
         graph.replay()
         out_e = torch.empty_like(out)
-        op(*new[:6], e_pool, out_e, idx, l2)
+        op(new[0], new[1], new[2], A_log, dt_bias, scale, e_pool, out_e, idx, l2)     # (the layer's own weights)
         torch.cuda.synchronize()
         assert torch.equal(out, out_e) and torch.equal(g_pool, e_pool), rnd
 
