@@ -542,10 +542,12 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
     if inplace_final_state:
         write = _rec.WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else _rec.WRITE_FINAL
         hs = initial_state.dtype
+        v_major = _rec.is_v_major(initial_state)
     else:
         write = _rec.WRITE_EACH_ROW
         hs = initial_state.dtype if initial_state is not None else _F32
-    cfg = _rec.slots_config(K, V, N, write != _rec.WRITE_FINAL, hs)
+        v_major = False                                               # (a new contiguous [B * T, HV, K, V])
+    cfg = _rec.slots_config(K, V, N, write != _rec.WRITE_FINAL, hs, v_major)
     return [CompileKey.make(
         "recurrent_slots_kernel",
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
@@ -569,7 +571,7 @@ def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log,
     H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
     if B == 0:
         return []
-    cfg = _rec.slots_config(K, V, B, False, initial_state.dtype)
+    cfg = _rec.slots_config(K, V, B, False, initial_state.dtype, _rec.is_v_major(initial_state.transpose(-1, -2)))
     return [CompileKey.make(
         "recurrent_slots_kernel",
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=False,

@@ -199,6 +199,12 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
       N = 8 10.5 / 8.28 / 9.49; N = 12 13.4 / 11.7 / 12.8; N = 16 17.4 / 14.2 / 14.9; N = 24 25.4 / 20.2 / 20.6
       ([K, 32] in two warps, [K, 64] in one or four: slower at every N): 16-bit states take [K, 32] in one warp
       from 2 to 31 requests at 32 value heads (256 to 2047 programs), [K, 16] at one.
+    - bfloat16 state at 32 / 48 / 64 value heads (2026-11-28 20:03, two rounds each), [K, 32] one warp / [K, 64] two
+      warps: HV = 32 N = 32 25.98 / 26.3-26.6 (PDL), N = 48 44.0 / 37.3, N = 64 57.7 / 47.6 (no PDL); HV = 48 N = 24
+      28.45-28.57 / 28.73-28.84, N = 32 36.61 / 37.36; HV = 64 N = 16 24.82 / 26.03, N = 24 35.72 / 36.96, N = 32
+      46.4-46.7 / 47.5: 16-bit states take [K, 32] in one warp wherever the step runs under PDL (2 to 32 requests),
+      whatever the head count; without PDL the halving rule above ([K, 64] in two warps). The small-N rule holds at
+      48 / 64 heads too (HV = 48 N = 2 / 4 / 8 / 16 and HV = 64 N = 1 / 2 / 4 / 8: its pick the fastest or within 0.05).
     - verify, 1 + 3 tokens, PDL on / off: float32 N = 8 / 16 / 32 20.3 / 22.0, 34.3 / 35.1, 59.9 / 60.2;
       bfloat16 16.8 / 18.8, 28.1 / 29.4, 48.9 / 49.8: PDL up to 32 requests.
     - H100, float32 (2026-11-23, the kernels of then): N = 1 BV 16 5.8 us (BV 64 6.7); N = 2 BV 16 7.2
@@ -222,6 +228,8 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
                 break
             BV //= 2
             warps = max(1, min(8, BK * BV * elem // 16384))
+        if elem == 2 and pdl_ok and N is not None and 2 <= N <= DECODE_PDL_MAX_N[2] and BV > 32:
+            BV, warps = 32, 1    # 16-bit states under PDL: [K, 32] in one warp at 48 / 64 value heads too (docstring)
         cfg = dict(BV=BV, num_warps=warps, HPP=1, fold=True)
     pdl_max = PDL_MAX_N if mode == "verify" else DECODE_PDL_MAX_N.get(elem, PDL_MAX_N)
     cfg["pdl"] = N is not None and N <= pdl_max

@@ -19,7 +19,8 @@ from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusal
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, recurrent_slots_kernel, slots_config
+from .chunk.recurrent import (WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, is_v_major, recurrent_slots_kernel,
+                              slots_config)
 from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
 from .gating import gdn_gating as _gating
 from .serving import PREFILL_CHUNK
@@ -97,7 +98,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         L = 1
     S = pool.shape[0] if pool is not None else 0
     ps = pool.stride() if pool is not None else (0, 0, 0, 0)
-    cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype)
+    cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype, is_v_major(hs))
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
         q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, None, None, T, S, L, scale,
@@ -145,7 +146,7 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     v = x[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]           # [B, 1, HV, V]
     ga, gb = a[:, None], b[:, None]                               # [B, 1, HV]: the raw gates, formed in the kernel
     pool = initial_state.transpose(-1, -2)                        # [S, HV, K, V]: the same memory
-    cfg = slots_config(K, V, B, False, pool.dtype)
+    cfg = slots_config(K, V, B, False, pool.dtype, is_v_major(pool))
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), B * HV)](
         q, k, v, ga, gb, pool, out, pool, None, ssm_state_indices, None, A_log, dt_bias, 1, pool.shape[0], 1, scale,

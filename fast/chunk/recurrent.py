@@ -225,7 +225,14 @@ def recurrent_slots_kernel(
                  b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, valid & (eos > bos)))
 
 
-def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dtype = torch.float32) -> dict:
+def is_v_major(states: torch.Tensor) -> bool:
+    """Whether a [..., K, V] view of states has its K rows contiguous (stride 1 along K, not along V): newer vLLM's
+    [S, HV, V, K] pools seen transposed. slots_config's v_major (a meta tensor does: only strides are read)."""
+    return states.stride(-2) == 1 and states.stride(-1) != 1
+
+
+def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dtype = torch.float32,
+                 v_major: bool = False) -> dict:
     """recurrent_slots_kernel's pinned config: recurrent_config's (a [BK, BV] state block in one warp), by the
     stored states' dtype (state_dtype: the pool's, or of the per-row states written). Per layer of a 32-layer
     graph, H200, HV = 32, K = V = 128, 1 + 3 tokens when per-token (benchmarks.bench_vllm; RESULTS.md 2026-11-28):
@@ -235,11 +242,18 @@ def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dty
     - 16-bit states (vLLM's default SSM cache dtype): decode BV 16 / 32, us, N = 1 4.64 / 4.96, N = 8 9.25 / 8.49,
       N = 32 30.7 / 30.0, N = 128 113.7 / 108.0: BV 32 above two requests; per token BV 8 / 16 / 32: N = 1 12.1 /
       10.5 / 12.1, N = 8 45.1 / 20.1 / 19.8, N = 32 182 / 72.8 / 74.2: BV 16.
+    - v_major (the pool's K stride is 1: newer vLLM's [S, HV, V, K] pools, the packed decode's; each V-row of a block
+      is K contiguous elements), decode (2026-11-28 20:03, the packed decode, one round): float32 BV 8 / 16 / 32, us,
+      N = 1 4.94 / 5.09 / 7.96, N = 8 12.69 / 12.75 / 15.18, N = 32 38.0 / 39.2 / 44.8, N = 128 136.7 / 140.3 / 143.0;
+      bfloat16 N = 1 4.13 / 4.19 / 5.05, N = 8 9.82 / 8.50 / 8.93, N = 32 26.4 / 25.4 / 28.7, N = 128 90.3 / 87.3 /
+      98.0 (two warps or BV 64: slower): BV 8 for float32, BV 16 for 16-bit states.
     Pinned (no autotune: the kernel writes the pool in place and runs inside CUDA graphs)."""
     cfg = recurrent_config(K, V)
     if is_interpreting():
         return cfg
-    if state_dtype.itemsize == 2:
+    if v_major and not per_token:
+        cfg["BV"] = min(next_pow2(V), 16 if state_dtype.itemsize == 2 else 8)
+    elif state_dtype.itemsize == 2:
         cfg["BV"] = min(next_pow2(V), 16 if per_token or N <= 2 else 32)
     elif per_token:
         cfg["BV"] = min(next_pow2(V), 8 if N <= 2 else 32)
