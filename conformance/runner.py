@@ -23,7 +23,7 @@ import traceback
 from typing import Iterable, Optional
 
 CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad",
-                "conformance.cases_model", "conformance.cases_vllm")
+                "conformance.cases_model", "conformance.cases_vllm", "conformance.cases_sglang")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 

@@ -553,7 +553,7 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
              L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=initial_state is not None, INDEXED=idx is not None,
              SPEC=num_accepted_tokens is not None, WRITE=write, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0),
+             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=True),
         dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta_dt, pool=_dt(initial_state), o=v.dtype, hs=hs,
              cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens), A_log=None, dt_bias=None),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
@@ -576,7 +576,8 @@ def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log,
         "recurrent_slots_kernel",
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=False,
              L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=_rec.WRITE_FINAL,
-             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(mixed_qkv.dtype), GATE=True, SLOT_LO=1, THRESHOLD=20.0),
+             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(mixed_qkv.dtype), GATE=True, SLOT_LO=1, THRESHOLD=20.0,
+             PAD_ZERO=True),
         dict(q=mixed_qkv.dtype, k=mixed_qkv.dtype, v=mixed_qkv.dtype, g=a.dtype, beta=b.dtype,
              pool=initial_state.dtype, o=out.dtype, hs=initial_state.dtype, cu_seqlens=None,
              idx=ssm_state_indices.dtype, num_acc=None, A_log=A_log.dtype, dt_bias=dt_bias.dtype),
@@ -637,3 +638,42 @@ class vllm_ops:
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)
     fused_recurrent_gated_delta_rule_packed_decode = staticmethod(_vllm_fused_recurrent_gated_delta_rule_packed_decode)
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang's fused decode op (fast.sglang_ops): traced_ops(fast.sglang_ops, keys=fast.keys.sglang_ops)
+# ----------------------------------------------------------------------------------------------
+
+def _sglang_fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+                                                   initial_state_source, initial_state_indices, scale=None,
+                                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, is_kda=False,
+                                                   disable_state_update=False, intermediate_states_buffer=None,
+                                                   intermediate_state_indices=None, cache_steps=None,
+                                                   retrieve_parent_token=None, *, check_values=False
+                                                   ) -> List[CompileKey]:
+    """Keys of fast.sglang_ops.fused_sigmoid_gating_delta_rule_update: one recurrent_slots_kernel with the gates
+    formed in it (float64: refgdn, none; no token or sequence: none)."""
+    if _fp64(q, k, v, a, b, A_log, dt_bias, initial_state_source):
+        return []
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    if N * HV == 0 or B * T == 0:
+        return []
+    pool = initial_state_source.transpose(-1, -2)
+    cfg = _rec.slots_config(K, V, N, False, pool.dtype, _rec.is_v_major(pool))
+    return [CompileKey.make(
+        "recurrent_slots_kernel",
+        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
+             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False,
+             WRITE=_rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL, EPS=_chunk.L2NORM_EPS,
+             PRECISE=_chunk._precise(v.dtype), GATE=True, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=False),
+        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=a.dtype, beta=b.dtype, pool=pool.dtype, o=v.dtype, hs=pool.dtype,
+             cu_seqlens=_dt(cu_seqlens), idx=initial_state_indices.dtype, num_acc=None, A_log=A_log.dtype,
+             dt_bias=dt_bias.dtype),
+        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+
+
+class sglang_ops:
+    """Keys of fast.sglang_ops's op, under its name (refgdn.capture.traced_ops(fast.sglang_ops, keys=sglang_ops))."""
+    fused_sigmoid_gating_delta_rule_update = staticmethod(_sglang_fused_sigmoid_gating_delta_rule_update)

@@ -873,3 +873,75 @@ def check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_
     if block_size_to_align not in (0, None):
         raise ValueError(f"block_size_to_align (vLLM's prefix caching) is not supported: pass 0, got "
                          f"{block_size_to_align!r}")
+
+
+# SGLang's fused decode op (sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent, also in AMD's aiter and
+# TensorRT-LLM): refgdn.sglang_ops / fast.sglang_ops
+
+def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source,
+                               initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda,
+                               disable_state_update, intermediate_states_buffer, intermediate_state_indices,
+                               cache_steps, retrieve_parent_token, offset_values: bool = True):
+    """Validate SGLang's fused_sigmoid_gating_delta_rule_update arguments (shapes, dtypes, devices; the slots' values
+    are :func:`sglang_decode_slots`'); return (N, a, b) with a, b as [B, T, HV] views.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV] or [B * T, HV]; A_log, dt_bias: [HV]; cu_seqlens: [N+1]
+    with B == 1; initial_state_source: the slot pool [S, HV, V, K] (each head's state transposed, as SGLang stores
+    it); initial_state_indices: [N] int. Refused by name: the KDA form, SGLang's target-verify caching
+    (intermediate_states_buffer, intermediate_state_indices, cache_steps), tree drafts (retrieve_parent_token),
+    softplus parameters other than (1.0, 20.0)."""
+    if is_kda:
+        raise ValueError("is_kda=True (Kimi Delta Attention's per-channel gates) is not supported: pass False")
+    for name, t in (("intermediate_states_buffer", intermediate_states_buffer),
+                    ("intermediate_state_indices", intermediate_state_indices), ("cache_steps", cache_steps),
+                    ("retrieve_parent_token", retrieve_parent_token)):
+        if t is not None:
+            raise ValueError(f"{name} (SGLang's target-verify state caching / tree drafts) is not supported: pass None "
+                             "(gdn_verify / gdn_accept, or fast.vllm_ops' per-token slots, are the speculative paths)")
+    if softplus_beta != 1.0:
+        raise ValueError(f"softplus_beta must be 1.0, got {softplus_beta!r}: other values are not supported")
+    if softplus_threshold != 20.0:
+        raise ValueError(f"softplus_threshold must be 20.0, got {softplus_threshold!r}: other values are not supported")
+    for name, flag in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                       ("disable_state_update", disable_state_update)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    _need_tensor("q", q, 4)
+    _need_tensor("v", v, 4)
+    B, T = q.shape[:2]
+    HV = v.shape[2]
+    views = []
+    for name, t in (("a", a), ("b", b)):
+        _need_tensor(name, t)
+        if t.dim() == 2 and tuple(t.shape) == (B * T, HV):
+            t = t.view(B, T, HV) if t.is_contiguous() else t.unflatten(0, (B, T))
+        elif tuple(t.shape) != (B, T, HV):
+            raise ValueError(f"{name} must have shape [B, T, HV] = [{B}, {T}, {HV}] or [B * T, HV] = [{B * T}, {HV}], "
+                             f"got {_shape(t)}")
+        views.append(t)
+    N = check_gdn_inputs(q, k, v, views[0], views[1], scale, None, cu_seqlens, A_log, dt_bias,
+                         offset_values=offset_values)
+    K, V = q.shape[3], v.shape[3]
+    _need_tensor("initial_state_source", initial_state_source, 4)
+    if tuple(initial_state_source.shape[1:]) != (HV, V, K) or initial_state_source.shape[0] < 1:
+        raise ValueError(f"initial_state_source must be the slot pool [S, HV, V, K] = [S >= 1, {HV}, {V}, {K}] "
+                         f"(SGLang's layout: each head's state transposed), got {_shape(initial_state_source)}")
+    _need_float("initial_state_source", initial_state_source)
+    _need_device("initial_state_source", initial_state_source, q.device)
+    check_index_vector("initial_state_indices", initial_state_indices, N, q.device)
+    return N, views[0], views[1]
+
+
+def sglang_decode_slots(initial_state_indices: torch.Tensor, num_slots: int, writes: bool) -> List[int]:
+    """Each sequence's slot, from the values (a host read): a negative entry starts its sequence from a zero state
+    and writes nothing (SGLang's padding); raises ValueError naming the entry for a slot >= num_slots, or (writes) a
+    slot given to two sequences."""
+    slots = initial_state_indices.tolist()                      # host read: value checks
+    owner = {}
+    for n, s in enumerate(slots):
+        if s >= num_slots:
+            raise ValueError(f"initial_state_indices[{n}] = {s} is outside the pool's {num_slots} slots (negative: a "
+                             "padded sequence)")
+        if writes and s >= 0 and owner.setdefault(s, n) != n:
+            raise ValueError(f"slot {s} is given to sequences {owner[s]} and {n} (initial_state_indices)")
+    return slots

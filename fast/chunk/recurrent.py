@@ -124,7 +124,7 @@ def recurrent_config(K: int, V: int) -> dict:
 # the serving form (vLLM's fused_recurrent_gated_delta_rule): states read from and written to a slot pool
 # ============================================================================================
 
-WRITE_FINAL, WRITE_EACH_SLOT, WRITE_EACH_ROW = 1, 2, 3   # where recurrent_slots_kernel stores states
+WRITE_NONE, WRITE_FINAL, WRITE_EACH_SLOT, WRITE_EACH_ROW = 0, 1, 2, 3   # where recurrent_slots_kernel stores states
 
 
 @triton.jit
@@ -143,6 +143,7 @@ def recurrent_slots_kernel(
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
     GATE: tl.constexpr = False, SLOT_LO: tl.constexpr = 0, THRESHOLD: tl.constexpr = 20.0,
+    PAD_ZERO: tl.constexpr = True,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
     ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
@@ -154,7 +155,8 @@ def recurrent_slots_kernel(
     Absent pointers (pool, cu_seqlens, idx, num_acc, A_log, dt_bias) are None: only their constexpr branches read them.
     Read slot: INDEXED, idx[n, col] with col = num_acc[n] - 1 (SPEC) or 0 (idx [N] is [N, 1] with s_it unused);
     else pool[n] (USE_POOL) or zeros. A slot outside [SLOT_LO, S) marks a padded sequence: o zeros, no pool store
-    (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked).
+    (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked);
+    PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead.
     WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [0, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
@@ -207,7 +209,8 @@ def recurrent_slots_kernel(
             b_g = _gate(b_g, A_log_h, dt_bias_h, THRESHOLD, PRECISE)
             b_beta = _beta_of(b_beta, True, 1, PRECISE)
         b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, b_g, b_beta.to(tl.float32), scale, L2NORM, EPS, PRECISE)
-        b_o = tl.where(valid, b_o, 0.0)
+        if PAD_ZERO:
+            b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if WRITE == 2:                                                   # WRITE_EACH_SLOT
             j = t64 - bos

@@ -1,0 +1,105 @@
+"""Conformance cases for SGLang's fused decode op (fast.sglang_ops against refgdn.sglang_ops).
+
+fused_sigmoid_gating_delta_rule_update: the gates formed from raw projections, each sequence's state in a slot of a
+pool in SGLang's [S, HV, V, K] layout, updated in place. Checked per case:
+
+    o (every token, padded sequences' included: SGLang computes them from a zero state)   tolerance (computed)
+    written slots                                                                       tolerance (computed)
+    every other slot                                                                    exact
+
+The truth is refgdn's op in float64 on the same rounded inputs and a float64 copy of the pool; refgdn_p runs in the
+precision under test on the same pool dtype as fast (the rule in conformance.core).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .cases_prefill import dtypes_for, seed_of
+from .core import DTYPE_NAMES, Case, Check
+
+OP = "sglang_fused_sigmoid_gating_delta_rule_update"
+
+
+def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """(args, kwargs) of one call in the op's order: args = [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx];
+    q, k, v, a, b in dtype (k unit-norm unless l2; a, b [B * T, HV] unless p["gates3d"]); A_log, dt_bias float32;
+    the pool [S, HV, V, K] in p["pool_dtype"] (float32). p: B, T, cu (offsets) or None, idx (one slot per sequence,
+    negative: padded); H, HV, K, V (1, 2, 16, 16); l2; scale; slots (9); frozen (disable_state_update)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = p["B"], p["T"]
+    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if not p.get("l2"):
+        k = torch.nn.functional.normalize(k, dim=-1)
+    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    shape = (B, T, HV) if p.get("gates3d") else (B * T, HV)
+    a, b = (r(*shape).to(dtype).to(device) for _ in range(2))
+    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+    dt_bias = (0.5 * r(HV)).float().to(device)
+    pool = (0.5 * r(p.get("slots", 9), HV, V, K)).to(p.get("pool_dtype", torch.float32)).to(device)
+    idx = torch.tensor(p["idx"], dtype=torch.int32, device=device)
+    kw = dict(scale=p.get("scale"), use_qk_l2norm_in_kernel=bool(p.get("l2")),
+              disable_state_update=bool(p.get("frozen")))
+    if p.get("cu") is not None:
+        kw["cu_seqlens"] = torch.tensor(p["cu"], dtype=torch.int32, device=device)
+    return [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx], kw
+
+
+def run(op, args: list, kw: dict) -> tuple:
+    """op with a fresh copy of the pool -> (o, the pool copy after the call)."""
+    args = list(args)
+    args[9] = args[9].clone()
+    return op(*args, **kw), args[9]
+
+
+def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    import fast.sglang_ops as FS
+    import refgdn.sglang_ops as RS
+    args, kw = problem(p, dtype, device, seed)
+    wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
+    o_f, pool_f = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o_r, pool_r = run(RS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o_t, pool_t = run(RS.fused_sigmoid_gating_delta_rule_update, wide, kw)
+    pool = args[9]
+    moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
+    still = [s for s in range(pool.shape[0]) if s not in moved]
+    return [Check("o", o_f, o_t, o_r),
+            Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
+            Check("untouched slots", pool_f[still], pool[still], exact=True)]
+
+
+def families(quick: bool, device: str) -> dict:
+    """SGLang's decode (B = 1, one token per sequence through cu_seqlens, a padded sequence), several tokens per
+    sequence with an empty one, dense [B, T] with [B, T, HV] gates, the state update disabled, a bfloat16 pool,
+    three value heads per key head, K / V not powers of two with a scale. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
+    16 / 32 heads of 128 where the family allows."""
+    qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
+    out = {
+        "decode-varlen-padded": dict(B=1, T=5, cu=[0, 1, 2, 3, 4, 5], idx=[4, -1, 0, 7, 2], l2=True),
+        "multi-token-empty-seq": dict(B=1, T=7, cu=[0, 3, 3, 7], idx=[1, 5, 8], l2=True),
+        "dense-3d-gates": dict(B=2, T=3, idx=[6, 3], gates3d=True),
+        "frozen-state": dict(B=1, T=4, cu=[0, 2, 4], idx=[2, 7], l2=True, frozen=True),
+        "bf16-pool": dict(B=1, T=3, cu=[0, 1, 2, 3], idx=[8, 0, 3], l2=True, pool_dtype=torch.bfloat16),
+    }
+    out = {name: dict(p, **qwen) for name, p in out.items()}
+    out["gva3"] = dict(B=1, T=4, cu=[0, 1, 3, 4], idx=[5, 1, 6], l2=True,
+                       **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128, V=128)))
+    out["odd-KV-scale"] = dict(B=1, T=4, cu=[0, 2, 4], idx=[3, 0], H=2, HV=4, K=24, V=40, l2=True, scale=0.3)
+    return out
+
+
+def cases(quick: bool, device: str) -> list:
+    try:
+        import fast.sglang_ops  # noqa: F401
+    except ImportError:
+        return []
+    out = []
+    for family, p in families(quick, device).items():
+        for dt in dtypes_for(device):
+            name = f"{OP}/{family}/{DTYPE_NAMES[dt]}"
+            out.append(Case(op=OP, case=family, dtype=dt, quick=quick,
+                            run=lambda device, p=p, dt=dt, name=name: checks(p, dt, device, seed_of(name))))
+    return out

@@ -1,0 +1,72 @@
+"""SGLang's fused GDN decode op in Triton: refgdn.sglang_ops's twin (semantics and arguments there).
+
+``fused_sigmoid_gating_delta_rule_update``: vLLM's serving recurrent kernel (fast.chunk.recurrent.recurrent_slots_kernel)
+with the gates formed in it, the pool read in SGLang's [S, HV, V, K] layout through its strides.
+"""
+from __future__ import annotations
+
+import torch
+
+import refgdn.sglang_ops as _ref
+from refgdn.checks import check_sglang_decode_inputs, one_host_read, sglang_decode_slots, check_cu_seqlens_values
+
+from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
+from .chunk.recurrent import WRITE_FINAL, WRITE_NONE, is_v_major, recurrent_slots_kernel, slots_config
+from .utils import cdiv, next_pow2
+
+__all__ = ["fused_sigmoid_gating_delta_rule_update"]
+
+
+@one_host_read
+def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+                                           initial_state_source, initial_state_indices, scale=None,
+                                           use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None,
+                                           is_kda: bool = False, disable_state_update: bool = False,
+                                           intermediate_states_buffer=None, intermediate_state_indices=None,
+                                           cache_steps=None, retrieve_parent_token=None, *, check_values: bool = False):
+    """SGLang's decode op (refgdn.sglang_ops.fused_sigmoid_gating_delta_rule_update's twin, same semantics): one launch.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   a, b: [B, T, HV] or [B * T, HV]   A_log, dt_bias: [HV]   cu_seqlens: [N+1]
+    initial_state_source: [S, HV, V, K] (any strides)   initial_state_indices: [N] int   ->   o: [B, T, HV, V]
+
+        g_t = -exp(A_log) softplus(a_t + dt_bias);  beta_t = sigmoid(b_t)
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = pool[slot]^T)
+
+    Shapes, dtypes and devices are checked on the host; the offsets and slots only with check_values=True (a host
+    read), so by default the call can be captured in a CUDA graph. Unchecked values stay memory-safe: offsets clamped
+    to [0, T], a slot at or past S treated as a negative one (zeros in, nothing written); two sequences on one slot
+    race, as in SGLang. float64 runs refgdn (the kernel computes in float32).
+    """
+    N, a3, b3 = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+                                           initial_state_source, initial_state_indices, scale, use_qk_l2norm_in_kernel,
+                                           cu_seqlens, is_kda, disable_state_update, intermediate_states_buffer,
+                                           intermediate_state_indices, cache_steps, retrieve_parent_token,
+                                           offset_values=check_values)
+    if _is_fp64(q, k, v, a, b, A_log, dt_bias, initial_state_source):
+        return _ref.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source,
+            initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda, disable_state_update)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_fast_limits(K, V)
+    pool = initial_state_source.transpose(-1, -2)                 # [S, HV, K, V]: the same memory
+    if check_values:
+        if cu_seqlens is not None:
+            check_cu_seqlens_values(cu_seqlens, T)
+        sglang_decode_slots(initial_state_indices, pool.shape[0], not disable_state_update)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    if N * HV == 0 or B * T == 0:
+        return o
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    write = WRITE_NONE if disable_state_update else WRITE_FINAL
+    cfg = slots_config(K, V, N, False, pool.dtype, is_v_major(pool))
+    BV = cfg.pop("BV")
+    recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
+        q, k, v, a3, b3, pool, o, pool, cu_seqlens, initial_state_indices, None, A_log, dt_bias, T, pool.shape[0], 1,
+        K ** -0.5 if scale is None else float(scale),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a3.stride(), *b3.stride(),
+        *pool.stride(), *pool.stride(), initial_state_indices.stride(0), 0,
+        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
+        L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=write, EPS=L2NORM_EPS,
+        PRECISE=_precise(v.dtype), GATE=True, SLOT_LO=0, PAD_ZERO=False, **cfg)
+    return o
