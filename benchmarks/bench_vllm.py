@@ -33,6 +33,8 @@ the conv's packed rows [N, 2 H K + HV V] bf16, the raw gates a, b [N, HV] bf16, 
 in float32 and bfloat16, l2norm in the kernel, slots by a random permutation (slot 0, the null block, never drawn):
 
   - fast's packed op (one launch: gates, l2norm, delta rule);
+  - SGLang's fused_sigmoid_gating_delta_rule_update in fast (fast.sglang_ops: the same kernel, q, k, v as views of
+    the rows, one token per sequence through cu_seqlens);
   - the same step as vLLM's older two ops in fast (fused_gdn_gating, then fused_recurrent_gated_delta_rule on views
     of the packed rows and the pool seen as [S, HV, K, V]);
   - fla 0.6.0's fused_recurrent_gated_delta_rule alone beside the float32 rows (its gates formed beforehand, not
@@ -160,9 +162,13 @@ def conv_rows(copy_gbps: float, cases=CONV_CASES) -> list:
 PACKED_N = (1, 8, 32, 128)
 
 
-def packed_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, two_ops: bool = False):
+def packed_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, two_ops: bool = False,
+                sglang: bool = False):
     """One layer's packed decode on its own pool (2 N + 1 slots [S, HV, V, K] of pool_dtype, random contents): a
-    callable; two_ops: fused_gdn_gating, then fused_recurrent_gated_delta_rule on the same memory instead."""
+    callable; two_ops: fused_gdn_gating, then fused_recurrent_gated_delta_rule on the same memory instead; sglang:
+    SGLang's fused_sigmoid_gating_delta_rule_update (fast.sglang_ops) on views of the same rows, one token per
+    sequence through cu_seqlens, as SGLang's decode calls it."""
+    import fast.sglang_ops as FS
     import fast.vllm_ops as FV
     gen = torch.Generator(device="cuda").manual_seed(seed)          # (drawn on the GPU: a CPU draw of 32 pools of
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731      # N = 128 takes minutes)
@@ -174,13 +180,16 @@ def packed_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, 
     a, b = rnd(N, HV).to(torch.bfloat16), rnd(N, HV).to(torch.bfloat16)
     A_log, dt_bias = torch.rand(HV, generator=gen, device="cuda") * 2 - 1, 0.5 * rnd(HV)
     out = torch.empty(N, 1, HV, V, dtype=x.dtype, device="cuda")
-    if not two_ops:
+    if not (two_ops or sglang):
         return lambda: FV.fused_recurrent_gated_delta_rule_packed_decode(  # noqa: E731
             x, a, b, A_log, dt_bias, K ** -0.5, pool, out, idx, True)
     q = x[:, :H * K].unflatten(1, (H, K))[None]                    # [1, N, H, K]: views of the packed rows
     kk = x[:, H * K:2 * H * K].unflatten(1, (H, K))[None]
     v = x[:, 2 * H * K:].unflatten(1, (HV, V))[None]
     cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
+    if sglang:
+        return lambda: FS.fused_sigmoid_gating_delta_rule_update(  # noqa: E731
+            A_log, a, dt_bias, 1.0, 20.0, q, kk, v, b, pool, idx, K ** -0.5, True, cu)
 
     def call():
         g, beta = FV.fused_gdn_gating(A_log, a, b, dt_bias)
@@ -203,6 +212,9 @@ def packed_rows(copy_gbps: float, ns=PACKED_N) -> list:
             two = per_layer_us(lambda i: packed_call(N, i, pool_dtype, two_ops=True))
             out.append(dict(what="packed decode", N=N, impl="fast: fused_gdn_gating + fused_recurrent" + tag, us=two,
                             vs_fast=two / us))
+            sg = per_layer_us(lambda i: packed_call(N, i, pool_dtype, sglang=True))
+            out.append(dict(what="packed decode", N=N, impl="fast.sglang_ops fused_sigmoid_gating_delta_rule_update"
+                            + tag, us=sg, vs_fast=sg / us))
             if fla is not None and pool_dtype == torch.float32 and N <= 32:     # (N = 128: the recurrent table)
                 fus = per_layer_us(lambda i: fla_fn(make_problem(N, 0, torch.float32, "cuda", seed=i), fla)[0])
                 out.append(dict(what="packed decode", N=N, impl="fla fused_recurrent alone (gates formed beforehand, "

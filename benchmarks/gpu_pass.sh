@@ -85,12 +85,13 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-28 20:03 wrote without a GPU: vLLM's packed decode (its tests, the CUDA-graph one
-  # among them; its conformance op in full, bf16 included; its table), and bench_vllm's recurrent table with the
-  # bfloat16-pool rows of the session before (cut by the time limit there)
-  timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py 2>&1 | tail -3
-  rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 120 python3 -m conformance --device cuda --full --ops vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule \
+  # what the session of 2026-11-28 20:03 wrote without a GPU: vLLM's packed decode and SGLang's fused decode op
+  # (their tests, the CUDA-graph ones among them; their conformance ops in full, bf16 included; their table), and
+  # bench_vllm's recurrent table with the bfloat16-pool rows of the session before
+  timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
+    tests/test_sglang_ops.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m conformance --device cuda --full \
+    --ops vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule,sglang_fused_sigmoid_gating_delta_rule_update \
     --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   for t in packed recurrent; do
     timeout 240 python3 -m benchmarks.bench_vllm --no-results --only $t 2>&1 | grep --line-buffered "^|" \
