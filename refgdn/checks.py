@@ -691,19 +691,26 @@ def check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, init
     return B, H, HV, K, V
 
 
+def _one_slot_each(name: str, indices: torch.Tensor, num_slots: int, lowest: int, padded: str, who: str,
+                   writes: bool = True) -> List[int]:
+    """indices' values (a host read): entries below ``lowest`` pad their row (``padded`` says how); raises ValueError
+    naming the entry for a slot >= num_slots, or (writes) a slot given to two rows (``who``: "requests", ...)."""
+    slots = indices.tolist()                                    # host read: value checks
+    owner = {}
+    for n, s in enumerate(slots):
+        if s >= num_slots:
+            raise ValueError(f"{name}[{n}] = {s} is outside the pool's {num_slots} slots ({padded})")
+        if writes and s >= lowest and owner.setdefault(s, n) != n:
+            raise ValueError(f"slot {s} is given to {who} {owner[s]} and {n} ({name})")
+    return slots
+
+
 def vllm_packed_decode_slots(ssm_state_indices: torch.Tensor, num_slots: int) -> List[int]:
     """The slot of each request of vLLM's packed decode, from the values (a host read): entries <= 0 are vLLM's null
     block (a padded request: output zeros, nothing read or written). Raises ValueError naming the entry for a slot >=
     num_slots or a slot given to two requests."""
-    slots = ssm_state_indices.tolist()                          # host read: value checks
-    owner = {}
-    for n, s in enumerate(slots):
-        if s >= num_slots:
-            raise ValueError(f"ssm_state_indices[{n}] = {s} is outside the pool's {num_slots} slots (entries <= 0: "
-                             "the null block, a padded request)")
-        if s > 0 and owner.setdefault(s, n) != n:
-            raise ValueError(f"slot {s} is given to requests {owner[s]} and {n} (ssm_state_indices)")
-    return slots
+    return _one_slot_each("ssm_state_indices", ssm_state_indices, num_slots, 1,
+                          "entries <= 0: the null block, a padded request", "requests")
 
 
 def check_vllm_gating_arguments(a, beta, threshold) -> None:
@@ -936,12 +943,5 @@ def sglang_decode_slots(initial_state_indices: torch.Tensor, num_slots: int, wri
     """Each sequence's slot, from the values (a host read): a negative entry starts its sequence from a zero state
     and writes nothing (SGLang's padding); raises ValueError naming the entry for a slot >= num_slots, or (writes) a
     slot given to two sequences."""
-    slots = initial_state_indices.tolist()                      # host read: value checks
-    owner = {}
-    for n, s in enumerate(slots):
-        if s >= num_slots:
-            raise ValueError(f"initial_state_indices[{n}] = {s} is outside the pool's {num_slots} slots (negative: a "
-                             "padded sequence)")
-        if writes and s >= 0 and owner.setdefault(s, n) != n:
-            raise ValueError(f"slot {s} is given to sequences {owner[s]} and {n} (initial_state_indices)")
-    return slots
+    return _one_slot_each("initial_state_indices", initial_state_indices, num_slots, 0, "negative: a padded sequence",
+                          "sequences", writes)
