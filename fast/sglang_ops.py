@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import refgdn.sglang_ops as _ref
-from refgdn.checks import check_sglang_decode_inputs, one_host_read, sglang_decode_slots, check_cu_seqlens_values
+from refgdn.checks import check_sglang_decode_inputs, one_host_read, sglang_decode_slots
 
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_FINAL, WRITE_NONE, is_v_major, recurrent_slots_kernel, slots_config
@@ -50,9 +50,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
     pool = initial_state_source.transpose(-1, -2)                 # [S, HV, K, V]: the same memory
-    if check_values:
-        if cu_seqlens is not None:
-            check_cu_seqlens_values(cu_seqlens, T)
+    if check_values:                                              # (the offsets' values: checked above)
         sglang_decode_slots(initial_state_indices, pool.shape[0], not disable_state_update)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if N * HV == 0 or B * T == 0:
