@@ -4,8 +4,8 @@ fused_sigmoid_gating_delta_rule_update: the gates formed from raw projections, e
 pool in SGLang's [S, HV, V, K] layout, updated in place. Checked per case:
 
     o (every token, padded sequences' included: SGLang computes them from a zero state)   tolerance (computed)
-    written slots                                                                       tolerance (computed)
-    every other slot                                                                    exact
+    written slots; target verify's cached steps                                         tolerance (computed)
+    every other slot and cache entry                                                    exact
 
 The truth is refgdn's op in float64 on the same rounded inputs and a float64 copy of the pool; refgdn_p runs in the
 precision under test on the same pool dtype as fast (the rule in conformance.core).
@@ -26,7 +26,9 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
     """(args, kwargs) of one call in the op's order: args = [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx];
     q, k, v, a, b in dtype (k unit-norm unless l2; a, b [B * T, HV] unless p["gates3d"]); A_log, dt_bias float32;
     the pool [S, HV, V, K] in p["pool_dtype"] (float32). p: B, T, cu (offsets) or None, idx (one slot per sequence,
-    negative: padded); H, HV, K, V (1, 2, 16, 16); l2; scale; slots (9); frozen (disable_state_update)."""
+    negative: padded); H, HV, K, V (1, 2, 16, 16); l2; scale; slots (9); frozen (disable_state_update); cache (target
+    verify: dict(C, steps, rows (None: row n), dtype): intermediate_states_buffer [C, steps, HV, V, K] of random
+    contents, disable_state_update)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = p["B"], p["T"]
     H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
@@ -45,14 +47,24 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
               disable_state_update=bool(p.get("frozen")))
     if p.get("cu") is not None:
         kw["cu_seqlens"] = torch.tensor(p["cu"], dtype=torch.int32, device=device)
+    c = p.get("cache")
+    if c:
+        kw.update(disable_state_update=True, cache_steps=c["steps"],
+                  intermediate_states_buffer=r(c["C"], c["steps"], HV, V, K).to(c.get("dtype", torch.float32)).to(device))
+        if c.get("rows") is not None:
+            kw["intermediate_state_indices"] = torch.tensor(c["rows"], dtype=torch.int32, device=device)
     return [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx], kw
 
 
-def run(op, args: list, kw: dict) -> tuple:
-    """op with a fresh copy of the pool -> (o, the pool copy after the call)."""
-    args = list(args)
+def run(op, args: list, kw: dict, buffer=None) -> tuple:
+    """op with fresh copies of the pool and of the verify cache (``buffer``, default kw's) -> (o, the pool copy
+    after the call, the cache copy after it or None)."""
+    args, kw = list(args), dict(kw)
     args[9] = args[9].clone()
-    return op(*args, **kw), args[9]
+    buf = kw.get("intermediate_states_buffer") if buffer is None else buffer
+    if buf is not None:
+        kw["intermediate_states_buffer"] = buf = buf.clone()
+    return op(*args, **kw), args[9], buf
 
 
 def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
@@ -60,21 +72,31 @@ def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     import refgdn.sglang_ops as RS
     args, kw = problem(p, dtype, device, seed)
     wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
-    o_f, pool_f = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
-    o_r, pool_r = run(RS.fused_sigmoid_gating_delta_rule_update, args, kw)
-    o_t, pool_t = run(RS.fused_sigmoid_gating_delta_rule_update, wide, kw)
+    buf = kw.get("intermediate_states_buffer")
+    o_f, pool_f, buf_f = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o_r, pool_r, buf_r = run(RS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o_t, pool_t, buf_t = run(RS.fused_sigmoid_gating_delta_rule_update, wide, kw,
+                             None if buf is None else buf.double())
     pool = args[9]
     moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
     still = [s for s in range(pool.shape[0]) if s not in moved]
-    return [Check("o", o_f, o_t, o_r),
-            Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
-            Check("untouched slots", pool_f[still], pool[still], exact=True)]
+    out = [Check("o", o_f, o_t, o_r),
+           Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
+           Check("untouched slots", pool_f[still], pool[still], exact=True)]
+    if buf is not None:             # verify: the cached steps by the rule, every other entry of the cache exact
+        flat = lambda t: t.flatten(0, 1)  # noqa: E731   [C steps, HV, V, K]
+        cached = [i for i in range(flat(buf).shape[0]) if not torch.equal(flat(buf_r)[i], flat(buf)[i])]
+        rest = [i for i in range(flat(buf).shape[0]) if i not in cached]
+        out += [Check("cached steps", flat(buf_f)[cached], flat(buf_t)[cached], flat(buf_r)[cached], dtype=buf.dtype),
+                Check("cache, other entries", flat(buf_f)[rest], flat(buf)[rest], exact=True)]
+    return out
 
 
 def families(quick: bool, device: str) -> dict:
     """SGLang's decode (B = 1, one token per sequence through cu_seqlens, a padded sequence), several tokens per
     sequence with an empty one, dense [B, T] with [B, T, HV] gates, the state update disabled, a bfloat16 pool,
-    three value heads per key head, K / V not powers of two with a scale. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
+    target verify (every step's state to intermediate_states_buffer: rows by index with a sequence padded and one not
+    cached, or row n, a bf16 cache), three value heads per key head, K / V not powers of two with a scale. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
     16 / 32 heads of 128 where the family allows."""
     qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
     out = {
@@ -85,6 +107,10 @@ def families(quick: bool, device: str) -> dict:
         "bf16-pool": dict(B=1, T=3, cu=[0, 1, 2, 3], idx=[8, 0, 3], l2=True, pool_dtype=torch.bfloat16),
     }
     out = {name: dict(p, **qwen) for name, p in out.items()}
+    out["verify-cache-rows"] = dict(B=1, T=7, cu=[0, 3, 4, 7], idx=[2, -1, 5], l2=True,
+                                    cache=dict(C=3, steps=3, rows=[1, 0, -1]), **qwen)
+    out["verify-cache-row-n-bf16"] = dict(B=1, T=4, cu=[0, 2, 4], idx=[3, 6], l2=True,
+                                          cache=dict(C=2, steps=4, dtype=torch.bfloat16), **qwen)
     out["gva3"] = dict(B=1, T=4, cu=[0, 1, 3, 4], idx=[5, 1, 6], l2=True,
                        **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128, V=128)))
     out["odd-KV-scale"] = dict(B=1, T=4, cu=[0, 2, 4], idx=[3, 0], H=2, HV=4, K=24, V=40, l2=True, scale=0.3)

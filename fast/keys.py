@@ -553,9 +553,10 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
              L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=initial_state is not None, INDEXED=idx is not None,
              SPEC=num_accepted_tokens is not None, WRITE=write, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=True),
+             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=True, WIDX=False),
         dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta_dt, pool=_dt(initial_state), o=v.dtype, hs=hs,
-             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens), A_log=None, dt_bias=None),
+             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens), A_log=None, dt_bias=None,
+             widx=None),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
 
 
@@ -577,10 +578,10 @@ def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log,
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=False,
              L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=_rec.WRITE_FINAL,
              EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(mixed_qkv.dtype), GATE=True, SLOT_LO=1, THRESHOLD=20.0,
-             PAD_ZERO=True),
+             PAD_ZERO=True, WIDX=False),
         dict(q=mixed_qkv.dtype, k=mixed_qkv.dtype, v=mixed_qkv.dtype, g=a.dtype, beta=b.dtype,
              pool=initial_state.dtype, o=out.dtype, hs=initial_state.dtype, cu_seqlens=None,
-             idx=ssm_state_indices.dtype, num_acc=None, A_log=A_log.dtype, dt_bias=dt_bias.dtype),
+             idx=ssm_state_indices.dtype, num_acc=None, A_log=A_log.dtype, dt_bias=dt_bias.dtype, widx=None),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
 
 
@@ -661,16 +662,21 @@ def _sglang_fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_b
     if N * HV == 0 or B * T == 0:
         return []
     pool = initial_state_source.transpose(-1, -2)
-    cfg = _rec.slots_config(K, V, N, False, pool.dtype, _rec.is_v_major(pool))
+    buf = intermediate_states_buffer
+    if buf is None:
+        hs, write = pool, _rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL
+    else:                                               # verify: every token's state to the buffer (a [N, steps] table)
+        hs, write = buf.flatten(0, 1).transpose(-1, -2), _rec.WRITE_EACH_SLOT
+    cfg = _rec.slots_config(K, V, N, buf is not None, hs.dtype, _rec.is_v_major(hs))
     return [CompileKey.make(
         "recurrent_slots_kernel",
         dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
-             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False,
-             WRITE=_rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype), GATE=True, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=False),
-        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=a.dtype, beta=b.dtype, pool=pool.dtype, o=v.dtype, hs=pool.dtype,
+             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=write,
+             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(v.dtype), GATE=True, SLOT_LO=0, THRESHOLD=20.0,
+             PAD_ZERO=False, WIDX=buf is not None),
+        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=a.dtype, beta=b.dtype, pool=pool.dtype, o=v.dtype, hs=hs.dtype,
              cu_seqlens=_dt(cu_seqlens), idx=initial_state_indices.dtype, num_acc=None, A_log=A_log.dtype,
-             dt_bias=dt_bias.dtype),
+             dt_bias=dt_bias.dtype, widx=None if buf is None else torch.int64),
         {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
 
 

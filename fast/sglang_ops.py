@@ -8,10 +8,12 @@ from __future__ import annotations
 import torch
 
 import refgdn.sglang_ops as _ref
-from refgdn.checks import check_sglang_decode_inputs, one_host_read, sglang_decode_slots
+from refgdn.checks import (check_sglang_decode_inputs, host_offsets, one_host_read, sglang_cache_rows,
+                           sglang_decode_slots)
 
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import WRITE_FINAL, WRITE_NONE, is_v_major, recurrent_slots_kernel, slots_config
+from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, is_v_major, recurrent_slots_kernel,
+                              slots_config)
 from .utils import cdiv, next_pow2
 
 __all__ = ["fused_sigmoid_gating_delta_rule_update"]
@@ -37,7 +39,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     to [0, T], a slot at or past S treated as a negative one (zeros in, nothing written); two sequences on one slot
     race, as in SGLang. float64 runs refgdn (the kernel computes in float32).
     """
-    N, a3, b3 = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+    N, a3, b3, steps = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
                                            initial_state_source, initial_state_indices, scale, use_qk_l2norm_in_kernel,
                                            cu_seqlens, is_kda, disable_state_update, intermediate_states_buffer,
                                            intermediate_state_indices, cache_steps, retrieve_parent_token,
@@ -45,26 +47,41 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     if _is_fp64(q, k, v, a, b, A_log, dt_bias, initial_state_source):
         return _ref.fused_sigmoid_gating_delta_rule_update(
             A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source,
-            initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda, disable_state_update)
+            initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda, disable_state_update,
+            intermediate_states_buffer, intermediate_state_indices, cache_steps)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
     pool = initial_state_source.transpose(-1, -2)                 # [S, HV, K, V]: the same memory
+    buf = intermediate_states_buffer
     if check_values:                                              # (the offsets' values: checked above)
         sglang_decode_slots(initial_state_indices, pool.shape[0], not disable_state_update)
+        if buf is not None:
+            offs = host_offsets(cu_seqlens) if cu_seqlens is not None else [n * T for n in range(B + 1)]
+            sglang_cache_rows(intermediate_state_indices, N, buf.shape[0], steps,
+                              [e - s for s, e in zip(offs, offs[1:])])
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if N * HV == 0 or B * T == 0:
         return o
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    write = WRITE_NONE if disable_state_update else WRITE_FINAL
-    cfg = slots_config(K, V, N, False, pool.dtype, is_v_major(pool))
+    if buf is None:
+        write, hs, table, SW, ws = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool, None, 0, (0, 0)
+    else:
+        # verify: the state after token j of sequence n goes to row rows[n] * steps + j of the buffer seen as [C steps,
+        # HV, K, V] (a view: its first two dims merge, checked), through a [N, steps] table built on the device
+        hs = buf.flatten(0, 1).transpose(-1, -2)
+        rows = (intermediate_state_indices.long() if intermediate_state_indices is not None
+                else torch.arange(N, device=q.device))
+        table = torch.where(rows[:, None] >= 0, rows[:, None] * steps + torch.arange(steps, device=q.device), -1)
+        write, SW, ws = WRITE_EACH_SLOT, hs.shape[0], table.stride()
+    cfg = slots_config(K, V, N, buf is not None, hs.dtype, is_v_major(hs))
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, a3, b3, pool, o, pool, cu_seqlens, initial_state_indices, None, A_log, dt_bias, T, pool.shape[0], 1,
-        K ** -0.5 if scale is None else float(scale),
+        q, k, v, a3, b3, pool, o, hs, cu_seqlens, initial_state_indices, None, A_log, dt_bias, table, T,
+        pool.shape[0], max(steps, 1), SW, K ** -0.5 if scale is None else float(scale),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a3.stride(), *b3.stride(),
-        *pool.stride(), *pool.stride(), initial_state_indices.stride(0), 0,
+        *pool.stride(), *hs.stride(), initial_state_indices.stride(0), 0, *ws,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
         L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=write, EPS=L2NORM_EPS,
-        PRECISE=_precise(v.dtype), GATE=True, SLOT_LO=0, PAD_ZERO=False, **cfg)
+        PRECISE=_precise(v.dtype), GATE=True, SLOT_LO=0, PAD_ZERO=False, WIDX=buf is not None, **cfg)
     return o

@@ -101,9 +101,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype, is_v_major(hs))
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, None, None, T, S, L, scale,
+        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, None, None, None, T, S, L, 0, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-        *ps, *hs.stride(), s_in, s_it,
+        *ps, *hs.stride(), s_in, s_it, 0, 0,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
         L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=pool is not None, INDEXED=idx is not None,
         SPEC=num_accepted_tokens is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
@@ -149,9 +149,9 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     cfg = slots_config(K, V, B, False, pool.dtype, is_v_major(pool))
     BV = cfg.pop("BV")
     recurrent_slots_kernel[(cdiv(V, BV), B * HV)](
-        q, k, v, ga, gb, pool, out, pool, None, ssm_state_indices, None, A_log, dt_bias, 1, pool.shape[0], 1, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ga.stride(), *gb.stride(),
-        *pool.stride(), *pool.stride(), ssm_state_indices.stride(0), 0,
+        q, k, v, ga, gb, pool, out, pool, None, ssm_state_indices, None, A_log, dt_bias, None, 1, pool.shape[0], 1, 0,
+        scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ga.stride(), *gb.stride(),
+        *pool.stride(), *pool.stride(), ssm_state_indices.stride(0), 0, 0, 0,
         HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=False, L2NORM=use_qk_l2norm_in_kernel,
         USE_POOL=True, INDEXED=True, SPEC=False, WRITE=WRITE_FINAL, EPS=L2NORM_EPS, PRECISE=_precise(mixed_qkv.dtype),
         GATE=True, SLOT_LO=1, **cfg)

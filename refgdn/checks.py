@@ -890,21 +890,23 @@ def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_thresh
                                disable_state_update, intermediate_states_buffer, intermediate_state_indices,
                                cache_steps, retrieve_parent_token, offset_values: bool = True):
     """Validate SGLang's fused_sigmoid_gating_delta_rule_update arguments (shapes, dtypes, devices; the slots' values
-    are :func:`sglang_decode_slots`'); return (N, a, b) with a, b as [B, T, HV] views.
+    are :func:`sglang_decode_slots`'); return (N, a, b, steps) with a, b as [B, T, HV] views and steps the cache's
+    steps per row (0 without intermediate_states_buffer).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV] or [B * T, HV]; A_log, dt_bias: [HV]; cu_seqlens: [N+1]
     with B == 1; initial_state_source: the slot pool [S, HV, V, K] (each head's state transposed, as SGLang stores
-    it); initial_state_indices: [N] int. Refused by name: the KDA form, SGLang's target-verify caching
-    (intermediate_states_buffer, intermediate_state_indices, cache_steps), tree drafts (retrieve_parent_token),
-    softplus parameters other than (1.0, 20.0)."""
+    it); initial_state_indices: [N] int. Target verify: intermediate_states_buffer [C, steps, HV, V, K] (its first two
+    dims mergeable into one), intermediate_state_indices [N] int or None (row n), cache_steps None or steps, with
+    disable_state_update=True (SGLang's verify never commits). Refused by name: the KDA form, tree drafts
+    (retrieve_parent_token), softplus parameters other than (1.0, 20.0)."""
     if is_kda:
         raise ValueError("is_kda=True (Kimi Delta Attention's per-channel gates) is not supported: pass False")
-    for name, t in (("intermediate_states_buffer", intermediate_states_buffer),
-                    ("intermediate_state_indices", intermediate_state_indices), ("cache_steps", cache_steps),
-                    ("retrieve_parent_token", retrieve_parent_token)):
-        if t is not None:
-            raise ValueError(f"{name} (SGLang's target-verify state caching / tree drafts) is not supported: pass None "
-                             "(gdn_verify / gdn_accept, or fast.vllm_ops' per-token slots, are the speculative paths)")
+    if retrieve_parent_token is not None:
+        raise ValueError("retrieve_parent_token (SGLang's tree drafts) is not supported: pass None (drafts form one "
+                         "chain per request)")
+    if intermediate_states_buffer is None and (intermediate_state_indices is not None or cache_steps is not None):
+        raise ValueError("intermediate_state_indices / cache_steps describe intermediate_states_buffer: pass it too, "
+                         "or neither")
     if softplus_beta != 1.0:
         raise ValueError(f"softplus_beta must be 1.0, got {softplus_beta!r}: other values are not supported")
     if softplus_threshold != 20.0:
@@ -936,7 +938,28 @@ def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_thresh
     _need_float("initial_state_source", initial_state_source)
     _need_device("initial_state_source", initial_state_source, q.device)
     check_index_vector("initial_state_indices", initial_state_indices, N, q.device)
-    return N, views[0], views[1]
+    steps = 0
+    buf = intermediate_states_buffer
+    if buf is not None:
+        _need_tensor("intermediate_states_buffer", buf, 5)
+        if tuple(buf.shape[2:]) != (HV, V, K) or min(buf.shape[:2]) < 1:
+            raise ValueError(f"intermediate_states_buffer must be [C, steps, HV, V, K] = [C >= 1, steps >= 1, {HV}, "
+                             f"{V}, {K}], got {_shape(buf)}")
+        if buf.stride(0) != buf.shape[1] * buf.stride(1):
+            raise ValueError(f"intermediate_states_buffer's rows must be [steps, HV, V, K] blocks one after another "
+                             f"(stride(0) = steps * stride(1)), got strides {buf.stride()}")
+        _need_float("intermediate_states_buffer", buf)
+        _need_device("intermediate_states_buffer", buf, q.device)
+        steps = buf.shape[1]
+        if cache_steps is not None and (isinstance(cache_steps, bool) or cache_steps != steps):
+            raise ValueError(f"cache_steps must be intermediate_states_buffer's steps per row ({steps}) or None, got "
+                             f"{cache_steps!r}")
+        if intermediate_state_indices is not None:
+            check_index_vector("intermediate_state_indices", intermediate_state_indices, N, q.device)
+        if not disable_state_update:
+            raise ValueError("intermediate_states_buffer (SGLang's target verify) needs disable_state_update=True: the "
+                             "verify keeps every step's state there and commits nothing")
+    return N, views[0], views[1], steps
 
 
 def sglang_decode_slots(initial_state_indices: torch.Tensor, num_slots: int, writes: bool) -> List[int]:
@@ -945,3 +968,17 @@ def sglang_decode_slots(initial_state_indices: torch.Tensor, num_slots: int, wri
     slot given to two sequences."""
     return _one_slot_each("initial_state_indices", initial_state_indices, num_slots, 0, "negative: a padded sequence",
                           "sequences", writes)
+
+
+def sglang_cache_rows(intermediate_state_indices, N: int, num_rows: int, steps: int, lengths: List[int]) -> List[int]:
+    """Each sequence's row of SGLang's intermediate_states_buffer, from the values (a host read; None: row n):
+    negative, none. Raises ValueError naming the entry for a row >= num_rows, a row given to two sequences, or a
+    sequence with more tokens than the buffer's steps per row."""
+    rows = list(range(N)) if intermediate_state_indices is None else _one_slot_each(
+        "intermediate_state_indices", intermediate_state_indices, num_rows, 0, "negative: no cache row", "sequences")
+    if intermediate_state_indices is None and N > num_rows:
+        raise ValueError(f"intermediate_states_buffer has {num_rows} rows for {N} sequences (row n for sequence n)")
+    for n, (r, length) in enumerate(zip(rows, lengths)):
+        if r >= 0 and length > steps:
+            raise ValueError(f"sequence {n} has {length} tokens but intermediate_states_buffer keeps {steps} steps")
+    return rows

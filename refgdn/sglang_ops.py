@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_sglang_decode_inputs, host_offsets, one_host_read, sglang_decode_slots
+from .checks import check_sglang_decode_inputs, host_offsets, one_host_read, sglang_cache_rows, sglang_decode_slots
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import softplus as _softplus
 
@@ -36,13 +36,16 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
 
     Sequence n starts from pool[initial_state_indices[n]] and its final state goes back there, unless
     disable_state_update; a negative index starts it from zeros and writes nothing (its outputs are still computed,
-    as SGLang's kernel does). Computed in float32 (float64 when any input or the pool is), the state rounded once to
-    the pool's dtype. Only softplus_beta = 1.0 and softplus_threshold = 20.0 (what every Qwen3-Next caller passes);
-    is_kda, SGLang's target-verify caching and tree drafts are refused by name. The values (offsets, slots: below the
-    pool, no slot written by two sequences) are checked here on every call (check_values is accepted for the signature
-    of fast's twin, which reads them only when asked).
+    as SGLang's kernel does). Target verify (SGLang's MTP): with intermediate_states_buffer [C, steps, HV, V, K] and
+    disable_state_update=True, the state after the j-th token of sequence n goes to buffer[r, j] (transposed),
+    r = intermediate_state_indices[n] (n when None; negative: none), and the pool is left as it is. Computed in
+    float32 (float64 when any input or the pool is), each stored state rounded once to its destination's dtype. Only
+    softplus_beta = 1.0 and softplus_threshold = 20.0 (what every Qwen3-Next caller passes); is_kda and tree drafts
+    are refused by name. The values (offsets; slots and cache rows in range, none given to two sequences that write
+    it; no sequence longer than the cache's steps) are checked here on every call (check_values is accepted for the
+    signature of fast's twin, which reads them only when asked).
     """
-    N, a, b = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
+    N, a, b, steps = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
                                          initial_state_source, initial_state_indices, scale, use_qk_l2norm_in_kernel,
                                          cu_seqlens, is_kda, disable_state_update, intermediate_states_buffer,
                                          intermediate_state_indices, cache_steps, retrieve_parent_token)
@@ -54,6 +57,9 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     else:
         spans = [(n, 0, T) for n in range(B)]
     slots = sglang_decode_slots(initial_state_indices, pool.shape[0], not disable_state_update)
+    buf = intermediate_states_buffer
+    rows = ([-1] * N if buf is None else
+            sglang_cache_rows(intermediate_state_indices, N, buf.shape[0], steps, [e - s for _, s, e in spans]))
     wide = torch.float64 if torch.float64 in (q.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype,
                                               pool.dtype) else torch.float32
     # the gates in the compute dtype (precision hazard: softplus' exp of a large argument: refgdn's softplus)
@@ -61,12 +67,17 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     beta = torch.sigmoid(b.to(wide))
     o = torch.zeros(v.shape, dtype=v.dtype, device=q.device)
     updates = []                    # (slot, state) written after every sequence has read (the kernel's order)
-    for (row, bos, eos), slot in zip(spans, slots):
+    for (row, bos, eos), slot, cache in zip(spans, slots, rows):
         HV, V, K = pool.shape[1:]
         s0 = (pool[slot].transpose(-1, -2)[None].to(wide) if slot >= 0                 # [1, HV, K, V]
               else torch.zeros(1, HV, K, V, dtype=wide, device=q.device))
         if eos == bos:                                  # an empty sequence: its slot keeps its state
             continue
+        for t in range(bos, eos) if cache >= 0 else ():     # verify: the state after each token, to its cache row
+            step = [x[row:row + 1, bos:t + 1].to(wide) for x in (q, k, v, g, beta)]
+            _, s_t = _recurrent(*step, scale=scale, initial_state=s0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            buf[cache, t - bos] = s_t[0].transpose(-1, -2).to(buf.dtype)               # [HV, V, K]
         seq = [x[row:row + 1, bos:eos].to(wide) for x in (q, k, v, g, beta)]
         o_n, s1 = _recurrent(*seq, scale=scale, initial_state=s0, output_final_state=True,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

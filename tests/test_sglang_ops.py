@@ -29,7 +29,9 @@ def test_refgdn_equals_the_steps_written_out(p):
     nothing; with disable_state_update nothing is written; every other slot is untouched."""
     args, kw = problem(p, torch.float64, DEV)
     args = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
-    o, after = run(RS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    buf = kw.get("intermediate_states_buffer")
+    buf = None if buf is None else buf.double()
+    o, after, buf_after = run(RS.fused_sigmoid_gating_delta_rule_update, args, kw, buf)
     A_log, a, dt_bias, _, _, q, k, v, b, pool, idx = args
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -37,8 +39,10 @@ def test_refgdn_equals_the_steps_written_out(p):
     scale = K ** -0.5 if kw["scale"] is None else kw["scale"]
     cu = p.get("cu")
     spans = [(0, s, e) for s, e in zip(cu, cu[1:])] if cu else [(n, 0, T) for n in range(B)]
-    written = set()
-    for (row, bos, eos), slot in zip(spans, p["idx"]):
+    written, cached = set(), set()
+    c = p.get("cache")
+    rows = ([-1] * len(spans) if not c else c["rows"] if c.get("rows") is not None else list(range(len(spans))))
+    for (row, bos, eos), slot, r in zip(spans, p["idx"], rows):
         for h in range(HV):
             hk = h // (HV // H)
             state = pool[slot, h].T.clone() if slot >= 0 else torch.zeros(K, V, dtype=torch.float64, device=DEV)
@@ -51,26 +55,44 @@ def test_refgdn_equals_the_steps_written_out(p):
                 state = torch.exp(g) * state
                 state = state + torch.outer(kt, beta * (v[row, t, h] - state.T @ kt))
                 torch.testing.assert_close(o[row, t, h], scale * state.T @ qt, rtol=1e-12, atol=1e-12)
+                if r >= 0:                              # target verify: the state after this token, cached
+                    torch.testing.assert_close(buf_after[r, t - bos, h], state.T, rtol=1e-12, atol=1e-12)
+                    cached.add((r, t - bos))
             if slot >= 0 and eos > bos and not kw["disable_state_update"]:
                 torch.testing.assert_close(after[slot, h], state.T, rtol=1e-12, atol=1e-12)
                 written.add(slot)
     for s in range(pool.shape[0]):
         if s not in written:
             assert torch.equal(after[s], pool[s]), f"slot {s} written"
+    if buf is not None:
+        assert cached and not written
+        for r in range(buf.shape[0]):
+            for j in range(buf.shape[1]):
+                if (r, j) not in cached:
+                    assert torch.equal(buf_after[r, j], buf[r, j]), f"cache entry {(r, j)} written"
 
 
 @pytest.mark.parametrize("p", FAMILIES[:3])
 def test_fast_returns_sglangs_output(p):
     """The output is [B, T, HV, V] in v's dtype (values: the quick matrix's conformance checks)."""
     args, kw = problem(p, torch.float32, DEV)
-    o, _ = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o, _, _ = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
     assert o.shape == args[7].shape and o.dtype == args[7].dtype
 
 
 BAD = [
     pytest.param(dict(is_kda=True), "is_kda=True", id="kda"),
-    pytest.param(dict(intermediate_states_buffer=torch.zeros(1)), "intermediate_states_buffer", id="verify-cache"),
-    pytest.param(dict(cache_steps=4), "cache_steps", id="cache-steps"),
+    pytest.param(dict(intermediate_states_buffer=torch.zeros(1)), "intermediate_states_buffer must be 5-D",
+                 id="cache-not-5d"),
+    pytest.param(dict(cache_steps=4), "describe intermediate_states_buffer: pass it too", id="steps-without-cache"),
+    pytest.param(dict(cache=(3, 2, 2, 16, 16)), "needs disable_state_update=True", id="cache-committing"),
+    pytest.param(dict(cache=(3, 2, 2, 16, 8), disable_state_update=True), r"must be \[C, steps, HV, V, K\]",
+                 id="cache-wrong-K"),
+    pytest.param(dict(cache=(3, 2, 2, 16, 16), disable_state_update=True, cache_steps=3), "cache_steps must be",
+                 id="cache-steps-mismatch"),
+    pytest.param(dict(cache="gapped", disable_state_update=True), "one after another", id="cache-rows-gapped"),
+    pytest.param(dict(cache=(3, 2, 2, 16, 16), disable_state_update=True, intermediate_state_indices=[0, 1]),
+                 r"intermediate_state_indices must have shape \[B\] = \[5\]", id="cache-rows-wrong-N"),
     pytest.param(dict(retrieve_parent_token=torch.zeros(1)), "retrieve_parent_token", id="tree"),
     pytest.param(dict(softplus_beta=2.0), "softplus_beta must be 1.0", id="softplus-beta"),
     pytest.param(dict(softplus_threshold=10.0), "softplus_threshold must be 20.0", id="softplus-threshold"),
@@ -94,6 +116,13 @@ def _bad_call(p, bad: dict) -> tuple:
     for i, name in ((3, "softplus_beta"), (4, "softplus_threshold")):
         if name in bad:
             args[i] = bad.pop(name)
+    cache = bad.pop("cache", None)
+    if cache == "gapped":
+        bad["intermediate_states_buffer"] = torch.zeros(3, 3, 2, 16, 16, device=DEV)[:, :2]
+    elif cache is not None:
+        bad["intermediate_states_buffer"] = torch.zeros(*cache, device=DEV)
+    if "intermediate_state_indices" in bad:
+        bad["intermediate_state_indices"] = _t(bad["intermediate_state_indices"])
     return args, dict(kw, **bad)
 
 
@@ -102,9 +131,12 @@ def _bad_call(p, bad: dict) -> tuple:
 def test_bad_inputs_raise_before_any_write(pkg, bad, words):
     args, kw = _bad_call(families(True, DEV)["decode-varlen-padded"], bad)
     before = args[9].clone()
+    cache = kw.get("intermediate_states_buffer")
+    cache_before = cache.clone() if isinstance(cache, torch.Tensor) else None
     with pytest.raises(ValueError, match=words):
         getattr(pkg, OP)(*args, **kw)
     assert torch.equal(args[9], before)
+    assert cache_before is None or torch.equal(cache, cache_before)
 
 
 @pytest.mark.parametrize("idx,words", [
@@ -124,8 +156,28 @@ def test_bad_slot_values(idx, words):
     if "given to" in words:
         for pkg, extra in ((RS, {}), (FS, dict(check_values=True))):
             args, kw = problem(dict(p, frozen=True), torch.float32, DEV)
-            o, after = run(getattr(pkg, OP), args, dict(kw, **extra))
+            o, after, _ = run(getattr(pkg, OP), args, dict(kw, **extra))
             assert torch.equal(after, args[9])
+
+
+@pytest.mark.parametrize("cache,words", [
+    pytest.param(dict(C=3, steps=3, rows=[1, 0, 3]), r"intermediate_state_indices\[2\] = 3 is outside the pool's 3",
+                 id="row-past-the-cache"),
+    pytest.param(dict(C=3, steps=3, rows=[1, 0, 1]), "slot 1 is given to sequences 0 and 2", id="one-row-two-seqs"),
+    pytest.param(dict(C=3, steps=2, rows=[1, 0, -1]), "sequence 0 has 3 tokens but intermediate_states_buffer keeps 2",
+                 id="longer-than-steps"),
+    pytest.param(dict(C=2, steps=3), "has 2 rows for 3 sequences", id="too-few-rows-for-row-n"),
+])
+def test_bad_cache_rows(cache, words):
+    """Target verify's cache rows: refgdn always checks them, fast with check_values=True; nothing is written."""
+    p = dict(families(True, DEV)["verify-cache-rows"], cache=cache)
+    for pkg, extra in ((RS, {}), (FS, dict(check_values=True))):
+        args, kw = problem(p, torch.float32, DEV)
+        buf = kw["intermediate_states_buffer"]
+        before, buf_before = args[9].clone(), buf.clone()
+        with pytest.raises(ValueError, match=words):
+            getattr(pkg, OP)(*args, **kw, **extra)
+        assert torch.equal(args[9], before) and torch.equal(buf, buf_before)
 
 
 def test_fast_is_memory_safe_on_unchecked_values():
@@ -133,22 +185,37 @@ def test_fast_is_memory_safe_on_unchecked_values():
     with that entry negative); offsets past T are clamped (refgdn's result on the clamped offsets)."""
     p = families(True, DEV)["decode-varlen-padded"]
     args, kw = problem(dict(p, idx=[4, -1, 30, 7, 2]), torch.float32, DEV)
-    o, after = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    o, after, _ = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
     args_r, _ = problem(dict(p, idx=[4, -1, -1, 7, 2]), torch.float32, DEV)
-    o_r, after_r = run(RS.fused_sigmoid_gating_delta_rule_update, args_r, kw)
+    o_r, after_r, _ = run(RS.fused_sigmoid_gating_delta_rule_update, args_r, kw)
     torch.testing.assert_close(o, o_r)
     torch.testing.assert_close(after, after_r)
-    o2, after2 = run(FS.fused_sigmoid_gating_delta_rule_update, args_r, dict(kw, cu_seqlens=_t([0, 1, 2, 3, 4, 40])))
+    o2, after2, _ = run(FS.fused_sigmoid_gating_delta_rule_update, args_r,
+                        dict(kw, cu_seqlens=_t([0, 1, 2, 3, 4, 40])))
     torch.testing.assert_close(o2, o_r)
     torch.testing.assert_close(after2, after_r)
     with pytest.raises(ValueError, match="cu_seqlens must end at T=5"):
         run(FS.fused_sigmoid_gating_delta_rule_update, args_r, dict(kw, cu_seqlens=_t([0, 1, 2, 3, 4, 40]),
                                                                      check_values=True))
+    # target verify: a cache row past the buffer caches nothing (refgdn's result with that row negative), and a
+    # sequence longer than the steps caches its first steps only
+    p = families(True, DEV)["verify-cache-rows"]
+    args, kw = problem(dict(p, cache=dict(C=3, steps=2, rows=[1, 9, 2])), torch.float32, DEV)
+    o, _, buf = run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
+    args_r, kw_r = problem(dict(p, cache=dict(C=3, steps=3, rows=[1, -1, 2])), torch.float32, DEV)
+    wider = torch.cat([kw["intermediate_states_buffer"], kw["intermediate_states_buffer"][:, :1]], 1)   # 3 steps
+    o_r, _, buf_r = run(RS.fused_sigmoid_gating_delta_rule_update, args_r, kw_r, wider)
+    torch.testing.assert_close(o, o_r)
+    torch.testing.assert_close(buf, buf_r[:, :2])
 
 
 def test_fast_reads_nothing_back_unless_asked():
     """SGLang calls it inside CUDA graphs: no host read without check_values (refgdn.capture's guards), one with it."""
     from refgdn.capture import HostSyncInCapture, capture_guards
+    for name in ("verify-cache-rows", "verify-cache-row-n-bf16"):      # (the verify's table is built on the device)
+        args, kw = problem(families(True, DEV)[name], torch.float32, DEV)
+        with capture_guards("sglang_ops", DEV):
+            run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
     args, kw = problem(families(True, DEV)["decode-varlen-padded"], torch.float32, DEV)
     with capture_guards("sglang_ops", DEV):
         run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)
@@ -167,7 +234,8 @@ def test_keys_equal_the_launches():
         for p in families(True, DEV).values():
             run(F.fused_sigmoid_gating_delta_rule_update, *problem(p, torch.float32, DEV))
     assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * len(families(True, DEV))
-    assert [dict(key.constexprs)["WRITE"] for key in log.launched].count(0) == 1        # the frozen family
+    writes = [dict(key.constexprs)["WRITE"] for key in log.launched]
+    assert writes.count(0) == 1 and writes.count(2) == 2          # the frozen family; the two verify families
 
 
 def test_twins_have_one_signature():

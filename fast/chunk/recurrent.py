@@ -136,14 +136,14 @@ def _masked_by(m, cond):
 
 @triton.jit(do_not_specialize=["T", "S", "L"])
 def recurrent_slots_kernel(
-    q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, T, S, L, scale,
+    q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx, T, S, L, SW, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
-    s_pn, s_ph, s_pk, s_pv, s_hn, s_hh, s_hk, s_hv, s_in, s_it,
+    s_pn, s_ph, s_pk, s_pv, s_hn, s_hh, s_hk, s_hv, s_in, s_it, s_wn, s_wt,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
     GATE: tl.constexpr = False, SLOT_LO: tl.constexpr = 0, THRESHOLD: tl.constexpr = 20.0,
-    PAD_ZERO: tl.constexpr = True,
+    PAD_ZERO: tl.constexpr = True, WIDX: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
     ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
@@ -157,6 +157,8 @@ def recurrent_slots_kernel(
     else pool[n] (USE_POOL) or zeros. A slot outside [SLOT_LO, S) marks a padded sequence: o zeros, no pool store
     (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked);
     PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead.
+    WIDX (SGLang's target verify): WRITE_EACH_SLOT's destinations come from widx [N, L] instead (rows of hs in
+    [0, SW); negative: none), whatever the read slot.
     WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [0, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
@@ -214,8 +216,12 @@ def recurrent_slots_kernel(
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if WRITE == 2:                                                   # WRITE_EACH_SLOT
             j = t64 - bos
-            dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
-            ok = valid & (j < L) & (dest >= 0) & (dest < S)
+            if WIDX:
+                dest = tl.load(widx + i_n.to(tl.int64) * s_wn + tl.minimum(j, L - 1) * s_wt).to(tl.int64)
+                ok = (j < L) & (dest >= 0) & (dest < SW)
+            else:
+                dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
+                ok = valid & (j < L) & (dest >= 0) & (dest < S)
             dest = tl.where(ok, dest, 0)
             tl.store(hs + dest * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
                      b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, ok))
