@@ -85,9 +85,9 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-28 20:03 wrote without a GPU: vLLM's packed decode and SGLang's fused decode op
-  # (their tests, the CUDA-graph ones among them; their conformance ops in full, bf16 included; their table), and
-  # bench_vllm's recurrent table with the bfloat16-pool rows of the session before
+  # what the session of 2026-11-28 20:03 wrote without a GPU: SGLang's target verify (intermediate_states_buffer:
+  # recurrent_slots_kernel's WIDX), in tests/test_sglang_ops.py and the SGLang op's conformance families; the rest
+  # (vLLM's packed decode, SGLang's decode, the tables) ran on the GPU in that session already
   timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
     tests/test_sglang_ops.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 120 python3 -m conformance --device cuda --full \
