@@ -134,7 +134,7 @@ def _masked_by(m, cond):
     return m & ((m.to(tl.int32) * 0 + cond.to(tl.int32)) != 0)
 
 
-@triton.jit(do_not_specialize=["T", "S", "L"])
+@triton.jit(do_not_specialize=["T", "S", "L", "SW"])
 def recurrent_slots_kernel(
     q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx, T, S, L, SW, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
