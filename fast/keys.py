@@ -525,39 +525,42 @@ def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=Non
                                   use_qk_l2norm_in_kernel, head_first=head_first)
 
 
+def _slots_keys(*args, **kwargs) -> List[CompileKey]:
+    """recurrent_slots_kernel's key from the plan the serving ops launch with (fast.chunk.recurrent.slots_launch,
+    same arguments; meta tensors do); none when there is nothing to launch."""
+    plan = _rec.slots_launch(*args, **kwargs)
+    if plan is None:
+        return []
+    _, kernel_args, constexprs, options = plan
+    return [CompileKey.make("recurrent_slots_kernel", constexprs,
+                            {name: _dt(t) for name, t in zip(_rec.SLOTS_TENSORS, kernel_args)},
+                            {k_: v_ for k_, v_ in options.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+
+
+def _meta(*shape, dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
 def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
                                            inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
                                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, *,
                                            retrieve_parent_token=None, check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
-    beta_dt = q.dtype if beta is None else beta.dtype              # (None: ones in q's dtype)
-    if _fp64(q, k, v, g, initial_state) or beta_dt == torch.float64:
+    beta = _meta(*g.shape, dtype=q.dtype) if beta is None else beta      # (None: ones in q's dtype)
+    if _fp64(q, k, v, g, beta, initial_state):
         return []
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    if N * HV == 0 or B * T == 0:
-        return []
     idx = ssm_state_indices
     if inplace_final_state:
+        hs = initial_state
         write = _rec.WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else _rec.WRITE_FINAL
-        hs = initial_state.dtype
-        v_major = _rec.is_v_major(initial_state)
     else:
+        hs = _meta(B * T, HV, K, V, dtype=initial_state.dtype if initial_state is not None else _F32)
         write = _rec.WRITE_EACH_ROW
-        hs = initial_state.dtype if initial_state is not None else _F32
-        v_major = False                                               # (a new contiguous [B * T, HV, K, V])
-    cfg = _rec.slots_config(K, V, N, write != _rec.WRITE_FINAL, hs, v_major)
-    return [CompileKey.make(
-        "recurrent_slots_kernel",
-        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
-             L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=initial_state is not None, INDEXED=idx is not None,
-             SPEC=num_accepted_tokens is not None, WRITE=write, EPS=_chunk.L2NORM_EPS,
-             PRECISE=_chunk._precise(v.dtype), GATE=False, SLOT_LO=0, THRESHOLD=20.0, PAD_ZERO=True, WIDX=False),
-        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta_dt, pool=_dt(initial_state), o=v.dtype, hs=hs,
-             cu_seqlens=_dt(cu_seqlens), idx=_dt(idx), num_acc=_dt(num_accepted_tokens), A_log=None, dt_bias=None,
-             widx=None),
-        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+    return _slots_keys(q, k, v, g, beta, initial_state, v, hs, H=H, L=idx.shape[1] if idx is not None and
+                       idx.dim() == 2 else 1, scale=1.0, write=write, l2norm=use_qk_l2norm_in_kernel,
+                       cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens)
 
 
 def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
@@ -570,19 +573,11 @@ def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log,
     B = mixed_qkv.shape[0]
     HV, V, K = initial_state.shape[1:]
     H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
-    if B == 0:
-        return []
-    cfg = _rec.slots_config(K, V, B, False, initial_state.dtype, _rec.is_v_major(initial_state.transpose(-1, -2)))
-    return [CompileKey.make(
-        "recurrent_slots_kernel",
-        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=False,
-             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=_rec.WRITE_FINAL,
-             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(mixed_qkv.dtype), GATE=True, SLOT_LO=1, THRESHOLD=20.0,
-             PAD_ZERO=True, WIDX=False),
-        dict(q=mixed_qkv.dtype, k=mixed_qkv.dtype, v=mixed_qkv.dtype, g=a.dtype, beta=b.dtype,
-             pool=initial_state.dtype, o=out.dtype, hs=initial_state.dtype, cu_seqlens=None,
-             idx=ssm_state_indices.dtype, num_acc=None, A_log=A_log.dtype, dt_bias=dt_bias.dtype, widx=None),
-        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+    q = _meta(B, 1, H, K, dtype=mixed_qkv.dtype)                  # (views of the packed rows: only dtypes count)
+    pool = initial_state.transpose(-1, -2)
+    return _slots_keys(q, q, _meta(B, 1, HV, V, dtype=mixed_qkv.dtype), a[:, None], b[:, None], pool, out, pool, H=H,
+                       L=1, scale=1.0, write=_rec.WRITE_FINAL, l2norm=use_qk_l2norm_in_kernel, idx=ssm_state_indices,
+                       A_log=A_log, dt_bias=dt_bias, gate=True, slot_lo=1)
 
 
 def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> List[CompileKey]:
@@ -657,27 +652,19 @@ def _sglang_fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_b
     if _fp64(q, k, v, a, b, A_log, dt_bias, initial_state_source):
         return []
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    if N * HV == 0 or B * T == 0:
-        return []
+    steps = 0 if intermediate_states_buffer is None else intermediate_states_buffer.shape[1]
     pool = initial_state_source.transpose(-1, -2)
     buf = intermediate_states_buffer
     if buf is None:
-        hs, write = pool, _rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL
+        hs, write, table = pool, _rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL, None
     else:                                               # verify: every token's state to the buffer (a [N, steps] table)
         hs, write = buf.flatten(0, 1).transpose(-1, -2), _rec.WRITE_EACH_SLOT
-    cfg = _rec.slots_config(K, V, N, buf is not None, hs.dtype, _rec.is_v_major(hs))
-    return [CompileKey.make(
-        "recurrent_slots_kernel",
-        dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=cfg["BV"], IS_VARLEN=cu_seqlens is not None,
-             L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=write,
-             EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(v.dtype), GATE=True, SLOT_LO=0, THRESHOLD=20.0,
-             PAD_ZERO=False, WIDX=buf is not None),
-        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=a.dtype, beta=b.dtype, pool=pool.dtype, o=v.dtype, hs=hs.dtype,
-             cu_seqlens=_dt(cu_seqlens), idx=initial_state_indices.dtype, num_acc=None, A_log=A_log.dtype,
-             dt_bias=dt_bias.dtype, widx=None if buf is None else torch.int64),
-        {k_: v_ for k_, v_ in cfg.items() if k_ in ("num_warps", "num_stages", "maxnreg")})]
+        table = _meta(N, steps, dtype=torch.int64)
+    return _slots_keys(q, k, v, a.reshape(B, T, -1), b.reshape(B, T, -1), pool, v, hs, H=H, L=max(steps, 1),
+                       scale=1.0, write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                       idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, gate=True,
+                       pad_zero=False)
 
 
 class sglang_ops:

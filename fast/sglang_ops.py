@@ -11,10 +11,8 @@ import refgdn.sglang_ops as _ref
 from refgdn.checks import (check_sglang_decode_inputs, host_offsets, one_host_read, sglang_cache_rows,
                            sglang_decode_slots)
 
-from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, is_v_major, recurrent_slots_kernel,
-                              slots_config)
-from .utils import cdiv, next_pow2
+from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
+from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots
 
 __all__ = ["fused_sigmoid_gating_delta_rule_update"]
 
@@ -61,11 +59,9 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
             sglang_cache_rows(intermediate_state_indices, N, buf.shape[0], steps,
                               [e - s for s, e in zip(offs, offs[1:])])
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
-    if N * HV == 0 or B * T == 0:
-        return o
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if buf is None:
-        write, hs, table, SW, ws = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool, None, 0, (0, 0)
+        write, hs, table = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool, None
     else:
         # verify: the state after token j of sequence n goes to row rows[n] * steps + j of the buffer seen as [C steps,
         # HV, K, V] (a view: its first two dims merge, checked), through a [N, steps] table built on the device
@@ -73,15 +69,8 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
         rows = (intermediate_state_indices.long() if intermediate_state_indices is not None
                 else torch.arange(N, device=q.device))
         table = torch.where(rows[:, None] >= 0, rows[:, None] * steps + torch.arange(steps, device=q.device), -1)
-        write, SW, ws = WRITE_EACH_SLOT, hs.shape[0], table.stride()
-    cfg = slots_config(K, V, N, buf is not None, hs.dtype, is_v_major(hs))
-    BV = cfg.pop("BV")
-    recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, a3, b3, pool, o, hs, cu_seqlens, initial_state_indices, None, A_log, dt_bias, table, T,
-        pool.shape[0], max(steps, 1), SW, K ** -0.5 if scale is None else float(scale),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a3.stride(), *b3.stride(),
-        *pool.stride(), *hs.stride(), initial_state_indices.stride(0), 0, *ws,
-        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
-        L2NORM=use_qk_l2norm_in_kernel, USE_POOL=True, INDEXED=True, SPEC=False, WRITE=write, EPS=L2NORM_EPS,
-        PRECISE=_precise(v.dtype), GATE=True, SLOT_LO=0, PAD_ZERO=False, WIDX=buf is not None, **cfg)
+        write = WRITE_EACH_SLOT
+    launch_slots(q, k, v, a3, b3, pool, o, hs, H=H, L=max(steps, 1), scale=K ** -0.5 if scale is None else float(scale),
+                 write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, idx=initial_state_indices,
+                 A_log=A_log, dt_bias=dt_bias, widx=table, gate=True, pad_zero=False)
     return o

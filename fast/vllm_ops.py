@@ -18,9 +18,8 @@ from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusal
                            vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
-from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import (WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, is_v_major, recurrent_slots_kernel,
-                              slots_config)
+from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
+from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots
 from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
 from .gating import gdn_gating as _gating
 from .serving import PREFILL_CHUNK
@@ -78,7 +77,6 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     if check_values:
         vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
                              None if pool is None else pool.shape[0])
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
@@ -88,25 +86,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     else:
         hs = torch.empty(B * T, HV, K, V, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
         write = WRITE_EACH_ROW
-    if N * HV == 0 or B * T == 0:
-        return o, hs
     idx = ssm_state_indices
-    if idx is not None:
-        s_in, s_it, L = idx.stride(0), (idx.stride(1) if idx.dim() == 2 else 0), (idx.shape[1] if idx.dim() == 2 else 1)
-    else:
-        s_in = s_it = 0
-        L = 1
-    S = pool.shape[0] if pool is not None else 0
-    ps = pool.stride() if pool is not None else (0, 0, 0, 0)
-    cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype, is_v_major(hs))
-    BV = cfg.pop("BV")
-    recurrent_slots_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_accepted_tokens, None, None, None, T, S, L, 0, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-        *ps, *hs.stride(), s_in, s_it, 0, 0,
-        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
-        L2NORM=bool(use_qk_l2norm_in_kernel), USE_POOL=pool is not None, INDEXED=idx is not None,
-        SPEC=num_accepted_tokens is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), **cfg)
+    launch_slots(q, k, v, g, beta, pool, o, hs, H=H, L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
+                 scale=scale, write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, idx=idx,
+                 num_acc=num_accepted_tokens)
     return o, hs
 
 
@@ -137,24 +120,16 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     _check_fast_limits(K, V)
     if check_values:
         vllm_packed_decode_slots(ssm_state_indices, initial_state.shape[0])
-    if B == 0:
-        return out, initial_state
     scale = K ** -0.5 if scale is None else float(scale)
     x = _unit_last(mixed_qkv)
     q = x[:, :H * K].unflatten(1, (H, K))[:, None]                # [B, 1, H, K]: views of the packed rows
     k = x[:, H * K:2 * H * K].unflatten(1, (H, K))[:, None]
     v = x[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]           # [B, 1, HV, V]
-    ga, gb = a[:, None], b[:, None]                               # [B, 1, HV]: the raw gates, formed in the kernel
     pool = initial_state.transpose(-1, -2)                        # [S, HV, K, V]: the same memory
-    cfg = slots_config(K, V, B, False, pool.dtype, is_v_major(pool))
-    BV = cfg.pop("BV")
-    recurrent_slots_kernel[(cdiv(V, BV), B * HV)](
-        q, k, v, ga, gb, pool, out, pool, None, ssm_state_indices, None, A_log, dt_bias, None, 1, pool.shape[0], 1, 0,
-        scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ga.stride(), *gb.stride(),
-        *pool.stride(), *pool.stride(), ssm_state_indices.stride(0), 0, 0, 0,
-        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=False, L2NORM=use_qk_l2norm_in_kernel,
-        USE_POOL=True, INDEXED=True, SPEC=False, WRITE=WRITE_FINAL, EPS=L2NORM_EPS, PRECISE=_precise(mixed_qkv.dtype),
-        GATE=True, SLOT_LO=1, **cfg)
+    # a, b [B, 1, HV]: the raw gates, formed in the kernel (GATE)
+    launch_slots(q, k, v, a[:, None], b[:, None], pool, out, pool, H=H, L=1, scale=scale, write=WRITE_FINAL,
+                 l2norm=use_qk_l2norm_in_kernel, idx=ssm_state_indices, A_log=A_log, dt_bias=dt_bias, gate=True,
+                 slot_lo=1)
     return out, initial_state
 
 

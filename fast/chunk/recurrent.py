@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..utils import is_interpreting, next_pow2
-from .common import _beta_of, _exp, _gate, _seq_coords
+from .common import L2NORM_EPS, _beta_of, _exp, _gate, _precise, _seq_coords
 
 
 # ============================================================================================
@@ -267,3 +267,47 @@ def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dty
     elif per_token:
         cfg["BV"] = min(next_pow2(V), 8 if N <= 2 else 32)
     return cfg
+
+
+
+SLOTS_TENSORS = ("q", "k", "v", "g", "beta", "pool", "o", "hs", "cu_seqlens", "idx", "num_acc", "A_log", "dt_bias",
+                 "widx")                                 # recurrent_slots_kernel's tensor arguments, in order
+
+
+def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float, write: int, l2norm: bool,
+                 cu_seqlens=None, idx=None, num_acc=None, A_log=None, dt_bias=None, widx=None, gate: bool = False,
+                 slot_lo: int = 0, pad_zero: bool = True):
+    """Everything recurrent_slots_kernel is launched with, from shapes, strides and dtypes only (meta tensors do):
+    -> (grid, args, constexprs, options), or None when there is nothing to launch (no sequence, head or token).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   pool: [S, HV, K, V] or None   o: [B, T, HV, V]
+    hs: the states written (the pool, rows [R, HV, K, V] or a cache)   idx: [N] or [N, L]   widx: [N, L]
+    The serving ops (fast.vllm_ops, fast.sglang_ops) launch through launch_slots and fast.keys predicts their
+    variants from the same plan, so the ~50 arguments are spelled once. Absent tensors pass strides 0.
+    """
+    B, T = q.shape[:2]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    if N * HV == 0 or B * T == 0:
+        return None
+    cfg = slots_config(K, V, N, write != WRITE_FINAL, hs.dtype, is_v_major(hs))
+    BV = cfg.pop("BV")
+    strides = lambda t, n: tuple(t.stride()) if t is not None else (0,) * n         # noqa: E731
+    s_idx = (0, 0) if idx is None else (idx.stride(0), idx.stride(1) if idx.dim() == 2 else 0)
+    args = (q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx,
+            T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if widx is not None else 0, scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
+            *strides(pool, 4), *hs.stride(), *s_idx, *strides(widx, 2))
+    constexprs = dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
+                      L2NORM=bool(l2norm), USE_POOL=pool is not None, INDEXED=idx is not None,
+                      SPEC=num_acc is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), GATE=gate,
+                      SLOT_LO=slot_lo, THRESHOLD=20.0, PAD_ZERO=pad_zero, WIDX=widx is not None)
+    return (triton.cdiv(V, BV), N * HV), args, constexprs, cfg
+
+
+def launch_slots(*args, **kwargs) -> None:
+    """Launch recurrent_slots_kernel as slots_launch (same arguments) plans it; nothing when there is no work."""
+    plan = slots_launch(*args, **kwargs)
+    if plan is not None:
+        grid, kernel_args, constexprs, options = plan
+        recurrent_slots_kernel[grid](*kernel_args, **constexprs, **options)
