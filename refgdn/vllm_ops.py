@@ -79,8 +79,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     the state after each token t of the sequence goes to slot [n, t] (negative entries: not written); with [N]
     indices or none, the sequence's final state goes where it was read from. False: initial_state is only read and
     final_state is a new [B * T, HV, K, V] tensor of the state after every token (padded sequences' rows zeros), in
-    initial_state's dtype (float32, float64 for float64 inputs, without one). States are kept in the compute dtype
-    between tokens; each stored copy is rounded to the pool's dtype.
+    initial_state's dtype (without one: the compute dtype). Computed in float32 (float64 when any input or the pool
+    is); states are kept in the compute dtype between tokens, each stored copy rounded to the pool's dtype.
 
     Where this differs from vLLM's kernel: only in what vLLM leaves undefined (its kernel reads and writes through
     whatever index it is given): [N] indices with several tokens per sequence write the final state to the
@@ -99,7 +99,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     pool = initial_state
     plan = vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
                                 None if pool is None else pool.shape[0])
-    wide = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32
+    # the compute dtype: float64 when any input or the pool is (the packed decode's and SGLang's rule)
+    wide = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+                                              None if pool is None else pool.dtype) else torch.float32
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]     # [B T, ...]: one token axis
     o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=q.device)
     per_token = None

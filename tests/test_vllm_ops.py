@@ -100,6 +100,17 @@ def test_fast_returns_vllms_outputs_and_state(p):
     assert fs is after if kw["inplace_final_state"] else fs.shape == (p["B"] * p["T"], HV, K, V)
 
 
+@pytest.mark.parametrize("p", [lay for lay in LAYOUTS if lay.values[0].get("idx") is not None])
+def test_refgdn_computes_in_float64_when_the_pool_is(p):
+    """One compute-dtype rule for the serving ops: float32 inputs on a float64 pool compute in float64 (the packed
+    decode's and SGLang's rule), so they give the float64 inputs' outputs rounded once and the same slots exactly."""
+    xs, pool, kw = _problem(p, torch.float32)
+    o32, _, after32 = _run(RV.fused_recurrent_gated_delta_rule, xs, pool.double(), kw)
+    o64, _, after64 = _run(RV.fused_recurrent_gated_delta_rule, [x.double() for x in xs], pool.double(), kw)
+    assert o32.dtype == torch.float32 and torch.equal(o32, o64.float())
+    assert torch.equal(after32, after64)
+
+
 def test_beta_none_is_ones_and_the_chunk_op_in_vllms_order():
     """beta None means ones (one per value head, GVA included); vLLM's chunk order (head_first 10th) is fast's op."""
     q, k, v, g, beta, h0 = gdn_inputs(1, 12, 1, 2, 16, 16, seed=3, dtype=torch.float32, device=DEV, init=True, N=2)
