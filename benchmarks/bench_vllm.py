@@ -42,7 +42,20 @@ in float32 and bfloat16, l2norm in the kernel, slots by a random permutation (sl
 
     packed bytes = e * HV * K * V * N * 2        the state read and written once (inputs and outputs are < 1 %)
 
-Run: python -m benchmarks.bench_vllm [--no-results] [--only packed]
+MTP target verification on [S, HV, V, K] pools (newer vLLM's and SGLang's layout), a fourth table: N requests of
+1 + k tokens (cu_seqlens), bf16 q / k / v and raw gates, l2norm in the kernel, every step's state stored, pools in
+float32 and bfloat16:
+
+  - SGLang's target verify in fast (fast.sglang_ops.fused_sigmoid_gating_delta_rule_update with
+    intermediate_states_buffer [N, 1 + k, HV, V, K] and disable_state_update: each step's state cached, nothing
+    committed; the gates formed in the kernel);
+  - vLLM's verify in fast on the same pool seen as [S, HV, K, V] (fast.vllm_ops.fused_recurrent_gated_delta_rule,
+    ssm_state_indices [N, 1 + k], num_accepted_tokens; the gates formed beforehand, not timed): the per-token stores
+    into a K-contiguous layout (slots_config's per-token rule, measured on [S, HV, K, V] pools in the first table).
+
+    verify bytes = e * HV * K * V * N * (2 + k)      one state read, 1 + k stored
+
+Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|conv]
 """
 from __future__ import annotations
 
@@ -66,6 +79,12 @@ PACKED_META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_deco
                      "rows and gates, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
                "us": "do_bench median of a 32-layer graph's replay / 32",
                "bytes": "e HV K V N 2: e the pool's element size"}
+VERIFY_TITLE = "MTP target verify on [S, HV, V, K] pools: SGLang's and vLLM's ops in fast (per layer of a 32-layer graph)"
+VERIFY_META = {"op": "fast.sglang_ops.fused_sigmoid_gating_delta_rule_update (intermediate_states_buffer, "
+                     "disable_state_update) and fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, "
+                     "bf16 q/k/v/a/b, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
+               "us": "do_bench median of a 32-layer graph's replay / 32",
+               "bytes": "e HV K V N (2 + k): one state read, 1 + k stored"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
@@ -222,11 +241,56 @@ def packed_rows(copy_gbps: float, ns=PACKED_N) -> list:
     return out
 
 
+VERIFY_CASES = ((1, 3), (8, 3), (32, 3))
+
+
+def verify_call(N: int, k: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, engine: str = "sglang",
+                device: str = "cuda"):
+    """One layer's MTP target verify on its own [S, HV, V, K] pool (random contents): a callable. engine "sglang":
+    SGLang's op with an intermediate_states_buffer [N, 1 + k, HV, V, K] (pool_dtype) and disable_state_update; "vllm":
+    vLLM's recurrent op on the pool seen transposed, a slot per token ([N, 1 + k] by a random permutation of
+    N (2 + k) slots) and num_accepted_tokens. device: "cuda" (the CPU: the tests, at a tiny shape)."""
+    import fast.sglang_ops as FS
+    import fast.vllm_ops as FV
+    p = make_problem(N, k, torch.float32, device, seed=seed)
+    q, kk, v, g, beta = step_inputs(p)
+    slots = N * (2 + k)
+    gen = torch.Generator(device=device).manual_seed(seed)      # (drawn on the GPU: see packed_call)
+    pool = (0.1 * torch.randn(slots, HV, V, K, generator=gen, device=device)).to(pool_dtype)
+    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=torch.int32)
+    if engine == "sglang":
+        buf = torch.empty(N, 1 + k, HV, V, K, dtype=pool_dtype, device=device)
+        return lambda: FS.fused_sigmoid_gating_delta_rule_update(  # noqa: E731
+            p["A_log"], p["a"], p["dt_bias"], 1.0, 20.0, q, kk, v, p["b"], pool, perm[:N], K ** -0.5, True, p["cu"],
+            disable_state_update=True, intermediate_states_buffer=buf, cache_steps=1 + k)
+    idx = perm[:N * (1 + k)].reshape(N, 1 + k)
+    return lambda: FV.fused_recurrent_gated_delta_rule(  # noqa: E731
+        q, kk, v, g, beta, K ** -0.5, pool.transpose(-1, -2), True, p["cu"], idx, p["acc"],
+        use_qk_l2norm_in_kernel=True)
+
+
+def verify_rows(copy_gbps: float, cases=VERIFY_CASES) -> list:
+    """The verify table's rows (same columns as rows()): SGLang's verify, then vLLM's on the same layout."""
+    out = []
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        tag = "" if pool_dtype == torch.float32 else ", bf16 pool"
+        for N, k in cases:
+            us = per_layer_us(lambda i: verify_call(N, k, i, pool_dtype))
+            gbs = state_bytes(N, k, pool_dtype.itemsize) / us / 1e3
+            out.append(dict(what=f"verify k={k}", N=N, impl="fast.sglang_ops (cache every step)" + tag, us=us,
+                            GBps=gbs, of_copy=gbs / copy_gbps))
+            vus = per_layer_us(lambda i: verify_call(N, k, i, pool_dtype, engine="vllm"))
+            vgbs = state_bytes(N, k, pool_dtype.itemsize) / vus / 1e3
+            out.append(dict(what=f"verify k={k}", N=N, impl="fast.vllm_ops on [S, HV, V, K] (slot per token)" + tag,
+                            us=vus, GBps=vgbs, of_copy=vgbs / copy_gbps, vs_fast=vus / us))
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
-    ap.add_argument("--only", choices=("packed", "recurrent", "conv"), help="only that table")
+    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "conv"), help="only that table")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_vllm: needs a GPU")
@@ -234,6 +298,7 @@ def main(argv=None):
     copy = common.copy_bandwidth_gbs()          # measured once: the rows' "of copy" and the section's meta
     tables = (("recurrent", TITLE, META, lambda: rows(copy) + rows(copy, BF16_CASES, torch.bfloat16)),
               ("packed", PACKED_TITLE, PACKED_META, lambda: packed_rows(copy)),
+              ("verify", VERIFY_TITLE, VERIFY_META, lambda: verify_rows(copy)),
               ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)))
     for name, title, meta, make in tables:
         if ns.only not in (None, name):
