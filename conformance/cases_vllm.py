@@ -40,7 +40,8 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
     [N, HV, K, V] (p["pool"] == "per-seq") or None (p["pool"] False); kwargs: the op's keywords.
 
     p: B, T; H, HV, K, V (1, 2, 16, 16); cu (offsets) or None; idx ([N] or [N, L] slots) or None; acc
-    (num_accepted_tokens) or None; inplace (True); l2; strided (q, k, v slices of one wider buffer); scale; slots (9).
+    (num_accepted_tokens) or None; inplace (True); l2; strided (q, k, v slices of one wider buffer); scale; slots (9);
+    layout ("vk": states [.., HV, V, K], newer vLLM's); null (null_block_id: entries <= it pad; -1).
     """
     gen = torch.Generator().manual_seed(seed)
     B, T = p["B"], p["T"]
@@ -62,9 +63,16 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
         pool = (0.5 * r(p.get("slots", 9), HV, K, V)).to(p.get("pool_dtype", torch.float32)).to(device)
     else:
         pool = None
+    vk = p.get("layout") == "vk"
+    if vk and pool is not None:
+        pool = pool.transpose(-1, -2).contiguous()            # [.., HV, V, K]: newer vLLM's layout
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     kw = dict(inplace_final_state=p.get("inplace", True), use_qk_l2norm_in_kernel=p.get("l2", False),
               scale=p.get("scale"))
+    if vk:
+        kw["state_layout"] = "vk"
+    if p.get("null") is not None:
+        kw["null_block_id"] = p["null"]
     for key, name in (("cu", "cu_seqlens"), ("idx", "ssm_state_indices"), ("acc", "num_accepted_tokens")):
         if p.get(key) is not None:
             kw[name] = i32(p[key])
@@ -79,14 +87,14 @@ def run(op, xs: list, pool: Optional[torch.Tensor], kw: dict) -> tuple:
 
 
 def padded_tokens(p: dict) -> List[int]:
-    """Token indices (of the flattened [B * T] axis) of padded sequences (their read slot is negative)."""
+    """Token indices (of the flattened [B * T] axis) of padded sequences (their read slot <= p's null, -1)."""
     if p.get("idx") is None:
         return []
     cu = p.get("cu") or [n * p["T"] for n in range(p["B"] + 1)]
     out = []
     for n, row in enumerate(p["idx"]):
         row = row if isinstance(row, list) else [row]
-        if row[p["acc"][n] - 1 if p.get("acc") else 0] < 0:
+        if row[p["acc"][n] - 1 if p.get("acc") else 0] <= p.get("null", -1):
             out += list(range(cu[n], cu[n + 1]))
     return out
 
@@ -118,7 +126,8 @@ def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
 def families(quick: bool, device: str) -> dict:
     """Decode with [N] slots and a padded row; speculative verification with [N, L] slots and accepted counts (a
     padded row, a negative write entry), in place and returning every token's state; varlen without a state (an
-    empty sequence); per-sequence states written back; a bfloat16 pool. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
+    empty sequence); per-sequence states written back; a bfloat16 pool; newer vLLM's [.., HV, V, K] states with its
+    null block 0 (several requests on it). Quick: 1 / 2 heads of 16; full: Qwen3-Next's
     16 / 32 heads of 128 (GVA 2) and the l2norm in the kernel."""
     qwen = {} if quick else dict(H=16, HV=32, K=128, V=128, l2=True)
     out = {
@@ -132,6 +141,13 @@ def families(quick: bool, device: str) -> dict:
         "varlen-empty-no-state": dict(B=1, T=8, cu=[0, 3, 3, 8], pool=False, inplace=False),
         "dense-per-sequence-state": dict(B=2, T=3, pool="per-seq"),
         "decode-bf16-pool": dict(B=3, T=1, idx=[4, 1, 7], pool_dtype=torch.bfloat16),
+        # newer vLLM's generation (third_party fla): states [.., HV, V, K], entries <= 0 (NULL_BLOCK_ID) padding
+        "vk-decode-null-block": dict(B=5, T=1, idx=[3, 0, 6, 0, 1], layout="vk", null=0),
+        "vk-spec-null-block": dict(B=1, T=9, cu=[0, 3, 6, 9], idx=[[1, 2, 3], [4, 0, 5], [0, 7, 8]], acc=[2, 1, 1],
+                                   layout="vk", null=0),
+        "vk-per-token-states": dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[1, 2], [3, 4], [5, 6]], acc=[1, 2, 1],
+                                    inplace=False, layout="vk", null=0),
+        "vk-per-sequence-state": dict(B=2, T=3, pool="per-seq", layout="vk"),
     }
     out = {name: dict(p, **qwen) for name, p in out.items()}
     out["gva-l2norm-strided-odd-V"] = dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], H=2, HV=4, K=32,

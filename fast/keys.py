@@ -544,7 +544,8 @@ def _meta(*shape, dtype) -> torch.Tensor:
 def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
                                            inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
                                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, *,
-                                           retrieve_parent_token=None, check_values=False) -> List[CompileKey]:
+                                           retrieve_parent_token=None, check_values=False, state_layout="kv",
+                                           null_block_id=-1) -> List[CompileKey]:
     """Keys of fast.vllm_ops.fused_recurrent_gated_delta_rule: one recurrent_slots_kernel (float64: refgdn, none)."""
     beta = _meta(*g.shape, dtype=q.dtype) if beta is None else beta      # (None: ones in q's dtype)
     if _fp64(q, k, v, g, beta, initial_state):
@@ -552,15 +553,19 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     idx = ssm_state_indices
+    vk = state_layout == "vk"
+    pool = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state
     if inplace_final_state:
-        hs = initial_state
+        hs = pool
         write = _rec.WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else _rec.WRITE_FINAL
     else:
-        hs = _meta(B * T, HV, K, V, dtype=initial_state.dtype if initial_state is not None else _F32)
+        hs = _meta(B * T, HV, *((V, K) if vk else (K, V)), dtype=initial_state.dtype if initial_state is not None
+                   else _F32)
+        hs = hs.transpose(-1, -2) if vk else hs
         write = _rec.WRITE_EACH_ROW
-    return _slots_keys(q, k, v, g, beta, initial_state, v, hs, H=H, L=idx.shape[1] if idx is not None and
+    return _slots_keys(q, k, v, g, beta, pool, v, hs, H=H, L=idx.shape[1] if idx is not None and
                        idx.dim() == 2 else 1, scale=1.0, write=write, l2norm=use_qk_l2norm_in_kernel,
-                       cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens)
+                       cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens, slot_lo=null_block_id + 1)
 
 
 def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

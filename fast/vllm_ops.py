@@ -45,38 +45,42 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
                                      inplace_final_state: bool = True, cu_seqlens=None, ssm_state_indices=None,
                                      num_accepted_tokens=None, use_qk_l2norm_in_kernel: bool = False, *,
-                                     retrieve_parent_token=None, check_values: bool = False):
+                                     retrieve_parent_token=None, check_values: bool = False, state_layout: str = "kv",
+                                     null_block_id: int = -1):
     """vLLM's serving recurrent op (refgdn.vllm_ops.fused_recurrent_gated_delta_rule's twin, same semantics).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] (beta None: ones)   cu_seqlens: [N+1], B == 1
     ssm_state_indices: None, [N] or [N, L] int; initial_state: the pool [S, HV, K, V] (any strides) with indices,
     else [N, HV, K, V] or None; num_accepted_tokens: [N] int, with [N, L] indices only.
     -> (o [B, T, HV, V] in v.dtype, final_state: initial_state written in place, or [B * T, HV, K, V])
+    state_layout="vk", null_block_id=0: newer vLLM's generation of the op (vllm/third_party/flash_linear_attention):
+    every state [.., HV, V, K] (the kernel reads and writes it through its strides), entries <= 0 padding.
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
     Shapes, dtypes and devices are checked on the host before anything runs; the values of cu_seqlens and of the
     slots only with check_values=True (a host read: a sync), so by default the call reads nothing back and can be
     captured in a CUDA graph. Without the checks the kernel stays memory-safe on any values: each sequence's
-    offsets are clamped to [0, T], a read slot outside [0, S) pads its sequence (zeros out, nothing written), a
+    offsets are clamped to [0, T], a read slot outside (null_block_id, S) pads its sequence (zeros out, nothing written), a
     written one outside it is skipped, a num_accepted_tokens entry is clamped to [1, L]; two sequences writing
     one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
     beta = _ref.default_beta(q, v, beta)
     check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
                                 ssm_state_indices, num_accepted_tokens, retrieve_parent_token,
-                                offset_values=check_values)
+                                offset_values=check_values, state_layout=state_layout, null_block_id=null_block_id)
     if _is_fp64(q, k, v, g, beta, initial_state):
         return _ref.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
-            num_accepted_tokens, use_qk_l2norm_in_kernel)
+            num_accepted_tokens, use_qk_l2norm_in_kernel, state_layout=state_layout, null_block_id=null_block_id)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
-    pool = initial_state
+    vk = state_layout == "vk"
+    pool = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state  # [.., HV, K, V]
     if check_values:
         vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                             None if pool is None else pool.shape[0])
+                             None if pool is None else pool.shape[0], null_block_id)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
@@ -84,13 +88,15 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         hs = pool
         write = WRITE_EACH_SLOT if ssm_state_indices is not None and ssm_state_indices.dim() == 2 else WRITE_FINAL
     else:
-        hs = torch.empty(B * T, HV, K, V, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
+        dims = (V, K) if vk else (K, V)
+        hs = torch.empty(B * T, HV, *dims, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
         write = WRITE_EACH_ROW
     idx = ssm_state_indices
-    launch_slots(q, k, v, g, beta, pool, o, hs, H=H, L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
-                 scale=scale, write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, idx=idx,
-                 num_acc=num_accepted_tokens)
-    return o, hs
+    launch_slots(q, k, v, g, beta, pool, o, hs.transpose(-1, -2) if vk and not inplace_final_state else hs, H=H,
+                 L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, scale=scale, write=write,
+                 l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens,
+                 slot_lo=null_block_id + 1)
+    return o, (initial_state if inplace_final_state else hs)
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

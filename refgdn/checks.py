@@ -529,7 +529,7 @@ def check_gating_inputs(A_log, a, dt_bias, b) -> None:
 
 def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
                                 ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None,
-                                offset_values: bool = True) -> int:
+                                offset_values: bool = True, state_layout: str = "kv", null_block_id: int = -1) -> int:
     """Validate vLLM's fused_recurrent_gated_delta_rule arguments (shapes, dtypes, devices; beta already defaulted);
     return N, the number of sequences. The slot values are checked by :func:`vllm_recurrent_slots`, cu_seqlens'
     values here unless offset_values is False (a host read: fast's op skips it unless asked, so it can be captured
@@ -537,8 +537,15 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; cu_seqlens: [N+1] with B == 1;
     ssm_state_indices None: initial_state [N, HV, K, V] or None; ssm_state_indices [N] or [N, L] int: initial_state
-    is the slot pool [S, HV, K, V]; num_accepted_tokens [N] int, only with [N, L] indices.
+    is the slot pool [S, HV, K, V]; num_accepted_tokens [N] int, only with [N, L] indices. state_layout "vk": every
+    state [.., HV, V, K] instead (newer vLLM's); null_block_id: an int >= -1 (entries <= it pad).
     """
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' (states [.., HV, K, V]) or 'vk' ([.., HV, V, K], newer vLLM's), "
+                         f"got {state_layout!r}")
+    if isinstance(null_block_id, bool) or not isinstance(null_block_id, int) or null_block_id < -1:
+        raise ValueError(f"null_block_id must be an int >= -1 (index entries <= it are padding: -1 negative ones, 0 "
+                         f"newer vLLM's NULL_BLOCK_ID), got {null_block_id!r}")
     if retrieve_parent_token is not None:
         raise ValueError("retrieve_parent_token (vLLM's tree drafts) is not supported: pass None (drafts form one "
                          "chain per request; gdn_verify / gdn_accept are this package's speculative path)")
@@ -551,6 +558,7 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
+    dims, lay = ((HV, K, V), "[S, HV, K, V]") if state_layout == "kv" else ((HV, V, K), "[S, HV, V, K]")
     if ssm_state_indices is not None:
         _need_tensor("ssm_state_indices", ssm_state_indices)
         if ssm_state_indices.dim() not in (1, 2) or ssm_state_indices.shape[0] != N or (
@@ -561,20 +569,20 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
             raise ValueError(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
         _need_device("ssm_state_indices", ssm_state_indices, device)
         if initial_state is None:
-            raise ValueError("ssm_state_indices index the slot pool initial_state [S, HV, K, V]: pass initial_state")
+            raise ValueError(f"ssm_state_indices index the slot pool initial_state {lay}: pass initial_state")
         _need_tensor("initial_state", initial_state, 4)
-        if tuple(initial_state.shape[1:]) != (HV, K, V) or initial_state.shape[0] < 1:
-            raise ValueError(f"initial_state must be the slot pool [S, HV, K, V] = [S >= 1, {HV}, {K}, {V}], got "
+        if tuple(initial_state.shape[1:]) != dims or initial_state.shape[0] < 1:
+            raise ValueError(f"initial_state must be the slot pool {lay} = [S >= 1, {', '.join(map(str, dims))}], got "
                              f"{_shape(initial_state)}")
     elif initial_state is not None:
         _need_tensor("initial_state", initial_state, 4)
-        _need_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V] (no ssm_state_indices)")
+        _need_shape("initial_state", initial_state, (N, *dims), f"[N, {lay[4:]} (no ssm_state_indices)")
     if initial_state is not None:
         _need_float("initial_state", initial_state)
         _need_device("initial_state", initial_state, device)
     elif inplace_final_state:
         raise ValueError("inplace_final_state=True writes the states into initial_state: pass initial_state, or "
-                         "inplace_final_state=False for a new [B*T, HV, K, V] tensor of every token's state")
+                         f"inplace_final_state=False for a new [B*T, {lay[4:]} tensor of every token's state")
     if num_accepted_tokens is not None:
         if ssm_state_indices is None or ssm_state_indices.dim() != 2:
             raise ValueError("num_accepted_tokens picks each request's slot column: it needs ssm_state_indices [N, L] "
@@ -589,13 +597,15 @@ def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_
 
 
 def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace: bool,
-                         num_slots: Optional[int]) -> List[Tuple[int, int, Optional[int], List[Optional[int]]]]:
+                         num_slots: Optional[int], null_block_id: int = -1
+                         ) -> List[Tuple[int, int, Optional[int], List[Optional[int]]]]:
     """Where each sequence of vLLM's recurrent op reads and writes its state, from the values (a host read):
     [(bos, eos, read, writes)] per sequence, tokens [bos, eos) of the flattened [B * T] token axis.
 
     read: the row of initial_state the state starts from (None: zeros, no initial_state), -1 for a padded sequence
-    (a negative slot: it reads and writes nothing, its outputs are zeros). writes (inplace only): per token, the row
-    of initial_state its state goes to, or None; with [N] indices or none, only the last token's (the final state).
+    (a read entry <= null_block_id: it reads and writes nothing, its outputs are zeros). writes (inplace only): per
+    token, the row of initial_state its state goes to, or None (an entry <= null_block_id); with [N] indices or none,
+    only the last token's (the final state).
     Raises ValueError (naming the argument and the entry) for a slot >= num_slots, a num_accepted_tokens entry
     outside [1, L], [N, L] indices with fewer than T_n columns, or a slot written by two sequences, or written by
     one and read by another (the sequences run concurrently in a kernel)."""
@@ -624,7 +634,7 @@ def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_acce
                     at = f"{n}, {j}" if isinstance(idx[n], list) else f"{n}"
                     raise ValueError(f"ssm_state_indices[{at}] = {s} is out of range for initial_state's {num_slots} "
                                      "slots")
-            if read < 0:
+            if read <= null_block_id:
                 out.append((bos, eos, -1, [None] * (eos - bos)))
                 continue
         writes: List[Optional[int]] = [None] * (eos - bos)
@@ -633,7 +643,7 @@ def vllm_recurrent_slots(B: int, T: int, cu_seqlens, ssm_state_indices, num_acce
                 if eos - bos > len(row):
                     raise ValueError(f"sequence {n} has {eos - bos} tokens but ssm_state_indices [N, L] gives it "
                                      f"L = {len(row)} slots: one per token's state")
-                writes = [s if s >= 0 else None for s in row[:eos - bos]]
+                writes = [s if s > null_block_id else None for s in row[:eos - bos]]
             else:
                 writes[-1] = read
         for s in set(w for w in writes if w is not None):

@@ -62,25 +62,32 @@ def default_beta(q: torch.Tensor, v: torch.Tensor, beta):
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_state=None,
                                      inplace_final_state: bool = True, cu_seqlens=None, ssm_state_indices=None,
                                      num_accepted_tokens=None, use_qk_l2norm_in_kernel: bool = False, *,
-                                     retrieve_parent_token=None, check_values: bool = False):
+                                     retrieve_parent_token=None, check_values: bool = False, state_layout: str = "kv",
+                                     null_block_id: int = -1):
     """vLLM's serving recurrent op: the gated delta rule per token, states read from and written to a slot pool.
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV] (beta None: ones)   cu_seqlens: [N+1], B == 1
     ssm_state_indices: None, [N] or [N, L] int; initial_state: the pool [S, HV, K, V] with indices, else
-    [N, HV, K, V] or None; num_accepted_tokens: [N] int in [1, L], with [N, L] indices only.
-    -> (o [B, T, HV, V] in v.dtype, final_state)
+    [N, HV, K, V] or None (state_layout "vk": [.., HV, V, K]); num_accepted_tokens: [N] int in [1, L], with [N, L]
+    indices only.   -> (o [B, T, HV, V] in v.dtype, final_state)
 
         S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
 
     Where sequence n starts: slot ssm_state_indices[n] ([N]), ssm_state_indices[n, num_accepted_tokens[n] - 1]
     ([N, L]; column 0 without num_accepted_tokens), initial_state[n] (no indices), zeros (no initial_state).
-    A negative slot there marks a padded sequence: it reads and writes nothing and its outputs are zeros.
+    A slot <= null_block_id there (-1: a negative one) marks a padded sequence: it reads and writes nothing and its
+    outputs are zeros; a write entry <= null_block_id is skipped.
     inplace_final_state=True (vLLM's default): final_state is initial_state, written in place: with [N, L] indices
     the state after each token t of the sequence goes to slot [n, t] (negative entries: not written); with [N]
     indices or none, the sequence's final state goes where it was read from. False: initial_state is only read and
     final_state is a new [B * T, HV, K, V] tensor of the state after every token (padded sequences' rows zeros), in
     initial_state's dtype (without one: the compute dtype). Computed in float32 (float64 when any input or the pool
     is); states are kept in the compute dtype between tokens, each stored copy rounded to the pool's dtype.
+
+    The two generations of vLLM's op (same signature): state_layout="kv", null_block_id=-1 (the defaults) is
+    vllm/model_executor/layers/fla's (states [.., HV, K, V], negative entries padding); state_layout="vk",
+    null_block_id=0 is vllm/third_party/flash_linear_attention's (every state, the pool and the returned per-token
+    states alike, [.., HV, V, K] with K contiguous; entries <= 0, its NULL_BLOCK_ID, padding).
 
     Where this differs from vLLM's kernel: only in what vLLM leaves undefined (its kernel reads and writes through
     whatever index it is given): [N] indices with several tokens per sequence write the final state to the
@@ -93,20 +100,24 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     """
     beta = default_beta(q, v, beta)
     check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
-                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token)
+                                ssm_state_indices, num_accepted_tokens, retrieve_parent_token,
+                                state_layout=state_layout, null_block_id=null_block_id)
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    pool = initial_state
+    vk = state_layout == "vk"
+    pool = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state  # [.., HV, K, V]
     plan = vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                                None if pool is None else pool.shape[0])
+                                None if pool is None else pool.shape[0], null_block_id)
     # the compute dtype: float64 when any input or the pool is (the packed decode's and SGLang's rule)
     wide = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
                                               None if pool is None else pool.dtype) else torch.float32
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]     # [B T, ...]: one token axis
     o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=q.device)
     per_token = None
-    if not inplace_final_state:
-        per_token = torch.zeros(B * T, HV, K, V, dtype=pool.dtype if pool is not None else wide, device=q.device)
+    if not inplace_final_state:         # (a view [B T, HV, K, V] of [B T, HV, V, K] memory for "vk")
+        per_token = torch.zeros(B * T, HV, *((V, K) if vk else (K, V)), dtype=pool.dtype if pool is not None else wide,
+                                device=q.device)
+        per_token_kv = per_token.transpose(-1, -2) if vk else per_token
     updates = []                    # (slot, state) written after every sequence has read (the kernel's order)
     for bos, eos, read, writes in plan:
         if read == -1:                                         # padded: zeros out, nothing written
@@ -119,13 +130,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             o[t] = o_t[0, 0]
             if per_token is not None:
-                per_token[t] = S[0].to(per_token.dtype)
+                per_token_kv[t] = S[0].to(per_token.dtype)
             if writes[t - bos] is not None:
                 updates.append((writes[t - bos], S[0].clone()))
     for slot, S in updates:
         pool[slot].copy_(S.to(pool.dtype))
     o = o.reshape(B, T, HV, V)
-    return o, (pool if inplace_final_state else per_token)
+    return o, (initial_state if inplace_final_state else per_token)
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

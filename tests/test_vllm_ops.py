@@ -50,6 +50,9 @@ def test_refgdn_equals_the_time_loop_over_gathered_states(p):
     xs, pool, kw = _problem(p, torch.float64)
     pool = None if pool is None else pool.double()
     o, fs, after = _run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    null = p.get("null", -1)                          # entries <= null: padding
+    if p.get("layout") == "vk":                       # every state [.., HV, V, K]: compared as [.., HV, K, V] views
+        pool, after, fs = (None if x is None else x.transpose(-1, -2) for x in (pool, after, fs))
     B, T = p["B"], p["T"]
     cu = p.get("cu") or [n * T for n in range(B + 1)]
     flat = [x.reshape(B * T, *x.shape[2:])[None] for x in xs]
@@ -60,7 +63,7 @@ def test_refgdn_equals_the_time_loop_over_gathered_states(p):
         row = None if p.get("idx") is None else (p["idx"][n] if isinstance(p["idx"][n], list) else [p["idx"][n]])
         col = p["acc"][n] - 1 if p.get("acc") else 0
         read = n if row is None else row[col]
-        if read < 0:
+        if read <= null:
             assert torch.equal(o[0, bos:eos], torch.zeros_like(o[0, bos:eos]))
             continue
         h0 = None if pool is None else pool[read][None]
@@ -76,7 +79,7 @@ def test_refgdn_equals_the_time_loop_over_gathered_states(p):
                 dest = row[t - bos]                                   # one slot per token
             else:
                 dest = read if t == eos - 1 else -1                   # the final state, where it was read
-            if dest >= 0:
+            if dest > null:
                 torch.testing.assert_close(after[dest], s_t[0], rtol=1e-12, atol=1e-12)
                 written.add(dest)
     if pool is not None:
@@ -84,7 +87,7 @@ def test_refgdn_equals_the_time_loop_over_gathered_states(p):
             if s not in written:
                 assert torch.equal(after[s], pool[s]), f"slot {s} written"
     if kw["inplace_final_state"]:
-        assert fs is after
+        assert fs.data_ptr() == after.data_ptr() and fs.shape == after.shape
 
 
 @pytest.mark.parametrize("p", LAYOUTS)
@@ -97,7 +100,8 @@ def test_fast_returns_vllms_outputs_and_state(p):
     o, fs, after = _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
     assert o.dtype == xs[2].dtype and o.shape == xs[2].shape
     HV, K, V = xs[2].shape[2], xs[0].shape[3], xs[2].shape[3]
-    assert fs is after if kw["inplace_final_state"] else fs.shape == (p["B"] * p["T"], HV, K, V)
+    dims = (V, K) if p.get("layout") == "vk" else (K, V)
+    assert fs is after if kw["inplace_final_state"] else fs.shape == (p["B"] * p["T"], HV, *dims)
 
 
 @pytest.mark.parametrize("p", [lay for lay in LAYOUTS if lay.values[0].get("idx") is not None])
@@ -140,6 +144,10 @@ def test_keys_equal_the_launches():
         for p in (LAYOUTS[0].values[0], LAYOUTS[1].values[0]):    # a bf16 pool (vLLM's default): its own config
             xs, pool, kw = _problem(p, torch.float32)
             F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool.to(torch.bfloat16), **kw)
+        vk = [lay.values[0] for lay in LAYOUTS if lay.values[0].get("layout") == "vk"]
+        for p in vk:                # newer vLLM's [.., HV, V, K] states and null block: SLOT_LO 1, transposed strides
+            xs, pool, kw = _problem(p, torch.float32)
+            F.fused_recurrent_gated_delta_rule(*xs, initial_state=pool, **kw)
         a = torch.randn(3, 2, device=DEV)
         F.fused_gdn_gating(torch.rand(2, device=DEV), a, a, torch.randn(2, device=DEV))
         for p in conv_families(quick=True, device=DEV).values():
@@ -149,7 +157,8 @@ def test_keys_equal_the_launches():
                                               torch.float32, DEV)
         F.causal_conv1d_fn(x, w, b, states, **kw)
     writes = [dict(key.constexprs)["WRITE"] for key in log.launched[:6]]
-    assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 6 + ["gdn_gating_kernel"]
+    assert len(vk) == 4 and [dict(key.constexprs)["SLOT_LO"] for key in log.launched[6:10]] == [1, 1, 1, 0]
+    assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 10 + ["gdn_gating_kernel"]
                                                     + ["conv_update_slots_kernel"] * len(conv_families(True, DEV))
                                                     + ["causal_conv1d_fwd_window_kernel",
                                                        "causal_conv1d_final_state_kernel"])
@@ -182,6 +191,11 @@ BAD = [
     pytest.param(lambda xs, kw: kw.update(inplace_final_state=1), "inplace_final_state must be a bool",
                  id="inplace-not-bool"),
     pytest.param(lambda xs, kw: xs.__setitem__(3, xs[3][:, :, :1]), "g must have shape", id="g-wrong-HV"),
+    pytest.param(lambda xs, kw: kw.update(state_layout="kv-major"), "state_layout must be 'kv'", id="layout-unknown"),
+    pytest.param(lambda xs, kw: kw.update(state_layout="vk", initial_state=torch.zeros(S, 2, 16, 8, device=DEV)),
+                 "slot pool [S, HV, V, K] = [S >= 1, 2, 16, 16]", id="vk-pool-wrong-V"),
+    pytest.param(lambda xs, kw: kw.update(null_block_id=-2), "null_block_id must be an int >= -1", id="null-below"),
+    pytest.param(lambda xs, kw: kw.update(null_block_id=True), "null_block_id must be an int", id="null-bool"),
 ]
 
 
@@ -212,6 +226,8 @@ BAD_VALUES = [
                       cu_seqlens=[0, 2, 6]), "has 4 tokens but", id="more-tokens-than-slots"),
     pytest.param(dict(T=4, cu_seqlens=[0, 2, 4], ssm_state_indices=[[0, 1, 7], [3, 7, 5]], num_accepted_tokens=[3, 1]),
                  "slot 7 is read by sequence 0 and written by sequence 1", id="read-while-another-writes"),
+    pytest.param(dict(ssm_state_indices=[[0, 2, 0], [3, 2, 0]], num_accepted_tokens=[2, 1], null_block_id=0),
+                 "slot 2 is written by sequences 0 and 1", id="null-block-repeats-a-real-slot-does-not"),
 ]
 
 
@@ -221,7 +237,7 @@ def test_bad_slot_values(bad, words):
     bad = dict(bad)
     xs, kw = _decode_call(bad.pop("T", 6))
     for name, val in bad.items():
-        kw[name] = _t(val)
+        kw[name] = val if isinstance(val, int) else _t(val)
     for pkg, extra in ((RV, {}), (FV, dict(check_values=True))):
         pool = _pool(2, 16, 16, torch.float32)
         before = pool.clone()

@@ -155,12 +155,13 @@ def recurrent_slots_kernel(
     Absent pointers (pool, cu_seqlens, idx, num_acc, A_log, dt_bias) are None: only their constexpr branches read them.
     Read slot: INDEXED, idx[n, col] with col = num_acc[n] - 1 (SPEC) or 0 (idx [N] is [N, 1] with s_it unused);
     else pool[n] (USE_POOL) or zeros. A slot outside [SLOT_LO, S) marks a padded sequence: o zeros, no pool store
-    (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked);
+    (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked), and
+    a per-token write entry outside it is skipped;
     PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead.
     WIDX (SGLang's target verify): WRITE_EACH_SLOT's destinations come from widx [N, L] instead (rows of hs in
     [0, SW); negative: none), whatever the read slot.
     WRITE_FINAL: the final state to the read
-    row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [0, S)) -- hs is
+    row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [SLOT_LO, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
     Stores round to the destination's dtype; the running state stays fp32 in registers.
     """
@@ -221,7 +222,7 @@ def recurrent_slots_kernel(
                 ok = (j < L) & (dest >= 0) & (dest < SW)
             else:
                 dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
-                ok = valid & (j < L) & (dest >= 0) & (dest < S)
+                ok = valid & (j < L) & (dest >= SLOT_LO) & (dest < S)
             dest = tl.where(ok, dest, 0)
             tl.store(hs + dest * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
                      b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, ok))
