@@ -49,9 +49,10 @@ float32 and bfloat16:
   - SGLang's target verify in fast (fast.sglang_ops.fused_sigmoid_gating_delta_rule_update with
     intermediate_states_buffer [N, 1 + k, HV, V, K] and disable_state_update: each step's state cached, nothing
     committed; the gates formed in the kernel);
-  - vLLM's verify in fast on the same pool seen as [S, HV, K, V] (fast.vllm_ops.fused_recurrent_gated_delta_rule,
-    ssm_state_indices [N, 1 + k], num_accepted_tokens; the gates formed beforehand, not timed): the per-token stores
-    into a K-contiguous layout (slots_config's per-token rule, measured on [S, HV, K, V] pools in the first table).
+  - vLLM's verify in fast on the same pool (fast.vllm_ops.fused_recurrent_gated_delta_rule with state_layout "vk",
+    newer vLLM's; ssm_state_indices [N, 1 + k], num_accepted_tokens; the gates formed beforehand, not timed): the
+    per-token stores into a K-contiguous layout (slots_config's per-token rule, measured on [S, HV, K, V] pools in
+    the first table).
 
     verify bytes = e * HV * K * V * N * (2 + k)      one state read, 1 + k stored
 
@@ -79,7 +80,8 @@ PACKED_META = {"op": "fast.vllm_ops.fused_recurrent_gated_delta_rule_packed_deco
                      "rows and gates, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
                "us": "do_bench median of a 32-layer graph's replay / 32",
                "bytes": "e HV K V N 2: e the pool's element size"}
-VERIFY_TITLE = "MTP target verify on [S, HV, V, K] pools: SGLang's and vLLM's ops in fast (per layer of a 32-layer graph)"
+VERIFY_TITLE = ("MTP target verify on [S, HV, V, K] pools: SGLang's and vLLM's ops in fast (per layer of a 32-layer "
+                "graph)")
 VERIFY_META = {"op": "fast.sglang_ops.fused_sigmoid_gating_delta_rule_update (intermediate_states_buffer, "
                      "disable_state_update) and fast.vllm_ops.fused_recurrent_gated_delta_rule, H=16 HV=32 K=V=128, "
                      "bf16 q/k/v/a/b, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
@@ -248,8 +250,8 @@ def verify_call(N: int, k: int, seed: int = 0, pool_dtype: torch.dtype = torch.f
                 device: str = "cuda"):
     """One layer's MTP target verify on its own [S, HV, V, K] pool (random contents): a callable. engine "sglang":
     SGLang's op with an intermediate_states_buffer [N, 1 + k, HV, V, K] (pool_dtype) and disable_state_update; "vllm":
-    vLLM's recurrent op on the pool seen transposed, a slot per token ([N, 1 + k] by a random permutation of
-    N (2 + k) slots) and num_accepted_tokens. device: "cuda" (the CPU: the tests, at a tiny shape)."""
+    vLLM's recurrent op in its newer generation (state_layout "vk": the pool as it is), a slot per token ([N, 1 + k]
+    by a random permutation of N (2 + k) slots) and num_accepted_tokens. device: "cuda" (the CPU: the tests, at a tiny shape)."""
     import fast.sglang_ops as FS
     import fast.vllm_ops as FV
     p = make_problem(N, k, torch.float32, device, seed=seed)
@@ -265,8 +267,8 @@ def verify_call(N: int, k: int, seed: int = 0, pool_dtype: torch.dtype = torch.f
             disable_state_update=True, intermediate_states_buffer=buf, cache_steps=1 + k)
     idx = perm[:N * (1 + k)].reshape(N, 1 + k)
     return lambda: FV.fused_recurrent_gated_delta_rule(  # noqa: E731
-        q, kk, v, g, beta, K ** -0.5, pool.transpose(-1, -2), True, p["cu"], idx, p["acc"],
-        use_qk_l2norm_in_kernel=True)
+        q, kk, v, g, beta, K ** -0.5, pool, True, p["cu"], idx, p["acc"], use_qk_l2norm_in_kernel=True,
+        state_layout="vk")
 
 
 def verify_rows(copy_gbps: float, cases=VERIFY_CASES) -> list:

@@ -88,7 +88,8 @@ if [[ $steps == *pending* ]]; then
   # what the sessions of 2026-11-28 20:03 and 22:56 wrote without a GPU: SGLang's target verify
   # (intermediate_states_buffer: recurrent_slots_kernel's WIDX), in tests/test_sglang_ops.py and the SGLang op's
   # conformance families; the serving ops' launches through one plan (fast.chunk.recurrent.slots_launch); the
-  # verify table (SGLang's verify and vLLM's on [S, HV, V, K] pools: per-token stores into a K-contiguous layout)
+  # verify table (SGLang's verify and vLLM's on [S, HV, V, K] pools: per-token stores into a K-contiguous layout);
+  # the vLLM recurrent op's newer generation (state_layout 'vk', null_block_id 0: the vk-* conformance families)
   timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
     tests/test_sglang_ops.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 120 python3 -m conformance --device cuda --full \

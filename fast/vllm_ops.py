@@ -61,9 +61,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     Shapes, dtypes and devices are checked on the host before anything runs; the values of cu_seqlens and of the
     slots only with check_values=True (a host read: a sync), so by default the call reads nothing back and can be
     captured in a CUDA graph. Without the checks the kernel stays memory-safe on any values: each sequence's
-    offsets are clamped to [0, T], a read slot outside (null_block_id, S) pads its sequence (zeros out, nothing written), a
-    written one outside it is skipped, a num_accepted_tokens entry is clamped to [1, L]; two sequences writing
-    one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
+    offsets are clamped to [0, T], a read slot outside (null_block_id, S) pads its sequence (zeros out, nothing
+    written), a written one outside it is skipped, a num_accepted_tokens entry is clamped to [1, L]; two sequences
+    writing one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
     beta = _ref.default_beta(q, v, beta)
     check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
