@@ -56,7 +56,14 @@ float32 and bfloat16:
 
     verify bytes = e * HV * K * V * N * (2 + k)      one state read, 1 + k stored
 
-Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|conv]
+Newer vLLM's prefill preparation (fast.vllm_ops.fused_post_conv_prep: the conv's packed rows [L, 2 H K + HV V]
+bf16 split into contiguous q, k, v, q and k l2-normalised, the gates from a, b [L, HV] bf16), a fifth table, per
+call of an 8-call CUDA graph (each call its own tensors), beside the same work as separate launches in fast (two
+fast.l2norm on the q and k views, v made contiguous, fast.gdn_gating; no fla peer: fla has no such op):
+
+    prep bytes = L ((2 H K + HV V) 2 e + HV (2 e + 2 * 4))    rows read, q | k | v written, a, b read, g, beta written
+
+Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|prep|conv]
 """
 from __future__ import annotations
 
@@ -87,6 +94,10 @@ VERIFY_META = {"op": "fast.sglang_ops.fused_sigmoid_gating_delta_rule_update (in
                      "bf16 q/k/v/a/b, pool [S, HV, V, K] fp32 / bf16, l2norm in the kernel",
                "us": "do_bench median of a 32-layer graph's replay / 32",
                "bytes": "e HV K V N (2 + k): one state read, 1 + k stored"}
+PREP_TITLE = "Newer vLLM's prefill preparation: fast.vllm_ops.fused_post_conv_prep (per call of an 8-call graph)"
+PREP_META = {"op": "fast.vllm_ops.fused_post_conv_prep, H=16 HV=32 K=V=128, bf16 rows and gates, l2norm",
+             "us": "do_bench median of an 8-call graph's replay / 8 (N: tokens L)",
+             "bytes": "L ((2 H K + HV V) 2 e + HV (2 e + 8)): rows read, q | k | v written, a, b read, g, beta written"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
@@ -288,11 +299,54 @@ def verify_rows(copy_gbps: float, cases=VERIFY_CASES) -> list:
     return out
 
 
+PREP_L = (512, 4096, 16384)
+
+
+def prep_call(L: int, seed: int = 0, chain: bool = False, device: str = "cuda"):
+    """One call of the prefill preparation on its own tensors (L tokens at Qwen3-Next's heads): a callable; chain:
+    the same outputs through separate launches instead (fast.l2norm twice, a copy, fast.gdn_gating)."""
+    import fast
+    import fast.vllm_ops as FV
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    x = rnd(L, 2 * H * K + HV * V).to(torch.bfloat16)
+    a, b = rnd(L, HV).to(torch.bfloat16), rnd(L, HV).to(torch.bfloat16)
+    A_log, dt_bias = torch.rand(HV, generator=gen, device=device) * 2 - 1, 0.5 * rnd(HV)
+    if not chain:
+        return lambda: FV.fused_post_conv_prep(x, a, b, A_log, dt_bias, H, K, V, True, False)  # noqa: E731
+
+    def call():
+        q = fast.l2norm(x[:, :H * K].unflatten(1, (H, K)))
+        kk = fast.l2norm(x[:, H * K:2 * H * K].unflatten(1, (H, K)))
+        v = x[:, 2 * H * K:].unflatten(1, (HV, V)).contiguous()
+        g, beta = fast.gdn_gating(A_log, a, dt_bias, b.float())
+        return q, kk, v, g, beta
+    return call
+
+
+def prep_bytes(L: int, e: int = 2) -> int:
+    return L * ((2 * H * K + HV * V) * 2 * e + HV * (2 * e + 2 * 4))
+
+
+def prep_rows(copy_gbps: float, lengths=PREP_L) -> list:
+    """The prep table's rows: the fused op, then the separate launches (vs_fast: their time over the op's)."""
+    out = []
+    for L in lengths:
+        us = per_layer_us(lambda i: prep_call(L, i), layers=8)
+        gbs = prep_bytes(L) / us / 1e3
+        out.append(dict(what="post-conv prep", N=L, impl="fast.vllm_ops.fused_post_conv_prep", us=us, GBps=gbs,
+                        of_copy=gbs / copy_gbps))
+        cus = per_layer_us(lambda i: prep_call(L, i, chain=True), layers=8)
+        out.append(dict(what="post-conv prep", N=L, impl="fast: l2norm x 2 + copy + gdn_gating", us=cus,
+                        GBps=prep_bytes(L) / cus / 1e3, vs_fast=cus / us))
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
-    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "conv"), help="only that table")
+    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "prep", "conv"), help="only that table")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_vllm: needs a GPU")
@@ -301,6 +355,7 @@ def main(argv=None):
     tables = (("recurrent", TITLE, META, lambda: rows(copy) + rows(copy, BF16_CASES, torch.bfloat16)),
               ("packed", PACKED_TITLE, PACKED_META, lambda: packed_rows(copy)),
               ("verify", VERIFY_TITLE, VERIFY_META, lambda: verify_rows(copy)),
+              ("prep", PREP_TITLE, PREP_META, lambda: prep_rows(copy)),
               ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)))
     for name, title, meta, make in tables:
         if ns.only not in (None, name):

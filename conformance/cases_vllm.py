@@ -14,6 +14,9 @@ The packed decode (fused_recurrent_gated_delta_rule_packed_decode: gates, l2norm
 rows, the pool in vLLM's [S, HV, V, K] layout, slot 0 its null block): out and the written slots by the rule, null
 requests' outputs (zeros) and the other slots exact.
 
+The prefill preparation (fused_post_conv_prep: the conv's packed rows split into q, k, v, the l2norm and the gates):
+q, k, g and beta by the rule, v exactly (a copy).
+
 The conv (causal_conv1d_update in vLLM's form: rows picked by conv_state_indices, drafts kept for the next call's
 window at num_accepted_tokens - 1): y by the rule; the new conv_state rows exactly refgdn's in the same precision
 (they are copies of inputs); untouched rows and padded requests' outputs exact. The problem builders are shared
@@ -32,6 +35,7 @@ OP = "vllm_fused_recurrent_gated_delta_rule"
 PACKED_OP = "vllm_packed_decode"
 CONV_OP = "vllm_causal_conv1d_update"
 CONV_FN_OP = "vllm_causal_conv1d_fn"
+POST_CONV_OP = "vllm_fused_post_conv_prep"
 
 
 def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
@@ -377,6 +381,51 @@ def conv_fn_families(quick: bool, device: str) -> dict:
     }
 
 
+def post_conv_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> list:
+    """The op's arguments in its order: conv_output [L, 2 H K + HV V] and a, b [L, HV] in dtype (a + dt_bias across
+    softplus' threshold, b saturating the sigmoid in places), A_log, dt_bias [HV] float32, H, K, V, the two flags.
+
+    p: L; H, HV, K, V (2, 4, 16, 16); l2 (True); g_exp (False); strided (rows of a wider buffer, as vLLM's conv
+    output slices)."""
+    gen = torch.Generator().manual_seed(seed)
+    L, H, HV, K, V = p["L"], p.get("H", 2), p.get("HV", 4), p.get("K", 16), p.get("V", 16)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    width = 2 * H * K + HV * V
+    x = r(L, width + (5 if p.get("strided") else 0))[:, :width]
+    a, b = 12.0 * r(L, HV), 8.0 * r(L, HV)
+    A_log = torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1
+    return [x.to(dtype).to(device), a.to(dtype).to(device), b.to(dtype).to(device), A_log.float().to(device),
+            (0.5 * r(HV)).float().to(device), H, K, V, p.get("l2", True), p.get("g_exp", False)]
+
+
+def post_conv_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    """fast vs refgdn in dtype vs refgdn in float64: q, k, g, beta by the rule; v exactly refgdn's (a copy)."""
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
+    args = post_conv_problem(p, dtype, device, seed)
+    wide = [t.double() if isinstance(t, torch.Tensor) else t for t in args]
+    f, r, t = (op(*xs) for op, xs in ((FV.fused_post_conv_prep, args), (RV.fused_post_conv_prep, args),
+                                      (RV.fused_post_conv_prep, wide)))
+    return [Check(name, f[i], t[i], r[i]) for i, name in ((0, "q"), (1, "k"), (3, "g"), (4, "beta"))] + [
+        Check("v (a copy)", f[2], r[2], exact=True)]
+
+
+def post_conv_families(quick: bool, device: str) -> dict:
+    """A prefill's tokens with the l2norm; without it and with exp(g) (FlashInfer's form); strided rows with three
+    value heads per key head and K, V not powers of two; one token. Quick: 2 / 4 heads of 16; full: Qwen3-Next's
+    16 / 32 heads of 128 (and Qwen3.5-27B's 16 / 48)."""
+    qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
+    out = {
+        "prefill-l2norm": dict(L=37, **qwen),
+        "no-l2norm-g-exp": dict(L=20, l2=False, g_exp=True, **qwen),
+        "one-token": dict(L=1, **qwen),
+        "strided-gva3-odd-KV": dict(L=19, H=2, HV=6, K=24, V=20, strided=True),
+    }
+    if not quick:
+        out["gva3-qwen3.5"] = dict(L=300, H=16, HV=48, K=128, V=128, strided=True)
+    return out
+
+
 def cases(quick: bool, device: str) -> list:
     try:
         import fast.vllm_ops  # noqa: F401
@@ -384,6 +433,7 @@ def cases(quick: bool, device: str) -> list:
         return []
     out = []
     for op, fams, check in ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
+                            (POST_CONV_OP, post_conv_families, post_conv_checks),
                             (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
         for family, p in fams(quick, device).items():
             for dt in dtypes_for(device):

@@ -2,6 +2,8 @@
 
     gdn_gating:  g = -exp(A_log) * softplus(a + dt_bias)      beta = sigmoid(b)
     l2norm:      x / sqrt(sum(x^2) + eps)  over the last dim
+    post_conv_prep_kernel: both on the conv's packed q | k | v rows, split into contiguous q, k, v (newer vLLM's
+                 prefill preparation, fast.vllm_ops.fused_post_conv_prep)
 
 Both are memory-bound one-pass kernels with pinned configs (no autotune: they run inside decode
 graphs, DESIGN.md invariant 2). Semantics, dtypes and validation are refgdn's (refgdn.gating).
@@ -14,6 +16,7 @@ import triton.language as tl
 
 from refgdn.checks import _need_float, _need_tensor, check_gating_inputs
 
+from .chunk.common import _beta_of, _exp, _gate
 from .launch import LayoutPlans, Relaunch
 from .utils import cdiv, eps_split, fp64_eps, next_pow2
 
@@ -204,3 +207,53 @@ def l2norm_into(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Te
     if p.M:
         p.launch(x2, y, *p.scalars)
     return y
+
+
+@triton.jit
+def post_conv_prep_kernel(x, a, b, A_log, dt_bias, q, k, v, g, beta, L, s_xt, s_at, s_bt,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, G_EXP: tl.constexpr,
+                          THRESHOLD: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr):
+    """Per (block of BT tokens, head): x [L, 2 H K + HV V] (row stride s_xt, unit column stride) split into
+    q, k [L, H, K] and v [L, HV, V] (contiguous, x's dtype); a, b [L, HV] (row strides s_at, s_bt) -> g, beta [L, HV]
+    float32. grid = (cdiv(L, BT), H + HV): programs h < H take query / key head h, the others value head h - H.
+
+        q, k <- x / sqrt(sum(x^2) + EPS) (L2NORM)     g = -exp(A_log) softplus(a + dt_bias) (exp(g): G_EXP)
+        beta = sigmoid(b)
+    """
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    rows = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    m_t = rows < L
+    if i_h < H:                                              # query / key head i_h
+        o_k = tl.arange(0, BK)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        p_q = x + rows[:, None] * s_xt + i_h * K + o_k[None, :]
+        b_q = tl.load(p_q, mask=m, other=0.0).to(tl.float32)
+        b_k = tl.load(p_q + H * K, mask=m, other=0.0).to(tl.float32)
+        if L2NORM:                                           # masked columns load 0: nothing added to the sums
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + EPS)[:, None]
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + EPS)[:, None]
+        out = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        tl.store(q + out, b_q.to(q.dtype.element_ty), mask=m)
+        tl.store(k + out, b_k.to(k.dtype.element_ty), mask=m)
+    else:                                                    # value head i_h - H and its gates
+        i_hv = i_h - H
+        o_v = tl.arange(0, BV)
+        m = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(x + rows[:, None] * s_xt + 2 * H * K + i_hv * V + o_v[None, :], mask=m, other=0.0)
+        tl.store(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_v, mask=m)
+        b_a = tl.load(a + rows * s_at + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_b = tl.load(b + rows * s_bt + i_hv, mask=m_t, other=0.0)
+        b_g = _gate(b_a, tl.load(A_log + i_hv).to(tl.float32), tl.load(dt_bias + i_hv).to(tl.float32), THRESHOLD,
+                    PRECISE)
+        if G_EXP:
+            b_g = _exp(b_g, PRECISE)
+        tl.store(g + rows * HV + i_hv, b_g, mask=m_t)
+        tl.store(beta + rows * HV + i_hv, _beta_of(b_b, m_t, 1, PRECISE), mask=m_t)
+
+
+def post_conv_prep_config(H: int, HV: int, K: int, V: int) -> dict:
+    """post_conv_prep_kernel's pinned config (no autotune: vLLM's prefill path runs it in piecewise CUDA graphs): 16
+    tokens per program, four warps (unmeasured on a GPU: the first pick, vLLM's own tile)."""
+    return dict(BT=16, BK=next_pow2(K), BV=next_pow2(V), num_warps=4)

@@ -590,6 +590,23 @@ def _vllm_fused_gdn_gating(A_log, a, b, dt_bias, beta=1.0, threshold=20.0) -> Li
     return gdn_gating(A_log, a, dt_bias, b)
 
 
+def _vllm_fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
+                               apply_l2norm=True, output_g_exp=False) -> List[CompileKey]:
+    """Keys of fast.vllm_ops.fused_post_conv_prep: one post_conv_prep_kernel (float64: refgdn, none; no token: none)."""
+    from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config
+    if _fp64(conv_output, a, b, A_log, dt_bias) or conv_output.shape[0] == 0:
+        return []
+    H, HV, K, V = num_k_heads, A_log.shape[0], head_k_dim, head_v_dim
+    cfg = post_conv_prep_config(H, HV, K, V)
+    x = conv_output.dtype
+    return [CompileKey.make(
+        "post_conv_prep_kernel",
+        dict(H=H, HV=HV, K=K, V=V, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], L2NORM=apply_l2norm, G_EXP=output_g_exp,
+             THRESHOLD=SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS, PRECISE=_chunk._precise(x)),
+        dict(x=x, a=a.dtype, b=b.dtype, A_log=A_log.dtype, dt_bias=dt_bias.dtype, q=x, k=x, v=x, g=_F32, beta=_F32),
+        dict(num_warps=cfg["num_warps"]))]
+
+
 def _vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
                                num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, pad_slot_id=-1,
                                block_idx_last_scheduled_token=None, initial_state_idx=None,
@@ -637,6 +654,7 @@ class vllm_ops:
     causal_conv1d_update = staticmethod(_vllm_causal_conv1d_update)
     chunk_gated_delta_rule = staticmethod(_vllm_chunk_gated_delta_rule)
     fused_gdn_gating = staticmethod(_vllm_fused_gdn_gating)
+    fused_post_conv_prep = staticmethod(_vllm_fused_post_conv_prep)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)
     fused_recurrent_gated_delta_rule_packed_decode = staticmethod(_vllm_fused_recurrent_gated_delta_rule_packed_decode)
 

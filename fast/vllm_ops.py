@@ -6,6 +6,8 @@ gdn_prefill's slot form. ``fused_recurrent_gated_delta_rule``: vLLM's serving fo
 pool, per-token slots for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent
 kernel (fast.chunk.recurrent.recurrent_slots_kernel). ``fused_recurrent_gated_delta_rule_packed_decode``: newer vLLM's
 decode without drafts, the same kernel with the gates formed in it, on views of the conv's packed rows.
+``fused_post_conv_prep``: newer vLLM's prefill preparation (split, l2norm, gates) in one kernel
+(fast.gating.post_conv_prep_kernel).
 """
 from __future__ import annotations
 
@@ -13,21 +15,22 @@ import torch
 
 import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                           check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs,
+                           check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs,
                            check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
                            vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
-from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
+from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots
 from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
+from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "causal_conv1d_update",
-           "causal_conv1d_fn"]
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "fused_post_conv_prep",
+           "causal_conv1d_update", "causal_conv1d_fn"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -150,6 +153,43 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
     beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
     """
     return _ref.vllm_gating(_gating, A_log, a, b, dt_bias, beta, threshold)
+
+
+def fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                         apply_l2norm: bool = True, output_g_exp: bool = False):
+    """Newer vLLM's prefill preparation (refgdn.vllm_ops.fused_post_conv_prep's twin, same semantics): one launch.
+
+    conv_output: [L, 2 H K + HV V]   a, b: [L, HV]   A_log, dt_bias: [HV]
+    -> (q [L, H, K], k [L, H, K], v [L, HV, V] contiguous in conv_output's dtype, g [L, HV] float32, beta [L, HV]
+    float32)
+
+        q, k <- x / sqrt(sum(x^2) + 1e-6) (apply_l2norm)   g = -exp(A_log) softplus(a + dt_bias) (exp(g): output_g_exp)
+        beta = sigmoid(b)
+
+    Shapes, dtypes and devices are checked on the host (no value is read: capturable). float64 runs refgdn.
+    """
+    L, H, HV, K, V = check_vllm_post_conv_inputs(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim,
+                                                 head_v_dim, apply_l2norm, output_g_exp)
+    if _is_fp64(conv_output, a, b, A_log, dt_bias):
+        return _ref.fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
+                                         apply_l2norm, output_g_exp)
+    dev, dt = conv_output.device, conv_output.dtype
+    q = torch.empty(L, H, K, dtype=dt, device=dev)
+    k = torch.empty(L, H, K, dtype=dt, device=dev)
+    v = torch.empty(L, HV, V, dtype=dt, device=dev)
+    g = torch.empty(L, HV, dtype=torch.float32, device=dev)
+    beta = torch.empty(L, HV, dtype=torch.float32, device=dev)
+    if L == 0:
+        return q, k, v, g, beta
+    x, a2, b2 = _unit_last(conv_output), _unit_last(a), _unit_last(b)
+    cfg = post_conv_prep_config(H, HV, K, V)
+    BT = cfg.pop("BT")
+    post_conv_prep_kernel[(cdiv(L, BT), H + HV)](
+        x, a2, b2, A_log.contiguous(), dt_bias.contiguous(), q, k, v, g, beta, L, x.stride(0), a2.stride(0),
+        b2.stride(0),
+        H=H, HV=HV, K=K, V=V, BT=BT, L2NORM=apply_l2norm, G_EXP=output_g_exp, THRESHOLD=SOFTPLUS_THRESHOLD,
+        EPS=L2NORM_EPS, PRECISE=_precise(dt), **cfg)
+    return q, k, v, g, beta
 
 
 @one_host_read

@@ -701,6 +701,37 @@ def check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, init
     return B, H, HV, K, V
 
 
+def check_vllm_post_conv_inputs(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim, apply_l2norm,
+                                output_g_exp) -> Tuple[int, int, int, int, int]:
+    """Validate vLLM's fused_post_conv_prep arguments (shapes, dtypes, devices); return (L, H, HV, K, V).
+
+    conv_output: [L, 2 H K + HV V] (the conv's packed q | k | v rows); a, b: [L, HV]; A_log, dt_bias: [HV] (HV from
+    A_log); num_k_heads H, head_k_dim K, head_v_dim V: ints >= 1; apply_l2norm, output_g_exp: bools.
+    """
+    for name, val in (("num_k_heads", num_k_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    for name, val in (("apply_l2norm", apply_l2norm), ("output_g_exp", output_g_exp)):
+        if not isinstance(val, bool):
+            raise ValueError(f"{name} must be a bool, got {val!r}")
+    _need_tensor("conv_output", conv_output, 2)
+    _need_float("conv_output", conv_output)
+    device = conv_output.device
+    _need_tensor("A_log", A_log, 1)
+    H, HV, K, V = num_k_heads, A_log.shape[0], head_k_dim, head_v_dim
+    if HV < 1:
+        raise ValueError(f"A_log must be [HV] with HV >= 1 value heads, got {_shape(A_log)}")
+    L, width = conv_output.shape
+    if width != 2 * H * K + HV * V:
+        raise ValueError(f"conv_output must be [L, 2 H K + HV V] = [L, {2 * H * K + HV * V}] (q | k | v per row; H = "
+                         f"{H}, K = {K}, V = {V}, HV = {HV} from A_log), got {_shape(conv_output)}")
+    for name, t in (("a", a), ("b", b)):
+        check_float_param(name, t, (L, HV), "[L, HV]", device)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float_param(name, t, (HV,), "[HV]", device)
+    return L, H, HV, K, V
+
+
 def _one_slot_each(name: str, indices: torch.Tensor, num_slots: int, lowest: int, padded: str, who: str,
                    writes: bool = True) -> List[int]:
     """indices' values (a host read): entries below ``lowest`` pad their row (``padded`` says how); raises ValueError

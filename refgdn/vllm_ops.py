@@ -14,6 +14,9 @@ Newer vLLM decodes without drafts through ``fused_recurrent_gated_delta_rule_pac
 and the delta rule in one op on the conv's packed q | k | v rows, the pool in its [S, HV, V, K] layout, slot 0 its
 null block.
 
+Newer vLLM prepares a prefill's inputs with ``fused_post_conv_prep``: the conv's packed rows split into contiguous
+q, k, v, the l2norm and the gates in one op.
+
 From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). From its mamba ops: ``causal_conv1d_update`` (decode
 and verification, with the drafts' rollback) and ``causal_conv1d_fn`` (prefill). So vLLM's imports of these names become
 ``from refgdn.vllm_ops import ...`` (the oracle) or ``from fast.vllm_ops import ...`` (Triton). Both packages'
@@ -26,17 +29,18 @@ import torch
 
 from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                      check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_packed_decode_inputs,
-                     check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
+                     check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
                      vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import gdn_gating as _gating
+from .gating import l2norm as _l2norm
 from .gating import softplus as _softplus
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "causal_conv1d_update",
-           "causal_conv1d_fn"]
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "fused_post_conv_prep",
+           "causal_conv1d_update", "causal_conv1d_fn"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -200,6 +204,36 @@ def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float =
     beta / threshold are softplus' parameters; only vLLM's defaults (1.0, 20.0) are supported.
     """
     return vllm_gating(_gating, A_log, a, b, dt_bias, beta, threshold)
+
+
+def fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                         apply_l2norm: bool = True, output_g_exp: bool = False):
+    """Newer vLLM's prefill preparation (its third_party fla ``fused_post_conv_prep``): the conv's packed rows split
+    into contiguous q, k, v, q and k l2-normalised, and the gates, in one op.
+
+    conv_output: [L, 2 H K + HV V] (row t: token t's q | k | v)   a, b: [L, HV]   A_log, dt_bias: [HV]
+    -> (q [L, H, K], k [L, H, K], v [L, HV, V] contiguous in conv_output's dtype, g [L, HV], beta [L, HV])
+
+        q, k <- x / sqrt(sum(x^2) + 1e-6) (apply_l2norm)   g = -exp(A_log) softplus(a + dt_bias)   beta = sigmoid(b)
+        g <- exp(g) (output_g_exp: the decay itself, as FlashInfer's prefill takes it)
+
+    H = num_k_heads, K = head_k_dim, V = head_v_dim; HV from A_log. g and beta are float32 (float64 when any input
+    is), beta included (not b's dtype, unlike fused_gdn_gating). refgdn.l2norm and refgdn.gdn_gating on the split.
+    """
+    L, H, HV, K, V = check_vllm_post_conv_inputs(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim,
+                                                 head_v_dim, apply_l2norm, output_g_exp)
+    wide = torch.float64 if torch.float64 in (conv_output.dtype, a.dtype, b.dtype, A_log.dtype,
+                                              dt_bias.dtype) else torch.float32
+    x = conv_output
+    q = x[:, :H * K].unflatten(1, (H, K))                           # [L, H K] -> [L, H, K]
+    k = x[:, H * K:2 * H * K].unflatten(1, (H, K))
+    v = x[:, 2 * H * K:].unflatten(1, (HV, V)).contiguous()         # [L, HV V] -> [L, HV, V]
+    if apply_l2norm:
+        q, k = _l2norm(q), _l2norm(k)                               # (computed in float32 / 64, rounded back)
+    g, beta = _gating(A_log.to(wide), a.to(wide), dt_bias.to(wide), b.to(wide))
+    if output_g_exp:
+        g = torch.exp(g)
+    return q.contiguous(), k.contiguous(), v, g, beta
 
 
 def vllm_gating(gating, A_log, a, b, dt_bias, beta: float, threshold: float):

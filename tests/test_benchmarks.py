@@ -274,3 +274,17 @@ def test_verify_call_at_a_tiny_shape(monkeypatch, engine):
     assert o.shape == (1, 2 * 3, 2, 16) and torch.isfinite(o.float()).all()
     if engine == "sglang":
         assert pools and all(torch.equal(p, b) for p, b in zip(pools, before))
+
+
+def test_prep_call_chain_does_the_same_work(monkeypatch):
+    """bench_vllm's prep table compares like with like: the fused op's outputs and the separate launches' agree (to
+    the gates' float32 rounding), at a tiny shape on the test device."""
+    import benchmarks.bench_decode as bd
+    import benchmarks.bench_vllm as bv
+    for name, value in dict(H=1, HV=2, K=16, V=16).items():
+        monkeypatch.setattr(bd, name, value)
+        monkeypatch.setattr(bv, name, value)
+    fused, chain = bv.prep_call(5, device=DEVICE)(), bv.prep_call(5, chain=True, device=DEVICE)()
+    for f, c in zip(fused, chain):
+        assert f.shape == c.shape and f.dtype == c.dtype
+        torch.testing.assert_close(f, c, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,8 @@ checks are conformance.cases_vllm's, run on every family below by the quick matr
 the first half of the README's test command) and here only where a test needs more than the rule. The bad inputs of
 both packages raise before any slot is written.
 """
+import re
+
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ import fast.vllm_ops as FV
 import refgdn
 import refgdn.vllm_ops as RV
 from conformance.cases_vllm import (conv_families, conv_fn_families, conv_fn_problem, conv_problem, families,
-                                   packed_families, packed_problem, packed_run, problem, run as _run)
+                                   packed_families, packed_problem, packed_run, post_conv_families, post_conv_problem,
+                                   problem, run as _run)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
@@ -763,3 +766,75 @@ def test_conv_fn_bad_rows(bad, words):
     y_r = RV.causal_conv1d_fn(x, w, b, s_r, **dict(kw, cache_indices=_t([3, 1, -1, 0])))
     torch.testing.assert_close(y, y_r)
     assert torch.equal(s_f, s_r)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_post_conv_prep (newer vLLM's prefill preparation)
+# ----------------------------------------------------------------------------------------------
+
+POST_CONV = [pytest.param(p, id=name) for name, p in post_conv_families(quick=True, device=DEV).items()]
+
+
+@pytest.mark.parametrize("p", POST_CONV)
+def test_post_conv_prep_oracle_is_the_formulas(p):
+    """float64: every token's and head's outputs are the formulas written out per element (the split by offsets into
+    the row, the l2norm, softplus with its threshold of 20, the sigmoid, exp(g) when asked)."""
+    import math
+    x, a, b, A_log, dt_bias, H, K, V, l2, g_exp = [t.double() if isinstance(t, torch.Tensor) else t
+                                                   for t in post_conv_problem(p, torch.float64, DEV)]
+    q, k, v, g, beta = RV.fused_post_conv_prep(x, a, b, A_log, dt_bias, H, K, V, l2, g_exp)
+    L, HV = a.shape
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.dtype == beta.dtype == torch.float64
+    for t in range(L):
+        for h in range(H):
+            for out, off in ((q, h * K), (k, H * K + h * K)):
+                row = x[t, off:off + K]
+                want = row / math.sqrt(float((row * row).sum()) + 1e-6) if l2 else row
+                torch.testing.assert_close(out[t, h], want, rtol=1e-13, atol=1e-15)
+        for h in range(HV):
+            assert torch.equal(v[t, h], x[t, 2 * H * K + h * V:2 * H * K + (h + 1) * V])
+            z = float(a[t, h] + dt_bias[h])
+            gate = -math.exp(float(A_log[h])) * (z if z > 20 else math.log1p(math.exp(z)))
+            want_g = math.exp(gate) if g_exp else gate
+            assert math.isclose(float(g[t, h]), want_g, rel_tol=1e-13, abs_tol=1e-300)
+            assert math.isclose(float(beta[t, h]), 1 / (1 + math.exp(-float(b[t, h]))), rel_tol=1e-13)
+
+
+POST_CONV_BAD = [
+    pytest.param(lambda c: c.__setitem__(0, c[0][:, 1:]), "conv_output must be [L, 2 H K + HV V]", id="width"),
+    pytest.param(lambda c: c.__setitem__(1, c[1][:-1]), "a must have shape", id="a-rows"),
+    pytest.param(lambda c: c.__setitem__(4, c[4][:2]), "dt_bias must have shape", id="dt-bias-HV"),
+    pytest.param(lambda c: c.__setitem__(5, True), "num_k_heads must be an int >= 1", id="H-bool"),
+    pytest.param(lambda c: c.__setitem__(7, 0), "head_v_dim must be an int >= 1", id="V-zero"),
+    pytest.param(lambda c: c.__setitem__(8, 1), "apply_l2norm must be a bool", id="l2norm-int"),
+    pytest.param(lambda c: c.__setitem__(0, c[0].to(torch.int32)), "conv_output must be float16, bfloat16, float32", id="x-int"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", POST_CONV_BAD)
+def test_post_conv_prep_bad_inputs(pkg, bad, words):
+    c = post_conv_problem(post_conv_families(True, DEV)["prefill-l2norm"], torch.float32, DEV)
+    bad(c)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pkg.fused_post_conv_prep(*c)
+
+
+def test_post_conv_prep_empty_keys_and_no_host_read():
+    """No token: empty outputs of the right shapes, nothing launched; fast.keys predicts the launches (traced_ops raises
+    on a mismatch; float64 runs refgdn); no host read (refgdn.capture's guards): vLLM captures its prefill pieces."""
+    from fast import keys as fk
+    from refgdn.capture import KeyLog, capture_guards, recording, traced_ops
+    F = traced_ops(FV, keys=fk.vllm_ops)
+    log = KeyLog()
+    fams = post_conv_families(True, DEV)
+    with recording(log):
+        for p in fams.values():
+            F.fused_post_conv_prep(*post_conv_problem(p, torch.float32, DEV))
+        out = F.fused_post_conv_prep(*post_conv_problem(dict(fams["prefill-l2norm"], L=0), torch.float32, DEV))
+        F.fused_post_conv_prep(*[t.double() if isinstance(t, torch.Tensor) else t
+                                 for t in post_conv_problem(fams["one-token"], torch.float32, DEV)])
+    assert [key.kernel for key in log.launched if key is not None] == ["post_conv_prep_kernel"] * len(fams)
+    assert [tuple(t.shape) for t in out] == [(0, 2, 16), (0, 2, 16), (0, 4, 16), (0, 4), (0, 4)]
+    with capture_guards("vllm_ops", DEV):
+        FV.fused_post_conv_prep(*post_conv_problem(fams["prefill-l2norm"], torch.float32, DEV))
