@@ -103,15 +103,19 @@ def padded_tokens(p: dict) -> List[int]:
     return out
 
 
-def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
-    """fast vs refgdn in dtype vs refgdn in float64 (module docstring)."""
+def checks(p: dict, dtype: torch.dtype, device: str, seed: int, sigmoid: bool = False) -> List[Check]:
+    """fast vs refgdn in dtype vs refgdn in float64 (module docstring). sigmoid: newer vLLM's
+    fused_sigmoid_gating_delta_rule_update on the same problem, raw gates a, b (sigmoid_inputs) in place of g, beta."""
     import fast.vllm_ops as FV
     import refgdn.vllm_ops as RV
     xs, pool, kw = problem(p, dtype, device, seed)
-    o_f, fs_f, pool_f = run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
-    o_r, fs_r, pool_r = run(RV.fused_recurrent_gated_delta_rule, xs, pool, kw)
-    o_t, fs_t, pool_t = run(RV.fused_recurrent_gated_delta_rule, [x.double() for x in xs],
-                            None if pool is None else pool.double(), kw)
+    name = "fused_recurrent_gated_delta_rule"
+    if sigmoid:
+        xs, kw, name = sigmoid_inputs(xs, kw, dtype, seed), dict(kw), "fused_sigmoid_gating_delta_rule_update"
+        kw.pop("state_layout"), kw.pop("null_block_id")            # (the op's own: "vk" and 0)
+    o_f, fs_f, pool_f = run(getattr(FV, name), xs, pool, kw)
+    o_r, fs_r, pool_r = run(getattr(RV, name), xs, pool, kw)
+    o_t, fs_t, pool_t = run(getattr(RV, name), [x.double() for x in xs], None if pool is None else pool.double(), kw)
     pad = padded_tokens(p)
     flat = o_f.reshape(-1, *o_f.shape[2:])
     out = [Check("o", o_f, o_t, o_r), Check("padded outputs", flat[pad], torch.zeros_like(flat[pad]), exact=True)]
@@ -124,6 +128,40 @@ def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
         out.append(Check("per-token states", fs_f, fs_t, fs_r, dtype=fs_f.dtype))
         if pool is not None:
             out.append(Check("pool (read only)", pool_f, pool, exact=True))
+    return out
+
+
+SIGMOID_OP = "vllm_fused_sigmoid_gating_delta_rule_update"
+
+
+def sigmoid_inputs(xs: list, kw: dict, dtype: torch.dtype, seed: int) -> list:
+    """problem()'s [q, k, v, g, beta] -> newer vLLM's fused_sigmoid_gating_delta_rule_update's leading arguments
+    [A_log, a, b, dt_bias, q, k, v]: raw gates a, b [B * T, HV] in dtype (a + dt_bias across softplus' threshold, b
+    saturating the sigmoid in places), A_log, dt_bias [HV] float32."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    q, k, v = xs[:3]
+    B, T, HV = v.shape[:3]
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    a, b = (12.0 * r(B * T, HV)).to(dtype).to(v.device), (8.0 * r(B * T, HV)).to(dtype).to(v.device)
+    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(v.device)
+    return [A_log, a, b, (0.5 * r(HV)).float().to(v.device), q, k, v]
+
+
+def sigmoid_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    return checks(p, dtype, device, seed, sigmoid=True)
+
+
+def sigmoid_families(quick: bool, device: str) -> dict:
+    """Newer vLLM's fused op: the recurrent op's newer-generation families (states [.., HV, V, K], the null block 0),
+    a bfloat16 pool (o in q's dtype; float32 with a float32 pool), three value heads per key head with the l2norm."""
+    out = {name: p for name, p in families(quick, device).items() if p.get("layout") == "vk"}
+    for name, p in list(out.items()):
+        out[name] = dict(p, null=0)
+    qwen = {} if quick else dict(H=16, HV=32, K=128, V=128, l2=True)
+    out["vk-decode-bf16-pool"] = dict(B=3, T=1, idx=[4, 1, 0], layout="vk", null=0, pool_dtype=torch.bfloat16, **qwen)
+    out["vk-gva3-spec-l2norm"] = dict(B=1, T=6, cu=[0, 2, 4, 6], idx=[[8, 3], [1, 0], [2, 5]], acc=[2, 1, 1],
+                                      l2=True, layout="vk", null=0,
+                                      **(dict(H=2, HV=6) if quick else dict(H=16, HV=48, K=128, V=128)))
     return out
 
 
@@ -433,6 +471,7 @@ def cases(quick: bool, device: str) -> list:
         return []
     out = []
     for op, fams, check in ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
+                            (SIGMOID_OP, sigmoid_families, sigmoid_checks),
                             (POST_CONV_OP, post_conv_families, post_conv_checks),
                             (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
         for family, p in fams(quick, device).items():

@@ -550,12 +550,17 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
     beta = _meta(*g.shape, dtype=q.dtype) if beta is None else beta      # (None: ones in q's dtype)
     if _fp64(q, k, v, g, beta, initial_state):
         return []
+    return _slots_op_keys(q, k, v, g, beta, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+                          num_accepted_tokens, use_qk_l2norm_in_kernel, state_layout == "vk", null_block_id, v.dtype)
+
+
+def _slots_op_keys(q, k, v, g, beta, initial_state, inplace, cu_seqlens, idx, num_acc, l2norm, vk, null_block_id,
+                   o_dtype, A_log=None, dt_bias=None) -> List[CompileKey]:
+    """fast.vllm_ops._slots_op's launch, mirrored: the pool and per-token states through their [.., K, V] views."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    idx = ssm_state_indices
-    vk = state_layout == "vk"
     pool = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state
-    if inplace_final_state:
+    if inplace:
         hs = pool
         write = _rec.WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else _rec.WRITE_FINAL
     else:
@@ -563,9 +568,26 @@ def _vllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, in
                    else _F32)
         hs = hs.transpose(-1, -2) if vk else hs
         write = _rec.WRITE_EACH_ROW
-    return _slots_keys(q, k, v, g, beta, pool, v, hs, H=H, L=idx.shape[1] if idx is not None and
-                       idx.dim() == 2 else 1, scale=1.0, write=write, l2norm=use_qk_l2norm_in_kernel,
-                       cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens, slot_lo=null_block_id + 1)
+    return _slots_keys(q, k, v, g, beta, pool, _meta(B, T, HV, V, dtype=o_dtype), hs, H=H,
+                       L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, scale=1.0, write=write,
+                       l2norm=l2norm, cu_seqlens=cu_seqlens, idx=idx, num_acc=num_acc, A_log=A_log, dt_bias=dt_bias,
+                       gate=A_log is not None, slot_lo=null_block_id + 1)
+
+
+def _vllm_fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0, scale=None,
+                                                 initial_state=None, inplace_final_state=True, cu_seqlens=None,
+                                                 ssm_state_indices=None, num_accepted_tokens=None,
+                                                 use_qk_l2norm_in_kernel=False, is_kda=False, *,
+                                                 check_values=False) -> List[CompileKey]:
+    """Keys of fast.vllm_ops.fused_sigmoid_gating_delta_rule_update: one recurrent_slots_kernel with the gates formed
+    in it (float64: refgdn, none)."""
+    from refgdn.vllm_ops import sigmoid_gating_out_dtype
+    if _fp64(q, k, v, a, b, A_log, dt_bias, initial_state):
+        return []
+    B, T = q.shape[:2]
+    return _slots_op_keys(q, k, v, a.reshape(B, T, -1), b.reshape(B, T, -1), initial_state, inplace_final_state,
+                          cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel, True, 0,
+                          sigmoid_gating_out_dtype(q, initial_state), A_log, dt_bias)
 
 
 def _vllm_fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
@@ -657,6 +679,7 @@ class vllm_ops:
     fused_post_conv_prep = staticmethod(_vllm_fused_post_conv_prep)
     fused_recurrent_gated_delta_rule = staticmethod(_vllm_fused_recurrent_gated_delta_rule)
     fused_recurrent_gated_delta_rule_packed_decode = staticmethod(_vllm_fused_recurrent_gated_delta_rule_packed_decode)
+    fused_sigmoid_gating_delta_rule_update = staticmethod(_vllm_fused_sigmoid_gating_delta_rule_update)
 
 
 # ----------------------------------------------------------------------------------------------

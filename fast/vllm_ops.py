@@ -6,6 +6,7 @@ gdn_prefill's slot form. ``fused_recurrent_gated_delta_rule``: vLLM's serving fo
 pool, per-token slots for speculative decoding), one Triton program per (V-block, sequence, value head) as the recurrent
 kernel (fast.chunk.recurrent.recurrent_slots_kernel). ``fused_recurrent_gated_delta_rule_packed_decode``: newer vLLM's
 decode without drafts, the same kernel with the gates formed in it, on views of the conv's packed rows.
+``fused_sigmoid_gating_delta_rule_update``: newer vLLM's recurrent op with the gates formed in the same kernel.
 ``fused_post_conv_prep``: newer vLLM's prefill preparation (split, l2norm, gates) in one kernel
 (fast.gating.post_conv_prep_kernel).
 """
@@ -16,8 +17,8 @@ import torch
 import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                            check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs,
-                           check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
-                           vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
+                           check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs, host_offsets, one_host_read,
+                           vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
@@ -29,7 +30,8 @@ from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "fused_post_conv_prep",
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_sigmoid_gating_delta_rule_update",
+           "fused_gdn_gating", "fused_post_conv_prep",
            "causal_conv1d_update", "causal_conv1d_fn"]
 
 
@@ -76,30 +78,69 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
         return _ref.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
             num_accepted_tokens, use_qk_l2norm_in_kernel, state_layout=state_layout, null_block_id=null_block_id)
+    return _slots_op(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+                     num_accepted_tokens, use_qk_l2norm_in_kernel, check_values, state_layout == "vk", null_block_id,
+                     v.dtype)
+
+
+def _slots_op(q, k, v, g, beta, scale, initial_state, inplace: bool, cu_seqlens, idx, num_acc, l2norm: bool,
+              check_values: bool, vk: bool, null_block_id: int, o_dtype: torch.dtype, A_log=None, dt_bias=None):
+    """The serving recurrent ops' launch (fused_recurrent_gated_delta_rule, fused_sigmoid_gating_delta_rule_update:
+    the latter passes the raw gates as g, beta with A_log, dt_bias), after their checks: (o, final_state)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
-    vk = state_layout == "vk"
     pool = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state  # [.., HV, K, V]
     if check_values:
-        vllm_recurrent_slots(B, T, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                             None if pool is None else pool.shape[0], null_block_id)
+        vllm_recurrent_slots(B, T, cu_seqlens, idx, num_acc, inplace, None if pool is None else pool.shape[0],
+                             null_block_id)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
-    if inplace_final_state:
+    o = torch.empty(B, T, HV, V, dtype=o_dtype, device=q.device)
+    if inplace:
         hs = pool
-        write = WRITE_EACH_SLOT if ssm_state_indices is not None and ssm_state_indices.dim() == 2 else WRITE_FINAL
+        write = WRITE_EACH_SLOT if idx is not None and idx.dim() == 2 else WRITE_FINAL
     else:
         dims = (V, K) if vk else (K, V)
         hs = torch.empty(B * T, HV, *dims, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
         write = WRITE_EACH_ROW
-    idx = ssm_state_indices
-    launch_slots(q, k, v, g, beta, pool, o, hs.transpose(-1, -2) if vk and not inplace_final_state else hs, H=H,
-                 L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, scale=scale, write=write,
-                 l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, idx=idx, num_acc=num_accepted_tokens,
-                 slot_lo=null_block_id + 1)
-    return o, (initial_state if inplace_final_state else hs)
+    launch_slots(q, k, v, g, beta, pool, o, hs.transpose(-1, -2) if vk and not inplace else hs, H=H,
+                 L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, scale=scale, write=write, l2norm=l2norm,
+                 cu_seqlens=cu_seqlens, idx=idx, num_acc=num_acc, A_log=A_log, dt_bias=dt_bias,
+                 gate=A_log is not None, slot_lo=null_block_id + 1)
+    return o, (initial_state if inplace else hs)
+
+
+@one_host_read
+def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: float = 1.0, threshold: float = 20.0,
+                                           scale=None, initial_state=None, inplace_final_state: bool = True,
+                                           cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                           use_qk_l2norm_in_kernel: bool = False, is_kda: bool = False, *,
+                                           check_values: bool = False):
+    """Newer vLLM's fused decode / verify op (refgdn.vllm_ops.fused_sigmoid_gating_delta_rule_update's twin, same
+    semantics): the gates formed from a, b in recurrent_slots_kernel (GATE), one launch.
+
+    A_log, dt_bias: [HV]   a, b: [B, T, HV] or [B * T, HV]   q, k: [B, T, H, K]   v: [B, T, HV, V]
+    initial_state: the pool [S, HV, V, K] (any strides) with ssm_state_indices [N] or [N, L] (entries <= 0: the null
+    block), else [N, HV, V, K] or None   -> (o [B, T, HV, V]: float32 with a float32 state, else q's dtype,
+    final_state: initial_state written in place, or [B * T, HV, V, K])
+
+    As fused_recurrent_gated_delta_rule(..., state_layout="vk", null_block_id=0) on the gates g = -exp(A_log)
+    softplus(a + dt_bias), beta = sigmoid(b), formed per token in float32 (beta never rounded). Host checks of
+    shapes, dtypes and devices; the values only with check_values=True (capturable otherwise; unchecked values stay
+    memory-safe). float64 runs refgdn.
+    """
+    N, a3, b3 = check_vllm_sigmoid_gating_inputs(A_log, a, b, dt_bias, q, k, v, beta, threshold, scale, initial_state,
+                                                 inplace_final_state, cu_seqlens, ssm_state_indices,
+                                                 num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda,
+                                                 offset_values=check_values)
+    if _is_fp64(q, k, v, a, b, A_log, dt_bias, initial_state):
+        return _ref.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, b, dt_bias, q, k, v, beta, threshold, scale, initial_state, inplace_final_state, cu_seqlens,
+            ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda)
+    return _slots_op(q, k, v, a3, b3, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+                     num_accepted_tokens, use_qk_l2norm_in_kernel, check_values, True, 0,
+                     _ref.sigmoid_gating_out_dtype(q, initial_state), A_log.contiguous(), dt_bias.contiguous())
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

@@ -926,6 +926,50 @@ def check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_
 # SGLang's fused decode op (sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent, also in AMD's aiter and
 # TensorRT-LLM): refgdn.sglang_ops / fast.sglang_ops
 
+def _raw_gate_views(q, v, a, b) -> List[torch.Tensor]:
+    """The raw gate projections a, b [B, T, HV] or [B * T, HV] (B, T from q [B, T, H, K], HV from v) as [B, T, HV]
+    views; ValueError naming the argument otherwise."""
+    _need_tensor("q", q, 4)
+    _need_tensor("v", v, 4)
+    B, T = q.shape[:2]
+    HV = v.shape[2]
+    views = []
+    for name, t in (("a", a), ("b", b)):
+        _need_tensor(name, t)
+        if t.dim() == 2 and tuple(t.shape) == (B * T, HV):
+            t = t.view(B, T, HV) if t.is_contiguous() else t.unflatten(0, (B, T))
+        elif tuple(t.shape) != (B, T, HV):
+            raise ValueError(f"{name} must have shape [B, T, HV] = [{B}, {T}, {HV}] or [B * T, HV] = [{B * T}, {HV}], "
+                             f"got {_shape(t)}")
+        _need_float(name, t)
+        views.append(t)
+    return views
+
+
+def check_vllm_sigmoid_gating_inputs(A_log, a, b, dt_bias, q, k, v, beta, threshold, scale, initial_state,
+                                     inplace_final_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                                     use_qk_l2norm_in_kernel, is_kda, offset_values: bool = True):
+    """Validate newer vLLM's fused_sigmoid_gating_delta_rule_update arguments (shapes, dtypes, devices; the slot values
+    are :func:`vllm_recurrent_slots`' with null_block_id 0); return (N, a, b) with a, b as [B, T, HV] views.
+
+    A_log, dt_bias: [HV]; a, b: [B, T, HV] or [B * T, HV]; q, k, v, initial_state and the rest as
+    :func:`check_vllm_recurrent_inputs` with state_layout "vk" (states [.., HV, V, K]); beta, threshold: softplus'
+    (1.0, 20.0 only); is_kda False (KDA's per-channel gates are refused by name).
+    """
+    if is_kda is not False:
+        raise ValueError(f"is_kda must be False, got {is_kda!r}: KDA's per-channel gates are not supported")
+    check_vllm_gating_arguments(None, beta, threshold)
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise ValueError(f"use_qk_l2norm_in_kernel must be a bool, got {use_qk_l2norm_in_kernel!r}")
+    a3, b3 = _raw_gate_views(q, v, a, b)
+    N = check_vllm_recurrent_inputs(q, k, v, a3, b3, scale, initial_state, inplace_final_state, cu_seqlens,
+                                    ssm_state_indices, num_accepted_tokens, None, offset_values, "vk", 0)
+    HV = v.shape[2]
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float_param(name, t, (HV,), "[HV]", q.device)
+    return N, a3, b3
+
+
 def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source,
                                initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda,
                                disable_state_update, intermediate_states_buffer, intermediate_state_indices,
@@ -956,19 +1000,8 @@ def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_thresh
                        ("disable_state_update", disable_state_update)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    _need_tensor("q", q, 4)
-    _need_tensor("v", v, 4)
-    B, T = q.shape[:2]
+    views = _raw_gate_views(q, v, a, b)
     HV = v.shape[2]
-    views = []
-    for name, t in (("a", a), ("b", b)):
-        _need_tensor(name, t)
-        if t.dim() == 2 and tuple(t.shape) == (B * T, HV):
-            t = t.view(B, T, HV) if t.is_contiguous() else t.unflatten(0, (B, T))
-        elif tuple(t.shape) != (B, T, HV):
-            raise ValueError(f"{name} must have shape [B, T, HV] = [{B}, {T}, {HV}] or [B * T, HV] = [{B * T}, {HV}], "
-                             f"got {_shape(t)}")
-        views.append(t)
     N = check_gdn_inputs(q, k, v, views[0], views[1], scale, None, cu_seqlens, A_log, dt_bias,
                          offset_values=offset_values)
     K, V = q.shape[3], v.shape[3]

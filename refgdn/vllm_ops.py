@@ -14,7 +14,9 @@ Newer vLLM decodes without drafts through ``fused_recurrent_gated_delta_rule_pac
 and the delta rule in one op on the conv's packed q | k | v rows, the pool in its [S, HV, V, K] layout, slot 0 its
 null block.
 
-Newer vLLM prepares a prefill's inputs with ``fused_post_conv_prep``: the conv's packed rows split into contiguous
+Newer vLLM's ``fused_sigmoid_gating_delta_rule_update`` (its third_party fla; not SGLang's op of that name, see
+refgdn.sglang_ops) is the newer recurrent op with the gates formed from the raw projections a, b. Newer vLLM prepares
+a prefill's inputs with ``fused_post_conv_prep``: the conv's packed rows split into contiguous
 q, k, v, the l2norm and the gates in one op.
 
 From its Qwen3-Next model file: ``fused_gdn_gating`` (the gates). From its mamba ops: ``causal_conv1d_update`` (decode
@@ -29,7 +31,8 @@ import torch
 
 from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                      check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_packed_decode_inputs,
-                     check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
+                     check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs,
+                     host_offsets, one_host_read, vllm_conv_fn_rows,
                      vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
@@ -39,7 +42,8 @@ from .gating import l2norm as _l2norm
 from .gating import softplus as _softplus
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-           "fused_recurrent_gated_delta_rule_packed_decode", "fused_gdn_gating", "fused_post_conv_prep",
+           "fused_recurrent_gated_delta_rule_packed_decode", "fused_sigmoid_gating_delta_rule_update",
+           "fused_gdn_gating", "fused_post_conv_prep",
            "causal_conv1d_update", "causal_conv1d_fn"]
 
 
@@ -191,6 +195,49 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     if live:
         pool.index_copy_(0, read, s1.transpose(-1, -2).to(pool.dtype))            # back to [n, HV, V, K]
     return out, initial_state
+
+
+def sigmoid_gating_out_dtype(q: torch.Tensor, initial_state) -> torch.dtype:
+    """Newer vLLM's fused_sigmoid_gating_delta_rule_update output dtype: float32 with a float32 state (an fp16 output
+    of an unnormalised fp32 state can overflow), else q's."""
+    return torch.float32 if initial_state is not None and initial_state.dtype == torch.float32 else q.dtype
+
+
+def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: float = 1.0, threshold: float = 20.0,
+                                           scale=None, initial_state=None, inplace_final_state: bool = True,
+                                           cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                           use_qk_l2norm_in_kernel: bool = False, is_kda: bool = False, *,
+                                           check_values: bool = False):
+    """Newer vLLM's fused decode / verify op (its third_party fla ``fused_sigmoid_gating_delta_rule_update``): the gates
+    from the raw projections and the delta rule per token, states in a slot pool [S, HV, V, K].
+
+    A_log, dt_bias: [HV]   a, b: [B, T, HV] or [B * T, HV]   q, k: [B, T, H, K]   v: [B, T, HV, V]
+    initial_state, ssm_state_indices, num_accepted_tokens, cu_seqlens, inplace_final_state: as
+    fused_recurrent_gated_delta_rule with state_layout "vk" and null_block_id 0 (entries <= 0: vLLM's null block)
+    -> (o [B, T, HV, V], final_state); o is float32 with a float32 state, else in q's dtype (vLLM's rule).
+
+        g_t = -exp(A_log) softplus(a_t + dt_bias);  beta_t = sigmoid(b_t)     (in the compute dtype, never rounded)
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    fused_recurrent_gated_delta_rule on the gates refgdn.gdn_gating forms (float32, float64 when any input or the
+    pool is); beta / threshold are softplus' (1.0 / 20.0 only), is_kda must be False. Where this differs from
+    vLLM's kernel: a padded request's outputs are zeros (vLLM leaves them unwritten). Values are checked on every
+    call (check_values is fast's switch).
+    """
+    N, a3, b3 = check_vllm_sigmoid_gating_inputs(A_log, a, b, dt_bias, q, k, v, beta, threshold, scale, initial_state,
+                                                 inplace_final_state, cu_seqlens, ssm_state_indices,
+                                                 num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda)
+    wide = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype,
+                                              dt_bias.dtype, None if initial_state is None
+                                              else initial_state.dtype) else torch.float32
+    g, bt = _gating(A_log.to(wide), a3.to(wide), dt_bias.to(wide), b3.to(wide))
+    # q, k, v upcast (exactly: the op computes in the compute dtype anyway) so that o comes back in the compute
+    # dtype, then rounded once to vLLM's output dtype
+    o, final = fused_recurrent_gated_delta_rule(q.to(wide), k.to(wide), v.to(wide), g, bt, scale, initial_state,
+                                                inplace_final_state, cu_seqlens, ssm_state_indices,
+                                                num_accepted_tokens, use_qk_l2norm_in_kernel, state_layout="vk",
+                                                null_block_id=0)
+    return o.to(sigmoid_gating_out_dtype(q, initial_state)), final
 
 
 def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):

@@ -20,7 +20,7 @@ import refgdn
 import refgdn.vllm_ops as RV
 from conformance.cases_vllm import (conv_families, conv_fn_families, conv_fn_problem, conv_problem, families,
                                    packed_families, packed_problem, packed_run, post_conv_families, post_conv_problem,
-                                   problem, run as _run)
+                                   problem, run as _run, sigmoid_families, sigmoid_inputs)
 from conformance.core import Check, evaluate
 from tests.helpers import gdn_inputs
 
@@ -838,3 +838,94 @@ def test_post_conv_prep_empty_keys_and_no_host_read():
     assert [tuple(t.shape) for t in out] == [(0, 2, 16), (0, 2, 16), (0, 4, 16), (0, 4), (0, 4)]
     with capture_guards("vllm_ops", DEV):
         FV.fused_post_conv_prep(*post_conv_problem(fams["prefill-l2norm"], torch.float32, DEV))
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_sigmoid_gating_delta_rule_update (newer vLLM's recurrent op with the gates in it)
+# ----------------------------------------------------------------------------------------------
+
+SIGMOID = [pytest.param(p, id=name) for name, p in sigmoid_families(quick=True, device=DEV).items()]
+
+
+def _sigmoid(p, dtype, seed=0):
+    xs, pool, kw = _problem(p, dtype)
+    kw = {key: val for key, val in kw.items() if key not in ("state_layout", "null_block_id")}
+    return sigmoid_inputs(xs, kw, dtype, seed), pool, kw
+
+
+@pytest.mark.parametrize("p", SIGMOID)
+def test_sigmoid_gating_oracle_is_the_recurrent_op_on_the_gates(p):
+    """float64: the op is the newer-generation recurrent op (state_layout "vk", null_block_id 0) on the gates written
+    out (softplus with its threshold of 20, the sigmoid), bit for bit: outputs, written states, untouched slots."""
+    args, pool, kw = _sigmoid(p, torch.float64)
+    args, pool = [x.double() for x in args], None if pool is None else pool.double()
+    A_log, a, b, dt_bias, q, k, v = args
+    z = a.double() + dt_bias.double()
+    g = -torch.exp(A_log.double()) * torch.where(z > 20, z, torch.log1p(torch.exp(torch.clamp(z, max=20))))
+    beta = 1 / (1 + torch.exp(-b.double()))
+    B, T, HV = v.shape[:3]
+    got = _run(lambda *xs, **kws: RV.fused_sigmoid_gating_delta_rule_update(*xs, **kws), args, pool, kw)
+    want = _run(RV.fused_recurrent_gated_delta_rule, [q, k, v, g.reshape(B, T, HV), beta.reshape(B, T, HV)], pool,
+                dict(kw, state_layout="vk", null_block_id=0))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("pool_dtype,o_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)],
+                         ids=["fp32-state-fp32-out", "bf16-state-q-dtype-out"])
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+def test_sigmoid_gating_output_dtype_follows_vllm(pkg, pool_dtype, o_dtype):
+    """o is float32 with a float32 state (an fp16 readout of an unnormalised state can overflow), else q's dtype."""
+    args, pool, kw = _sigmoid(sigmoid_families(True, DEV)["vk-decode-null-block"], torch.float16)
+    o, final = pkg.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool.to(pool_dtype), **kw)
+    assert o.dtype == o_dtype and final.dtype == pool_dtype
+
+
+SIGMOID_BAD = [
+    pytest.param(dict(is_kda=True), "is_kda must be False", id="kda"),
+    pytest.param(dict(beta=2.0), "beta (softplus' sharpness) must be 1.0", id="softplus-beta"),
+    pytest.param(dict(threshold=10.0), "threshold (softplus' linear cut-off) must be 20.0", id="threshold"),
+    pytest.param(dict(a="drop-a-row"), "a must have shape [B, T, HV]", id="a-rows"),
+    pytest.param(dict(dt_bias="short"), "dt_bias must have shape", id="dt-bias-HV"),
+    pytest.param(dict(initial_state="kv"), "slot pool [S, HV, V, K]", id="kv-pool"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", SIGMOID_BAD)
+def test_sigmoid_gating_bad_inputs_raise_before_any_write(pkg, bad, words):
+    args, pool, kw = _sigmoid(sigmoid_families(True, DEV)["vk-spec-null-block"], torch.float32)
+    pool = pool.clone()
+    bad = dict(bad)
+    if bad.pop("a", None):
+        args[1] = args[1][:-1]
+    if bad.pop("dt_bias", None):
+        args[3] = args[3][:1]
+    if bad.pop("initial_state", None):
+        pool = torch.zeros(pool.shape[0], pool.shape[1], 16, 8, device=DEV)     # [S, HV, K, V] with K != V
+    before = pool.clone()
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pkg.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool, **kw, **bad)
+    assert torch.equal(pool, before)
+
+
+def test_sigmoid_gating_keys_and_no_host_read():
+    """fast.keys.vllm_ops predicts every family's launch (traced_ops raises on a mismatch; GATE and SLOT_LO 1); no host
+    read without check_values (capturable), one with it."""
+    from fast import keys as fk
+    from refgdn.capture import HostSyncInCapture, KeyLog, capture_guards, recording, traced_ops
+    F = traced_ops(FV, keys=fk.vllm_ops)
+    log = KeyLog()
+    with recording(log):
+        for p in sigmoid_families(True, DEV).values():
+            args, pool, kw = _sigmoid(p, torch.float32)
+            F.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool, **kw)
+    keys = [key for key in log.launched if key is not None]
+    assert len(keys) == len(SIGMOID) and all(dict(key.constexprs)["GATE"] and dict(key.constexprs)["SLOT_LO"] == 1
+                                              for key in keys)
+    args, pool, kw = _sigmoid(sigmoid_families(True, DEV)["vk-decode-null-block"], torch.float32)
+    with capture_guards("vllm_ops", DEV):
+        FV.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool, **kw)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("vllm_ops", DEV):
+            FV.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool, **kw, check_values=True)
