@@ -519,8 +519,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 # ----------------------------------------------------------------------------------------------
 
 def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                 cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False) -> List[CompileKey]:
-    """Keys of fast.vllm_ops.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes."""
+                                 cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *,
+                                 chunk_indices=None, chunk_offsets=None, core_attn_out=None,
+                                 state_layout="kv") -> List[CompileKey]:
+    """Keys of fast.vllm_ops.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes ("vk"
+    states as their [N, HV, K, V] views; core_attn_out takes a copy of o, no kernel)."""
+    if state_layout == "vk" and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                   use_qk_l2norm_in_kernel, head_first=head_first)
 

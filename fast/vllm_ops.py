@@ -36,14 +36,17 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False):
-    """fast.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag).
+                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *, chunk_indices=None,
+                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv"):
+    """fast.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag); newer vLLM's
+    keywords (state_layout "vk", core_attn_out, chunk_indices / chunk_offsets) as refgdn.vllm_ops' twin.
 
-    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V]
-    -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 or None)
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V] ("vk": [N, HV, V, K])
+    -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 ("vk": [N, HV, V, K]) or None)
     """
-    return _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                  use_qk_l2norm_in_kernel, head_first=head_first)
+    return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                           head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
+                           state_layout)
 
 
 @one_host_read

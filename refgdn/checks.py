@@ -527,6 +527,16 @@ def check_gating_inputs(A_log, a, dt_bias, b) -> None:
 # vLLM's serving form of the recurrent op (vllm.model_executor.layers.fla.ops.fused_recurrent_gated_delta_rule: a
 # slot pool read and written in place, per-token slots for speculative decoding): refgdn.vllm_ops / fast.vllm_ops
 
+def check_vk_states(name: str, states, q, v) -> None:
+    """states [N, HV, V, K] (newer vLLM's layout: each head's state transposed), K from q [.., K], HV and V from
+    v [.., HV, V]; the leading N and the rest are the op's own checks (on the [N, HV, K, V] view)."""
+    _need_tensor(name, states, 4)
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4 and (
+            tuple(states.shape[1:]) != (v.shape[2], v.shape[3], q.shape[3])):
+        raise ValueError(f"{name} must be [N, HV, V, K] = [N, {v.shape[2]}, {v.shape[3]}, {q.shape[3]}] "
+                         f"(state_layout 'vk'), got {_shape(states)}")
+
+
 def check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
                                 ssm_state_indices, num_accepted_tokens, retrieve_parent_token=None,
                                 offset_values: bool = True, state_layout: str = "kv", null_block_id: int = -1) -> int:

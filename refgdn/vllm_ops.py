@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
+from .checks import (_need_tensor, _shape, check_vk_states, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                      check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_packed_decode_inputs,
                      check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs,
                      host_offsets, one_host_read, vllm_conv_fn_rows,
@@ -48,14 +48,51 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False):
+                           cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *, chunk_indices=None,
+                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv"):
     """refgdn.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V]
     -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 or None)
+
+    Newer vLLM's generation (third_party fla: no head_first, keywords after cu_seqlens): state_layout="vk" takes
+    initial_state [N, HV, V, K] and returns final_state [N, HV, V, K] (contiguous); core_attn_out [B, T, HV, V] in
+    v's dtype receives o (returned); chunk_indices / chunk_offsets (vLLM's precomputed varlen tables) are accepted
+    and not needed (tensors or None). Pass them by keyword.
     """
-    return _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                  use_qk_l2norm_in_kernel, head_first=head_first)
+    return vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, head_first,
+                      use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out, state_layout)
+
+
+def vllm_chunk(chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, head_first,
+               use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out, state_layout):
+    """vLLM's chunk op over a package's chunk_gated_delta_rule (refgdn's or fast's): both generations' arguments
+    checked here (ValueError naming them), the "vk" states seen through their [.., K, V] views."""
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' (states [N, HV, K, V]) or 'vk' ([N, HV, V, K], newer vLLM's), "
+                         f"got {state_layout!r}")
+    for name, t in (("chunk_indices", chunk_indices), ("chunk_offsets", chunk_offsets)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None (vLLM's varlen table; not needed here), got "
+                             f"{type(t).__name__}")
+    vk = state_layout == "vk"
+    if vk and initial_state is not None:
+        check_vk_states("initial_state", initial_state, q, v)
+    if core_attn_out is not None:
+        _need_tensor("core_attn_out", core_attn_out, 4)
+        if tuple(core_attn_out.shape) != tuple(v.shape) or core_attn_out.dtype != v.dtype or (
+                core_attn_out.device != v.device):
+            raise ValueError(f"core_attn_out must be [B, T, HV, V] = {list(v.shape)} in v's dtype {v.dtype} on "
+                             f"{v.device} (o is written into it), got {_shape(core_attn_out)} {core_attn_out.dtype} "
+                             f"on {core_attn_out.device}")
+    h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
+    o, final = chunk(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                     head_first=head_first)
+    if vk and final is not None:
+        final = final.transpose(-1, -2).contiguous()                                          # [N, HV, V, K]
+    if core_attn_out is not None:
+        o = core_attn_out.copy_(o)
+    return o, final
 
 
 def default_beta(q: torch.Tensor, v: torch.Tensor, beta):

@@ -929,3 +929,59 @@ def test_sigmoid_gating_keys_and_no_host_read():
     with pytest.raises(HostSyncInCapture):
         with capture_guards("vllm_ops", DEV):
             FV.fused_sigmoid_gating_delta_rule_update(*args, initial_state=pool, **kw, check_values=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_gated_delta_rule: newer vLLM's generation (states [N, HV, V, K], core_attn_out)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+def test_chunk_newer_generation_is_the_older_on_transposed_states(pkg):
+    """state_layout "vk": initial_state [N, HV, V, K] in and final_state [N, HV, V, K] out are the older call's states
+    transposed, bit for bit, and o equal; core_attn_out receives o and is what is returned; chunk_indices /
+    chunk_offsets are accepted (not needed)."""
+    q, k, v, g, beta, h0 = gdn_inputs(1, 40, 1, 2, 16, 16, seed=5, dtype=torch.float32, device=DEV, init=True, N=2)
+    cu = _t([0, 15, 40])
+    o, ht = pkg.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, cu)
+    out = torch.full_like(v, float("nan"))
+    o2, ht2 = pkg.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(),
+                                         output_final_state=True, cu_seqlens=cu, core_attn_out=out,
+                                         chunk_indices=_t([[0, 0], [1, 0]]), chunk_offsets=_t([0, 1, 2]),
+                                         state_layout="vk")
+    assert o2 is out and torch.equal(o2, o)
+    assert ht2.shape == (2, 2, 16, 16) and ht2.is_contiguous() and torch.equal(ht2, ht.transpose(-1, -2))
+
+
+CHUNK_BAD = [
+    pytest.param(dict(state_layout="v-major"), "state_layout must be 'kv'", id="layout-unknown"),
+    pytest.param(dict(state_layout="vk", initial_state=torch.zeros(2, 2, 16, 8)),
+                 "initial_state must be [N, HV, V, K] = [N, 2, 16, 16]", id="vk-state-shape"),
+    pytest.param(dict(core_attn_out=torch.zeros(1, 40, 2, 16, dtype=torch.float16)), "core_attn_out must be",
+                 id="out-dtype"),
+    pytest.param(dict(core_attn_out=torch.zeros(1, 39, 2, 16)), "core_attn_out must be", id="out-shape"),
+    pytest.param(dict(chunk_indices=[0, 1]), "chunk_indices must be a tensor or None", id="indices-list"),
+]
+
+
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("bad,words", CHUNK_BAD)
+def test_chunk_newer_generation_bad_arguments(pkg, bad, words):
+    q, k, v, g, beta, h0 = gdn_inputs(1, 40, 1, 2, 16, 16, seed=5, dtype=torch.float32, device=DEV, init=True, N=2)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=_t([0, 15, 40]))
+    kw.update({key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in bad.items()})
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pkg.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+
+
+def test_chunk_newer_generation_keys_equal_the_launches():
+    """fast.keys.vllm_ops predicts the newer-generation call's launches (traced_ops raises on a mismatch)."""
+    from fast import keys as fk
+    from refgdn.capture import KeyLog, recording, traced_ops
+    F = traced_ops(FV, keys=fk.vllm_ops)
+    q, k, v, g, beta, h0 = gdn_inputs(1, 40, 1, 2, 16, 16, seed=5, dtype=torch.float32, device=DEV, init=True, N=2)
+    log = KeyLog()
+    with recording(log):
+        F.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(),
+                                 output_final_state=True, cu_seqlens=_t([0, 15, 40]), state_layout="vk",
+                                 core_attn_out=torch.empty_like(v))
+    assert len(log.launched) >= 2
