@@ -270,7 +270,6 @@ def slots_config(K: int, V: int, N: int, per_token: bool, state_dtype: torch.dty
     return cfg
 
 
-
 SLOTS_TENSORS = ("q", "k", "v", "g", "beta", "pool", "o", "hs", "cu_seqlens", "idx", "num_acc", "A_log", "dt_bias",
                  "widx")                                 # recurrent_slots_kernel's tensor arguments, in order
 
