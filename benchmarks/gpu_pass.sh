@@ -93,7 +93,7 @@ if [[ $steps == *pending* ]]; then
   # newer vLLM's prefill preparation fused_post_conv_prep (post_conv_prep_kernel: tests, conformance, the prep table)
   # and its fused_sigmoid_gating_delta_rule_update (the recurrent kernel with GATE and SLOT_LO 1)
   timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
-    tests/test_sglang_ops.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+    tests/test_sglang_ops.py tests/test_vllm_layer.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 120 python3 -m conformance --device cuda --full \
     --ops vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule,sglang_fused_sigmoid_gating_delta_rule_update,vllm_fused_post_conv_prep,vllm_fused_sigmoid_gating_delta_rule_update \
     --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
