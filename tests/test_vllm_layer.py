@@ -9,6 +9,8 @@ and each later token as
 
     causal_conv1d_update -> fused_recurrent_gated_delta_rule_packed_decode (the pool [S, HV, V, K], slot 0 its null block)
 
+(or, for the decode's delta rule, vLLM's newer fused_sigmoid_gating_delta_rule_update, or SGLang's op of that name on
+the same pool layout)
 with the conv windows and the states handed from op to op through two slot pools. The truth for a request whose
 prompt is prefilled and then extended by decode steps is refgdn's conv, gates and delta rule over its whole token
 sequence in float64 (one pass: refgdn.causal_conv1d, gdn_gating, recurrent_gated_delta_rule). refgdn's chain in float64
@@ -17,8 +19,10 @@ must give it to rounding; fast's chain in float32 by the conformance rule agains
 import pytest
 import torch
 
+import fast.sglang_ops as FS
 import fast.vllm_ops as FV
 import refgdn
+import refgdn.sglang_ops as RS
 import refgdn.vllm_ops as RV
 from conformance.core import Check, evaluate
 
@@ -41,9 +45,31 @@ def _layer(seed: int, dtype: torch.dtype):
     return {k_: cast(t) for k_, t in w.items()}, [{k_: cast(t) for k_, t in d.items()} for d in toks]
 
 
-def _vllm_chain(ops, w, toks, dtype):
-    """The prefill of every prompt in one call, then STEPS decode calls of one token per request: (outputs per
-    request [T_n + STEPS, HV, V], the ssm pool)."""
+def _decode(ops, sg, engine, y1, a1, b1, w, ssm_pool, slots, dtype):
+    """One decode step's delta rule on the conv's rows y1 [N, D] -> [N, HV, V]: vLLM's packed decode ("packed"), vLLM's
+    newer gated recurrent op ("vllm-sigmoid"), or SGLang's op ("sglang", its own signature: the sg namespace)."""
+    N = y1.shape[0]
+    q = y1[:, :H * K].unflatten(1, (H, K))[:, None]                             # [N, 1, H, K]: views of the rows
+    k = y1[:, H * K:2 * H * K].unflatten(1, (H, K))[:, None]
+    v = y1[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]
+    if engine == "packed":
+        out = torch.empty(N, 1, HV, V, dtype=dtype, device=DEV)
+        ops.fused_recurrent_gated_delta_rule_packed_decode(y1, a1, b1, w["A_log"], w["dt_bias"], K ** -0.5, ssm_pool,
+                                                           out, slots, True)
+        return out[:, 0]
+    if engine == "vllm-sigmoid":
+        o, _ = ops.fused_sigmoid_gating_delta_rule_update(w["A_log"], a1, b1, w["dt_bias"], q, k, v,
+                                                          initial_state=ssm_pool, ssm_state_indices=slots,
+                                                          use_qk_l2norm_in_kernel=True)
+        return o[:, 0].to(dtype)
+    o = sg.fused_sigmoid_gating_delta_rule_update(w["A_log"], a1[:, None], w["dt_bias"], 1.0, 20.0, q, k, v,
+                                                  b1[:, None], ssm_pool, slots, K ** -0.5, True)
+    return o[:, 0]
+
+
+def _vllm_chain(ops, w, toks, dtype, engine="packed"):
+    """The prefill of every prompt in one call, then STEPS decode calls of one token per request (engine: which decode
+    op, _decode): (outputs per request [T_n + STEPS, HV, V], the ssm pool)."""
     S = max(SLOTS) + 1
     conv_pool = torch.full((S, D, W - 1), 7.0, dtype=dtype, device=DEV)        # stale rows: must not be read
     ssm_pool = torch.full((S, HV, V, K), 7.0, dtype=dtype, device=DEV)
@@ -66,10 +92,8 @@ def _vllm_chain(ops, w, toks, dtype):
         a1 = torch.stack([t["a"][n + step] for t, n in zip(toks, PROMPTS)])
         b1 = torch.stack([t["b"][n + step] for t, n in zip(toks, PROMPTS)])
         y1 = ops.causal_conv1d_update(xs, conv_pool, w["conv"], None, "silu", conv_state_indices=slots)
-        out = torch.empty(len(PROMPTS), 1, HV, V, dtype=dtype, device=DEV)
-        ops.fused_recurrent_gated_delta_rule_packed_decode(y1, a1, b1, w["A_log"], w["dt_bias"], K ** -0.5, ssm_pool,
-                                                           out, slots, True)
-        outs = [torch.cat([o_n, out[n]]) for n, o_n in enumerate(outs)]
+        out = _decode(ops, RS if ops is RV else FS, engine, y1, a1, b1, w, ssm_pool, slots, dtype)
+        outs = [torch.cat([o_n, out[n][None]]) for n, o_n in enumerate(outs)]
     return outs, ssm_pool
 
 
@@ -91,13 +115,18 @@ def _truth(w, toks):
     return outs, states
 
 
+ENGINES = [pytest.param("packed", id="vllm-packed-decode"), pytest.param("vllm-sigmoid", id="vllm-gated-recurrent"),
+           pytest.param("sglang", id="sglang-op")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", [1])
-def test_refgdn_chain_is_one_pass_over_the_history(seed):
+def test_refgdn_chain_is_one_pass_over_the_history(seed, engine):
     """float64: prefill + decode steps through vLLM's op chain (refgdn) equal one pass over each request's tokens;
     the pool's rows of the requests hold their final states, every other row (the null block 0 included) is
     untouched."""
     w, toks = _layer(seed, torch.float64)
-    outs, pool = _vllm_chain(RV, w, toks, torch.float64)
+    outs, pool = _vllm_chain(RV, w, toks, torch.float64, engine)
     want, states = _truth(w, toks)
     for n, slot in enumerate(SLOTS):
         torch.testing.assert_close(outs[n], want[n], rtol=1e-10, atol=1e-12)
@@ -106,13 +135,14 @@ def test_refgdn_chain_is_one_pass_over_the_history(seed):
     assert torch.equal(pool[others], torch.full_like(pool[others], 7.0))
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", [1])
-def test_fast_chain_by_the_conformance_rule(seed):
+def test_fast_chain_by_the_conformance_rule(seed, engine):
     """float32: fast's chain against the float64 truth within the conformance rule (refgdn's chain in float32 as the
     reference error), outputs and final states; the other rows untouched, bit for bit."""
     w, toks = _layer(seed, torch.float32)
-    outs_f, pool_f = _vllm_chain(FV, w, toks, torch.float32)
-    outs_r, pool_r = _vllm_chain(RV, w, toks, torch.float32)
+    outs_f, pool_f = _vllm_chain(FV, w, toks, torch.float32, engine)
+    outs_r, pool_r = _vllm_chain(RV, w, toks, torch.float32, engine)
     want, states = _truth(w, toks)
     checks = [Check("o", torch.cat(outs_f), torch.cat(want), torch.cat(outs_r)),
               Check("final states", pool_f[list(SLOTS)], torch.stack(states), pool_r[list(SLOTS)])]
