@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import (_need_tensor, _shape, check_vk_states, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                     check_vllm_conv_update_inputs, check_vllm_gating_arguments, check_vllm_packed_decode_inputs,
-                     check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs,
-                     host_offsets, one_host_read, vllm_conv_fn_rows,
+from .checks import (_need_tensor, _shape, check_vk_states, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals,
+                     check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments,
+                     check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs, check_vllm_recurrent_inputs,
+                     check_vllm_sigmoid_gating_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
                      vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk

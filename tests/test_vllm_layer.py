@@ -7,7 +7,7 @@ vLLM's layer (its Qwen3-Next model file, the third_party fla generation) runs a 
 
 and each later token as
 
-    causal_conv1d_update -> fused_recurrent_gated_delta_rule_packed_decode (the pool [S, HV, V, K], slot 0 its null block)
+    causal_conv1d_update -> fused_recurrent_gated_delta_rule_packed_decode (pool [S, HV, V, K], slot 0 its null block)
 
 (or, for the decode's delta rule, vLLM's newer fused_sigmoid_gating_delta_rule_update, or SGLang's op of that name on
 the same pool layout)

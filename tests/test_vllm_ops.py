@@ -807,7 +807,8 @@ POST_CONV_BAD = [
     pytest.param(lambda c: c.__setitem__(5, True), "num_k_heads must be an int >= 1", id="H-bool"),
     pytest.param(lambda c: c.__setitem__(7, 0), "head_v_dim must be an int >= 1", id="V-zero"),
     pytest.param(lambda c: c.__setitem__(8, 1), "apply_l2norm must be a bool", id="l2norm-int"),
-    pytest.param(lambda c: c.__setitem__(0, c[0].to(torch.int32)), "conv_output must be float16, bfloat16, float32", id="x-int"),
+    pytest.param(lambda c: c.__setitem__(0, c[0].to(torch.int32)), "conv_output must be float16, bfloat16, float32",
+                 id="x-int"),
 ]
 
 
