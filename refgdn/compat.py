@@ -7,13 +7,14 @@ Qwen3-Next and Mamba layers call) over an ops namespace's causal_conv1d / causal
 
 ``refgdn.compat`` binds them to refgdn's ops, ``fast.compat`` to fast's: the same mapping, one definition.
 ``causal_conv1d_update``'s ``conv_state_indices`` [B] picks each row's state from a larger pool [S_pool, D, S]
-(continuous batching); the rows are gathered, updated and written back, the others untouched; a negative index pads
-(zeros out, nothing written). Refused by name
+(continuous batching); the picked rows are updated, the others untouched; a negative index pads (zeros out, nothing
+written). Refused by name
 (ValueError): ``seq_idx`` (use cu_seqlens with causal_conv1d), the circular-buffer ``cache_seqlens``, and updates of
 more than one token.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Optional
 
@@ -48,14 +49,17 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return out, final
 
 
-def _checked_indices(idx, x, conv_state) -> list:
+def _checked_indices(idx, x, conv_state, values: bool = True) -> Optional[list]:
     """conv_state_indices checked against x's batch and the pool (ValueError naming it): [B] int on the pool's
-    device; its entries (read on the host) negative (a padded row) or distinct and in [0, S_pool). Returns them."""
+    device; with values, its entries (read on the host) negative (a padded row) or distinct and in [0, S_pool),
+    returned (else None: nothing read)."""
     _need_tensor("x", x)
     _need_tensor("conv_state", conv_state, 3)               # the pool [S_pool, D, S]
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, D] or [B, D, 1], got {tuple(x.shape)}")
     check_index_vector("conv_state_indices", idx, x.shape[0], conv_state.device)
+    if not values:
+        return None
     vals = idx.tolist()
     live = [v for v in vals if v >= 0]
     if any(v >= conv_state.shape[0] for v in live) or len(set(live)) != len(live):
@@ -66,7 +70,7 @@ def _checked_indices(idx, x, conv_state) -> list:
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, activation: Optional[str] = None, cache_seqlens=None,
-                         conv_state_indices=None, *, ops=None) -> torch.Tensor:
+                         conv_state_indices=None, *, ops=None, check_values: bool = True) -> torch.Tensor:
     """x: [B, D] or [B, D, 1], conv_state: [B, D, S] with S >= W-1 (updated in place), weight: [D, W], bias: [D] ->
     out shaped as x. The window is conv_state's last W-1 columns and x; the whole buffer shifts by one column and
     takes x last (causal-conv1d's semantics; transformers keeps S = W).
@@ -74,11 +78,26 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     conv_state_indices: [B] int32 / int64: conv_state is a pool [S_pool, D, S] and row b updates
     conv_state[conv_state_indices[b]]; the entries are distinct and in [0, S_pool), or negative: a padded row
     (causal-conv1d's padding: a padded batch keeps its shape), whose output is zeros and which writes no
-    state. The indices are read on the host to be checked (a sync)."""
+    state. check_values: the indices' values are read on the host and checked (a sync). When the pool's rows are the
+    window itself (S = W-1) and x has the pool's dtype, the update runs in the ops' vLLM-form conv update
+    (``<ops>.vllm_ops.causal_conv1d_update``: rows picked on the device, negative ones padded, the same op), so
+    without check_values nothing is read back (fast: capturable in a CUDA graph; unchecked values stay memory-safe,
+    two rows on one slot race). Otherwise the rows are gathered, updated and written back, which reads the values."""
     if cache_seqlens is not None:
         raise ValueError("cache_seqlens: not supported (a circular conv state)")
     if conv_state_indices is not None:
-        vals = _checked_indices(conv_state_indices, x, conv_state)
+        if check_values:
+            vals = _checked_indices(conv_state_indices, x, conv_state)
+        else:
+            _checked_indices(conv_state_indices, x, conv_state, values=False)
+            vals = None
+        W = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        if W is not None and conv_state.shape[2] == W - 1 and x.dtype == conv_state.dtype:
+            slot_ops = importlib.import_module(_ops(ops).__name__ + ".vllm_ops")
+            return slot_ops.causal_conv1d_update(x, conv_state, weight, bias, activation,
+                                                 conv_state_indices=conv_state_indices)
+        if vals is None:
+            vals = _checked_indices(conv_state_indices, x, conv_state)          # the gather below reads them
         idx = conv_state_indices.long().clamp(min=0)            # a padded row reads row 0 (a copy, never written)
         rows = (conv_state.index_select(0, idx) if conv_state.shape[0]  # [B, D, S]: the requests' states (copies)
                 else conv_state.new_zeros(len(vals), *conv_state.shape[1:]))   # (an empty pool: every row padded)

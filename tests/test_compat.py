@@ -93,13 +93,15 @@ def test_update_with_conv_state_indices(mod, S):
 
 
 @pytest.mark.parametrize("mod", [rc, fc], ids=["refgdn", "fast"])
+@pytest.mark.parametrize("S", [W - 1, W], ids=lambda s: f"state-width-{s}")
 @pytest.mark.parametrize("pick", [[5, -1, 3], [-1, -1, -1], [-2, 6, -1]], ids=["one-padded", "all-padded", "two-padded"])
-def test_update_with_padded_conv_state_indices(mod, pick):
+def test_update_with_padded_conv_state_indices(mod, pick, S):
     """Negative conv_state_indices are padded rows (causal-conv1d's padding): their outputs are zeros and no pool row
-    is written for them; the live rows are updated bit for bit as transformers' update of those rows alone."""
+    is written for them; the live rows are updated bit for bit as transformers' update of those rows alone (S = W-1:
+    through the ops' vLLM-form update on the device; S = W: gathered and written back)."""
     gen = torch.Generator().manual_seed(13)
     w, b = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
-    pool, x = torch.randn(7, D, W, generator=gen), torch.randn(B, D, 1, generator=gen)
+    pool, x = torch.randn(7, D, S, generator=gen), torch.randn(B, D, 1, generator=gen)
     live = [i for i, v in enumerate(pick) if v >= 0]
     got_pool = pool.clone().to(DEVICE)
     got = mod.causal_conv1d_update(x.to(DEVICE), got_pool, w.to(DEVICE), b.to(DEVICE), "silu",
@@ -140,3 +142,24 @@ def test_refusals_name_the_argument_and_leave_the_state(mod):
         with pytest.raises(ValueError, match=arg):
             call()
         assert torch.equal(st, before)
+
+
+def test_fast_indexed_update_reads_nothing_back_unless_asked():
+    """fast's indexed update of a [S_pool, D, W-1] pool runs on the device: no host read (refgdn.capture's guards: it
+    can be captured in a CUDA graph); check_values=True reads and checks the values (a duplicate named) before any
+    write; refgdn's checks them always."""
+    from refgdn.capture import HostSyncInCapture, capture_guards
+    gen = torch.Generator().manual_seed(21)
+    w, pool = torch.randn(D, W, generator=gen).to(DEVICE), torch.randn(7, D, W - 1, generator=gen).to(DEVICE)
+    x, idx = torch.randn(B, D, generator=gen).to(DEVICE), _i([5, -1, 3])
+    with capture_guards("compat", DEVICE):
+        fc.causal_conv1d_update(x, pool, w, None, "silu", conv_state_indices=idx)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("compat", DEVICE):
+            fc.causal_conv1d_update(x, pool, w, None, "silu", conv_state_indices=idx, check_values=True)
+    before = pool.clone()
+    for call in (lambda: fc.causal_conv1d_update(x, pool, w, conv_state_indices=_i([2, 4, 2]), check_values=True),
+                 lambda: rc.causal_conv1d_update(x, pool, w, conv_state_indices=_i([2, 4, 2]))):
+        with pytest.raises(ValueError, match="conv_state_indices must be distinct"):
+            call()
+    assert torch.equal(pool, before)
