@@ -986,3 +986,24 @@ def test_chunk_newer_generation_keys_equal_the_launches():
                                  output_final_state=True, cu_seqlens=_t([0, 15, 40]), state_layout="vk",
                                  core_attn_out=torch.empty_like(v))
     assert len(log.launched) >= 2
+
+
+@pytest.mark.parametrize("name", ["decode-null-slots", "decode-l2norm", "gva3-l2norm", "odd-KV-scale"])
+def test_sigmoid_gating_one_token_is_the_packed_decode(name):
+    """float64: for one token per request the two newer vLLM decode ops agree (written independently in refgdn: the
+    packed decode's own step, the gated recurrent op over refgdn's recurrent op): outputs and pools, null block and
+    negative entries padded alike."""
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = packed_problem(packed_families(True, DEV)[name], torch.float64, DEV)
+    x, a, b, A_log, dt_bias, pool = (t.double() for t in (x, a, b, A_log, dt_bias, pool))
+    N, HV, V, K = x.shape[0], pool.shape[1], pool.shape[2], pool.shape[3]
+    H = (x.shape[1] - HV * V) // (2 * K)
+    out = torch.zeros(N, 1, HV, V, dtype=torch.float64, device=DEV)
+    pool_p, pool_s = pool.clone(), pool.clone()
+    RV.fused_recurrent_gated_delta_rule_packed_decode(x, a, b, A_log, dt_bias, scale, pool_p, out, idx, l2)
+    q = x[:, :H * K].unflatten(1, (H, K))[:, None]
+    k = x[:, H * K:2 * H * K].unflatten(1, (H, K))[:, None]
+    v = x[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]
+    o, _ = RV.fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, scale=scale, initial_state=pool_s,
+                                                     ssm_state_indices=idx, use_qk_l2norm_in_kernel=l2)
+    torch.testing.assert_close(o, out, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(pool_s, pool_p, rtol=1e-12, atol=1e-13)
