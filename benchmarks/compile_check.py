@@ -20,7 +20,8 @@ bench16 = the same with the 16-bit backward; forward = the prefill forward at Qw
 sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen3-Next's shape (float32
 state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8; norm = fast.norm's gated output norm at
 V = 128 (decode rows and a T = 4096 prefill, forward and backward) and the model's plain norms (hidden 2048,
-head_dim 256).
+head_dim 256); vllm = the vLLM / SGLang ops' kernels at Qwen3-Next's shape (fast.vllm_ops' recurrent op in both
+generations, its gated op, the packed decode, the prefill preparation; SGLang's decode and target verify).
 
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
 broadcast of a scalar atomic's result).
@@ -37,7 +38,8 @@ import tempfile
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--shape", default="small", choices=["small", "bench", "bench16", "decode", "forward", "norm"])
+    ap.add_argument("--shape", default="small",
+                    choices=["small", "bench", "bench16", "decode", "forward", "norm", "vllm"])
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
@@ -107,6 +109,42 @@ def main(argv=None) -> int:
             fnm.norm_fwd(x, None, w, None, None, 1e-6, True)
             if M > 16:
                 fnm.norm_bwd(torch.randn(M, D).to(dt), x, None, w, None, None, 1e-6, True)
+    elif args.shape == "vllm":
+        # the serving ops vLLM and SGLang call, through their own host code (fast.chunk.recurrent.slots_launch), at
+        # Qwen3-Next's heads: decode N = 8 and verify of 1 + 3 tokens, float32 / bfloat16 pools
+        import fast.sglang_ops as FS
+        import fast.vllm_ops as FV
+        H, HV, K, V, N, L = 16, 32, 128, 128, 8, 4
+        x = lambda *s: torch.randn(*s).to(dt)                   # noqa: E731
+        i32 = lambda t: torch.as_tensor(t, dtype=torch.int32)   # noqa: E731
+        cu = i32(list(range(0, N * L + 1, L)))
+        for pool_dt in (torch.float32, torch.bfloat16):
+            kv, vk = torch.randn(4 * N, HV, K, V).to(pool_dt), torch.randn(4 * N, HV, V, K).to(pool_dt)
+            spec = dict(cu_seqlens=cu, ssm_state_indices=i32(torch.arange(N * L).reshape(N, L) + 1),
+                        num_accepted_tokens=i32([1] * N), use_qk_l2norm_in_kernel=True)
+            g, beta = -torch.rand(1, N * L, HV), torch.rand(1, N * L, HV)
+            q, k, v = x(1, N * L, H, K), x(1, N * L, H, K), x(1, N * L, HV, V)
+            FV.fused_recurrent_gated_delta_rule(q[:, :N], k[:, :N], v[:, :N], g[:, :N], beta[:, :N], None, kv, True,
+                                                i32(list(range(N + 1))), i32(list(range(1, N + 1))),
+                                                use_qk_l2norm_in_kernel=True)
+            FV.fused_recurrent_gated_delta_rule(q, k, v, g, beta, None, kv, True, **spec)
+            FV.fused_recurrent_gated_delta_rule(q, k, v, g, beta, None, vk, True, **spec, state_layout="vk",
+                                                null_block_id=0)
+            a, b = x(N * L, HV), x(N * L, HV)
+            FV.fused_sigmoid_gating_delta_rule_update(torch.rand(HV), a, b, torch.randn(HV), q, k, v,
+                                                      initial_state=vk, **spec)
+            rows = x(N, 2 * H * K + HV * V)
+            FV.fused_recurrent_gated_delta_rule_packed_decode(rows, a[:N], b[:N], torch.rand(HV), torch.randn(HV),
+                                                              K ** -0.5, vk, torch.empty(N, 1, HV, V).to(dt),
+                                                              i32(list(range(1, N + 1))), True)
+            FS.fused_sigmoid_gating_delta_rule_update(torch.rand(HV), a[:N], torch.randn(HV), 1.0, 20.0, q[:, :N],
+                                                      k[:, :N], v[:, :N], b[:N], vk, i32(list(range(N))), None, True,
+                                                      i32(list(range(N + 1))))
+            FS.fused_sigmoid_gating_delta_rule_update(torch.rand(HV), a, torch.randn(HV), 1.0, 20.0, q, k, v, b, vk,
+                                                      i32(list(range(N))), None, True, cu, disable_state_update=True,
+                                                      intermediate_states_buffer=torch.empty(N, L, HV, V, K).to(pool_dt))
+        FV.fused_post_conv_prep(x(4096, 2 * H * K + HV * V), x(4096, HV), x(4096, HV), torch.rand(HV),
+                                torch.randn(HV), H, K, V, True)
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
