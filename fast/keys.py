@@ -28,6 +28,7 @@ import torch
 
 from refgdn.capture import CompileKey
 from refgdn.checks import fla_keywords, fla_recurrent_arguments, host_offsets_known
+from refgdn.vllm_ops import sigmoid_gating_out_dtype
 
 from . import chunk as _chunk
 from . import conv as _conv
@@ -586,7 +587,6 @@ def _vllm_fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, 
                                                  check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.fused_sigmoid_gating_delta_rule_update: one recurrent_slots_kernel with the gates formed
     in it (float64: refgdn, none)."""
-    from refgdn.vllm_ops import sigmoid_gating_out_dtype
     if _fp64(q, k, v, a, b, A_log, dt_bias, initial_state):
         return []
     B, T = q.shape[:2]

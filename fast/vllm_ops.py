@@ -143,7 +143,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: 
             ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda)
     return _slots_op(q, k, v, a3, b3, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
                      num_accepted_tokens, use_qk_l2norm_in_kernel, check_values, True, 0,
-                     _ref.sigmoid_gating_out_dtype(q, initial_state), A_log.contiguous(), dt_bias.contiguous())
+                     _ref.sigmoid_gating_out_dtype(q, initial_state), A_log, dt_bias)
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

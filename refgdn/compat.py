@@ -86,18 +86,16 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     if cache_seqlens is not None:
         raise ValueError("cache_seqlens: not supported (a circular conv state)")
     if conv_state_indices is not None:
-        if check_values:
-            vals = _checked_indices(conv_state_indices, x, conv_state)
-        else:
-            _checked_indices(conv_state_indices, x, conv_state, values=False)
-            vals = None
-        W = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-        if W is not None and conv_state.shape[2] == W - 1 and x.dtype == conv_state.dtype:
+        # rows that are the window itself (S = W-1), x in their dtype: the vLLM-form update on the device
+        on_device = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and isinstance(conv_state, torch.Tensor)
+                     and conv_state.dim() == 3 and conv_state.shape[2] == weight.shape[1] - 1
+                     and isinstance(x, torch.Tensor) and x.dtype == conv_state.dtype)
+        # the values are read when asked, and always for the gather below
+        vals = _checked_indices(conv_state_indices, x, conv_state, values=check_values or not on_device)
+        if on_device:
             slot_ops = importlib.import_module(_ops(ops).__name__ + ".vllm_ops")
             return slot_ops.causal_conv1d_update(x, conv_state, weight, bias, activation,
                                                  conv_state_indices=conv_state_indices)
-        if vals is None:
-            vals = _checked_indices(conv_state_indices, x, conv_state)          # the gather below reads them
         idx = conv_state_indices.long().clamp(min=0)            # a padded row reads row 0 (a copy, never written)
         rows = (conv_state.index_select(0, idx) if conv_state.shape[0]  # [B, D, S]: the requests' states (copies)
                 else conv_state.new_zeros(len(vals), *conv_state.shape[1:]))   # (an empty pool: every row padded)

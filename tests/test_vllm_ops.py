@@ -1007,3 +1007,21 @@ def test_sigmoid_gating_one_token_is_the_packed_decode(name):
                                                      ssm_state_indices=idx, use_qk_l2norm_in_kernel=l2)
     torch.testing.assert_close(o, out, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(pool_s, pool_p, rtol=1e-12, atol=1e-13)
+
+
+def test_packed_decode_takes_strided_gate_parameters():
+    """A_log / dt_bias as strided [HV] views (slices of wider tensors) read as their values, not as memory at unit
+    stride: the same outputs and pool as contiguous copies (fast's kernel takes them through slots_launch)."""
+    x, a, b, A_log, dt_bias, scale, pool, idx, l2 = packed_problem(packed_families(True, DEV)["decode-l2norm"],
+                                                                   torch.float32, DEV)
+    outs = []
+    for wide in (False, True):
+        A, d = A_log, dt_bias
+        if wide:                                     # every other entry of a twice-as-long tensor
+            A = torch.stack([A_log, torch.full_like(A_log, 9.0)], -1).flatten()[::2]
+            d = torch.stack([dt_bias, torch.full_like(dt_bias, 9.0)], -1).flatten()[::2]
+            assert A.stride(0) == 2 and torch.equal(A, A_log)
+        out, p = torch.empty(x.shape[0], 1, pool.shape[1], pool.shape[2], device=DEV), pool.clone()
+        FV.fused_recurrent_gated_delta_rule_packed_decode(x, a, b, A, d, scale, p, out, idx, l2)
+        outs.append((out, p))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

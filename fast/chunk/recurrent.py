@@ -294,6 +294,8 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     BV = cfg.pop("BV")
     strides = lambda t, n: tuple(t.stride()) if t is not None else (0,) * n         # noqa: E731
     s_idx = (0, 0) if idx is None else (idx.stride(0), idx.stride(1) if idx.dim() == 2 else 0)
+    # the kernel reads A_log[h], dt_bias[h] at unit stride: any caller's strided [HV] view made contiguous here
+    A_log, dt_bias = (None if t is None else t.contiguous() for t in (A_log, dt_bias))
     args = (q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx,
             T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if widx is not None else 0, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
