@@ -46,7 +46,7 @@ import torch
 
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
-__all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "PlanCache", "Relaunch", "SignaturePlans",
+__all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "Offset", "PlanCache", "Relaunch", "SignaturePlans",
            "launch", "shape_key", "varlen_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
@@ -82,7 +82,8 @@ class Relaunch:
     """``fn[grid](*args, **kw)`` with fixed grid and keyword arguments, the compiled launcher reused.
 
     Call it with the kernel's positional arguments (``launch(*args)``; a :class:`Carved` region may stand
-    where the kernel takes a tensor, the same one in every call of the layout). The first call, and any call
+    where the kernel takes a tensor, the same one in every call of the layout, and an :class:`Offset` a tensor's
+    address plus a fixed offset). The first call, and any call
     whose arguments the checks of the module docstring do not clear, goes through ``fn[grid]``; the
     others call the compiled kernel's launcher with the same arguments, each tensor replaced by its
     address (``data_ptr()``), the constexpr keyword values appended in parameter order. One Relaunch
@@ -143,7 +144,7 @@ class Relaunch:
                     # from C, to do nothing)
                     last[1](*grid, drv.get_current_stream(dev), *last[2], *flat, *self.tail)
                     return
-        args = tuple(a.tensor() if type(a) is Carved else a for a in args)
+        args = tuple(a.tensor() if type(a) in _STAND_INS else a for a in args)
         out = self.fn[grid](*args, **self.kw)
         if self.reuse:
             self._remember(out, args)
@@ -273,6 +274,31 @@ class Carved:
     def nbytes(dtype: torch.dtype, shape: tuple) -> int:
         """Bytes of a region, rounded up to 16 (so the next one starts aligned)."""
         return -(-math.prod(shape) * dtype.itemsize // 16) * 16
+
+
+class Offset:
+    """A tensor argument given as another tensor's address plus a fixed byte offset, for :class:`Relaunch`: where a
+    kernel takes a view of an argument (q, k and v as column ranges of packed rows) and indexes it through strides
+    passed separately, a plan passes ``Offset(base, nbytes)`` instead of building the view on every call (each torch
+    view costs ~1-2 us of host time). Only the address is read on a reuse; a launch through JITFunction.run gets a
+    one-element tensor of base's dtype at that address (what Triton specialises on: dtype and alignment).
+
+    base: the tensor; offset: bytes from its data_ptr(), a multiple of its element size."""
+    __slots__ = ("base", "offset")
+
+    def __init__(self, base: torch.Tensor, offset: int):
+        self.base, self.offset = base, offset
+
+    def data_ptr(self) -> int:
+        return self.base.data_ptr() + self.offset
+
+    def tensor(self) -> torch.Tensor:
+        """A one-element tensor of base's dtype at the address (a view of base's storage)."""
+        b = self.base
+        return b.as_strided((1,), (1,), b.storage_offset() + self.offset // b.element_size())
+
+
+_STAND_INS = (Carved, Offset)     # what Relaunch turns into tensors before a launch through JITFunction.run
 
 
 class LaunchPlan:

@@ -22,10 +22,11 @@ from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusal
 
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
-from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots
+from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots, slots_plan
 from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
 from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
+from .launch import LayoutPlans, Offset
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
@@ -165,6 +166,14 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     Unchecked slots stay memory-safe: one outside [1, S) pads its request (zeros out, nothing read or written); two
     requests on one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
+    # the key: what the checks read besides the tensors' metadata (types exactly: the checks' rules are by type)
+    key = (("packed", use_qk_l2norm_in_kernel, type(scale))
+           if not check_values and type(use_qk_l2norm_in_kernel) is bool else None)
+    tensors = (mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)
+    p = _PACKED.get(key, tensors)
+    if p is not None:                     # a layout whose call passed the checks before: the launch alone
+        p.run(p.tensors(*tensors), p.scale if scale is None else float(scale))
+        return out, initial_state
     B, H, HV, K, V = check_vllm_packed_decode_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
                                                      ssm_state_indices, use_qk_l2norm_in_kernel)
     if _is_fp64(mixed_qkv, a, b, A_log, dt_bias, initial_state):
@@ -173,17 +182,54 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     _check_fast_limits(K, V)
     if check_values:
         vllm_packed_decode_slots(ssm_state_indices, initial_state.shape[0])
-    scale = K ** -0.5 if scale is None else float(scale)
     x = _unit_last(mixed_qkv)
+    launch = _packed_launch(x, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices, H, HV, K, V,
+                            use_qk_l2norm_in_kernel)
+    launch_slots(*launch[0], scale=K ** -0.5 if scale is None else float(scale), **launch[1])
+    if x is mixed_qkv:                    # (a copied x: every call checks and copies)
+        _PACKED.remember(key, tensors, lambda: _PackedPlan(launch, K, x.element_size()))
+    return out, initial_state
+
+
+def _packed_launch(x, a, b, A_log, dt_bias, initial_state, out, idx, H: int, HV: int, K: int, V: int, l2norm: bool):
+    """The packed decode's launch_slots arguments, but scale: (positional, keyword)."""
     q = x[:, :H * K].unflatten(1, (H, K))[:, None]                # [B, 1, H, K]: views of the packed rows
     k = x[:, H * K:2 * H * K].unflatten(1, (H, K))[:, None]
     v = x[:, 2 * H * K:].unflatten(1, (HV, V))[:, None]           # [B, 1, HV, V]
     pool = initial_state.transpose(-1, -2)                        # [S, HV, K, V]: the same memory
     # a, b [B, 1, HV]: the raw gates, formed in the kernel (GATE)
-    launch_slots(q, k, v, a[:, None], b[:, None], pool, out, pool, H=H, L=1, scale=scale, write=WRITE_FINAL,
-                 l2norm=use_qk_l2norm_in_kernel, idx=ssm_state_indices, A_log=A_log, dt_bias=dt_bias, gate=True,
-                 slot_lo=1)
-    return out, initial_state
+    return ((q, k, v, a[:, None], b[:, None], pool, out, pool),
+            dict(H=H, L=1, write=WRITE_FINAL, l2norm=l2norm, idx=idx, A_log=A_log, dt_bias=dt_bias, gate=True,
+                 slot_lo=1))
+
+
+class _PackedPlan:
+    """The packed decode's launch for one call layout (_PACKED): recurrent_slots_kernel's SlotsPlan, with q, k and v
+    passed as mixed_qkv's address plus their column offsets (fast.launch.Offset: no view built per call), a, b and
+    the pool as themselves (the plan's strides say how the kernel reads them)."""
+    __slots__ = ("slots", "k_off", "v_off", "scale", "M", "direct")
+
+    def __init__(self, launch: tuple, K: int, itemsize: int):
+        pos, kw = launch
+        self.slots = slots_plan(*pos, scale=0.0, **kw)
+        H = kw["H"]
+        self.k_off, self.v_off = H * K * itemsize, 2 * H * K * itemsize
+        self.scale = K ** -0.5
+        self.M, self.direct = self.slots.M, self.slots.direct
+
+    def tensors(self, x, a, b, A_log, dt_bias, pool, out, idx) -> tuple:
+        """The kernel's 14 tensor arguments (SLOTS_TENSORS' order) for this call's tensors."""
+        return (Offset(x, 0), Offset(x, self.k_off), Offset(x, self.v_off), a, b, pool, out, pool, None, idx, None,
+                A_log, dt_bias, None)
+
+    def run(self, tensors: tuple, scale: float) -> None:
+        self.slots.run(tensors, scale)
+
+
+# Eager packed decodes by call layout (fast.launch.LayoutPlans): newer vLLM calls the op once per GDN layer and decode
+# step outside its CUDA graphs (eager mode, batches above the largest captured size). The key: the keywords the
+# checks read besides the tensors (the guard compares every tensor's metadata); check_values=True is never served.
+_PACKED = LayoutPlans()
 
 
 def fused_gdn_gating(A_log, a, b, dt_bias, beta: float = 1.0, threshold: float = 20.0):

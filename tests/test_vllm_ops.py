@@ -489,11 +489,54 @@ def test_packed_fast_reads_nothing_back_unless_asked():
     """vLLM calls it inside CUDA graphs: no host read without check_values (refgdn.capture's guards), one with it."""
     from refgdn.capture import HostSyncInCapture, capture_guards
     c = _packed_case()
-    with capture_guards("vllm_ops", DEV):
-        _packed_call(FV, c)
+    for _ in range(3):                    # the first call checks in full, later ones are served from its plan
+        with capture_guards("vllm_ops", DEV):
+            _packed_call(FV, c)
     with pytest.raises(HostSyncInCapture):
         with capture_guards("vllm_ops", DEV):
             _packed_call(FV, c, check_values=True)
+
+
+@pytest.mark.parametrize("name", ["decode-l2norm", "decode-strided-pages", "decode-bf16-pool-l2norm"])
+def test_packed_layout_plan_equals_the_checked_call(name, monkeypatch):
+    """From a layout's second call fast serves the packed decode from a plan (fast.launch.LayoutPlans: no checks, q, k
+    and v passed as addresses in mixed_qkv, the compiled launcher reused on a GPU): bit for bit the checked call's
+    out and pool (check_values=True is never served), round after round, with the call's own scale."""
+    fams = packed_families(quick=True, device=DEV)
+    p = fams[name]
+    FV._PACKED.clear()
+    checked = []
+    real = FV.check_vllm_packed_decode_inputs
+    monkeypatch.setattr(FV, "check_vllm_packed_decode_inputs", lambda *a: checked.append(1) or real(*a))
+    op = getattr(FV, PACKED_OP)
+    scales = (None, None, 0.37, None, None)
+    for rnd, scale in enumerate(scales):
+        args = _packed(p, seed=rnd)
+        args[5] = scale
+        got = packed_run(op, args)
+        want = packed_run(lambda *a: op(*a, check_values=True), args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"round {rnd}"
+    # checked: the first two plain calls (the plan is kept from a layout's second call), the one with a float scale
+    # (another key), every check_values call; the other plain calls were served
+    assert len(checked) == 2 + 1 + len(scales), len(checked)
+
+
+def test_packed_layout_plan_misses_on_bad_input():
+    """A served layout's plan never serves a call whose metadata differs: the full checks run and raise (the same
+    words as a first call), before any write."""
+    FV._PACKED.clear()
+    for _ in range(3):
+        _packed_call(FV, _packed_case())                                    # the layout is served from here on
+    for bad, words in [(lambda c: c.update(idx=c["idx"].float()), "int32 or int64"),
+                       (lambda c: c.update(out=c["out"][:, 0]), r"out must have shape \[B, 1, HV, V\]"),
+                       (lambda c: c.update(x=c["x"][:, 1:]), r"mixed_qkv must be \[B, 2 H K \+ HV V\]"),
+                       (lambda c: c.update(l2=1), "use_qk_l2norm_in_kernel must be a bool")]:
+        c = _packed_case()
+        bad(c)
+        before = c["pool"].clone()
+        with pytest.raises(ValueError, match=words):
+            _packed_call(FV, c)
+        assert torch.equal(c["pool"], before)
 
 
 def test_packed_keys_equal_the_launches():

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import Relaunch
 from ..utils import is_interpreting, next_pow2
 from .common import L2NORM_EPS, _beta_of, _exp, _gate, _precise, _seq_coords
 
@@ -313,3 +314,34 @@ def launch_slots(*args, **kwargs) -> None:
     if plan is not None:
         grid, kernel_args, constexprs, options = plan
         recurrent_slots_kernel[grid](*kernel_args, **constexprs, **options)
+
+
+class SlotsPlan:
+    """recurrent_slots_kernel's launch for one call layout of a serving op, kept by the op's fast.launch.LayoutPlans
+    so a layout seen before skips the op's host checks, slots_launch and Triton's launch path (the eager packed
+    decode: ~140-190 us of host time per call -> ~30 on the CPU stand-in of benchmarks.host_overhead).
+
+    launch: a Relaunch; head / tail: the scalar arguments before and after scale (fixed by the layout's metadata);
+    M: 1 when there is something to launch; direct: nothing the launch reads is a per-call copy (A_log, dt_bias
+    contiguous; the op checks its own views)."""
+    __slots__ = ("launch", "head", "tail", "M", "direct")
+
+    def run(self, tensors: tuple, scale: float) -> None:
+        """tensors: the 14 of SLOTS_TENSORS, in order (tensors, fast.launch.Offset addresses, None for absent)."""
+        self.launch(*tensors, *self.head, scale, *self.tail)
+
+
+def slots_plan(*args, **kwargs) -> SlotsPlan:
+    """The SlotsPlan of slots_launch(*args, **kwargs) (same arguments: the call the plan's later calls repeat)."""
+    p = SlotsPlan()
+    plan = slots_launch(*args, **kwargs)
+    p.M, p.direct = 0, False
+    if plan is None:
+        return p
+    grid, kernel_args, constexprs, options = plan
+    n = len(SLOTS_TENSORS)
+    p.head, p.tail = kernel_args[n:n + 4], kernel_args[n + 5:]      # (T, S, L, R), then the strides; scale between
+    p.M = 1
+    p.direct = all(t is None or t.is_contiguous() for t in (kwargs.get("A_log"), kwargs.get("dt_bias")))
+    p.launch = Relaunch(recurrent_slots_kernel, grid, {**constexprs, **options})
+    return p
