@@ -20,6 +20,9 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
   launch, allocations  (--device cuda only) the cached decode's pieces alone: each kernel through its
                  Relaunch, Triton's compiled launcher alone, JITFunction.run, the allocations, and one
                  torch kernel launch for scale (launch_rows)
+  serving        (--sm90, --device cuda) the serving ops' decode at N = 1 (vLLM's packed decode, its recurrent op,
+                 its gated op, SGLang's op): the full path (checks, launch plan, JITFunction.run) vs served from
+                 the call layout's plan (fast.launch.LayoutPlans), host time only
   --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
                  reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
                  trick), so JITFunction.run does all its host work (argument binding and specialisation, the
@@ -153,7 +156,49 @@ def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
     return [("sm90 launch: conv_step_kernel", t(conv)), ("sm90 launch: gdn_step_kernel", t(gdn)),
             ("sm90 relaunch: conv_step_kernel (fast.launch)", t(lambda: rc(*conv_args))),
             ("sm90 decode host: old (full checks, launch prep)", t(old_decode_host)),
-            ("sm90 decode host: cached (gdn_decode)", t(lambda: fs.gdn_decode(*args)))]
+            ("sm90 decode host: cached (gdn_decode)", t(lambda: fs.gdn_decode(*args)))] + [
+                ("sm90 " + name, us) for name, us in serving_rows("cpu", iters, repeats)]
+
+
+def serving_rows(device: str, iters: int, repeats: int) -> list:
+    """The serving ops' decode at N = 1 (Qwen3-Next's heads, bf16 activations, a float32 pool of SLOTS slots): host
+    time per call through the op's full path (its layout plans forgotten before every call: checks, launch plan,
+    JITFunction.run) and served from the layout's plan (fast.launch.LayoutPlans, from a layout's second call). No
+    sync: host work only (on a GPU the launches are queued)."""
+    import fast.sglang_ops as fsg
+    import fast.vllm_ops as fv
+    g = torch.Generator().manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device=device)
+    x = torch.randn(N, D, generator=g).to(**bf)
+    a, b = torch.randn(N, HV, generator=g).to(**bf), torch.randn(N, HV, generator=g).to(**bf)
+    A_log, dt_bias = torch.rand(HV, generator=g).to(device), torch.randn(HV, generator=g).to(device)
+    pool = torch.zeros(SLOTS, HV, V, K, device=device)                       # [S, HV, V, K]: newer vLLM's, SGLang's
+    idx = torch.tensor([1], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, N], dtype=torch.int32, device=device)
+    out = torch.empty(N, 1, HV, V, **bf)
+    q, k, v = (x[:, :H * K].view(1, N, H, K), x[:, H * K:2 * H * K].view(1, N, H, K),
+               x[:, 2 * H * K:].view(1, N, HV, V))
+    gg, beta = fv.fused_gdn_gating(A_log, a, b, dt_bias)
+    calls = [
+        ("vLLM packed decode", fv._PACKED, lambda: fv.fused_recurrent_gated_delta_rule_packed_decode(
+            x, a, b, A_log, dt_bias, None, pool, out, idx, True)),
+        ("vLLM fused_recurrent (older, [S, HV, K, V])", fv._SLOTS, lambda: fv.fused_recurrent_gated_delta_rule(
+            q, k, v, gg.view(1, N, HV), beta.view(1, N, HV), None, pool.transpose(-1, -2), True, cu, idx,
+            use_qk_l2norm_in_kernel=True)),
+        ("vLLM fused_sigmoid_gating_delta_rule_update", fv._SLOTS, lambda: fv.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, b, dt_bias, q, k, v, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+            use_qk_l2norm_in_kernel=True)),
+        ("SGLang fused_sigmoid_gating_delta_rule_update", fsg._DECODE, lambda: fsg.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
+    ]
+    out_rows = []
+    for name, plans, fn in calls:
+        def full(fn=fn, plans=plans):
+            plans.clear()
+            fn()
+        out_rows.append((f"{name}: full path", per_call_us(full, iters, repeats)))
+        out_rows.append((f"{name}: served from its plan", per_call_us(fn, iters, repeats)))
+    return out_rows
 
 
 def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
@@ -209,6 +254,7 @@ def rows(device: str = "cpu", iters: int = 200, repeats: int = 31) -> list:
         out.append(("decode wall, real launches: old", per_call_us(old_decode_host, iters, repeats, sync)))
         out.append(("decode wall, real launches: cached", per_call_us(new_decode, iters, repeats, sync)))
         out += launch_rows(args, iters, repeats, sync)
+        out += serving_rows(device, iters, repeats)
     return out
 
 

@@ -12,6 +12,8 @@ decode without drafts, the same kernel with the gates formed in it, on views of 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import refgdn.vllm_ops as _ref
@@ -74,6 +76,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     written), a written one outside it is skipped, a num_accepted_tokens entry is clamped to [1, L]; two sequences
     writing one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
+    key = None if check_values or retrieve_parent_token is not None else _scalar_key(
+        "recurrent", inplace_final_state, use_qk_l2norm_in_kernel, state_layout, null_block_id, type(scale))
+    tensors = (q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens)
+    p = _SLOTS.get(key, tensors)
+    if p is not None:                     # a layout whose call passed the checks before: the launch alone
+        return p.serve(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, None,
+                       None, scale)
     beta = _ref.default_beta(q, v, beta)
     check_vllm_recurrent_inputs(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
                                 ssm_state_indices, num_accepted_tokens, retrieve_parent_token,
@@ -84,13 +93,16 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
             num_accepted_tokens, use_qk_l2norm_in_kernel, state_layout=state_layout, null_block_id=null_block_id)
     return _slots_op(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
                      num_accepted_tokens, use_qk_l2norm_in_kernel, check_values, state_layout == "vk", null_block_id,
-                     v.dtype)
+                     v.dtype, key=key, tensors=tensors)
 
 
 def _slots_op(q, k, v, g, beta, scale, initial_state, inplace: bool, cu_seqlens, idx, num_acc, l2norm: bool,
-              check_values: bool, vk: bool, null_block_id: int, o_dtype: torch.dtype, A_log=None, dt_bias=None):
+              check_values: bool, vk: bool, null_block_id: int, o_dtype: torch.dtype, A_log=None, dt_bias=None,
+              key=None, tensors=None):
     """The serving recurrent ops' launch (fused_recurrent_gated_delta_rule, fused_sigmoid_gating_delta_rule_update:
-    the latter passes the raw gates as g, beta with A_log, dt_bias), after their checks: (o, final_state)."""
+    the latter passes the raw gates as g, beta with A_log, dt_bias), after their checks: (o, final_state). key,
+    tensors: the call's _SLOTS entry (None: not kept), remembered when the launch reads the call's tensors as they
+    are (no copy)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
@@ -98,8 +110,7 @@ def _slots_op(q, k, v, g, beta, scale, initial_state, inplace: bool, cu_seqlens,
     if check_values:
         vllm_recurrent_slots(B, T, cu_seqlens, idx, num_acc, inplace, None if pool is None else pool.shape[0],
                              null_block_id)
-    scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q2, k2, v2 = _unit_last(q), _unit_last(k), _unit_last(v)
     o = torch.empty(B, T, HV, V, dtype=o_dtype, device=q.device)
     if inplace:
         hs = pool
@@ -108,11 +119,61 @@ def _slots_op(q, k, v, g, beta, scale, initial_state, inplace: bool, cu_seqlens,
         dims = (V, K) if vk else (K, V)
         hs = torch.empty(B * T, HV, *dims, dtype=pool.dtype if pool is not None else torch.float32, device=q.device)
         write = WRITE_EACH_ROW
-    launch_slots(q, k, v, g, beta, pool, o, hs.transpose(-1, -2) if vk and not inplace else hs, H=H,
-                 L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, scale=scale, write=write, l2norm=l2norm,
-                 cu_seqlens=cu_seqlens, idx=idx, num_acc=num_acc, A_log=A_log, dt_bias=dt_bias,
-                 gate=A_log is not None, slot_lo=null_block_id + 1)
+    pos = (q2, k2, v2, g, beta, pool, o, hs.transpose(-1, -2) if vk and not inplace else hs)
+    kw = dict(H=H, L=idx.shape[1] if idx is not None and idx.dim() == 2 else 1, write=write, l2norm=l2norm,
+              cu_seqlens=cu_seqlens, idx=idx, num_acc=num_acc, A_log=A_log, dt_bias=dt_bias, gate=A_log is not None,
+              slot_lo=null_block_id + 1)
+    launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
+    if key is not None and q2 is q and k2 is k and v2 is v:
+        _SLOTS.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, inplace, K, tensors))
     return o, (initial_state if inplace else hs)
+
+
+def _scalar_key(*vals) -> Optional[tuple]:
+    """A plan key from an op's non-tensor arguments: each value with its exact type (the checks' rules are by type);
+    None when one is unhashable (never served)."""
+    key = tuple((type(x), x) for x in vals)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _SlotsOpPlan:
+    """One call layout's launch of _slots_op (_SLOTS): recurrent_slots_kernel's SlotsPlan and the outputs' shapes. The
+    kernel takes the call's tensors as they are (their strides are the plan's; a [.., V, K] state, a [B * T, HV] gate
+    and its [B, T, HV] view share an address); beta None is a ones vector kept by the plan (read, never written)."""
+    __slots__ = ("slots", "o_meta", "hs_meta", "ones", "scale", "M", "direct")
+
+    def __init__(self, pos: tuple, kw: dict, o, hs, inplace: bool, K: int, tensors: tuple):
+        """pos, kw: the launch_slots arguments of the call (but scale); o, hs: its outputs; tensors: the call's own
+        (q, k, v, g or a, beta or b, initial_state, ...: the order both ops key their plans by)."""
+        self.slots = slots_plan(*pos, scale=0.0, **kw)
+        self.o_meta = (o.shape, o.dtype, o.device)
+        self.hs_meta = None if inplace else (hs.shape, hs.dtype, hs.device)
+        self.ones = pos[4] if tensors[4] is None else None       # default_beta's ones (beta None): read, never written
+        self.scale = K ** -0.5
+        self.M = self.slots.M
+        # every tensor the kernel reads is the call's own or shares its address: q, k, v unit-stride (the caller
+        # checked), the gates' [B, T, HV] views of [B * T, HV] ones
+        self.direct = self.slots.direct and all(
+            t is None or t.data_ptr() == u.data_ptr() for t, u in ((tensors[3], pos[3]), (tensors[4], pos[4])))
+
+    def serve(self, q, k, v, g, beta, state, cu_seqlens, idx, num_acc, A_log, dt_bias, scale):
+        """-> (o, final_state), as _slots_op returns them for a call of this layout."""
+        o = torch.empty(self.o_meta[0], dtype=self.o_meta[1], device=self.o_meta[2])
+        final = state if self.hs_meta is None else torch.empty(self.hs_meta[0], dtype=self.hs_meta[1],
+                                                                device=self.hs_meta[2])
+        self.slots.run((q, k, v, g, self.ones if beta is None else beta, state, o, final, cu_seqlens, idx, num_acc,
+                        A_log, dt_bias, None), self.scale if scale is None else float(scale))
+        return o, final
+
+
+# Eager calls of vLLM's recurrent ops by call layout (fast.launch.LayoutPlans): fused_recurrent_gated_delta_rule and
+# the newer fused_sigmoid_gating_delta_rule_update, once per GDN layer and step outside vLLM's CUDA graphs. The key:
+# the op's non-tensor arguments the checks read (_scalar_key); the guard compares every tensor's metadata.
+_SLOTS = LayoutPlans()
 
 
 @one_host_read
@@ -134,6 +195,13 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: 
     shapes, dtypes and devices; the values only with check_values=True (capturable otherwise; unchecked values stay
     memory-safe). float64 runs refgdn.
     """
+    key = None if check_values else _scalar_key("sigmoid-gating", beta, threshold, inplace_final_state,
+                                                use_qk_l2norm_in_kernel, is_kda, type(scale))
+    tensors = (q, k, v, a, b, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, A_log, dt_bias)
+    p = _SLOTS.get(key, tensors)
+    if p is not None:                     # a layout whose call passed the checks before: the launch alone
+        return p.serve(q, k, v, a, b, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, A_log,
+                       dt_bias, scale)
     N, a3, b3 = check_vllm_sigmoid_gating_inputs(A_log, a, b, dt_bias, q, k, v, beta, threshold, scale, initial_state,
                                                  inplace_final_state, cu_seqlens, ssm_state_indices,
                                                  num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda,
@@ -144,7 +212,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: 
             ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel, is_kda)
     return _slots_op(q, k, v, a3, b3, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
                      num_accepted_tokens, use_qk_l2norm_in_kernel, check_values, True, 0,
-                     _ref.sigmoid_gating_out_dtype(q, initial_state), A_log, dt_bias)
+                     _ref.sigmoid_gating_out_dtype(q, initial_state), A_log, dt_bias, key=key, tensors=tensors)
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,

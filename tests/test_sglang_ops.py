@@ -268,3 +268,25 @@ def test_cuda_graph_replay_equals_eager():
         o_e = op(*static[:9], e_pool, static[10], **kw)       # eager on the same (new) inputs
         torch.cuda.synchronize()
         assert torch.equal(o_static, o_e) and torch.equal(g_pool, e_pool), rnd
+
+
+@pytest.mark.parametrize("name", ["decode-varlen-padded", "dense-3d-gates", "frozen-state", "verify-cache-rows"])
+def test_layout_plan_equals_the_checked_call(name, monkeypatch):
+    """From a layout's second call fast serves the decode from a plan (fast.launch.LayoutPlans: no checks, the compiled
+    launcher reused on a GPU): bit for bit the checked call (check_values=True: never served), round after round. A
+    verify (the intermediate states cache) is checked in full on every call."""
+    p = families(quick=True, device=DEV)[name]
+    FS._DECODE.clear()
+    checked = []
+    real = FS.check_sglang_decode_inputs
+    monkeypatch.setattr(FS, "check_sglang_decode_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    op = getattr(FS, OP)
+    rounds = 3
+    for seed in range(rounds):
+        args, kw = problem(p, torch.float32, DEV, seed)
+        got = run(op, args, kw)
+        want = run(lambda *a, **k: op(*a, **k, check_values=True), args, kw)
+        for what, x, y in zip(("o", "pool", "cache"), got, want):
+            assert (x is None and y is None) or torch.equal(x, y), f"round {seed}: {what}"
+    # checked: every check_values call, the layout's first two (its plan is kept from the second), every verify call
+    assert len(checked) == rounds + (rounds if "cache" in p else 2), len(checked)

@@ -497,7 +497,7 @@ def test_packed_fast_reads_nothing_back_unless_asked():
             _packed_call(FV, c, check_values=True)
 
 
-@pytest.mark.parametrize("name", ["decode-l2norm", "decode-strided-pages", "decode-bf16-pool-l2norm"])
+@pytest.mark.parametrize("name", ["decode-strided-pages", "decode-bf16-pool-l2norm"])
 def test_packed_layout_plan_equals_the_checked_call(name, monkeypatch):
     """From a layout's second call fast serves the packed decode from a plan (fast.launch.LayoutPlans: no checks, q, k
     and v passed as addresses in mixed_qkv, the compiled launcher reused on a GPU): bit for bit the checked call's
@@ -509,7 +509,7 @@ def test_packed_layout_plan_equals_the_checked_call(name, monkeypatch):
     real = FV.check_vllm_packed_decode_inputs
     monkeypatch.setattr(FV, "check_vllm_packed_decode_inputs", lambda *a: checked.append(1) or real(*a))
     op = getattr(FV, PACKED_OP)
-    scales = (None, None, 0.37, None, None)
+    scales = (None, None, 0.37, None)
     for rnd, scale in enumerate(scales):
         args = _packed(p, seed=rnd)
         args[5] = scale
@@ -537,6 +537,60 @@ def test_packed_layout_plan_misses_on_bad_input():
         with pytest.raises(ValueError, match=words):
             _packed_call(FV, c)
         assert torch.equal(c["pool"], before)
+
+
+def _served_rounds(op, calls, check_name: str, monkeypatch) -> int:
+    """Each call of ``calls`` (a list of (args, pool, kw)) through op, and again with check_values=True (never served
+    from a plan), on fresh copies of the pool: bit for bit the same output, returned state and pool. Returns how many
+    times the op's host checks (fast.vllm_ops.<check_name>) ran."""
+    FV._SLOTS.clear()
+    checked = []
+    real = getattr(FV, check_name)
+    monkeypatch.setattr(FV, check_name, lambda *a, **k: checked.append(1) or real(*a, **k))
+    for rnd, (xs, pool, kw) in enumerate(calls):
+        got = _run(op, xs, pool, kw)
+        want = _run(lambda *a, **k: op(*a, **k, check_values=True), xs, pool, kw)
+        for name, x, y in zip(("o", "final state", "pool"), got, want):
+            assert (x is None and y is None) or torch.equal(x, y), f"round {rnd}: {name}"
+        if kw.get("inplace_final_state", True):
+            assert got[1] is got[2] or got[2] is None
+    return len(checked)
+
+
+PLAN_LAYOUTS = [lay for lay in LAYOUTS if lay.id in ("decode-idx1d-padded", "spec-k2-idx2d-accepted",
+                                                    "spec-k2-per-token-states", "varlen-empty-no-state",
+                                                    "vk-spec-null-block", "vk-per-token-states")]
+
+
+@pytest.mark.parametrize("p", PLAN_LAYOUTS)
+def test_recurrent_layout_plan_equals_the_checked_call(p, monkeypatch):
+    """From a layout's second call fast serves vLLM's recurrent op from a plan (fast.launch.LayoutPlans: no checks,
+    the compiled launcher reused on a GPU): bit for bit the checked call, round after round (new values, the call's
+    own scale), beta None included (the plan's ones)."""
+    calls = []
+    for seed, scale in enumerate((None, None, 0.3, None)):      # (0.3: not the family's own scale, if it has one)
+        xs, pool, kw = problem(p, torch.float32, DEV, seed)
+        calls.append((xs, pool, dict(kw, scale=scale if kw.get("scale") is None else kw["scale"])))
+    xs, pool, kw = calls[-1]
+    calls += [(xs[:4] + [None], pool, kw)] * 2
+    n = _served_rounds(FV.fused_recurrent_gated_delta_rule, calls, "check_vllm_recurrent_inputs", monkeypatch)
+    # checked in full: every check_values call; the layout's first two calls (its plan is kept from the second), the
+    # float scale's call where the family's scale is None (another key), the first call with beta None (the key's
+    # guard misses: its plan is replaced); every other call was served
+    assert n == len(calls) + 2 + (p.get("scale") is None) + 1, n
+
+
+def test_layout_plans_miss_on_bad_input():
+    """A served layout never serves a call whose metadata differs: the full checks raise (the first call's words)."""
+    p = dict(families(quick=True, device=DEV).items())
+    xs, pool, kw = problem(next(iter(p.values())), torch.float32, DEV)
+    FV._SLOTS.clear()
+    for _ in range(3):
+        _run(FV.fused_recurrent_gated_delta_rule, xs, pool, kw)
+    with pytest.raises(ValueError, match="g must"):
+        _run(FV.fused_recurrent_gated_delta_rule, xs[:3] + [xs[3][..., :1]] + xs[4:], pool, kw)
+    with pytest.raises(ValueError, match="initial_state"):
+        _run(FV.fused_recurrent_gated_delta_rule, xs, None if pool is None else pool[..., :1], kw)
 
 
 def test_packed_keys_equal_the_launches():
@@ -1068,3 +1122,13 @@ def test_packed_decode_takes_strided_gate_parameters():
         FV.fused_recurrent_gated_delta_rule_packed_decode(x, a, b, A, d, scale, p, out, idx, l2)
         outs.append((out, p))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("p", [lay for lay in SIGMOID if lay.id in ("vk-decode-null-block", "vk-spec-null-block")])
+def test_sigmoid_gating_layout_plan_equals_the_checked_call(p, monkeypatch):
+    """As test_recurrent_layout_plan_equals_the_checked_call for newer vLLM's fused_sigmoid_gating_delta_rule_update
+    (the raw gates a, b [B * T, HV] read through their [B, T, HV] views' strides)."""
+    calls = [_sigmoid(p, torch.float32, seed) for seed in range(3)]
+    n = _served_rounds(lambda *a, **k: FV.fused_sigmoid_gating_delta_rule_update(*a, **k), calls,
+                       "check_vllm_sigmoid_gating_inputs", monkeypatch)
+    assert n == len(calls) + 2, n
