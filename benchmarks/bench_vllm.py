@@ -63,7 +63,15 @@ fast.l2norm on the q and k views, v made contiguous, fast.gdn_gating; no fla pee
 
     prep bytes = L ((2 H K + HV V) 2 e + HV (2 e + 2 * 4))    rows read, q | k | v written, a, b read, g, beta written
 
-Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|prep|conv]
+vLLM's prefill conv (fast.vllm_ops.causal_conv1d_fn: x [D, T] bf16, D = 8192, W = 4, SiLU, four requests of T / 4
+tokens continuing from rows of a conv-state pool, written back in place), a sixth table, wall time of an eager call
+(do_bench: its one host read of query_start_loc keeps it out of CUDA graphs), beside fast.causal_conv1d on the same
+tokens (varlen, no pool) and, since 2026-11-29, the cost of the [T, D] zeroing pass the op ran after the kernel
+before (padded requests' outputs: now zeros stored by the kernel, PAD_ZERO), timed alone:
+
+    conv_fn bytes = 2 T D * 2                       x read, y written (the pool's windows: < 0.1 %)
+
+Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|prep|conv|conv_fn]
 """
 from __future__ import annotations
 
@@ -98,6 +106,11 @@ PREP_TITLE = "Newer vLLM's prefill preparation: fast.vllm_ops.fused_post_conv_pr
 PREP_META = {"op": "fast.vllm_ops.fused_post_conv_prep, H=16 HV=32 K=V=128, bf16 rows and gates, l2norm",
              "us": "do_bench median of an 8-call graph's replay / 8 (N: tokens L)",
              "bytes": "L ((2 H K + HV V) 2 e + HV (2 e + 8)): rows read, q | k | v written, a, b read, g, beta written"}
+CONV_FN_TITLE = "vLLM's prefill conv: fast.vllm_ops.causal_conv1d_fn (eager call)"
+CONV_FN_META = {"op": "fast.vllm_ops.causal_conv1d_fn, D=8192 W=4, bf16 x/weight/state pool, no bias, SiLU, four "
+                      "requests of T/4 tokens (N: tokens T)",
+                "us": "do_bench median of the eager call (host included)",
+                "bytes": "2 T D * 2: x read, y written"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
@@ -342,11 +355,56 @@ def prep_rows(copy_gbps: float, lengths=PREP_L) -> list:
     return out
 
 
+CONV_FN_T = (4096, 16384)
+
+
+def conv_fn_call(T: int, what: str = "op", seed: int = 0, device: str = "cuda", D: int = CONV_D):
+    """One prefill conv of T tokens (a multiple of 4) over D channels in four requests (the second padded when what
+    == "op-padded"): a callable. what: "op" / "op-padded" (fast.vllm_ops.causal_conv1d_fn), "plain"
+    (fast.causal_conv1d, varlen, no pool), "zeroing" (the removed epilogue alone: torch.where over the [T, D] output)."""
+    import fast
+    import fast.vllm_ops as FV
+    gen = torch.Generator().manual_seed(seed)
+    W = CONV_W
+    bf = dict(dtype=torch.bfloat16, device=device)
+    w = (torch.randn(D, W, generator=gen) / W ** 0.5).to(**bf)
+    x = torch.randn(T, D, generator=gen).to(**bf).T                       # [D, T]: vLLM's mixed_qkv.transpose(0, 1)
+    qsl = torch.arange(0, T + 1, T // 4, dtype=torch.int32, device=device)
+    pool = torch.randn(8, D, W - 1, generator=gen).to(**bf)
+    rows = torch.tensor([5, -1 if what == "op-padded" else 2, 7, 0], dtype=torch.int32, device=device)
+    init = torch.tensor([True, False, True, True], device=device)
+    if what in ("op", "op-padded"):
+        return lambda: FV.causal_conv1d_fn(x, w, None, pool, qsl, rows, init, "silu")  # noqa: E731
+    if what == "plain":
+        return lambda: fast.causal_conv1d(x.T[None], w, None, "silu", cu_seqlens=qsl,  # noqa: E731
+                                          cu_seqlens_cpu=qsl.cpu())
+    y, live = torch.empty(T, D, **bf), torch.rand(T, generator=gen).to(device) > 0.25
+    return lambda: torch.where(live[:, None], y, 0.0)  # noqa: E731
+
+
+def conv_fn_rows(copy_gbps: float, lengths=CONV_FN_T) -> list:
+    import triton
+    out = []
+    for T in lengths:
+        byt = 2 * T * CONV_D * 2
+        base = None
+        for what, impl in (("op", "fast.vllm_ops.causal_conv1d_fn"),
+                           ("op-padded", "fast.vllm_ops.causal_conv1d_fn, one request padded"),
+                           ("plain", "fast.causal_conv1d (varlen, no pool)"),
+                           ("zeroing", "the zeroing pass removed (torch.where over [T, D])")):
+            us = triton.testing.do_bench(conv_fn_call(T, what), warmup=25, rep=200) * 1e3
+            base = us if base is None else base
+            out.append(dict(what="prefill conv", N=T, impl=impl, us=us, GBps=byt / us / 1e3,
+                            of_copy=byt / us / 1e3 / copy_gbps, vs_fast=None if what == "op" else us / base))
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
-    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "prep", "conv"), help="only that table")
+    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "prep", "conv", "conv_fn"),
+                    help="only that table")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
         print("bench_vllm: needs a GPU")
@@ -356,7 +414,8 @@ def main(argv=None):
               ("packed", PACKED_TITLE, PACKED_META, lambda: packed_rows(copy)),
               ("verify", VERIFY_TITLE, VERIFY_META, lambda: verify_rows(copy)),
               ("prep", PREP_TITLE, PREP_META, lambda: prep_rows(copy)),
-              ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)))
+              ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)),
+              ("conv_fn", CONV_FN_TITLE, CONV_FN_META, lambda: conv_fn_rows(copy)))
     for name, title, meta, make in tables:
         if ns.only not in (None, name):
             continue

@@ -157,7 +157,7 @@ def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
             ("sm90 relaunch: conv_step_kernel (fast.launch)", t(lambda: rc(*conv_args))),
             ("sm90 decode host: old (full checks, launch prep)", t(old_decode_host)),
             ("sm90 decode host: cached (gdn_decode)", t(lambda: fs.gdn_decode(*args)))] + [
-                ("sm90 " + name, us) for name, us in serving_rows("cpu", iters, repeats)]
+        ("sm90 " + name, us) for name, us in serving_rows("cpu", iters, repeats)]
 
 
 def serving_rows(device: str, iters: int, repeats: int) -> list:
@@ -188,8 +188,9 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
         ("vLLM fused_sigmoid_gating_delta_rule_update", fv._SLOTS, lambda: fv.fused_sigmoid_gating_delta_rule_update(
             A_log, a, b, dt_bias, q, k, v, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
             use_qk_l2norm_in_kernel=True)),
-        ("SGLang fused_sigmoid_gating_delta_rule_update", fsg._DECODE, lambda: fsg.fused_sigmoid_gating_delta_rule_update(
-            A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
+        ("SGLang fused_sigmoid_gating_delta_rule_update", fsg._DECODE,
+         lambda: fsg.fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx,
+                                                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
     ]
     out_rows = []
     for name, plans, fn in calls:

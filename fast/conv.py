@@ -131,7 +131,7 @@ def causal_conv1d_fwd_window_kernel(
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     IS_VARLEN: tl.constexpr, FP64: tl.constexpr, FAST_SILU: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, SLOTS: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, SLOTS: tl.constexpr = False, PAD_ZERO: tl.constexpr = False,
 ):
     """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous, for W <= 4; BT rows x BD channels per program.
 
@@ -145,7 +145,8 @@ def causal_conv1d_fwd_window_kernel(
     in the compute dtype (float32, float64 with FP64): converting x to it is exact.
     PREFETCH: double-buffer the 4-row loads (more bytes in flight per thread, +4 rows of registers).
     FAST_SILU: approximate ex2/rcp silu (float32 on a GPU only: inline PTX). SLOTS: initial_state is a slot
-    cache's conv_state (fast.utils.slot_row).
+    cache's conv_state (fast.utils.slot_row); with PAD_ZERO a sequence that writes no slot (slot_rows[n, 0] < 0:
+    vLLM's padded request) outputs zeros.
     """
     if FP64:
         DT: tl.constexpr = tl.float64
@@ -178,6 +179,9 @@ def causal_conv1d_fwd_window_kernel(
     zero_d = tl.zeros([BD], dtype=tl.int64)
     r_init, m_init = slot_row(slot_rows, i_n, 1, zero_d, m_d, SLOTS)     # (read with HAS_INIT only)
     s_off = r_init * stride_s_n
+    if PAD_ZERO:
+        # a padded sequence's rows are stored as zeros (its taps are zeroed: bias and silu(0) are not)
+        _, m_live = slot_row(slot_rows, i_n, 0, zero_d, m_d, SLOTS)
 
     # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
     w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
@@ -229,6 +233,11 @@ def causal_conv1d_fwd_window_kernel(
         y1 = _window_out(x1, x0, p1, p2, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
         y2 = _window_out(x2, x1, x0, p1, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
         y3 = _window_out(x3, x2, x1, x0, w0, w1, w2, w3, b, W, SILU, HAS_BIAS, FAST_SILU)
+        if PAD_ZERO:
+            y0 = tl.where(m_live, y0, 0.0)
+            y1 = tl.where(m_live, y1, 0.0)
+            y2 = tl.where(m_live, y2, 0.0)
+            y3 = tl.where(m_live, y3, 0.0)
         tl.store(y_base + r * D + o_d, y0.to(y.dtype.element_ty), mask=m_d & (j_d < n_d))
         tl.store(y_base + (r + 1) * D + o_d, y1.to(y.dtype.element_ty), mask=m_d & (j_d + 1 < n_d))
         tl.store(y_base + (r + 2) * D + o_d, y2.to(y.dtype.element_ty), mask=m_d & (j_d + 2 < n_d))
@@ -245,14 +254,14 @@ def causal_conv1d_fwd_kernel(
     stride_s_n, stride_s_d, stride_s_w,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, SLOTS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, SLOTS: tl.constexpr = False, PAD_ZERO: tl.constexpr = False,
 ):
     """x: [B, T, D] (any strides) -> y: [B, T, D] contiguous; one [BT, BD] tile of y per program.
 
     grid = (cdiv(D, BD), tiles, B): dense tiles = cdiv(T, BT); varlen (B == 1) tiles = rows of
     tile_table [NT, 2] = (sequence n, tile index within n).
     y_t = act(bias + sum_j w[:, j] * x_{t-W+1+j}), positions < 0 read initial_state[n, :, W-1+pos].
-    SLOTS: initial_state is a slot cache's conv_state (fast.utils.slot_row).
+    SLOTS: initial_state is a slot cache's conv_state (fast.utils.slot_row); PAD_ZERO as the window kernel's.
     """
     i_d = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -302,6 +311,9 @@ def causal_conv1d_fwd_kernel(
         acc += tl.load(bias + o_d, mask=m_d, other=0).to(acc.dtype)[None, :]
     if SILU:
         acc = _silu(acc)
+    if PAD_ZERO:
+        _, m_live = slot_row(slot_rows, i_n, 0, o_d, m_d, SLOTS)   # a padded sequence: zeros
+        acc = tl.where(m_live[None, :], acc, 0.0)
     tl.store(y_base + o_t.to(tl.int64)[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty),
              mask=m_t[:, None] & m_d[None, :])
 
@@ -461,12 +473,13 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
 
 
 def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None,
-             slot_rows=None):
+             slot_rows=None, pad_zero: bool = False):
     """causal_conv1d_with_config after its checks (the caller's): allocations and the two launches (through
     fast.launch.launch: the caller's plan, if any). slot_rows (the serving prefill, fast.serving.gdn_prefill;
     int32 [N, 2], values checked on the device): initial_state is a slot cache's conv_state [S, D, W-1+...], read at
     slot slot_rows[n, 1] and, with output_final_state, written in place at slot slot_rows[n, 0] (its first W-1
-    columns; -1: zeros / nothing written); the final state returned is that conv_state."""
+    columns; -1: zeros / nothing written); the final state returned is that conv_state. pad_zero (with slot_rows:
+    vLLM's causal_conv1d_fn): a sequence whose written slot is -1 outputs zeros (the kernels' PAD_ZERO)."""
     B, T, D = x.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = weight.shape[1]
@@ -517,7 +530,7 @@ def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_
             fwd = causal_conv1d_fwd_kernel
         kw.update(W=W, BT=BT, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
                   HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64,
-                  SLOTS=slot_rows is not None)
+                  SLOTS=slot_rows is not None, PAD_ZERO=pad_zero and slot_rows is not None)
         launch(fwd, grid, kw, x, y, weight, bias, initial_state, cu_checked, tile_table, slot_rows, T, D,
                *x.stride(), *weight.stride(), *s)
     if output_final_state and W > 1 and N > 0:

@@ -212,13 +212,14 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
 # ----------------------------------------------------------------------------------------------
 
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None, slots: bool = False) -> List[CompileKey]:
+                  cu_seqlens=None, cu_seqlens_cpu=None, *, device=None, slots: bool = False,
+                  pad_zero: bool = False) -> List[CompileKey]:
     """Keys of fast.causal_conv1d: the window kernel (W <= 4) or the tile kernel, BT/BD from
     fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
     call runs (default x's; CUDA float32 compute takes the approximate silu). slots: gdn_prefill's form
     (initial_state a cache's conv_state, read and written at int32 slot rows: the kernels' SLOTS; its tiles are
-    fast.serving.PREFILL_CHUNK rows). (An unpinned BT grows when a grid would exceed 65535 row blocks: > 1M tokens
-    at BT = 16, not modelled.)"""
+    fast.serving.PREFILL_CHUNK rows); pad_zero: with slots, vLLM's causal_conv1d_fn (PAD_ZERO). (An unpinned BT
+    grows when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
     B, T, D = x.shape
     W = weight.shape[1]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -232,7 +233,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, SLOTS=slots)
+                 HAS_INIT=initial_state is not None, IS_VARLEN=cu_seqlens is not None, FP64=fp64, SLOTS=slots,
+                 PAD_ZERO=slots and pad_zero)
         if window:
             on_cuda = (torch.device(device) if device is not None else x.device).type == "cuda"
             gpu_f32 = on_cuda and not fp64 and not is_interpreting()
@@ -672,7 +674,8 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
         return []
     act = "silu" if activation is True else (None if activation is False else activation)
     xs = torch.empty(1, T, D, dtype=conv_states.dtype, device="meta")
-    return causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device, slots=True)
+    return causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device, slots=True,
+                         pad_zero=True)
 
 
 class vllm_ops:

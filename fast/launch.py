@@ -46,8 +46,8 @@ import torch
 
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
-__all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "Offset", "PlanCache", "Relaunch", "SignaturePlans",
-           "launch", "shape_key", "varlen_key"]
+__all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "Offset", "PlanCache", "Relaunch",
+           "SignaturePlans", "launch", "shape_key", "varlen_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs

@@ -19,7 +19,7 @@ import torch
 import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                            check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs,
-                           check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs, host_offsets, one_host_read,
+                           check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs, one_host_read,
                            vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import chunk_gated_delta_rule as _chunk
@@ -439,10 +439,7 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     slot_rows = torch.stack([written, read], 1).to(torch.int32)               # [B, 2]: (row written, row read)
     xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)     # vLLM rounds x to the state's dtype
     # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants)
+    # a padded request's outputs are zeros (PAD_ZERO: its written row is -1), stored so by the conv kernel
     y, _ = _conv_forward(xs.T[None], weight, bias, act, conv_states, True, query_start_loc,
-                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows)
-    offs = host_offsets(query_start_loc)                                     # (read once in this call's scope)
-    lens = torch.tensor([b - a for a, b in zip(offs, offs[1:])], device=x.device)
-    live = torch.repeat_interleave(valid, lens, output_size=T)              # [T]: the token's request is not padded
-    y = torch.where(live[:, None], y[0], 0.0)
-    return y.to(x.dtype).T
+                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True)
+    return y[0].to(x.dtype).T

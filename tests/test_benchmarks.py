@@ -288,3 +288,14 @@ def test_prep_call_chain_does_the_same_work(monkeypatch):
     for f, c in zip(fused, chain):
         assert f.shape == c.shape and f.dtype == c.dtype
         torch.testing.assert_close(f, c, rtol=1e-6, atol=1e-6)
+
+
+def test_conv_fn_rows_calls_at_a_tiny_shape():
+    """bench_vllm's prefill-conv table calls run on the test device at a tiny shape, and its padded variant is the op
+    with the second request's outputs zero (the kernel's PAD_ZERO) and the others' unchanged."""
+    import benchmarks.bench_vllm as bv
+    outs = {what: bv.conv_fn_call(8, what, device=DEVICE, D=32)() for what in ("op", "op-padded", "plain", "zeroing")}
+    op, padded = outs["op"].T, outs["op-padded"].T                         # [T, D]
+    assert torch.equal(padded[2:4], torch.zeros_like(padded[2:4])) and op[2:4].abs().sum() > 0
+    assert torch.equal(padded[:2], op[:2]) and torch.equal(padded[4:], op[4:])
+    assert outs["plain"][0].shape == (1, 8, 32) and outs["zeroing"].shape == (8, 32)
