@@ -65,9 +65,10 @@ fast.l2norm on the q and k views, v made contiguous, fast.gdn_gating; no fla pee
 
 vLLM's prefill conv (fast.vllm_ops.causal_conv1d_fn: x [D, T] bf16, D = 8192, W = 4, SiLU, four requests of T / 4
 tokens continuing from rows of a conv-state pool, written back in place), a sixth table, wall time of an eager call
-(do_bench: its one host read of query_start_loc keeps it out of CUDA graphs), beside fast.causal_conv1d on the same
-tokens (varlen, no pool) and, since 2026-11-29, the cost of the [T, D] zeroing pass the op ran after the kernel
-before (padded requests' outputs: now zeros stored by the kernel, PAD_ZERO), timed alone:
+(do_bench, host included: the op reads nothing back since 2026-11-29, its tile table built on the device; before, its
+host read of query_start_loc synchronised every call), beside fast.causal_conv1d on the same tokens (varlen, no pool,
+cu_seqlens_cpu given) and the cost of the [T, D] zeroing pass the op ran after the kernel before 2026-11-29 (padded
+requests' outputs: now zeros stored by the kernel, PAD_ZERO), timed alone:
 
     conv_fn bytes = 2 T D * 2                       x read, y written (the pool's windows: < 0.1 %)
 

@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-28 20:03: vLLM's packed decode,
-#     bench_vllm's bfloat16-pool rows)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 02:18: the serving ops' plans
+#     by call layout, vLLM's causal_conv1d_fn's PAD_ZERO)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -85,22 +85,21 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the sessions of 2026-11-28 20:03 and 22:56 wrote without a GPU: SGLang's target verify
-  # (intermediate_states_buffer: recurrent_slots_kernel's WIDX), in tests/test_sglang_ops.py and the SGLang op's
-  # conformance families; the serving ops' launches through one plan (fast.chunk.recurrent.slots_launch); the
-  # verify table (SGLang's verify and vLLM's on [S, HV, V, K] pools: per-token stores into a K-contiguous layout);
-  # the vLLM recurrent op's newer generation (state_layout 'vk', null_block_id 0: the vk-* conformance families);
-  # newer vLLM's prefill preparation fused_post_conv_prep (post_conv_prep_kernel: tests, conformance, the prep table)
-  # and its fused_sigmoid_gating_delta_rule_update (the recurrent kernel with GATE and SLOT_LO 1)
-  timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
-    tests/test_sglang_ops.py tests/test_vllm_layer.py 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 120 python3 -m conformance --device cuda --full \
-    --ops vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule,sglang_fused_sigmoid_gating_delta_rule_update,vllm_fused_post_conv_prep,vllm_fused_sigmoid_gating_delta_rule_update \
+  # what the session of 2026-11-29 02:18 wrote without a GPU run: the serving ops served from plans by call layout
+  # (vLLM's packed decode, its recurrent and gated ops, SGLang's decode: fast.launch.LayoutPlans over the slots
+  # kernel's SlotsPlan; q, k, v as fast.launch.Offset addresses), vLLM's causal_conv1d_fn zeroing padded requests
+  # in the conv kernel (PAD_ZERO) instead of a torch.where pass; then their host time and the prefill conv's table
+  timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
+    tests/test_sglang_ops.py tests/test_vllm_layer.py tests/test_capture.py tests/test_graphs_cuda.py \
+    tests/test_fast_conv.py tests/test_serving_prefill.py tests/test_benchmarks.py 2>&1 | tail -3
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m conformance --device cuda --full \
+    --ops vllm_causal_conv1d_fn,vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule,sglang_fused_sigmoid_gating_delta_rule_update,vllm_fused_sigmoid_gating_delta_rule_update,causal_conv1d,gdn_prefill \
     --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
-  for t in prep verify packed recurrent; do
-    timeout 240 python3 -m benchmarks.bench_vllm --no-results --only $t 2>&1 | grep --line-buffered "^|" \
-      | tee "$OUT/bench-vllm-$t.log"; rc=$((rc | ${PIPESTATUS[0]}))
-  done
+  timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | grep -v Warn | tee "$OUT/host-overhead.log" | tail -24
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m benchmarks.bench_vllm --no-results --only conv_fn 2>&1 | grep --line-buffered "^|" \
+    | tee "$OUT/bench-vllm-conv_fn.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_offsets_again, one_host_read
 
+from .chunk.common import _Chunks
 from .launch import SignaturePlans, launch, shape_key, varlen_key
 from .utils import cdiv, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
 
@@ -156,10 +157,14 @@ def causal_conv1d_fwd_window_kernel(
     i_t = tl.program_id(1)
     i_b = tl.program_id(2)
     if IS_VARLEN:
+        # a row (-1, 0) holds no tile (a device-built table's rows past the tile count: fast.chunk.common's
+        # chunk_table_kernel): sequence 0 with no rows, nothing stored
         i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
         i_tt = tl.load(tile_table + i_t * 2 + 1).to(tl.int64)
+        live = i_n >= 0
+        i_n = tl.maximum(i_n, 0)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        L = tl.where(live, tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos, 0)
         x_base = x + bos * stride_x_t                    # batch row 0
         y_base = y + bos * D
     else:
@@ -269,8 +274,10 @@ def causal_conv1d_fwd_kernel(
     if IS_VARLEN:
         i_n = tl.load(tile_table + i_t * 2).to(tl.int64)
         i_tt = tl.load(tile_table + i_t * 2 + 1)
+        live = i_n >= 0                                  # (-1, 0): no tile (the window kernel's comment)
+        i_n = tl.maximum(i_n, 0)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        L = tl.where(live, (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32), 0)
         x_base = x + bos * stride_x_t                    # batch row 0
         y_base = y + bos * D
     else:
@@ -339,7 +346,8 @@ def causal_conv1d_final_state_kernel(
     i_n = tl.program_id(1).to(tl.int64)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        # >= 0: offsets clamped into [0, T] but not checked (a device-built table's) may decrease
+        L = tl.maximum(tl.load(cu_seqlens + i_n + 1) - bos, 0).to(tl.int32)
         x_base = x + bos * stride_x_t
     else:
         L = T
@@ -473,13 +481,16 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
 
 
 def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None,
-             slot_rows=None, pad_zero: bool = False):
+             slot_rows=None, pad_zero: bool = False, unchecked: bool = False):
     """causal_conv1d_with_config after its checks (the caller's): allocations and the two launches (through
     fast.launch.launch: the caller's plan, if any). slot_rows (the serving prefill, fast.serving.gdn_prefill;
     int32 [N, 2], values checked on the device): initial_state is a slot cache's conv_state [S, D, W-1+...], read at
     slot slot_rows[n, 1] and, with output_final_state, written in place at slot slot_rows[n, 0] (its first W-1
     columns; -1: zeros / nothing written); the final state returned is that conv_state. pad_zero (with slot_rows:
-    vLLM's causal_conv1d_fn): a sequence whose written slot is -1 outputs zeros (the kernels' PAD_ZERO)."""
+    vLLM's causal_conv1d_fn): a sequence whose written slot is -1 outputs zeros (the kernels' PAD_ZERO). unchecked
+    (varlen with a pinned BT: vLLM's causal_conv1d_fn): cu_seqlens' values are not read on the host; the tile table
+    is built on the device (fast.chunk.common._Chunks.unchecked: cdiv(T, BT) + N rows, offsets clamped into [0, T];
+    rows past the tile count hold none), so any values stay memory-safe and the call is capturable."""
     B, T, D = x.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = weight.shape[1]
@@ -502,7 +513,10 @@ def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
     cu_checked = None
     while True:
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and unchecked:
+            tab = _Chunks.unchecked(T, BT, cu_seqlens)     # on the device: no host read
+            tile_table, cu_checked, n_tiles = tab.indices, tab.cu_seqlens, tab.total
+        elif cu_seqlens is not None:
             # the lengths on the host (one read per call, none with cu_seqlens_cpu; eager prefill only, not
             # for graph capture); the kernels read the checked offsets uploaded with the table
             tab = varlen_chunk_tables(cu_seqlens, BT)

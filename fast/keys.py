@@ -664,8 +664,8 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
                            block_idx_last_scheduled_token=None, initial_state_idx=None, num_computed_tokens=None,
                            block_size_to_align=0, metadata=None, validate_data=False, *,
                            check_values=False) -> List[CompileKey]:
-    """Keys of fast.vllm_ops.causal_conv1d_fn: causal_conv1d's slot form (gdn_prefill's conv), on x [D, T] seen as
-    [1, T, D] in conv_states' dtype (float64: refgdn, none)."""
+    """Keys of fast.vllm_ops.causal_conv1d_fn: its tile table on the device (chunk_table_kernel), then causal_conv1d's
+    slot form (gdn_prefill's conv), on x [D, T] seen as [1, T, D] in conv_states' dtype (float64: refgdn, none)."""
     if _fp64(x, weight, bias, conv_states):
         return []
     D, T = x.shape
@@ -674,8 +674,11 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
         return []
     act = "silu" if activation is True else (None if activation is False else activation)
     xs = torch.empty(1, T, D, dtype=conv_states.dtype, device="meta")
-    return causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device, slots=True,
-                         pad_zero=True)
+    qdt = query_start_loc.dtype                           # its tile table, built on the device (no host read)
+    table = CompileKey.make("chunk_table_kernel", dict(BT=_serving.PREFILL_CHUNK, BN=_chunk.CHUNK_TABLE_BLOCK),
+                            dict(cu_seqlens=qdt, safe_cu=qdt, first=torch.int64, indices=_I32), dict(num_warps=4))
+    return [table] + causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device,
+                                   slots=True, pad_zero=True)
 
 
 class vllm_ops:

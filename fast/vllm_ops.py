@@ -413,15 +413,16 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
         y_t = act(bias + sum_j weight[:, j] x_{t-W+1+j})     conv_states[s, :, :W - 1] <- the last W - 1 inputs
 
     fast's varlen conv kernels with the serving prefill's slot rows (gdn_prefill's conv: rows read and written in
-    place, -1 for none), the rows formed on the device. query_start_loc's values are read on the host (a prefill's
-    tables need them, as vLLM's call without metadata does); the rows only with check_values=True. Unchecked rows stay
-    memory-safe: one outside [0, S) pads its request (zeros out, nothing read or written); two requests on one row
-    race.
+    place, -1 for none), the rows and the tile table formed on the device (fast.chunk.common._Chunks.unchecked), so
+    nothing is read back: query_start_loc's values and the rows are checked on the host only with check_values=True,
+    and the call can be captured in a CUDA graph. Unchecked values stay memory-safe: offsets are clamped into [0, T]
+    (a decreasing pair gives an empty request), a row outside [0, S) pads its request (zeros out, nothing read or
+    written); two requests on one row race. A padded request's outputs are zeros, stored by the conv kernel.
     """
     check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
                                 num_computed_tokens, block_size_to_align)
     B, D, W = check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices,
-                                        has_initial_state, activation, pad_slot_id)
+                                        has_initial_state, activation, pad_slot_id, offset_values=check_values)
     S = conv_states.shape[0]
     if check_values:
         vllm_conv_fn_rows(B, cache_indices, pad_slot_id, S)
@@ -441,5 +442,5 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants)
     # a padded request's outputs are zeros (PAD_ZERO: its written row is -1), stored so by the conv kernel
     y, _ = _conv_forward(xs.T[None], weight, bias, act, conv_states, True, query_start_loc,
-                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True)
+                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True, unchecked=True)
     return y[0].to(x.dtype).T

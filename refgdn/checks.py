@@ -877,9 +877,9 @@ def check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, 
 
 
 def check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                              activation, pad_slot_id) -> tuple:
-    """Validate vLLM's causal_conv1d_fn arguments (shapes, dtypes, devices and query_start_loc's values: a prefill
-    reads them on the host anyway). Returns (B, D, W): requests, channels, conv width.
+                              activation, pad_slot_id, offset_values: bool = True) -> tuple:
+    """Validate vLLM's causal_conv1d_fn arguments (shapes, dtypes, devices and, with offset_values, query_start_loc's
+    values: a host read). Returns (B, D, W): requests, channels, conv width.
 
     x: [D, T] (vLLM passes mixed_qkv.transpose(0, 1)); weight: [D, W], W >= 2; bias: [D]; conv_states: [S, D, C] with
     C >= W - 1; query_start_loc: [B+1]; cache_indices: [B] int or None (request b uses row b); has_initial_state: [B]
@@ -887,7 +887,7 @@ def check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cac
     _need_tensor("x", x, 2)
     D, T = x.shape
     W = _check_vllm_conv_common(x, D, weight, bias, activation, "conv_states", conv_states, pad_slot_id)
-    B = check_cu_seqlens(query_start_loc, 1, T, x.device, "query_start_loc")
+    B = check_cu_seqlens(query_start_loc, 1, T, x.device, "query_start_loc", values=offset_values)
     if cache_indices is None and conv_states.shape[0] < B:
         raise ValueError(f"conv_states has {conv_states.shape[0]} rows for B = {B} requests (no cache_indices: request "
                          "b uses row b)")

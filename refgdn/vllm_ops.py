@@ -415,7 +415,8 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     x is rounded to conv_states' dtype first, as vLLM does. A padded request (row pad_slot_id or negative) reads and
     writes no row and its outputs are zeros (vLLM leaves them unwritten). metadata (vLLM's precomputed launch
     tables) and validate_data are accepted and not needed; prefix caching's arguments are refused by name. The row
-    values are checked here on every call, whatever check_values says (fast's twin: only when asked).
+    values and query_start_loc's are checked here on every call, whatever check_values says (fast's twin: only when
+    asked).
     """
     check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
                                 num_computed_tokens, block_size_to_align)

@@ -9,6 +9,7 @@ checks are conformance.cases_vllm's, run on every family below by the quick matr
 the first half of the README's test command) and here only where a test needs more than the rule. The bad inputs of
 both packages raise before any slot is written.
 """
+import functools
 import re
 
 import pytest
@@ -163,7 +164,7 @@ def test_keys_equal_the_launches():
     assert len(vk) == 4 and [dict(key.constexprs)["SLOT_LO"] for key in log.launched[6:10]] == [1, 1, 1, 0]
     assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 10 + ["gdn_gating_kernel"]
                                                     + ["conv_update_slots_kernel"] * len(conv_families(True, DEV))
-                                                    + ["causal_conv1d_fwd_window_kernel",
+                                                    + ["chunk_table_kernel", "causal_conv1d_fwd_window_kernel",
                                                        "causal_conv1d_final_state_kernel"])
     assert writes == [1, 2, 3, 3, 1, 2]
 
@@ -840,9 +841,71 @@ CONV_FN_BAD = [
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 @pytest.mark.parametrize("bad,words", CONV_FN_BAD)
 def test_conv_fn_bad_inputs_raise_before_any_write(pkg, bad, words):
+    """(fast checks query_start_loc's values with check_values=True: the offsets-short case asks for it.)"""
     x, w, b, states, kw = _conv_fn_call()
-    _refused_before_any_write(pkg.causal_conv1d_fn, dict(x=x, weight=w, bias=b, conv_states=states), kw,
-                              "conv_states", bad, words)
+    fn = pkg.causal_conv1d_fn
+    if pkg is FV and "must end at T" in words:
+        fn = functools.partial(fn, check_values=True)
+    _refused_before_any_write(fn, dict(x=x, weight=w, bias=b, conv_states=states), kw, "conv_states", bad, words)
+
+
+def test_conv_fn_fast_reads_nothing_back_unless_asked():
+    """fast's prefill conv builds its tile table on the device: no host read (capturable) unless check_values."""
+    from refgdn.capture import HostSyncInCapture, capture_guards
+    x, w, b, states, kw = _conv_fn_call()
+    with capture_guards("vllm_ops", DEV):
+        FV.causal_conv1d_fn(x, w, b, states, **kw)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("vllm_ops", DEV):
+            FV.causal_conv1d_fn(x, w, b, states, **kw, check_values=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
+def test_conv_fn_cuda_graph_replay_equals_eager():
+    """The prefill conv captured once (its tile table built on the device), replayed on new inputs and new offsets
+    copied into the static buffers: bit for bit the eager call (outputs and rows), round after round."""
+    x, w, b, states, kw = conv_fn_problem(conv_fn_families(True, DEV)["prefill-mixed-padded-empty"], torch.bfloat16,
+                                          DEV, seed=3)
+    static_x, static_q = x.T.contiguous().T, kw["query_start_loc"].clone()            # [D, T], x.stride(0) == 1
+    g_states, e_states = states.clone(), states.clone()
+    run = dict(kw, query_start_loc=static_q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FV.causal_conv1d_fn(static_x, w, b, states.clone(), **run)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = FV.causal_conv1d_fn(static_x, w, b, g_states, **run)
+    T = x.shape[1]
+    for rnd, cut in enumerate((T // 3, 1, T - 2)):
+        new = conv_fn_problem(conv_fn_families(True, DEV)["prefill-mixed-padded-empty"], torch.bfloat16, DEV,
+                              seed=30 + rnd)[0]
+        q = _t([0, cut, cut, T, T])
+        static_x.copy_(new)
+        static_q.copy_(q)
+        graph.replay()
+        y_e = FV.causal_conv1d_fn(new, w, b, e_states, **dict(kw, query_start_loc=q))
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, y_e) and torch.equal(g_states, e_states), rnd
+
+
+@pytest.mark.parametrize("qsl,clamped", [
+    pytest.param([0, 5, 9, 14, 12], [0, 5, 9, 14, 14], id="decreasing"),
+    pytest.param([-3, 5, 9, 9, 99], [0, 5, 9, 9, 14], id="out-of-range"),
+])
+def test_conv_fn_fast_is_memory_safe_on_unchecked_offsets(qsl, clamped):
+    """Unchecked offsets are clamped into [0, T], and a reversed span is an empty request (its window row takes its
+    initial row or zeros): outputs and rows are refgdn's on the clamped, monotone offsets; the other rows untouched.
+    (Spans that overlap after clamping would race on their shared outputs, as two requests on one row do.)"""
+    x, w, b, states, kw = _conv_fn_call()
+    kw = dict(kw, cache_indices=_t([3, 1, 5, 0]))
+    s_f, s_r = states.clone(), states.clone()
+    y = FV.causal_conv1d_fn(x, w, b, s_f, **dict(kw, query_start_loc=_t(qsl)))
+    y_r = RV.causal_conv1d_fn(x, w, b, s_r, **dict(kw, query_start_loc=_t(clamped)))
+    torch.testing.assert_close(y, y_r)
+    torch.testing.assert_close(s_f, s_r)
+    assert torch.equal(s_f[[2, 4]], states[[2, 4]])
 
 
 @pytest.mark.parametrize("bad,words", [
