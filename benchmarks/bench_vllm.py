@@ -377,8 +377,9 @@ def conv_fn_call(T: int, what: str = "op", seed: int = 0, device: str = "cuda", 
     if what in ("op", "op-padded"):
         return lambda: FV.causal_conv1d_fn(x, w, None, pool, qsl, rows, init, "silu")  # noqa: E731
     if what == "plain":
+        qsl_cpu = qsl.cpu()                              # (once: a copy per call would synchronise each call)
         return lambda: fast.causal_conv1d(x.T[None], w, None, "silu", cu_seqlens=qsl,  # noqa: E731
-                                          cu_seqlens_cpu=qsl.cpu())
+                                          cu_seqlens_cpu=qsl_cpu)
     y, live = torch.empty(T, D, **bf), torch.rand(T, generator=gen).to(device) > 0.25
     return lambda: torch.where(live[:, None], y, 0.0)  # noqa: E731
 
@@ -397,6 +398,10 @@ def conv_fn_rows(copy_gbps: float, lengths=CONV_FN_T) -> list:
             base = us if base is None else base
             out.append(dict(what="prefill conv", N=T, impl=impl, us=us, GBps=byt / us / 1e3,
                             of_copy=byt / us / 1e3 / copy_gbps, vs_fast=None if what == "op" else us / base))
+        # capturable since it reads nothing back: device time per call of an 8-call graph (each its own tensors)
+        gus = per_layer_us(lambda i: conv_fn_call(T, "op", seed=i), layers=8)
+        out.append(dict(what="prefill conv", N=T, impl="fast.vllm_ops.causal_conv1d_fn, per call of an 8-call graph",
+                        us=gus, GBps=byt / gus / 1e3, of_copy=byt / gus / 1e3 / copy_gbps, vs_fast=gus / base))
     return out
 
 
