@@ -737,6 +737,34 @@ def conv_update_slots_kernel(
     tl.store(p_c[None, :] + c[:, None] * s_cw, tile, mask=m2 & (c[:, None] < count))
 
 
+@triton.jit(do_not_specialize=["B", "S", "pad"])   # one variant for every request count, pool size and pad id
+def vllm_conv_rows_kernel(idx, init, rows, B, S, pad, BN: tl.constexpr, INDEXED: tl.constexpr, HAS_FLAGS: tl.constexpr):
+    """vLLM's causal_conv1d_fn (fast.vllm_ops): the prefill conv's slot rows from its values, on the device (one
+    program, BN requests at a time): rows int32 [B, 2] = (row written, row read), -1 for none.
+
+        s = idx[b] (INDEXED) else b;  written = s if s != pad and 0 <= s < S else -1;
+        read = written if init[b] (HAS_FLAGS; none without) else -1
+    """
+    o = tl.arange(0, BN)
+    for start in range(0, B, BN):
+        b = start + o
+        m = b < B
+        if INDEXED:
+            s = tl.load(idx + b, mask=m, other=-1).to(tl.int64)
+        else:
+            s = b.to(tl.int64)
+        w = tl.where((s != pad) & (s >= 0) & (s < S), s, -1)
+        if HAS_FLAGS:
+            r = tl.where(tl.load(init + b, mask=m, other=0) != 0, w, -1)
+        else:
+            r = w * 0 - 1
+        tl.store(rows + b * 2, w.to(tl.int32), mask=m)
+        tl.store(rows + b * 2 + 1, r.to(tl.int32), mask=m)
+
+
+VLLM_ROWS_BLOCK = 256    # vllm_conv_rows_kernel's BN (fixed: one variant)
+
+
 def vllm_conv_update_config(D: int, B: int = 1, tokens: int = 1) -> dict:
     """conv_update_slots_kernel's pinned config for B requests of D channels bringing `tokens` tokens in all (more
     than B: several per request, as in speculative verification). No autotune: it writes conv_state in place and runs

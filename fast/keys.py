@@ -664,8 +664,9 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
                            block_idx_last_scheduled_token=None, initial_state_idx=None, num_computed_tokens=None,
                            block_size_to_align=0, metadata=None, validate_data=False, *,
                            check_values=False) -> List[CompileKey]:
-    """Keys of fast.vllm_ops.causal_conv1d_fn: its tile table on the device (chunk_table_kernel), then causal_conv1d's
-    slot form (gdn_prefill's conv), on x [D, T] seen as [1, T, D] in conv_states' dtype (float64: refgdn, none)."""
+    """Keys of fast.vllm_ops.causal_conv1d_fn: its slot rows and tile table on the device (vllm_conv_rows_kernel,
+    chunk_table_kernel), then causal_conv1d's slot form (gdn_prefill's conv), on x [D, T] seen as [1, T, D] in
+    conv_states' dtype (float64: refgdn, none)."""
     if _fp64(x, weight, bias, conv_states):
         return []
     D, T = x.shape
@@ -674,11 +675,14 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
         return []
     act = "silu" if activation is True else (None if activation is False else activation)
     xs = torch.empty(1, T, D, dtype=conv_states.dtype, device="meta")
+    rows = CompileKey.make("vllm_conv_rows_kernel", dict(BN=_conv.VLLM_ROWS_BLOCK, INDEXED=cache_indices is not None,
+                                                        HAS_FLAGS=has_initial_state is not None),
+                           dict(idx=_dt(cache_indices), init=_dt(has_initial_state), rows=_I32), dict(num_warps=4))
     qdt = query_start_loc.dtype                           # its tile table, built on the device (no host read)
     table = CompileKey.make("chunk_table_kernel", dict(BT=_serving.PREFILL_CHUNK, BN=_chunk.CHUNK_TABLE_BLOCK),
                             dict(cu_seqlens=qdt, safe_cu=qdt, first=torch.int64, indices=_I32), dict(num_warps=4))
-    return [table] + causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device,
-                                   slots=True, pad_zero=True)
+    return [rows, table] + causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device,
+                                         slots=True, pad_zero=True)
 
 
 class vllm_ops:

@@ -25,10 +25,11 @@ from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusal
 from .chunk import chunk_gated_delta_rule as _chunk
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots, slots_plan
-from .conv import _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_update_config
+from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_rows_kernel,
+                   vllm_conv_update_config)
 from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
-from .launch import LayoutPlans, Offset
+from .launch import LayoutPlans, Offset, SignaturePlans, launch, shape_key
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
@@ -419,28 +420,77 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     (a decreasing pair gives an empty request), a row outside [0, S) pads its request (zeros out, nothing read or
     written); two requests on one row race. A padded request's outputs are zeros, stored by the conv kernel.
     """
-    check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx,
-                                num_computed_tokens, block_size_to_align)
-    B, D, W = check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices,
-                                        has_initial_state, activation, pad_slot_id, offset_values=check_values)
-    S = conv_states.shape[0]
-    if check_values:
-        vllm_conv_fn_rows(B, cache_indices, pad_slot_id, S)
+    sig = None if check_values else _conv_fn_signature(
+        x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation, pad_slot_id,
+        block_idx_first_scheduled_token, block_idx_last_scheduled_token, initial_state_idx, num_computed_tokens,
+        block_size_to_align)
+    plan = _CONV_FN.get(sig)
+    if plan is None:
+        check_vllm_conv_fn_refusals(block_idx_first_scheduled_token, block_idx_last_scheduled_token,
+                                    initial_state_idx, num_computed_tokens, block_size_to_align)
+        check_vllm_conv_fn_inputs(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                                  activation, pad_slot_id, offset_values=check_values)
+        if check_values:
+            vllm_conv_fn_rows(query_start_loc.numel() - 1, cache_indices, pad_slot_id, conv_states.shape[0])
+        plan = _CONV_FN.after_checks(sig)              # (None on a signature's first call: launched as it is)
     if _is_fp64(x, weight, bias, conv_states):
         return _ref.causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
                                      activation, pad_slot_id)
+    if plan is None:
+        return _conv_fn_run(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                            activation, pad_slot_id)
+    with plan:
+        return _conv_fn_run(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                            activation, pad_slot_id)
+
+
+def _conv_fn_run(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                 pad_slot_id):
+    """causal_conv1d_fn's launches, after its checks: the slot rows (vllm_conv_rows_kernel), the tile table
+    (chunk_table_kernel), the conv and its final-state kernel (fast.conv._forward, slot form)."""
     act = "silu" if activation is True else (None if activation is False else activation)
-    T = x.shape[1]
+    D, T = x.shape
+    B = query_start_loc.shape[0] - 1
     if B == 0 or T == 0 or D == 0:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    idx = cache_indices if cache_indices is not None else torch.arange(B, device=x.device)
-    valid = (idx != pad_slot_id) & (idx >= 0) & (idx < S)
-    written = torch.where(valid, idx, -1)
-    read = torch.full_like(written, -1) if has_initial_state is None else torch.where(has_initial_state, written, -1)
-    slot_rows = torch.stack([written, read], 1).to(torch.int32)               # [B, 2]: (row written, row read)
+    # (row written, row read) per request: -1 for a padded request (pad_slot_id, negative or past the pool: zeros
+    # out, no row read or written) and for a read without has_initial_state
+    slot_rows = torch.empty(B, 2, dtype=torch.int32, device=x.device)
+    launch(vllm_conv_rows_kernel, (1,), dict(BN=VLLM_ROWS_BLOCK, INDEXED=cache_indices is not None,
+                                             HAS_FLAGS=has_initial_state is not None, num_warps=4),
+           cache_indices, has_initial_state, slot_rows, B, conv_states.shape[0], pad_slot_id)
     xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)     # vLLM rounds x to the state's dtype
-    # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants)
-    # a padded request's outputs are zeros (PAD_ZERO: its written row is -1), stored so by the conv kernel
+    # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants); a padded request's
+    # outputs are zeros (PAD_ZERO: its written row is -1), stored so by the conv kernel
     y, _ = _conv_forward(xs.T[None], weight, bias, act, conv_states, True, query_start_loc,
                          config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True, unchecked=True)
     return y[0].to(x.dtype).T
+
+
+def _conv_fn_signature(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                       pad_slot_id, *refused) -> Optional[tuple]:
+    """What causal_conv1d_fn's checks read (check_vllm_conv_fn_inputs without the offsets' values, the refusals),
+    with the token count T and the request count B left out, so a serving stream's prefills of any length and
+    request count share one plan (fast.conv's _call_signature does the same): the tensors' (type, shape, dtype,
+    device) less x's T and the vectors' B; B's consistency (the vectors hold B entries, enough rows without
+    cache_indices, at least one request); activation and pad_slot_id by type and value; the refused arguments absent.
+    None (check in full, keep no plan) for anything else."""
+    if any(r is not None for r in refused[:4]) or refused[4] not in (0, None) or type(pad_slot_id) is not int:
+        return None
+    if not (activation is None or type(activation) in (str, bool)):
+        return None
+    try:
+        B = query_start_loc.numel() - 1
+        return (shape_key(x, 1), shape_key(weight), shape_key(bias), shape_key(conv_states),
+                shape_key(query_start_loc, 0), shape_key(cache_indices, 0), shape_key(has_initial_state, 0),
+                type(activation), activation, pad_slot_id, B >= 1, x.shape[1] == 0, query_start_loc.dim() == 1,
+                cache_indices is None or tuple(cache_indices.shape) == (B,),
+                has_initial_state is None or tuple(has_initial_state.shape) == (B,),
+                cache_indices is not None or conv_states.shape[0] >= B)
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks raise their own error
+        return None
+
+
+# Signatures that passed causal_conv1d_fn's checks -> the LaunchPlan of its four launches (fast.launch), from a
+# signature's second call on: vLLM calls it once per GDN layer and prefill step, outside CUDA graphs.
+_CONV_FN = SignaturePlans(64, seen_size=256)

@@ -164,7 +164,8 @@ def test_keys_equal_the_launches():
     assert len(vk) == 4 and [dict(key.constexprs)["SLOT_LO"] for key in log.launched[6:10]] == [1, 1, 1, 0]
     assert [key.kernel for key in log.launched] == (["recurrent_slots_kernel"] * 10 + ["gdn_gating_kernel"]
                                                     + ["conv_update_slots_kernel"] * len(conv_families(True, DEV))
-                                                    + ["chunk_table_kernel", "causal_conv1d_fwd_window_kernel",
+                                                    + ["vllm_conv_rows_kernel", "chunk_table_kernel",
+                                                       "causal_conv1d_fwd_window_kernel",
                                                        "causal_conv1d_final_state_kernel"])
     assert writes == [1, 2, 3, 3, 1, 2]
 
@@ -858,6 +859,28 @@ def test_conv_fn_fast_reads_nothing_back_unless_asked():
     with pytest.raises(HostSyncInCapture):
         with capture_guards("vllm_ops", DEV):
             FV.causal_conv1d_fn(x, w, b, states, **kw, check_values=True)
+
+
+def test_conv_fn_plan_serves_any_length_bit_for_bit(monkeypatch):
+    """From a signature's second call fast serves the prefill conv from a plan that leaves the token and request counts
+    out (checks skipped, the compiled launchers reused on a GPU): prefills of other lengths and request counts equal
+    the checked call (check_values=True: never served) bit for bit, outputs and rows."""
+    FV._CONV_FN.clear()
+    checked = []
+    real = FV.check_vllm_conv_fn_inputs
+    monkeypatch.setattr(FV, "check_vllm_conv_fn_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    base = conv_fn_families(True, DEV)["prefill-mixed-padded-empty"]
+    shapes = [([0, 5, 5, 12, 14], [3, 1, -1, 0]), ([0, 2, 9, 9, 20], [0, 4, 3, -1]), ([0, 7, 8], [5, 2]),
+              ([0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])]
+    for rnd, (qsl, idx) in enumerate(shapes):
+        p = dict(base, qsl=qsl, idx=idx, init=[bool((n + rnd) % 2) for n in range(len(idx))])
+        x, w, b, states, kw = conv_fn_problem(p, torch.float32, DEV, seed=rnd)
+        s_f, s_c = states.clone(), states.clone()
+        y = FV.causal_conv1d_fn(x, w, b, s_f, **kw)
+        y_c = FV.causal_conv1d_fn(x, w, b, s_c, **kw, check_values=True)
+        assert torch.equal(y, y_c) and torch.equal(s_f, s_c), rnd
+    # checked: every check_values call and the first two plain ones (the plan is kept from the second)
+    assert len(checked) == len(shapes) + 2, len(checked)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
