@@ -47,7 +47,7 @@ import torch
 from refgdn.capture import _Hooks        # refgdn's launch recorder: active while a graph captures
 
 __all__ = ["ABSENT", "Carved", "LaunchPlan", "LayoutPlans", "MetaGuard", "Offset", "PlanCache", "Relaunch",
-           "SignaturePlans", "launch", "shape_key", "varlen_key"]
+           "SignaturePlans", "launch", "scalar_key", "shape_key", "varlen_key"]
 
 try:                                      # the launch path as it is when fast is imported (see _quiet)
     from triton import knobs as _knobs
@@ -553,6 +553,17 @@ def shape_key(t, skip: Optional[int] = None) -> Optional[tuple]:
     if skip is not None:
         del shape[skip]
     return type(t), tuple(shape), t.dtype, t.device
+
+
+def scalar_key(*vals) -> Optional[tuple]:
+    """A LayoutPlans key from an op's non-tensor arguments: each value with its exact type (the checks' rules are by
+    type: a flag given as 1 is not the True a checked call passed); None when one is unhashable (never served)."""
+    key = tuple((type(x), x) for x in vals)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def varlen_key(x, initial_state, cu_seqlens, cu_seqlens_cpu) -> tuple:

@@ -13,8 +13,8 @@ from refgdn.checks import (check_sglang_decode_inputs, host_offsets, one_host_re
 
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots
-from .launch import LayoutPlans
-from .vllm_ops import _scalar_key, _SlotsOpPlan
+from .launch import LayoutPlans, scalar_key
+from .vllm_ops import _SlotsOpPlan
 
 __all__ = ["fused_sigmoid_gating_delta_rule_update"]
 
@@ -42,7 +42,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     # the key: the non-tensor arguments the checks read; a verify (the cache arguments) is never served
     plain = (intermediate_states_buffer is None and intermediate_state_indices is None and cache_steps is None
              and retrieve_parent_token is None)
-    key = None if check_values or not plain else _scalar_key(
+    key = None if check_values or not plain else scalar_key(
         "sglang", softplus_beta, softplus_threshold, use_qk_l2norm_in_kernel, is_kda, disable_state_update, type(scale))
     tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias)
     p = _DECODE.get(key, tensors)

@@ -29,7 +29,7 @@ from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots
                    vllm_conv_update_config)
 from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
-from .launch import LayoutPlans, Offset, SignaturePlans, launch, shape_key
+from .launch import LayoutPlans, Offset, SignaturePlans, launch, scalar_key, shape_key
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
@@ -77,7 +77,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta=None, scale=None, initial_
     written), a written one outside it is skipped, a num_accepted_tokens entry is clamped to [1, L]; two sequences
     writing one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
-    key = None if check_values or retrieve_parent_token is not None else _scalar_key(
+    key = None if check_values or retrieve_parent_token is not None else scalar_key(
         "recurrent", inplace_final_state, use_qk_l2norm_in_kernel, state_layout, null_block_id, type(scale))
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens)
     p = _SLOTS.get(key, tensors)
@@ -130,17 +130,6 @@ def _slots_op(q, k, v, g, beta, scale, initial_state, inplace: bool, cu_seqlens,
     return o, (initial_state if inplace else hs)
 
 
-def _scalar_key(*vals) -> Optional[tuple]:
-    """A plan key from an op's non-tensor arguments: each value with its exact type (the checks' rules are by type);
-    None when one is unhashable (never served)."""
-    key = tuple((type(x), x) for x in vals)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 class _SlotsOpPlan:
     """One call layout's launch of _slots_op (_SLOTS): recurrent_slots_kernel's SlotsPlan and the outputs' shapes. The
     kernel takes the call's tensors as they are (their strides are the plan's; a [.., V, K] state, a [B * T, HV] gate
@@ -173,7 +162,7 @@ class _SlotsOpPlan:
 
 # Eager calls of vLLM's recurrent ops by call layout (fast.launch.LayoutPlans): fused_recurrent_gated_delta_rule and
 # the newer fused_sigmoid_gating_delta_rule_update, once per GDN layer and step outside vLLM's CUDA graphs. The key:
-# the op's non-tensor arguments the checks read (_scalar_key); the guard compares every tensor's metadata.
+# the op's non-tensor arguments the checks read (fast.launch.scalar_key); the guard compares every tensor's metadata.
 _SLOTS = LayoutPlans()
 
 
@@ -196,7 +185,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta: 
     shapes, dtypes and devices; the values only with check_values=True (capturable otherwise; unchecked values stay
     memory-safe). float64 runs refgdn.
     """
-    key = None if check_values else _scalar_key("sigmoid-gating", beta, threshold, inplace_final_state,
+    key = None if check_values else scalar_key("sigmoid-gating", beta, threshold, inplace_final_state,
                                                 use_qk_l2norm_in_kernel, is_kda, type(scale))
     tensors = (q, k, v, a, b, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, A_log, dt_bias)
     p = _SLOTS.get(key, tensors)
@@ -235,9 +224,7 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     Unchecked slots stay memory-safe: one outside [1, S) pads its request (zeros out, nothing read or written); two
     requests on one slot race, as in vLLM. float64 runs refgdn (the kernel computes in float32).
     """
-    # the key: what the checks read besides the tensors' metadata (types exactly: the checks' rules are by type)
-    key = (("packed", use_qk_l2norm_in_kernel, type(scale))
-           if not check_values and type(use_qk_l2norm_in_kernel) is bool else None)
+    key = None if check_values else scalar_key("packed", use_qk_l2norm_in_kernel, type(scale))
     tensors = (mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)
     p = _PACKED.get(key, tensors)
     if p is not None:                     # a layout whose call passed the checks before: the launch alone
