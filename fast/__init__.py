@@ -17,6 +17,10 @@ from .norm import rms_norm, rms_norm_gated
 from .serving import GDNStateCache, gdn_accept, gdn_decode, gdn_materialize, gdn_prefill, gdn_verify
 from .chunk import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, recurrent_gated_delta_rule
 from . import library  # noqa: F401  (torch.library custom ops + autograd: torch.ops.fast.*)
+from .utils import install_interpreter_shared_lang_patch as _shared_patch, is_interpreting as _interpreting
+
+if _interpreting():
+    _shared_patch()        # the interpreter patches triton.language once per launch, not per helper call
 
 __all__ = ["recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d",
            "causal_conv1d_update", "gdn_gating", "l2norm", "rms_norm_gated", "rms_norm", "GDNStateCache", "gdn_prefill",
