@@ -524,9 +524,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                  cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *,
                                  chunk_indices=None, chunk_offsets=None, core_attn_out=None,
-                                 state_layout="kv") -> List[CompileKey]:
+                                 state_layout="kv", check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes ("vk"
-    states as their [N, HV, K, V] views; core_attn_out takes a copy of o, no kernel)."""
+    states as their [N, HV, K, V] views; core_attn_out takes o or a copy of it, no kernel). Its device-table path
+    (varlen, check_values False) launches the kernels of the public op's varlen call, whose kernel 1 runs on a
+    device-built table too, with the same specialisations (int32 tables, the offsets' dtype)."""
     if state_layout == "vk" and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,

@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 
 import refgdn.vllm_ops as _ref
-from refgdn.checks import (check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
+from refgdn.checks import (check_gdn_inputs, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
                            check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs,
                            check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs, one_host_read,
                            vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 
-from .chunk import chunk_gated_delta_rule as _chunk
+from .chunk import chunk_gated_delta_rule as _chunk, chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots, slots_plan
 from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_rows_kernel,
@@ -41,16 +41,48 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *, chunk_indices=None,
-                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv"):
+                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv",
+                           check_values: bool = False):
     """fast.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag); newer vLLM's
     keywords (state_layout "vk", core_attn_out, chunk_indices / chunk_offsets) as refgdn.vllm_ops' twin.
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V] ("vk": [N, HV, V, K])
     -> (o [B, T, HV, V], final_state [N, HV, K, V] float32 ("vk": [N, HV, V, K]) or None)
+
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t
+
+    Shapes and dtypes are checked on the host before anything runs; cu_seqlens' values only with check_values=True
+    (a host read: a sync). By default a varlen call reads nothing back, as vLLM's own op with its precomputed
+    chunk tables: every kernel runs on chunk tables built on the device from the offsets (fast.chunk's
+    offsets_on_device), so a prefill step syncs once per GDN layer less and the call can be captured. Offsets
+    that break the rules (0 = cu[0] <= ... <= cu[N] = T) give unspecified values but stay memory-safe (clamped into
+    [0, T]). A "vk" final state is written [N, HV, V, K] by the state pass (no transposed copy) and o straight into
+    a contiguous core_attn_out. float64, gradients and torch.compile tracing go through fast.chunk_gated_delta_rule.
     """
-    return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
-                           state_layout)
+    if (check_values is not False or head_first is not False or not isinstance(cu_seqlens, torch.Tensor)
+            or not isinstance(q, torch.Tensor)):
+        return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
+                               state_layout)
+    _ref.check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
+    vk = state_layout == "vk"
+    h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
+    check_gdn_inputs(q, k, v, g, beta, scale, h0, cu_seqlens, None, None, 64, None, offset_values=False)
+    from . import library
+    if (_is_fp64(q, k, v, g, beta, h0) or library.wants_graph(q, k, v, g, beta, h0)
+            or type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool):
+        return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
+                               state_layout)
+    _check_fast_limits(q.shape[3], v.shape[3], 64)
+    out = core_attn_out if core_attn_out is not None and core_attn_out.is_contiguous() else None
+    o, final = _chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                          chunk_size=64, final_v_first=vk, offsets_on_device=True, out=out)
+    if vk and final is not None:
+        final = final.transpose(-1, -2)                     # [N, HV, V, K], contiguous: written in that layout
+    if core_attn_out is not None and out is None:
+        o = core_attn_out.copy_(o)
+    return o, final
 
 
 @one_host_read

@@ -49,7 +49,8 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, head_first=False, use_qk_l2norm_in_kernel=False, *, chunk_indices=None,
-                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv"):
+                           chunk_offsets=None, core_attn_out=None, state_layout: str = "kv",
+                           check_values: bool = False):
     """refgdn.chunk_gated_delta_rule in vLLM's argument order (``head_first`` before the l2norm flag).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   initial_state: [N, HV, K, V]
@@ -58,7 +59,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Newer vLLM's generation (third_party fla: no head_first, keywords after cu_seqlens): state_layout="vk" takes
     initial_state [N, HV, V, K] and returns final_state [N, HV, V, K] (contiguous); core_attn_out [B, T, HV, V] in
     v's dtype receives o (returned); chunk_indices / chunk_offsets (vLLM's precomputed varlen tables) are accepted
-    and not needed (tensors or None). Pass them by keyword.
+    and not needed (tensors or None). Pass them by keyword. check_values: the oracle checks cu_seqlens' values
+    whatever it says (a host read); fast's twin only when it is True (by default it reads nothing back).
     """
     return vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, head_first,
                       use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out, state_layout)
@@ -68,6 +70,21 @@ def vllm_chunk(chunk, q, k, v, g, beta, scale, initial_state, output_final_state
                use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out, state_layout):
     """vLLM's chunk op over a package's chunk_gated_delta_rule (refgdn's or fast's): both generations' arguments
     checked here (ValueError naming them), the "vk" states seen through their [.., K, V] views."""
+    check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
+    vk = state_layout == "vk"
+    h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
+    o, final = chunk(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                     head_first=head_first)
+    if vk and final is not None:
+        final = final.transpose(-1, -2).contiguous()                                          # [N, HV, V, K]
+    if core_attn_out is not None:
+        o = core_attn_out.copy_(o)
+    return o, final
+
+
+def check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout) -> None:
+    """The vLLM chunk op's own arguments (the rest are chunk_gated_delta_rule's): state_layout, the varlen tables'
+    types, "vk" initial states [N, HV, V, K], core_attn_out [B, T, HV, V] in v's dtype on its device."""
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"state_layout must be 'kv' (states [N, HV, K, V]) or 'vk' ([N, HV, V, K], newer vLLM's), "
                          f"got {state_layout!r}")
@@ -85,14 +102,6 @@ def vllm_chunk(chunk, q, k, v, g, beta, scale, initial_state, output_final_state
             raise ValueError(f"core_attn_out must be [B, T, HV, V] = {list(v.shape)} in v's dtype {v.dtype} on "
                              f"{v.device} (o is written into it), got {_shape(core_attn_out)} {core_attn_out.dtype} "
                              f"on {core_attn_out.device}")
-    h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
-    o, final = chunk(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                     head_first=head_first)
-    if vk and final is not None:
-        final = final.transpose(-1, -2).contiguous()                                          # [N, HV, V, K]
-    if core_attn_out is not None:
-        o = core_attn_out.copy_(o)
-    return o, final
 
 
 def default_beta(q: torch.Tensor, v: torch.Tensor, beta):

@@ -1169,6 +1169,104 @@ def test_chunk_newer_generation_keys_equal_the_launches():
     assert len(log.launched) >= 2
 
 
+CHUNK_OFFSETS = [
+    pytest.param([0, 15, 40], "kv", False, id="two"),
+    pytest.param([0, 0, 1, 17, 17, 40], "vk", True, id="empty-len1-vk-l2norm"),
+    pytest.param([0, 33, 34, 40], "kv", True, id="l2norm-odd"),
+]
+
+
+def _chunk_call(cu, vk, l2, seed=5, dtype=torch.float32, T=40):
+    N = len(cu) - 1
+    q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, seed=seed, dtype=dtype, device=DEV, init=True, N=N)
+    h0 = h0.float()
+    kw = dict(initial_state=h0.transpose(-1, -2).contiguous() if vk else h0, output_final_state=True,
+              cu_seqlens=_t(cu), use_qk_l2norm_in_kernel=l2, state_layout="vk" if vk else "kv")
+    return (q, k, v, g, beta), kw
+
+
+@pytest.mark.parametrize("cu,vk,l2", CHUNK_OFFSETS)
+def test_chunk_device_tables_equal_the_host_tables(cu, vk, l2):
+    """By default fast's vLLM chunk op builds every kernel's chunk table on the device (no host read): o and the
+    final states equal the call that reads the offsets (check_values=True: host tables) bit for bit, with the
+    output in the state pass (the interpreter's default) and in kernel 4 (chunk_gated_delta_rule_fwd,
+    fuse_output=False: the rows of the table past its last chunk skipped there too); core_attn_out takes o in place."""
+    xs, kw = _chunk_call(cu, vk, l2)
+    o_h, ht_h = FV.chunk_gated_delta_rule(*xs, **kw, check_values=True)
+    out = torch.full_like(xs[2], float("nan"))
+    o_d, ht_d = FV.chunk_gated_delta_rule(*xs, **kw, core_attn_out=out)
+    assert o_d is out and torch.equal(o_d, o_h) and torch.equal(ht_d, ht_h)
+    assert ht_d.is_contiguous() and ht_d.shape == ht_h.shape
+    from fast.chunk import chunk_gated_delta_rule_fwd
+    h0 = kw["initial_state"].transpose(-1, -2) if vk else kw["initial_state"]
+    for fuse in (True, False):
+        got = chunk_gated_delta_rule_fwd(*xs, None, h0, True, kw["cu_seqlens"], l2, fuse_output=fuse,
+                                         offsets_on_device=True)
+        want = chunk_gated_delta_rule_fwd(*xs, None, h0, True, kw["cu_seqlens"], l2, fuse_output=fuse)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fuse
+
+
+def test_chunk_reads_nothing_back_unless_asked():
+    """The device-table path reads no value to the host (capturable; one sync per GDN layer per prefill step less);
+    check_values=True reads the offsets."""
+    from refgdn.capture import HostSyncInCapture, capture_guards
+    xs, kw = _chunk_call([0, 15, 40], True, True)
+    with capture_guards("vllm_ops", DEV):
+        FV.chunk_gated_delta_rule(*xs, **kw)
+    with pytest.raises(HostSyncInCapture):
+        with capture_guards("vllm_ops", DEV):
+            FV.chunk_gated_delta_rule(*xs, **kw, check_values=True)
+
+
+@pytest.mark.parametrize("cu,clamped", [
+    pytest.param([-4, 15, 99], [0, 15, 40], id="out-of-range"),
+    pytest.param([0, 30, 12, 40], None, id="decreasing"),
+])
+def test_chunk_fast_is_memory_safe_on_unchecked_offsets(cu, clamped):
+    """Unchecked offsets are clamped into [0, T] by the device table: out-of-range ones give the call on the
+    clamped offsets bit for bit; a reversed span is a sequence without chunks (its final state is its initial
+    state) and the spans that then overlap race on their shared tokens' outputs (values unspecified, nothing read
+    or written outside the tensors); check_values=True raises on both."""
+    xs, kw = _chunk_call(cu, False, True)
+    o, ht = FV.chunk_gated_delta_rule(*xs, **kw)
+    if clamped is not None:
+        o_c, ht_c = FV.chunk_gated_delta_rule(*xs, **dict(kw, cu_seqlens=_t(clamped)), check_values=True)
+        assert torch.equal(o, o_c) and torch.equal(ht, ht_c)
+    else:
+        assert torch.equal(ht[1], kw["initial_state"][1])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        FV.chunk_gated_delta_rule(*xs, **kw, check_values=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
+def test_chunk_cuda_graph_replay_equals_eager():
+    """vLLM's chunk op captured once (chunk tables built on the device), replayed on new inputs and new offsets
+    copied into the static buffers: bit for bit the eager call, round after round (bf16, "vk" states, l2norm)."""
+    T = 300
+    xs, kw = _chunk_call([0, 100, 101, 300], True, True, dtype=torch.bfloat16, T=T)
+    static = [x.clone() for x in xs]
+    static_cu, static_h0 = kw["cu_seqlens"].clone(), kw["initial_state"].clone()
+    run = dict(kw, cu_seqlens=static_cu, initial_state=static_h0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FV.chunk_gated_delta_rule(*static, **run)                          # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, ht_static = FV.chunk_gated_delta_rule(*static, **run)
+    for rnd, cu in enumerate(([0, 7, 7, 300], [0, 1, 299, 300], [0, 150, 250, 300])):
+        new, new_kw = _chunk_call(cu, True, True, seed=20 + rnd, dtype=torch.bfloat16, T=T)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        static_cu.copy_(new_kw["cu_seqlens"])
+        static_h0.copy_(new_kw["initial_state"])
+        graph.replay()
+        o_e, ht_e = FV.chunk_gated_delta_rule(*new, **new_kw)
+        torch.cuda.synchronize()
+        assert torch.equal(o_static, o_e) and torch.equal(ht_static, ht_e), rnd
+
+
 @pytest.mark.parametrize("name", ["decode-null-slots", "decode-l2norm", "gva3-l2norm", "odd-KV-scale"])
 def test_sigmoid_gating_one_token_is_the_packed_decode(name):
     """float64: for one token per request the two newer vLLM decode ops agree (written independently in refgdn: the

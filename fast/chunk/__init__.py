@@ -289,7 +289,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                keep_kkt: bool = False, from_a: bool = True,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
                                offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
-                               update_x2: bool = False, final_v_first: bool = False, beta_logits: int = 0):
+                               update_x2: bool = False, final_v_first: bool = False, beta_logits: int = 0,
+                               offsets_on_device: bool = False, out: Optional[torch.Tensor] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -320,7 +321,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     state is allocated [N, HV, V, K] and returned as its [N, HV, K, V] view (fla's state_v_first: the state pass
     writes through its strides). beta_logits 1 / 2 (fla's use_beta_sigmoid_in_kernel, with allow_neg_eigval for 2;
     fast.serving.gdn_prefill's raw b): beta holds logits [B, T, HV]; each kernel that reads beta forms sigmoid(beta)
-    (x 2) in fp32 after its load, by one formula (fast.chunk.common._beta_of): no torch launch, nothing stored."""
+    (x 2) in fp32 after its load, by one formula (fast.chunk.common._beta_of): no torch launch, nothing stored.
+    offsets_on_device (varlen; vLLM's chunk op, fast.vllm_ops.chunk_gated_delta_rule): cu_seqlens' values are never
+    read on the host: every kernel runs on chunk tables built on the device (common._Chunks.unchecked with
+    every_kernel: offsets clamped into [0, T], cdiv(T, BT) + N table rows, sequences in index order), so the call
+    reads nothing back and can be captured. Valid offsets give the host tables' bits; any values stay memory-safe
+    (the caller checks them, or leaves them unchecked as vLLM does). N == 1 runs as the dense call over all T
+    tokens. out: o is written into this contiguous [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -334,9 +341,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     dev = q.device
-    behind = offsets_unchecked and cu_seqlens is not None
+    behind = offsets_unchecked and cu_seqlens is not None and not offsets_on_device
     if behind:
         offsets = host_offsets_later(cu_seqlens)                          # the copy queued before kernel 1
+    elif offsets_on_device and cu_seqlens is not None:
+        ch = _Chunks.unchecked(T, BT, cu_seqlens, every_kernel=True)     # no host read at all
     else:
         ch = _Chunks(B, T, BT, cu_seqlens)
     precise = _precise(v.dtype)
@@ -356,7 +365,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             final = (torch.empty(N, HV, V, K, dtype=torch.float32, device=dev).transpose(-1, -2) if final_v_first
                      else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev))
         h0 = initial_state                                                # (read in place: any strides)
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev) if out is None else out
     fused = forward_fuses_output(N, T, BT, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":

@@ -436,12 +436,15 @@ class _Chunks:
             self.total = B * self.NT
 
     @classmethod
-    def unchecked(cls, T: int, BT: int, cu_seqlens: torch.Tensor) -> "_Chunks":
-        """Varlen bookkeeping for kernel 1 before cu_seqlens' values are checked (no host read): one launch of
+    def unchecked(cls, T: int, BT: int, cu_seqlens: torch.Tensor, every_kernel: bool = False) -> "_Chunks":
+        """Varlen bookkeeping from offsets whose values the host has not read (no host read): one launch of
         chunk_table_kernel. ``total`` is an upper bound on the chunk count, cdiv(T, BT) + N (for valid offsets
-        sum_n ceil(len_n / BT) <= sum_n (len_n / BT + 1)); its extra rows hold no chunk. ``cu_seqlens`` is the
-        clamped copy the table was built from (kernel 1 reads it). No offsets or order: the state pass and
-        kernel 4 use the host tables built after the check."""
+        sum_n ceil(len_n / BT) <= sum_n (len_n / BT + 1)); its extra rows hold no chunk (the kernels that walk
+        rows skip them). ``cu_seqlens`` is the clamped copy the table was built from (the kernels read it).
+        every_kernel=False: for kernel 1 only (no offsets or order: the state pass and kernel 4 use the host
+        tables built after the check). True: for every kernel of the forward: ``offsets`` is each sequence's
+        first chunk as the device computed it and ``order`` the sequences in index order (the host does not
+        know their lengths to sort them longest first; the same bits, another dispatch order)."""
         self = cls.__new__(cls)
         N = cu_seqlens.numel() - 1
         self.varlen, self.NT = True, 1
@@ -449,9 +452,13 @@ class _Chunks:
         dev = cu_seqlens.device
         self.cu_seqlens = torch.empty_like(cu_seqlens)
         self.indices = torch.empty(self.total, 2, dtype=torch.int32, device=dev)
-        self.offsets = self.order = None
         first = torch.empty(N + 1, dtype=torch.int64, device=dev)
+        self.offsets = self.order = None
         # one program, launched once per call (never autotuned; not specialised on its integers)
         launch(chunk_table_kernel, (1,), dict(BT=BT, BN=CHUNK_TABLE_BLOCK, num_warps=4),
                cu_seqlens, self.cu_seqlens, first, self.indices, N, T, self.total, max(N - 1, 1).bit_length())
+        if every_kernel:
+            # int32 as the host tables' words (the state pass's compiled variants are the same); < 2^31 chunks
+            self.offsets = first.to(torch.int32)
+            self.order = torch.arange(N, dtype=torch.int32, device=dev)
         return self

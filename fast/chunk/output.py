@@ -52,6 +52,9 @@ def chunk_output_kernel(
     i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
     i_h = (pid // ((V + BV - 1) // BV)) % HV
     i_c = pid // (((V + BV - 1) // BV) * HV)
+    if IS_VARLEN:
+        if tl.load(chunk_indices + i_c * 2) < 0:                     # a row of a device-built table past its last
+            return                                                   # chunk (common._Chunks.unchecked): no chunk
     i_b, i_t, bos, eos, rows, m_r, tok = _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV, BT,
                                                      IS_VARLEN)
     o_t = tl.arange(0, BT)
