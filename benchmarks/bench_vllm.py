@@ -72,7 +72,16 @@ requests' outputs: now zeros stored by the kernel, PAD_ZERO), timed alone:
 
     conv_fn bytes = 2 T D * 2                       x read, y written (the pool's windows: < 0.1 %)
 
-Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|prep|conv|conv_fn]
+vLLM's chunk op (fast.vllm_ops.chunk_gated_delta_rule, Qwen3-Next heads H = 16, HV = 32, K = V = 128, bf16, l2norm in
+the kernel, initial and final states [N, HV, V, K] as newer vLLM holds them, o into core_attn_out), a seventh table,
+wall time of an eager call (do_bench, host included) over request mixes: by default it reads nothing back (every
+kernel on chunk tables built on the device, since 2026-11-29), with check_values=True it reads the offsets (one sync
+per call, behind kernel 1), beside fla's chunk_gated_delta_rule given cu_seqlens alone (its chunk table built from a
+host read) and given vLLM's precomputed host offsets (cu_seqlens_cpu, as vLLM's metadata builder holds them):
+
+    chunk FLOPs = benchmarks.bench_prefill.chunk_flops(tokens)
+
+Run: python -m benchmarks.bench_vllm [--no-results] [--only recurrent|packed|verify|prep|conv|conv_fn|chunk]
 """
 from __future__ import annotations
 
@@ -112,6 +121,11 @@ CONV_FN_META = {"op": "fast.vllm_ops.causal_conv1d_fn, D=8192 W=4, bf16 x/weight
                       "requests of T/4 tokens (N: tokens T)",
                 "us": "do_bench median of the eager call (host included)",
                 "bytes": "2 T D * 2: x read, y written"}
+CHUNK_TITLE = "vLLM's chunk op: fast.vllm_ops.chunk_gated_delta_rule vs fla (eager call)"
+CHUNK_META = {"op": "fast.vllm_ops.chunk_gated_delta_rule, H=16 HV=32 K=V=128, bf16, l2norm, states [N, HV, V, K] "
+                    "fp32, o into core_attn_out (N: tokens)",
+              "us": "do_bench median of the eager call (host included)",
+              "flops": "benchmarks.bench_prefill.chunk_flops(tokens)"}
 CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3), (32, 3))
 BF16_CASES = ((1, 0), (8, 0), (32, 0), (128, 0), (1, 3), (8, 3))     # a bfloat16 pool (vLLM's default)
 
@@ -405,11 +419,64 @@ def conv_fn_rows(copy_gbps: float, lengths=CONV_FN_T) -> list:
     return out
 
 
+def chunk_mixes() -> tuple:
+    """(name, sequence lengths): vLLM prefill batches, small to bench_prefill's 16-sequence mix."""
+    from benchmarks.bench_prefill import VARLEN_TOTAL, varlen_lengths
+    return (("4 x 256", [256] * 4), ("8 x 1024", [1024] * 8), (f"16 seqs {VARLEN_TOTAL}", varlen_lengths()))
+
+
+def chunk_call(lens: list, what: str = "op", seed: int = 0, device: str = "cuda"):
+    """vLLM's chunk op over requests of these lengths: a callable. what: "op" (fast, nothing read back), "checked"
+    (fast, check_values=True), "fla" (fla given cu_seqlens), "fla-cpu" (fla given cu_seqlens_cpu as well)."""
+    import fast.vllm_ops as FV
+    from benchmarks.bench_prefill import cu_seqlens_of, gdn_inputs
+    T, N = sum(lens), len(lens)
+    q, k, v, g, beta, S0 = gdn_inputs(T, device, N, seed=seed)
+    cu = cu_seqlens_of(lens, device).to(torch.int32)
+    if what in ("op", "checked"):
+        h0 = S0.transpose(-1, -2).contiguous()                                   # [N, HV, V, K]
+        out = torch.empty_like(v)
+        kw = dict(check_values=True) if what == "checked" else {}
+        return lambda: FV.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, cu, False, True,  # noqa: E731
+                                                 state_layout="vk", core_attn_out=out, **kw)
+    fla = common.try_import_fla()
+    fla_chunk = getattr(fla, "chunk_gated_delta_rule", None)
+    if fla_chunk is None:
+        return None
+    kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
+    if what == "fla-cpu":
+        kw["cu_seqlens_cpu"] = cu.long().cpu()
+    call, _ = common.call_fla_gdn(fla_chunk, q, k, v, g, beta, **kw)
+    return call
+
+
+def chunk_rows(mixes=None) -> list:
+    import triton
+    from benchmarks.bench_prefill import chunk_flops
+    out = []
+    for name, lens in mixes or chunk_mixes():
+        T = sum(lens)
+        base = None
+        for what, impl in (("op", "fast.vllm_ops (nothing read back)"),
+                           ("checked", "fast.vllm_ops, check_values=True (reads the offsets)"),
+                           ("fla", "fla 0.6.0, cu_seqlens"), ("fla-cpu", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")):
+            call = chunk_call(lens, what)
+            if call is None:
+                continue
+            us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
+            base = us if base is None else base
+            out.append(dict(what=f"chunk {name}", N=T, impl=impl, us=us, TFLOPs=chunk_flops(T) / us / 1e6,
+                            vs_fast=None if what == "op" else us / base))
+            del call
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-results", action="store_true", help="print only; do not append to RESULTS.md")
-    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "prep", "conv", "conv_fn"),
+    ap.add_argument("--only", choices=("packed", "recurrent", "verify", "prep", "conv", "conv_fn", "chunk"),
                     help="only that table")
     ns = ap.parse_args(argv)
     if not common.gpu_available():
@@ -421,7 +488,8 @@ def main(argv=None):
               ("verify", VERIFY_TITLE, VERIFY_META, lambda: verify_rows(copy)),
               ("prep", PREP_TITLE, PREP_META, lambda: prep_rows(copy)),
               ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)),
-              ("conv_fn", CONV_FN_TITLE, CONV_FN_META, lambda: conv_fn_rows(copy)))
+              ("conv_fn", CONV_FN_TITLE, CONV_FN_META, lambda: conv_fn_rows(copy)),
+              ("chunk", CHUNK_TITLE, CHUNK_META, lambda: chunk_rows()))
     for name, title, meta, make in tables:
         if ns.only not in (None, name):
             continue

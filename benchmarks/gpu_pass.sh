@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 02:18: the serving ops' plans
-#     by call layout, vLLM's causal_conv1d_fn's PAD_ZERO)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 05:16: vLLM's chunk op on
+#     device-built chunk tables, no host read)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -85,22 +85,16 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-29 02:18 wrote without a GPU run: the serving ops served from plans by call layout
-  # (vLLM's packed decode, its recurrent and gated ops, SGLang's decode: fast.launch.LayoutPlans over the slots
-  # kernel's SlotsPlan; q, k, v as fast.launch.Offset addresses), vLLM's causal_conv1d_fn zeroing padded requests
-  # in the conv kernel (PAD_ZERO) instead of a torch.where pass, and building its tile table on the device (no host
-  # read: capturable); then their host time and the prefill conv's table
-  timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_vllm_ops.py tests/test_compat.py \
-    tests/test_sglang_ops.py tests/test_vllm_layer.py tests/test_capture.py tests/test_graphs_cuda.py \
-    tests/test_fast_conv.py tests/test_serving_prefill.py tests/test_benchmarks.py 2>&1 | tail -3
-  rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 200 python3 -m conformance --device cuda --full \
-    --ops vllm_causal_conv1d_fn,vllm_packed_decode,vllm_fused_recurrent_gated_delta_rule,sglang_fused_sigmoid_gating_delta_rule_update,vllm_fused_sigmoid_gating_delta_rule_update,causal_conv1d,gdn_prefill \
+  # what the session of 2026-11-29 05:16 wrote without a GPU run: vLLM's chunk op without a host read (every kernel of
+  # the chunked forward on device-built chunk tables; chunk_output_kernel skips a table's empty rows), "vk" final
+  # states written in their layout and o into core_attn_out; its conformance op; its CUDA-graph test; the bench table
+  timeout 300 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
+    tests/test_fast_chunk.py tests/test_host_reads.py tests/test_capture.py tests/test_serving_prefill.py \
+    2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 240 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,chunk_gated_delta_rule,gdn_prefill \
     --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
-  [[ ${PENDING_HOST:-1} == 1 ]] && { timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | grep -v Warn \
-    | tee "$OUT/host-overhead.log" | tail -24; rc=$((rc | ${PIPESTATUS[0]})); }
-  timeout 120 python3 -m benchmarks.bench_vllm --no-results --only conv_fn 2>&1 | grep --line-buffered "^|" \
-    | tee "$OUT/bench-vllm-conv_fn.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 150 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
+    | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \

@@ -21,6 +21,9 @@ The conv (causal_conv1d_update in vLLM's form: rows picked by conv_state_indices
 window at num_accepted_tokens - 1): y by the rule; the new conv_state rows exactly refgdn's in the same precision
 (they are copies of inputs); untouched rows and padded requests' outputs exact. The problem builders are shared
 with tests/test_vllm_ops.py.
+
+The chunk op (chunk_gated_delta_rule in vLLM's order, its default call: fast builds every chunk table on the device):
+o (written into core_attn_out) and the final states by the rule, "vk" states included.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ PACKED_OP = "vllm_packed_decode"
 CONV_OP = "vllm_causal_conv1d_update"
 CONV_FN_OP = "vllm_causal_conv1d_fn"
 POST_CONV_OP = "vllm_fused_post_conv_prep"
+CHUNK_OP = "vllm_chunk_gated_delta_rule"
 
 
 def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
@@ -464,6 +468,43 @@ def post_conv_families(quick: bool, device: str) -> dict:
     return out
 
 
+def chunk_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
+    """vLLM's chunk op by its default call (fast: every chunk table built on the device, nothing read back):
+    o, written into core_attn_out, and the final states by the rule; "vk": states [N, HV, V, K] both ways."""
+    import fast.vllm_ops as FV
+    import refgdn.vllm_ops as RV
+    from .cases_prefill import gdn_case_inputs
+    lo, hi = gdn_case_inputs(p, dtype, device, seed)
+    vk = bool(lo.pop("state_v_first", False))
+    hi.pop("state_v_first", None)
+    kw = dict(state_layout="vk" if vk else "kv", output_final_state=True)
+    out = torch.full_like(lo["v"], float("nan"))
+    o_f, s_f = FV.chunk_gated_delta_rule(**lo, **kw, core_attn_out=out)
+    o_r, s_r = RV.chunk_gated_delta_rule(**lo, **kw)
+    o_t, s_t = RV.chunk_gated_delta_rule(**hi, **kw)
+    return [Check("o (core_attn_out)", out, o_t, o_r), Check("returned o is core_attn_out", o_f, out, exact=True),
+            Check("final_state", s_f, s_t, s_r, dtype=dtype)]
+
+
+def chunk_families(quick: bool, device: str) -> dict:
+    """Prefill batches as vLLM packs them (B = 1, cu_seqlens): with empty and one-token requests, "vk" states and
+    the l2norm (newer vLLM); [N, HV, K, V] states with three value heads per key head; one request (the dense
+    path). Quick: interpreter-sized heads; full: Qwen3-Next's 16 / 32 heads of 128."""
+    if quick:
+        base = dict(B=1, H=1, HV=2, K=32, V=32, gate="mid", init=True)
+        return {
+            "mixed-empty-len1-vk-l2norm": dict(base, T=100, cu=[0, 0, 1, 40, 40, 100], vk=True, l2=True),
+            "gva3-kv": dict(base, T=70, HV=3, K=16, V=16, cu=[0, 33, 70]),
+            "one-request-vk": dict(base, T=50, cu=[0, 50], vk=True, l2=True),
+        }
+    base = dict(B=1, H=16, HV=32, K=128, V=128, gate="mid", init=True)
+    return {
+        "mixed-empty-len1-vk-l2norm": dict(base, T=1200, cu=[0, 0, 1, 300, 300, 1200], vk=True, l2=True),
+        "gva3-kv": dict(base, T=700, HV=48, cu=[0, 333, 700], l2=True),
+        "one-request-vk": dict(base, T=640, cu=[0, 640], vk=True, l2=True),
+    }
+
+
 def cases(quick: bool, device: str) -> list:
     try:
         import fast.vllm_ops  # noqa: F401
@@ -473,7 +514,8 @@ def cases(quick: bool, device: str) -> list:
     for op, fams, check in ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
                             (SIGMOID_OP, sigmoid_families, sigmoid_checks),
                             (POST_CONV_OP, post_conv_families, post_conv_checks),
-                            (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks)):
+                            (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks),
+                            (CHUNK_OP, chunk_families, chunk_checks)):
         for family, p in fams(quick, device).items():
             for dt in dtypes_for(device):
                 if p.get("fp32_x") and dt != torch.float32:        # (the family's x is float32 by construction)
