@@ -101,8 +101,8 @@ class _SharedLangPatch:
     device-function path calls _patch_lang, which walks tl, tl.core, tl.tensor and tl.math with
     inspect.getmembers: about 1 ms a call, a third of a CPU run of the chunked forward), although the launch has
     already patched those modules with the same closures. This wrapper keeps the launch's patch and skips a
-    helper's when the helper sees no language module the launch did not patch; any other call goes to Triton's
-    own function. The helper's patch would re-set the same attributes to equivalent closures (none depends on
+    helper's when the helper sees no language module that the launch, or an earlier helper of the launch, did not
+    patch (Triton never restores a helper's patch); any other call goes to Triton's own function. The helper's patch would re-set the same attributes to equivalent closures (none depends on
     the value it replaces), so the kernels compute the same bits either way."""
 
     def __init__(self, real, ti):
@@ -119,7 +119,10 @@ class _SharedLangPatch:
             return _NoScope()                                   # a helper inside a launch: already patched
         scope = self.real(fn)
         if self.active is not None:
-            return scope                                        # a helper seeing another module: Triton's way
+            # a helper that sees another language module (Triton's own tl.sum, tl.zeros, ... see tl.core): Triton's
+            # way; a helper's patch is never restored (Triton drops its scope), so it holds for the rest of the launch
+            self.active = self.active | langs
+            return scope
         self.active = langs                                     # a launch: its patch holds until it restores
         outer = self
 
