@@ -12,17 +12,20 @@ decode without drafts, the same kernel with the gates formed in it, on views of 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 import refgdn.vllm_ops as _ref
-from refgdn.checks import (check_gdn_inputs, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals, check_vllm_conv_refusals,
-                           check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs,
-                           check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs, one_host_read,
-                           vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
+from refgdn.checks import (check_gdn_inputs, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals,
+                           check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs,
+                           check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs,
+                           one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots,
+                           vllm_recurrent_slots)
 
-from .chunk import chunk_gated_delta_rule as _chunk, chunk_gated_delta_rule_fwd as _chunk_fwd
+from .chunk import _call_signature as _chunk_call_signature, chunk_gated_delta_rule as _chunk
+from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import L2NORM_EPS, _check_fast_limits, _is_fp64, _precise, _unit_last
 from .chunk.recurrent import WRITE_EACH_ROW, WRITE_EACH_SLOT, WRITE_FINAL, launch_slots, slots_plan
 from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots_kernel, vllm_conv_rows_kernel,
@@ -64,25 +67,55 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
                                state_layout)
-    _ref.check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
     vk = state_layout == "vk"
-    h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
-    check_gdn_inputs(q, k, v, g, beta, scale, h0, cu_seqlens, None, None, 64, None, offset_values=False)
+    h0 = initial_state.transpose(-1, -2) if vk and isinstance(initial_state, torch.Tensor) else initial_state
+    # a signature whose call passed the checks before skips them and launches through its plan (fast.launch: the
+    # compiled launchers reused); T and N left out, so a serving stream's prefills share one
+    sig = _chunk_signature(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                           chunk_indices, chunk_offsets, core_attn_out, state_layout)
+    plan = _CHUNK.get(sig)
+    if plan is None:
+        _ref.check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
+        check_gdn_inputs(q, k, v, g, beta, scale, h0, cu_seqlens, None, None, 64, None, offset_values=False)
     from . import library
     if (_is_fp64(q, k, v, g, beta, h0) or library.wants_graph(q, k, v, g, beta, h0)
             or type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool):
         return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
                                state_layout)
-    _check_fast_limits(q.shape[3], v.shape[3], 64)
+    if plan is None:
+        _check_fast_limits(q.shape[3], v.shape[3], 64)
+        plan = _CHUNK.after_checks(sig)                  # (None on a signature's first call: launched as it is)
     out = core_attn_out if core_attn_out is not None and core_attn_out.is_contiguous() else None
-    o, final = _chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                          chunk_size=64, final_v_first=vk, offsets_on_device=True, out=out)
+    with plan if plan is not None else contextlib.nullcontext():
+        o, final = _chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                              chunk_size=64, final_v_first=vk, offsets_on_device=True, out=out)
     if vk and final is not None:
         final = final.transpose(-1, -2)                     # [N, HV, V, K], contiguous: written in that layout
     if core_attn_out is not None and out is None:
         o = core_attn_out.copy_(o)
     return o, final
+
+
+def _chunk_signature(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, l2, chunk_indices, chunk_offsets,
+                     core_attn_out, state_layout) -> Optional[tuple]:
+    """What the vLLM chunk op's checks read, T and N left out (fast.chunk's _call_signature for the public op's
+    part, on h0 as the [N, HV, K, V] view it checks), plus its own arguments: state_layout by type and value, the
+    varlen tables' types, core_attn_out's (type, shape less T, dtype, device) and whether its shape is v's. None
+    (check in full, keep no plan) for anything else."""
+    if type(state_layout) is not str:
+        return None
+    base = _chunk_call_signature(q, k, v, g, beta, scale, h0, output_final_state, l2, None, None, 64, cu_seqlens)
+    if base is None:
+        return None
+    try:
+        out = None if core_attn_out is None else (shape_key(core_attn_out, 1), core_attn_out.shape == v.shape)
+    except Exception:  # noqa: BLE001 - the full checks name the problem
+        return None
+    return base, state_layout, type(chunk_indices), type(chunk_offsets), out
+
+
+_CHUNK = SignaturePlans(64, seen_size=256)
 
 
 @one_host_read

@@ -1238,6 +1238,29 @@ def test_chunk_fast_is_memory_safe_on_unchecked_offsets(cu, clamped):
         FV.chunk_gated_delta_rule(*xs, **kw, check_values=True)
 
 
+def test_chunk_plan_serves_any_length_bit_for_bit(monkeypatch):
+    """From a signature's second call the vLLM chunk op skips its checks and launches through a plan that leaves the
+    token and sequence counts out (the compiled launchers reused on a GPU): prefills of other lengths and request
+    counts equal the checked call (check_values=True: never served) bit for bit; a bad shape still raises."""
+    FV._CHUNK.clear()
+    checked = []
+    real = FV.check_gdn_inputs
+    monkeypatch.setattr(FV, "check_gdn_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    mixes = ([0, 15, 40], [0, 3, 3, 30, 52], [0, 1, 2, 3, 4, 5, 6, 70])
+    for rnd, cu in enumerate(mixes):
+        xs, kw = _chunk_call(cu, True, True, seed=rnd, T=cu[-1])
+        out = torch.empty_like(xs[2])
+        o, ht = FV.chunk_gated_delta_rule(*xs, **kw, core_attn_out=out)
+        o_c, ht_c = FV.chunk_gated_delta_rule(*xs, **kw, core_attn_out=torch.empty_like(out), check_values=True)
+        assert o is out and torch.equal(o, o_c) and torch.equal(ht, ht_c), rnd
+    assert len(checked) == 2, len(checked)            # the first two default calls: the plan is kept from the second
+    xs, kw = _chunk_call([0, 15, 40], True, True)
+    with pytest.raises(ValueError, match="core_attn_out must be"):
+        FV.chunk_gated_delta_rule(*xs, **kw, core_attn_out=torch.empty(1, 39, 2, 16, device=DEV))
+    with pytest.raises(ValueError, match="initial_state"):
+        FV.chunk_gated_delta_rule(*xs, **dict(kw, initial_state=kw["initial_state"][:1]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
 def test_chunk_cuda_graph_replay_equals_eager():
     """vLLM's chunk op captured once (chunk tables built on the device), replayed on new inputs and new offsets
