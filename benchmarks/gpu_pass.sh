@@ -88,11 +88,12 @@ if [[ $steps == *pending* ]]; then
   # what the session of 2026-11-29 05:16 wrote without a GPU run: vLLM's chunk op without a host read (every kernel of
   # the chunked forward on device-built chunk tables; chunk_output_kernel skips a table's empty rows), "vk" final
   # states written in their layout and o into core_attn_out; its conformance op; its CUDA-graph test; the bench table
-  timeout 300 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
-    tests/test_fast_chunk.py tests/test_host_reads.py tests/test_capture.py tests/test_serving_prefill.py \
+  timeout 200 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
+    tests/test_host_reads.py ${PENDING_TESTS:-tests/test_fast_chunk.py tests/test_capture.py tests/test_serving_prefill.py} \
     2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 240 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,chunk_gated_delta_rule,gdn_prefill \
-    --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+  # (the whole chunk_gated_delta_rule op does not fit beside the tests in one 600 s call: its varlen and vk cases)
+  timeout 200 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,chunk_gated_delta_rule \
+    --cases vllm_chunk,varlen,vk --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 150 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
