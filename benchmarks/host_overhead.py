@@ -179,6 +179,8 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
     q, k, v = (x[:, :H * K].view(1, N, H, K), x[:, H * K:2 * H * K].view(1, N, H, K),
                x[:, 2 * H * K:].view(1, N, HV, V))
     gg, beta = fv.fused_gdn_gating(A_log, a, b, dt_bias)
+    conv_pool = torch.zeros(SLOTS, D, 3, **bf)                              # [S, D, W - 1]
+    conv_w = torch.randn(D, 4, generator=g).to(**bf)
     calls = [
         ("vLLM packed decode", fv._PACKED, lambda: fv.fused_recurrent_gated_delta_rule_packed_decode(
             x, a, b, A_log, dt_bias, None, pool, out, idx, True)),
@@ -191,6 +193,8 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
         ("SGLang fused_sigmoid_gating_delta_rule_update", fsg._DECODE,
          lambda: fsg.fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx,
                                                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
+        ("vLLM causal_conv1d_update (decode)", fv._CONV_UPDATE, lambda: fv.causal_conv1d_update(
+            x, conv_pool, conv_w, None, "silu", idx)),
     ]
     out_rows = []
     for name, plans, fn in calls:

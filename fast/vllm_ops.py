@@ -32,7 +32,7 @@ from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots
                    vllm_conv_update_config)
 from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
-from .launch import LayoutPlans, Offset, SignaturePlans, launch, scalar_key, shape_key
+from .launch import LayoutPlans, Offset, Relaunch, SignaturePlans, launch, scalar_key, shape_key
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
@@ -420,6 +420,12 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     Unchecked values stay memory-safe: offsets clamped to [0, T], a slot outside [0, S) pads its request, the window
     offset is clamped into the row, columns past C are not written.
     """
+    key = None if check_values else scalar_key("conv_update", activation, max_query_len, pad_slot_id)
+    tensors = (x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, query_start_loc)
+    if block_idx_last_scheduled_token is None and initial_state_idx is None and retrieve_parent_token is None:
+        p = _CONV_UPDATE.get(key, tensors)
+        if p is not None:                 # a layout whose call passed the checks before: the launch alone
+            return p.serve(*tensors)
     check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
     B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
                                                num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id,
@@ -443,13 +449,35 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
     cfg = vllm_conv_update_config(D, B, x.numel() // D)     # tokens in all, in any of x's layouts (as fast.keys)
     BD = cfg.pop("BD")
-    conv_update_slots_kernel[(cdiv(D, BD), B)](
-        x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens, query_start_loc, T, S, pad_slot_id,
-        s_xb, s_xd, s_xt, *conv_state.stride(), *weight.stride(), s_yb, s_yd, s_yt,
-        D=D, C=C, W=W, BD=BD, CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,
-        INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
-        VARLEN=query_start_loc is not None, FP64=fp64, **cfg)
+    grid = (cdiv(D, BD), B)
+    kw = dict(D=D, C=C, W=W, BD=BD, CP=next_pow2(C), SILU=act in ("silu", "swish"), HAS_BIAS=bias is not None,
+              INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
+              VARLEN=query_start_loc is not None, FP64=fp64, **cfg)
+    scalars = (T, S, pad_slot_id, s_xb, s_xd, s_xt, *conv_state.stride(), *weight.stride(), s_yb, s_yd, s_yt)
+    conv_update_slots_kernel[grid](x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens,
+                                   query_start_loc, *scalars, **kw)
+    _CONV_UPDATE.remember(key, tensors, lambda: _ConvUpdatePlan(grid, kw, scalars))
     return y
+
+
+class _ConvUpdatePlan:
+    """One call layout's launch of causal_conv1d_update (_CONV_UPDATE): the kernel's grid, constexprs and scalar
+    arguments follow from the tensors' metadata, which the layout's guard pins; y is allocated per call (x's shape,
+    contiguous: its strides are the plan's)."""
+    __slots__ = ("launch", "scalars", "M", "direct")
+
+    def __init__(self, grid: tuple, kw: dict, scalars: tuple):
+        self.launch, self.scalars, self.M, self.direct = Relaunch(conv_update_slots_kernel, grid, kw), scalars, 1, True
+
+    def serve(self, x, conv_state, weight, bias, idx, num_acc, qsl):
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.launch(x, conv_state, weight, bias, y, idx, num_acc, qsl, *self.scalars)
+        return y
+
+
+# Eager calls of vLLM's conv update by call layout (fast.launch.LayoutPlans): once per GDN layer and decode step
+# outside vLLM's CUDA graphs (mixed batches). The key: the non-tensor arguments the checks read, by exact type.
+_CONV_UPDATE = LayoutPlans()
 
 
 @one_host_read

@@ -779,6 +779,29 @@ def test_conv_cuda_graph_replay_equals_eager():
         assert torch.equal(y_static, y_e) and torch.equal(g_state, e_state), rnd
 
 
+@pytest.mark.parametrize("name", ["decode-idx-padded", "spec-k3-varlen-accepted", "W2-no-bias-no-act"])
+def test_conv_layout_plan_equals_the_checked_call(name, monkeypatch):
+    """From a layout's second call fast serves vLLM's conv update from a plan (fast.launch.LayoutPlans: no checks,
+    the compiled launcher reused on a GPU): bit for bit the checked call (check_values=True: never served), output
+    and rows, round after round on new values; another activation or pad_slot_id is another key (checked)."""
+    FV._CONV_UPDATE.clear()
+    checked = []
+    real = FV.check_vllm_conv_update_inputs
+    monkeypatch.setattr(FV, "check_vllm_conv_update_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    p = conv_families(quick=True, device=DEV)[name]
+    for seed in range(4):
+        x, state, w, b, kw = conv_problem(p, torch.float32, DEV, seed=seed)
+        s_f, s_c = state.clone(), state.clone()
+        y = FV.causal_conv1d_update(x, s_f, w, b, **kw)
+        y_c = FV.causal_conv1d_update(x, s_c, w, b, **kw, check_values=True)
+        assert torch.equal(y, y_c) and torch.equal(s_f, s_c), seed
+    assert len(checked) == 4 + 2, len(checked)          # every check_values call and the layout's first two
+    FV.causal_conv1d_update(x, state.clone(), w, b, **dict(kw, pad_slot_id=-7))
+    assert len(checked) == 7
+    with pytest.raises(ValueError, match="weight"):     # a served layout never serves other metadata
+        FV.causal_conv1d_update(x, state.clone(), w[:, :1], b, **kw)
+
+
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 def test_conv_takes_vllms_keywords(pkg):
     """vLLM's GDN layer passes validate_data=True (accepted: shapes are always checked); prefix caching's and tree
