@@ -506,17 +506,24 @@ class LayoutPlans:
 
     key: hashable, the op's non-tensor arguments and whatever the caller wants to keep apart (None: never served);
     tensors: the tensors the checks and the plan read (None for an absent optional one), compared by one
-    :class:`MetaGuard`. A layout's newest plan is kept (a guard that misses a known key is replaced). Never served
-    while torch.compile traces (the op's own path runs and is traced)."""
+    :class:`MetaGuard`. The plans are kept by key and the first tensor's sizes, so the batch sizes of a serving
+    stream's eager steps (their token or request count is the first tensor's) each keep a plan instead of replacing
+    one another; a layout's newest plan is kept (a guard that misses a known key and sizes is replaced). Never
+    served while torch.compile traces (the op's own path runs and is traced)."""
     __slots__ = ("plans", "seen")
 
     def __init__(self, size: int = 64, seen_size: int = 256):
         self.plans, self.seen = PlanCache(size), PlanCache(seen_size)
 
+    @staticmethod
+    def _sized(key, tensors: tuple):
+        t = tensors[0] if tensors else None
+        return (key, tuple(t.shape) if isinstance(t, torch.Tensor) else None)
+
     def get(self, key, tensors: tuple):
         if key is None or torch.compiler.is_compiling():
             return None
-        e = self.plans.get(key)
+        e = self.plans.get(self._sized(key, tensors))
         if e is None or not e[0].check(*(ABSENT if t is None else t for t in tensors)):
             return None
         return e[1]
@@ -526,6 +533,7 @@ class LayoutPlans:
         (``direct``: no per-call copy); any other layout is checked in full on every call."""
         if key is None:
             return
+        key = self._sized(key, tensors)
         ts = tuple(ABSENT if t is None else t for t in tensors)
         e = self.plans.get(key)
         if e is None and self.seen.get(key) is None:

@@ -802,6 +802,26 @@ def test_conv_layout_plan_equals_the_checked_call(name, monkeypatch):
         FV.causal_conv1d_update(x, state.clone(), w[:, :1], b, **kw)
 
 
+def test_layout_plans_keep_each_batch_size(monkeypatch):
+    """A serving stream's eager steps alternate batch sizes: each size keeps its own plan (the first tensor's sizes
+    are part of the plan's key), so after two calls of each every call is served, bit for bit the checked call."""
+    FV._CONV_UPDATE.clear()
+    checked = []
+    real = FV.check_vllm_conv_update_inputs
+    monkeypatch.setattr(FV, "check_vllm_conv_update_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    base = conv_families(quick=True, device=DEV)["decode-idx-padded"]
+    for rnd, B in enumerate((2, 3, 2, 3, 2, 3, 3, 2)):
+        p = dict(base, B=B, idx=list(range(B)))
+        x, state, w, b, kw = conv_problem(p, torch.float32, DEV, seed=rnd)
+        s_f, s_c = state.clone(), state.clone()
+        y = FV.causal_conv1d_update(x, s_f, w, b, **kw)
+        n = len(checked)
+        y_c = FV.causal_conv1d_update(x, s_c, w, b, **kw, check_values=True)
+        assert torch.equal(y, y_c) and torch.equal(s_f, s_c), rnd
+        assert len(checked) == n + 1
+    assert len(checked) == 8 + 4, len(checked)          # the checked calls and the first two of each size
+
+
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 def test_conv_takes_vllms_keywords(pkg):
     """vLLM's GDN layer passes validate_data=True (accepted: shapes are always checked); prefix caching's and tree
