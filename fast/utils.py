@@ -102,8 +102,9 @@ class _SharedLangPatch:
     inspect.getmembers: about 1 ms a call, a third of a CPU run of the chunked forward), although the launch has
     already patched those modules with the same closures. This wrapper keeps the launch's patch and skips a
     helper's when the helper sees no language module that the launch, or an earlier helper of the launch, did not
-    patch (Triton never restores a helper's patch); any other call goes to Triton's own function. The helper's patch would re-set the same attributes to equivalent closures (none depends on
-    the value it replaces), so the kernels compute the same bits either way."""
+    patch (Triton never restores a helper's patch); any other call goes to Triton's own function. The helper's
+    patch would re-set the same attributes to equivalent closures (none depends on the value it replaces), so the
+    kernels compute the same bits either way (the quick matrix's reports are identical with and without it)."""
 
     def __init__(self, real, ti):
         self.real, self.ti, self.active = real, ti, None
@@ -124,17 +125,25 @@ class _SharedLangPatch:
             self.active = self.active | langs
             return scope
         self.active = langs                                     # a launch: its patch holds until it restores
-        outer = self
+        return _LaunchScope(self, scope)
 
-        class _Scope:
-            def restore(self_):
-                outer.active = None
-                scope.restore()
-        return _Scope()
+
+class _LaunchScope:
+    """A launch's patch scope (Triton's), restored when the launch ends; the wrapper's launch state with it."""
+    __slots__ = ("owner", "scope")
+
+    def __init__(self, owner: _SharedLangPatch, scope):
+        self.owner, self.scope = owner, scope
+
+    def restore(self) -> None:
+        self.owner.active = None
+        self.scope.restore()
 
 
 class _NoScope:
-    def restore(self):
+    """A helper's skipped patch: nothing to restore (Triton drops a helper's scope anyway)."""
+
+    def restore(self) -> None:
         pass
 
 

@@ -60,7 +60,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     offsets_on_device), so a prefill step syncs once per GDN layer less and the call can be captured. Offsets
     that break the rules (0 = cu[0] <= ... <= cu[N] = T) give unspecified values but stay memory-safe (clamped into
     [0, T]). A "vk" final state is written [N, HV, V, K] by the state pass (no transposed copy) and o straight into
-    a contiguous core_attn_out. float64, gradients and torch.compile tracing go through fast.chunk_gated_delta_rule.
+    a contiguous core_attn_out (which must not overlap the inputs: vLLM's is a buffer of its own). float64,
+    gradients and torch.compile tracing go through fast.chunk_gated_delta_rule.
     """
     if (check_values is not False or head_first is not False or not isinstance(cu_seqlens, torch.Tensor)
             or not isinstance(q, torch.Tensor)):
