@@ -1304,6 +1304,17 @@ def test_chunk_plan_serves_any_length_bit_for_bit(monkeypatch):
         FV.chunk_gated_delta_rule(*xs, **dict(kw, initial_state=kw["initial_state"][:1]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pipelined forward (one long request) needs a GPU")
+def test_chunk_one_long_request_takes_the_pipelined_forward_into_core_attn_out():
+    """One request of 16384 tokens (vLLM's single-prompt prefill): the dense call, pipelined over segments on a
+    GPU, writes o into core_attn_out and the "vk" final state in its layout, bit for bit the checked call's."""
+    xs, kw = _chunk_call([0, 16384], True, True, dtype=torch.bfloat16, T=16384)
+    out = torch.empty_like(xs[2])
+    o, ht = FV.chunk_gated_delta_rule(*xs, **kw, core_attn_out=out)
+    o_c, ht_c = FV.chunk_gated_delta_rule(*xs, **kw, check_values=True)
+    assert o is out and torch.equal(o, o_c) and torch.equal(ht, ht_c) and ht.is_contiguous()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
 def test_chunk_cuda_graph_replay_equals_eager():
     """vLLM's chunk op captured once (chunk tables built on the device), replayed on new inputs and new offsets
