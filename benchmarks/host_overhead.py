@@ -21,8 +21,9 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  Relaunch, Triton's compiled launcher alone, JITFunction.run, the allocations, and one
                  torch kernel launch for scale (launch_rows)
   serving        (--sm90, --device cuda) the serving ops' decode at N = 1 (vLLM's packed decode, its recurrent op,
-                 its gated op, SGLang's op): the full path (checks, launch plan, JITFunction.run) vs served from
-                 the call layout's plan (fast.launch.LayoutPlans), host time only
+                 its gated op, SGLang's op, vLLM's conv update) and vLLM's prefill preparation over 64 tokens: the
+                 full path (checks, launch plan, JITFunction.run) vs served from the call layout's or signature's
+                 plan (fast.launch.LayoutPlans, SignaturePlans), host time only
   --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
                  reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
                  trick), so JITFunction.run does all its host work (argument binding and specialisation, the
@@ -181,6 +182,8 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
     gg, beta = fv.fused_gdn_gating(A_log, a, b, dt_bias)
     conv_pool = torch.zeros(SLOTS, D, 3, **bf)                              # [S, D, W - 1]
     conv_w = torch.randn(D, 4, generator=g).to(**bf)
+    rows64 = torch.randn(64, D, generator=g).to(**bf)                      # a short prefill's conv rows
+    a64, b64 = torch.randn(64, HV, generator=g).to(**bf), torch.randn(64, HV, generator=g).to(**bf)
     calls = [
         ("vLLM packed decode", fv._PACKED, lambda: fv.fused_recurrent_gated_delta_rule_packed_decode(
             x, a, b, A_log, dt_bias, None, pool, out, idx, True)),
@@ -195,6 +198,8 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
                                                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
         ("vLLM causal_conv1d_update (decode)", fv._CONV_UPDATE, lambda: fv.causal_conv1d_update(
             x, conv_pool, conv_w, None, "silu", idx)),
+        ("vLLM fused_post_conv_prep (64 tokens)", fv._POST_CONV, lambda: fv.fused_post_conv_prep(
+            rows64, a64, b64, A_log, dt_bias, H, K, V)),
     ]
     out_rows = []
     for name, plans, fn in calls:

@@ -380,8 +380,17 @@ def fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads: int, he
 
     Shapes, dtypes and devices are checked on the host (no value is read: capturable). float64 runs refgdn.
     """
-    L, H, HV, K, V = check_vllm_post_conv_inputs(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim,
-                                                 head_v_dim, apply_l2norm, output_g_exp)
+    # a signature whose call passed the checks before skips them and launches through its plan (the compiled
+    # launcher reused); the token count L left out, so a serving stream's prefills share one
+    sig = _post_conv_signature(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim, apply_l2norm,
+                               output_g_exp)
+    plan = _POST_CONV.get(sig)
+    if plan is None:
+        L, H, HV, K, V = check_vllm_post_conv_inputs(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim,
+                                                     head_v_dim, apply_l2norm, output_g_exp)
+        plan = _POST_CONV.after_checks(sig)              # (None on a signature's first call: launched as it is)
+    else:
+        L, H, HV, K, V = conv_output.shape[0], num_k_heads, A_log.shape[0], head_k_dim, head_v_dim
     if _is_fp64(conv_output, a, b, A_log, dt_bias):
         return _ref.fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
                                          apply_l2norm, output_g_exp)
@@ -396,12 +405,33 @@ def fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads: int, he
     x, a2, b2 = _unit_last(conv_output), _unit_last(a), _unit_last(b)
     cfg = post_conv_prep_config(H, HV, K, V)
     BT = cfg.pop("BT")
-    post_conv_prep_kernel[(cdiv(L, BT), H + HV)](
-        x, a2, b2, A_log.contiguous(), dt_bias.contiguous(), q, k, v, g, beta, L, x.stride(0), a2.stride(0),
-        b2.stride(0),
-        H=H, HV=HV, K=K, V=V, BT=BT, L2NORM=apply_l2norm, G_EXP=output_g_exp, THRESHOLD=SOFTPLUS_THRESHOLD,
-        EPS=L2NORM_EPS, PRECISE=_precise(dt), **cfg)
+    kw = dict(H=H, HV=HV, K=K, V=V, BT=BT, L2NORM=apply_l2norm, G_EXP=output_g_exp, THRESHOLD=SOFTPLUS_THRESHOLD,
+              EPS=L2NORM_EPS, PRECISE=_precise(dt), **cfg)
+    with plan if plan is not None else contextlib.nullcontext():
+        launch(post_conv_prep_kernel, (cdiv(L, BT), H + HV), kw, x, a2, b2, A_log.contiguous(), dt_bias.contiguous(),
+               q, k, v, g, beta, L, x.stride(0), a2.stride(0), b2.stride(0))
     return q, k, v, g, beta
+
+
+def _post_conv_signature(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim, apply_l2norm,
+                         output_g_exp) -> Optional[tuple]:
+    """What fused_post_conv_prep's checks read, with the token count L left out: the tensors' (type, shape, dtype,
+    device) less dim 0 of conv_output, a and b, whether a's and b's dim 0 is conv_output's, and the integers and
+    flags by exact type and value. None (check in full, keep no plan) for anything else."""
+    if not isinstance(conv_output, torch.Tensor) or conv_output.dim() != 2:
+        return None
+    key = scalar_key(num_k_heads, head_k_dim, head_v_dim, apply_l2norm, output_g_exp)
+    if key is None:
+        return None
+    try:
+        L = conv_output.shape[0]
+        return (key, shape_key(conv_output, 0), shape_key(a, 0), shape_key(b, 0), a.shape[0] == L,
+                b.shape[0] == L, shape_key(A_log), shape_key(dt_bias))
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks name the problem
+        return None
+
+
+_POST_CONV = SignaturePlans(64, seen_size=256)
 
 
 @one_host_read

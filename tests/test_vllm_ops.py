@@ -1036,6 +1036,30 @@ POST_CONV_BAD = [
 ]
 
 
+def test_post_conv_prep_plan_serves_any_length_bit_for_bit(monkeypatch):
+    """From a signature's second call the prefill preparation skips its checks and launches through a plan that
+    leaves the token count out: other lengths equal a call whose plans were forgotten (checked in full), bit for
+    bit; a bad shape under a served signature still raises."""
+    FV._POST_CONV.clear()
+    checked = []
+    real = FV.check_vllm_post_conv_inputs
+    monkeypatch.setattr(FV, "check_vllm_post_conv_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    base = post_conv_families(True, DEV)["prefill-l2norm"]
+    for rnd, L in enumerate((37, 5, 64, 1)):
+        args = post_conv_problem(dict(base, L=L), torch.float32, DEV, seed=rnd)
+        got = FV.fused_post_conv_prep(*args)
+        saved = dict(FV._POST_CONV.entries), dict(FV._POST_CONV.seen.entries)
+        FV._POST_CONV.clear()
+        want = FV.fused_post_conv_prep(*args)
+        FV._POST_CONV.entries.update(saved[0])
+        FV._POST_CONV.seen.entries.update(saved[1])
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), rnd
+    assert len(checked) == 4 + 2, len(checked)           # the forgotten-plan calls and the first two served ones
+    args = post_conv_problem(dict(base, L=9), torch.float32, DEV)
+    with pytest.raises(ValueError, match="a must have shape"):
+        FV.fused_post_conv_prep(args[0], args[1][:, :1], *args[2:])
+
+
 @pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
 @pytest.mark.parametrize("bad,words", POST_CONV_BAD)
 def test_post_conv_prep_bad_inputs(pkg, bad, words):
