@@ -7,7 +7,7 @@
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 05:16: vLLM's chunk op on
-#     device-built chunk tables, no host read; vLLM's conv update from a plan by call layout)
+#     device-built chunk tables, no host read; vLLM's conv update and prefill preparation from plans)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -96,8 +96,9 @@ if [[ $steps == *pending* ]]; then
     --cases vllm_chunk,varlen,vk --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 150 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
-  # vLLM's conv update served from a plan by call layout: its full conformance and the serving host rows
-  timeout 100 python3 -m conformance --device cuda --full --ops vllm_causal_conv1d_update --jobs 14 2>/dev/null \
+  # vLLM's conv update and prefill preparation served from plans: their full conformance and the serving host rows
+  timeout 100 python3 -m conformance --device cuda --full --ops vllm_causal_conv1d_update,vllm_fused_post_conv_prep \
+    --jobs 14 2>/dev/null \
     | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   [[ ${PENDING_HOST:-1} == 1 ]] && { timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | grep -v Warn \
     | tee "$OUT/host-overhead.log" | tail -14; rc=$((rc | ${PIPESTATUS[0]})); }
