@@ -21,8 +21,8 @@ import refgdn.vllm_ops as _ref
 from refgdn.checks import (check_gdn_inputs, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals,
                            check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_packed_decode_inputs,
                            check_vllm_post_conv_inputs, check_vllm_recurrent_inputs, check_vllm_sigmoid_gating_inputs,
-                           one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots,
-                           vllm_recurrent_slots)
+                           final_state_v_first, one_host_read, vllm_conv_fn_rows, vllm_conv_update_rows,
+                           vllm_packed_decode_slots, vllm_recurrent_slots)
 
 from .chunk import _call_signature as _chunk_call_signature, chunk_gated_delta_rule as _chunk
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
@@ -91,11 +91,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     with plan if plan is not None else contextlib.nullcontext():
         o, final = _chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                               chunk_size=64, final_v_first=vk, offsets_on_device=True, out=out)
-    if vk and final is not None:
-        final = final.transpose(-1, -2)                     # [N, HV, V, K], contiguous: written in that layout
     if core_attn_out is not None and out is None:
         o = core_attn_out.copy_(o)
-    return o, final
+    return o, final_state_v_first(final, vk)                # (written [N, HV, V, K] already: no copy)
 
 
 def _chunk_signature(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, l2, chunk_indices, chunk_offsets,
@@ -451,12 +449,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     Unchecked values stay memory-safe: offsets clamped to [0, T], a slot outside [0, S) pads its request, the window
     offset is clamped into the row, columns past C are not written.
     """
-    key = None if check_values else scalar_key("conv_update", activation, max_query_len, pad_slot_id)
+    refused = (block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
+    key = None if check_values or any(r is not None for r in refused) else scalar_key(
+        "conv_update", activation, max_query_len, pad_slot_id)
     tensors = (x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, query_start_loc)
-    if block_idx_last_scheduled_token is None and initial_state_idx is None and retrieve_parent_token is None:
-        p = _CONV_UPDATE.get(key, tensors)
-        if p is not None:                 # a layout whose call passed the checks before: the launch alone
-            return p.serve(*tensors)
+    p = _CONV_UPDATE.get(key, tensors)
+    if p is not None:                     # a layout whose call passed the checks before: the launch alone
+        return p.serve(*tensors)
     check_vllm_conv_refusals(block_idx_last_scheduled_token, initial_state_idx, retrieve_parent_token)
     B, D, W, L = check_vllm_conv_update_inputs(x, conv_state, weight, bias, activation, conv_state_indices,
                                                num_accepted_tokens, query_start_loc, max_query_len, pad_slot_id,

@@ -32,8 +32,8 @@ import torch
 from .checks import (_need_tensor, _shape, check_vk_states, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals,
                      check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments,
                      check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs, check_vllm_recurrent_inputs,
-                     check_vllm_sigmoid_gating_inputs, host_offsets, one_host_read, vllm_conv_fn_rows,
-                     vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
+                     check_vllm_sigmoid_gating_inputs, final_state_v_first, host_offsets, one_host_read,
+                     vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
@@ -75,11 +75,9 @@ def vllm_chunk(chunk, q, k, v, g, beta, scale, initial_state, output_final_state
     h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
     o, final = chunk(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                      head_first=head_first)
-    if vk and final is not None:
-        final = final.transpose(-1, -2).contiguous()                                          # [N, HV, V, K]
     if core_attn_out is not None:
         o = core_attn_out.copy_(o)
-    return o, final
+    return o, final_state_v_first(final, vk)                                         # "vk": [N, HV, V, K]
 
 
 def check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout) -> None:
