@@ -41,7 +41,7 @@ from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_off
 
 from .chunk.common import _Chunks
 from .launch import SignaturePlans, launch, shape_key, varlen_key
-from .utils import cdiv, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
+from .utils import cdiv, checked_offsets, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
 
 
 @triton.jit
@@ -400,7 +400,7 @@ def conv_fwd_config(T: int, D: int, W: int, elem_size: int = 2) -> dict:
     return dict(BT=BT, BD=BD, num_warps=8 if BT * BD >= 8192 else 4)
 
 
-@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+@one_host_read   # cu_seqlens read to the host once per call (its value check; none with cu_seqlens_cpu)
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = None, initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
@@ -413,7 +413,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     (zeros when None). y in x.dtype; final_state (the last W-1 inputs of each sequence, oldest
     first; None unless output_final_state) in initial_state's dtype if given, else x's.
     refgdn.causal_conv1d's twin. cu_seqlens_cpu: as fast.chunk_gated_delta_rule's (its values, on the
-    CPU: no device->host read); the kernels read the checked offsets uploaded with the tile table.
+    CPU: no device->host read). The host checks the offsets' values (ValueError before anything runs); the tile
+    table is then built on the device from the checked values (one small launch, fast.chunk.common.
+    chunk_table_kernel, on cu_seqlens, or on the N + 1 values of cu_seqlens_cpu uploaded) instead of on the host.
 
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.causal_conv1d (fast.library), whose backward is fast.conv_bwd's kernel:
@@ -431,10 +433,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
     else:
         check_offsets_again(cu_seqlens, cu_seqlens_cpu, x.shape[1])     # (the values' rules, on every call)
+    cu = None if cu_seqlens is None else checked_offsets(cu_seqlens, cu_seqlens_cpu)
     if plan is None:
-        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
+        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu, device_table=True)
     with plan:
-        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
+        return _forward(x, weight, bias, activation, initial_state, output_final_state, cu, device_table=True)
 
 
 # Signatures that passed check_conv_inputs -> the LaunchPlan of their launches (fast.launch), from a signature's
@@ -463,7 +466,7 @@ def clear_plan_cache() -> None:
     _PLANS.clear()
 
 
-@one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
+@one_host_read   # cu_seqlens read to the host once per call (its value check; none with cu_seqlens_cpu)
 def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_state=None,
                               output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
                               config: Optional[dict] = None):
@@ -477,20 +480,23 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         CUDA); Triton's num_stages and maxnreg.
     """
     check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
-    return _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config)
+    cu = None if cu_seqlens is None else checked_offsets(cu_seqlens, cu_seqlens_cpu)
+    return _forward(x, weight, bias, activation, initial_state, output_final_state, cu, config, device_table=True)
 
 
 def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, config=None,
-             slot_rows=None, pad_zero: bool = False, unchecked: bool = False):
+             slot_rows=None, pad_zero: bool = False, device_table: bool = False):
     """causal_conv1d_with_config after its checks (the caller's): allocations and the two launches (through
     fast.launch.launch: the caller's plan, if any). slot_rows (the serving prefill, fast.serving.gdn_prefill;
     int32 [N, 2], values checked on the device): initial_state is a slot cache's conv_state [S, D, W-1+...], read at
     slot slot_rows[n, 1] and, with output_final_state, written in place at slot slot_rows[n, 0] (its first W-1
     columns; -1: zeros / nothing written); the final state returned is that conv_state. pad_zero (with slot_rows:
-    vLLM's causal_conv1d_fn): a sequence whose written slot is -1 outputs zeros (the kernels' PAD_ZERO). unchecked
-    (varlen with a pinned BT: vLLM's causal_conv1d_fn): cu_seqlens' values are not read on the host; the tile table
-    is built on the device (fast.chunk.common._Chunks.unchecked: cdiv(T, BT) + N rows, offsets clamped into [0, T];
-    rows past the tile count hold none), so any values stay memory-safe and the call is capturable."""
+    vLLM's causal_conv1d_fn): a sequence whose written slot is -1 outputs zeros (the kernels' PAD_ZERO). device_table
+    (varlen): the tile table is built on the device from cu_seqlens (fast.chunk.common._Chunks.unchecked: cdiv(T,
+    BT) + N rows, offsets clamped into [0, T]; rows past the tile count hold none), with no host read: for offsets
+    the host checked already (the public op: no host table build, no upload) or never reads (vLLM's
+    causal_conv1d_fn: any values stay memory-safe and the call is capturable). False (gdn_prefill): the host-built
+    table, which its chunked forward shares (one build, one upload)."""
     B, T, D = x.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = weight.shape[1]
@@ -513,12 +519,13 @@ def _forward(x, weight, bias, activation, initial_state, output_final_state, cu_
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
     cu_checked = None
     while True:
-        if cu_seqlens is not None and unchecked:
+        if cu_seqlens is not None and device_table:
             tab = _Chunks.unchecked(T, BT, cu_seqlens)     # on the device: no host read
-            tile_table, cu_checked, n_tiles = tab.indices, tab.cu_seqlens, tab.total
+            tile_table, cu_checked = tab.indices, tab.cu_seqlens
+            n_tiles = tab.total if T else 0                 # (no tokens: only the final states, from cu_checked)
         elif cu_seqlens is not None:
-            # the lengths on the host (one read per call, none with cu_seqlens_cpu; eager prefill only, not
-            # for graph capture); the kernels read the checked offsets uploaded with the table
+            # the lengths on the host (gdn_prefill: the table its chunked forward shares, within its one host
+            # read); the kernels read the checked offsets uploaded with the table
             tab = varlen_chunk_tables(cu_seqlens, BT)
             tile_table, cu_checked = tab.indices, tab.checked
             n_tiles = tile_table.shape[0]

@@ -218,8 +218,10 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     fast.conv.conv_fwd_config(T, D, W), then the final-state kernel when asked. ``device``: where the
     call runs (default x's; CUDA float32 compute takes the approximate silu). slots: gdn_prefill's form
     (initial_state a cache's conv_state, read and written at int32 slot rows: the kernels' SLOTS; its tiles are
-    fast.serving.PREFILL_CHUNK rows); pad_zero: with slots, vLLM's causal_conv1d_fn (PAD_ZERO). (An unpinned BT
-    grows when a grid would exceed 65535 row blocks: > 1M tokens at BT = 16, not modelled.)"""
+    fast.serving.PREFILL_CHUNK rows, from gdn_prefill's host table); pad_zero: with slots, vLLM's causal_conv1d_fn
+    (PAD_ZERO; its table's key is vllm_causal_conv1d_fn's). Varlen without slots: chunk_table_kernel first (the
+    tile table built on the device). (An unpinned BT grows when a grid would exceed 65535 row blocks: > 1M tokens at
+    BT = 16, not modelled.)"""
     B, T, D = x.shape
     W = weight.shape[1]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -230,6 +232,11 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     cfg = _conv.conv_fwd_config(T, D, W, x.element_size())
     if slots:
         cfg["BT"] = _serving.PREFILL_CHUNK
+    elif cu_seqlens is not None:                     # the tile table, built on the device after the host's check
+        cdt = cu_seqlens.dtype
+        out.append(CompileKey.make("chunk_table_kernel", dict(BT=cfg["BT"], BN=_chunk.CHUNK_TABLE_BLOCK),
+                                   dict(cu_seqlens=cdt, safe_cu=cdt, first=torch.int64, indices=_I32),
+                                   dict(num_warps=4)))
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,

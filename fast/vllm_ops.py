@@ -573,7 +573,7 @@ def _conv_fn_run(x, weight, bias, conv_states, query_start_loc, cache_indices, h
     # (gdn_prefill's conv launch: its tiles PREFILL_CHUNK rows, so both compile the same variants); a padded request's
     # outputs are zeros (PAD_ZERO: its written row is -1), stored so by the conv kernel
     y, _ = _conv_forward(xs.T[None], weight, bias, act, conv_states, True, query_start_loc,
-                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True, unchecked=True)
+                         config=dict(BT=PREFILL_CHUNK), slot_rows=slot_rows, pad_zero=True, device_table=True)
     return y[0].to(x.dtype).T
 
 

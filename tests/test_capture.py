@@ -210,9 +210,11 @@ def test_keys_match_fast_launches():
     prefill = 4
     assert "chunk_table_kernel" in names and ("row_scales_kernel" in names) == fused
     assert "chunk_w_u_kernel" not in names and ("chunk_output_kernel" in names) == (not fused)
-    # 2 + 2 + 1 + 2 (serving) + prefill + 2 (recurrent, under both names) + 2 + 1 (conv) + 1 (gating) + 1 (l2norm)
+    # 2 + 2 + 1 + 2 (serving) + prefill + 2 (recurrent, under both names) + 3 + 1 (conv: its tile table, built on
+    # the device after the host's check, the conv, its final states; then the update) + 1 (gating) + 1 (l2norm)
     # + 1 (the gated norm)
-    assert len(log.launched) == 15 + prefill and names.count("recurrent_kernel") == 2
+    assert len(log.launched) == 16 + prefill and names.count("recurrent_kernel") == 2
+    assert names.count("chunk_table_kernel") == 2
     assert names[-1] == "rms_norm_fwd_kernel"
 
 
