@@ -207,6 +207,15 @@ def gdn_prefill(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cache, 
     return out
 
 
+def _table_key(BT: int, offsets_dtype, every: bool = False) -> CompileKey:
+    """chunk_table_kernel's key (fast.chunk.common._Chunks.unchecked): a varlen tile / chunk table built on the
+    device from offsets of this dtype; every: with the int32 offsets and order of every kernel of the forward."""
+    return CompileKey.make("chunk_table_kernel", dict(BT=BT, BN=_chunk.CHUNK_TABLE_BLOCK, EVERY=every,
+                                                      RB=_chunk.CHUNK_ORDER_BLOCK),
+                           dict(cu_seqlens=offsets_dtype, safe_cu=offsets_dtype, first=torch.int64, indices=_I32,
+                                offsets=_I32 if every else None, order=_I32 if every else None), dict(num_warps=4))
+
+
 # ----------------------------------------------------------------------------------------------
 # conv (fast.conv)
 # ----------------------------------------------------------------------------------------------
@@ -233,10 +242,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     if slots:
         cfg["BT"] = _serving.PREFILL_CHUNK
     elif cu_seqlens is not None:                     # the tile table, built on the device after the host's check
-        cdt = cu_seqlens.dtype
-        out.append(CompileKey.make("chunk_table_kernel", dict(BT=cfg["BT"], BN=_chunk.CHUNK_TABLE_BLOCK),
-                                   dict(cu_seqlens=cdt, safe_cu=cdt, first=torch.int64, indices=_I32),
-                                   dict(num_warps=4)))
+        out.append(_table_key(cfg["BT"], cu_seqlens.dtype))
     window = W <= _conv.WINDOW_MAX_W
     if T > 0:
         c = dict(W=W, BT=cfg["BT"], BD=cfg["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
@@ -381,7 +387,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
                            cp_context=None, head_first=False, device=None,
                            offsets_known: Optional[bool] = None, slots: bool = False,
-                           beta_logits: int = 0) -> List[CompileKey]:
+                           beta_logits: int = 0, device_tables: bool = False) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -394,7 +400,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
     as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off). beta_logits
     1 / 2: beta holds logits the kernels take (gdn_prefill's raw b, with fla's keywords at their defaults;
-    chunk_gated_delta_rule_fwd's beta_logits)."""
+    chunk_gated_delta_rule_fwd's beta_logits). device_tables: every kernel's tables built on the device
+    (chunk_gated_delta_rule_fwd's offsets_on_device: vLLM's chunk op), one chunk_table_kernel launch for all."""
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
@@ -423,10 +430,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if offsets_known is None:
         offsets_known = cu_seqlens_cpu is not None or (varlen and host_offsets_known(cu_seqlens))
     from . import library as _library                     # (imports fast.chunk: not at module level)
-    if varlen and not offsets_known and not _library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        out.append(CompileKey.make("chunk_table_kernel", dict(BT=BT, BN=_chunk.CHUNK_TABLE_BLOCK),
-                                   dict(cu_seqlens=cu, safe_cu=cu, first=torch.int64, indices=_I32),
-                                   dict(num_warps=4)))
+    if varlen and not _library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        if device_tables:
+            out.append(_table_key(BT, cu_seqlens.dtype, every=True))
+        elif not offsets_known:
+            out.append(_table_key(BT, cu_seqlens.dtype))
     if total and HV:
         out.append(CompileKey.make(
             "chunk_kkt_inv_kernel",
@@ -534,12 +542,14 @@ def _vllm_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=Non
                                  state_layout="kv", check_values=False) -> List[CompileKey]:
     """Keys of fast.vllm_ops.chunk_gated_delta_rule: chunk_gated_delta_rule's, on the arguments it passes ("vk"
     states as their [N, HV, K, V] views; core_attn_out takes o or a copy of it, no kernel). Its device-table path
-    (varlen, check_values False) launches the kernels of the public op's varlen call, whose kernel 1 runs on a
-    device-built table too, with the same specialisations (int32 tables, the offsets' dtype)."""
+    (varlen, check_values False) launches the kernels of the public op's varlen call on tables that one
+    chunk_table_kernel launch builds for every kernel (EVERY: the int32 offsets and the longest-first order too),
+    with the same specialisations (int32 tables, the offsets' dtype)."""
     if state_layout == "vk" and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                  use_qk_l2norm_in_kernel, head_first=head_first)
+                                  use_qk_l2norm_in_kernel, head_first=head_first,
+                                  device_tables=check_values is False)
 
 
 def _slots_keys(*args, **kwargs) -> List[CompileKey]:
@@ -688,8 +698,7 @@ def _vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_
                                                         HAS_FLAGS=has_initial_state is not None),
                            dict(idx=_dt(cache_indices), init=_dt(has_initial_state), rows=_I32), dict(num_warps=4))
     qdt = query_start_loc.dtype                           # its tile table, built on the device (no host read)
-    table = CompileKey.make("chunk_table_kernel", dict(BT=_serving.PREFILL_CHUNK, BN=_chunk.CHUNK_TABLE_BLOCK),
-                            dict(cu_seqlens=qdt, safe_cu=qdt, first=torch.int64, indices=_I32), dict(num_warps=4))
+    table = _table_key(_serving.PREFILL_CHUNK, qdt)
     return [rows, table] + causal_conv1d(xs, weight, bias, act, conv_states, True, query_start_loc, device=x.device,
                                          slots=True, pad_zero=True)
 

@@ -104,6 +104,29 @@ def test_device_chunk_table_matches_definition(offs, T, BT, dtype):
             assert 0 <= clamped[n] + c * BT < clamped[n + 1] <= T
 
 
+@pytest.mark.parametrize("lens", [
+    pytest.param([3, 0, 17, 9, 64, 65, 1, 17], id="ties-and-empty"), pytest.param([0, 0], id="only-empty"),
+    pytest.param([200], id="one"), pytest.param([5, 130, 5, 130, 260, 0, 1], id="ties-longest-not-first"),
+    pytest.param([2, 0, 1] * 22 + [70], id="over-one-tile"), pytest.param([1, 0] * 550, id="over-the-order-block")])
+@pytest.mark.parametrize("BT, dtype", [pytest.param(16, torch.int32, id="16-int32"),
+                                       pytest.param(64, torch.int64, id="64-int64")])
+def test_device_tables_of_every_kernel_are_the_host_tables(lens, BT, dtype):
+    """_Chunks.unchecked(every_kernel=True) (vLLM's chunk op: no host read): for valid offsets, its first rows, its
+    int32 offsets and its program order are varlen_chunk_tables' (longest first by chunk count, ties in index order)
+    for N <= CHUNK_TABLE_BLOCK sequences; above it the order is the index order."""
+    from fast.chunk.common import CHUNK_TABLE_BLOCK, _Chunks
+    offs = [0] + torch.tensor(lens).cumsum(0).tolist()
+    cu = torch.tensor(offs, dtype=dtype, device=DEVICE)
+    ch = _Chunks.unchecked(offs[-1], BT, cu, every_kernel=True)
+    idx, off, _, order = varlen_chunk_tables(cu, BT)
+    assert ch.offsets.dtype == ch.order.dtype == torch.int32
+    assert ch.offsets.tolist() == off.tolist() and ch.indices[:idx.shape[0]].tolist() == idx.tolist()
+    if len(lens) <= CHUNK_TABLE_BLOCK:
+        assert ch.order.tolist() == order.tolist()
+    else:
+        assert ch.order.tolist() == list(range(len(lens)))
+
+
 def _varlen_problem(lens, H=1, HV=2, K=16, V=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     T = sum(lens)

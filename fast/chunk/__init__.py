@@ -111,8 +111,8 @@ from ..launch import SignaturePlans, shape_key, varlen_key
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
-from .common import (CHUNK_SIZES, CHUNK_TABLE_BLOCK, FP32_PRECISION, INV_DIAG_PRECISION, INV_PRECISION,  # noqa: F401
-                     L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
+from .common import (CHUNK_ORDER_BLOCK, CHUNK_SIZES, CHUNK_TABLE_BLOCK, FP32_PRECISION,  # noqa: F401
+                     INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
                      _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff,
                      _is_fp64, _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
                      _unit_last, chunk_table_kernel)

@@ -363,13 +363,19 @@ def _check_fast_limits(K: int, V: int, chunk_size: Optional[int] = None) -> None
 
 
 @triton.jit(do_not_specialize=["N", "T", "rows", "steps"])
-def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, N, T, rows, steps, BT: tl.constexpr, BN: tl.constexpr):
+def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, offsets, order, N, T, rows, steps, BT: tl.constexpr,
+                       BN: tl.constexpr, EVERY: tl.constexpr, RB: tl.constexpr):
     """One program: varlen_chunk_tables' chunk table built on the device from offsets nobody has checked yet.
 
     cu_seqlens: [N+1] int (any values)  ->  safe_cu: [N+1] (its dtype), each offset clamped to [0, T];
     first: [N+1] int64, first[n] = sum_{m<n} ceil(max(safe_cu[m+1] - safe_cu[m], 0) / BT);
     indices: [rows, 2] int32, row r < first[N]: (n, r - first[n]) for the n with first[n] <= r < first[n+1];
     rows past first[N]: (-1, 0), no chunk (chunk_kkt_inv_kernel's programs for them return at once).
+    EVERY (the tables of every kernel of the forward; None pointers otherwise): offsets [N+1] int32, first's
+    values (the host tables' words); order [N] int32, the sequences longest first by chunk count, ties in index
+    order, as varlen_chunk_tables' (longest-processing-time first: the sequential passes map their programs
+    through it), for N <= BN by counting each sequence's predecessors over [RB, RB] tiles (O(N^2 / RB^2) steps;
+    a sort, tl.sort, costs seconds per call in the interpreter); index order above BN sequences.
 
     For valid offsets (0 = cu[0] <= ... <= cu[N] = T) safe_cu == cu_seqlens and the first first[N] rows are
     the host table's (tests/test_host_reads.py). For any values nothing is read or written outside the
@@ -396,6 +402,27 @@ def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, N, T, rows, steps, B
         tl.store(first + s + o + 1, run + tl.cumsum(cnt, 0), mask=m)
         run += tl.sum(cnt, 0)
     tl.debug_barrier()
+    if EVERY:                                                      # 2b. offsets as int32, the programs' order
+        for s in range(0, N + 1, BN):
+            m = s + o <= N
+            tl.store(offsets + s + o, tl.load(first + s + o, mask=m, other=0).to(tl.int32), mask=m)
+        if N <= BN:
+            # sequence n's place: how many sequences come before it (more chunks, or as many and a lower index),
+            # counted over [RB, RB] tiles; the places are a permutation, so each n is stored once
+            r = tl.arange(0, RB)
+            for a in range(0, N, RB):
+                na = a + r
+                ca = tl.load(first + na + 1, mask=na < N, other=0) - tl.load(first + na, mask=na < N, other=0)
+                place = tl.zeros((RB,), dtype=tl.int32)
+                for b in range(0, N, RB):
+                    nb = b + r
+                    cb = tl.load(first + nb + 1, mask=nb < N, other=0) - tl.load(first + nb, mask=nb < N, other=0)
+                    before = (cb[None, :] > ca[:, None]) | ((cb[None, :] == ca[:, None]) & (nb[None, :] < na[:, None]))
+                    place += tl.sum((before & (nb[None, :] < N)).to(tl.int32), 1)
+                tl.store(order + place, na.to(tl.int32), mask=na < N)
+        else:
+            for s in range(0, N, BN):
+                tl.store(order + s + o, (s + o).to(tl.int32), mask=s + o < N)
     for r0 in range(0, rows, BN):                                  # 3. row -> (sequence, chunk within it)
         r = (r0 + o).to(tl.int64)
         lo = tl.zeros((BN,), dtype=tl.int64)                       # the last n in [0, N) with first[n] <= r
@@ -413,6 +440,7 @@ def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, N, T, rows, steps, B
 
 
 CHUNK_TABLE_BLOCK = 1024     # chunk_table_kernel's BN (one compiled variant for every N and T)
+CHUNK_ORDER_BLOCK = 64       # its RB: the tiles of the longest-first order's counts
 
 
 class _Chunks:
@@ -443,8 +471,8 @@ class _Chunks:
         rows skip them). ``cu_seqlens`` is the clamped copy the table was built from (the kernels read it).
         every_kernel=False: for kernel 1 only (no offsets or order: the state pass and kernel 4 use the host
         tables built after the check). True: for every kernel of the forward: ``offsets`` is each sequence's
-        first chunk as the device computed it and ``order`` the sequences in index order (the host does not
-        know their lengths to sort them longest first; the same bits, another dispatch order)."""
+        first chunk as the device computed it and ``order`` the sequences longest first as the host tables'
+        (sorted on the device for N <= CHUNK_TABLE_BLOCK, index order above; either way the same bits)."""
         self = cls.__new__(cls)
         N = cu_seqlens.numel() - 1
         self.varlen, self.NT = True, 1
@@ -454,11 +482,13 @@ class _Chunks:
         self.indices = torch.empty(self.total, 2, dtype=torch.int32, device=dev)
         first = torch.empty(N + 1, dtype=torch.int64, device=dev)
         self.offsets = self.order = None
-        # one program, launched once per call (never autotuned; not specialised on its integers)
-        launch(chunk_table_kernel, (1,), dict(BT=BT, BN=CHUNK_TABLE_BLOCK, num_warps=4),
-               cu_seqlens, self.cu_seqlens, first, self.indices, N, T, self.total, max(N - 1, 1).bit_length())
         if every_kernel:
             # int32 as the host tables' words (the state pass's compiled variants are the same); < 2^31 chunks
-            self.offsets = first.to(torch.int32)
-            self.order = torch.arange(N, dtype=torch.int32, device=dev)
+            self.offsets = torch.empty(N + 1, dtype=torch.int32, device=dev)
+            self.order = torch.empty(N, dtype=torch.int32, device=dev)
+        # one program, launched once per call (never autotuned; not specialised on its integers)
+        launch(chunk_table_kernel, (1,), dict(BT=BT, BN=CHUNK_TABLE_BLOCK, EVERY=every_kernel, RB=CHUNK_ORDER_BLOCK,
+                                              num_warps=4),
+               cu_seqlens, self.cu_seqlens, first, self.indices, self.offsets, self.order, N, T, self.total,
+               max(N - 1, 1).bit_length())
         return self
