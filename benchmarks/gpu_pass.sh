@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 05:16: vLLM's chunk op on
-#     device-built chunk tables, no host read; vLLM's conv update and prefill preparation from plans)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 08:04: fast.causal_conv1d's
+#     varlen tile table built on the device; vLLM's chunk op's longest-first order built on the device)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -85,23 +85,18 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-29 05:16 wrote without a GPU run: vLLM's chunk op without a host read (every kernel of
-  # the chunked forward on device-built chunk tables; chunk_output_kernel skips a table's empty rows), "vk" final
-  # states written in their layout and o into core_attn_out; its conformance op; its CUDA-graph test; the bench table
-  timeout 200 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
-    tests/test_host_reads.py ${PENDING_TESTS:-tests/test_fast_chunk.py tests/test_capture.py tests/test_serving_prefill.py} \
-    2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  # (the whole chunk_gated_delta_rule op does not fit beside the tests in one 600 s call: its varlen and vk cases)
-  timeout 200 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,chunk_gated_delta_rule \
-    --cases vllm_chunk,varlen,vk --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+  # what the session of 2026-11-29 08:04 wrote without a GPU run: fast.causal_conv1d's varlen tile table built on the
+  # device from the checked offsets; chunk_table_kernel's EVERY form (int32 offsets and the longest-first program
+  # order on the device) under vLLM's chunk op; their tests, conformance and the bench tables
+  timeout 240 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
+    tests/test_host_reads.py tests/test_fast_conv.py tests/test_launch.py tests/test_capture.py \
+    ${PENDING_TESTS:-tests/test_fast_chunk.py tests/test_fast_grad.py} 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,vllm_causal_conv1d_fn,\
+causal_conv1d,causal_conv1d_grad --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 150 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
-  # vLLM's conv update and prefill preparation served from plans: their full conformance and the serving host rows
-  timeout 100 python3 -m conformance --device cuda --full --ops vllm_causal_conv1d_update,vllm_fused_post_conv_prep \
-    --jobs 14 2>/dev/null \
-    | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
-  [[ ${PENDING_HOST:-1} == 1 ]] && { timeout 120 python3 -m benchmarks.host_overhead --device cuda 2>&1 | grep -v Warn \
-    | tee "$OUT/host-overhead.log" | tail -14; rc=$((rc | ${PIPESTATUS[0]})); }
+  timeout 100 python3 -m benchmarks.bench_vllm --no-results --only conv_fn 2>&1 | grep --line-buffered "^|" \
+    | tee "$OUT/bench-vllm-conv-fn.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \

@@ -60,7 +60,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     offsets_on_device), so a prefill step syncs once per GDN layer less and the call can be captured. Offsets
     that break the rules (0 = cu[0] <= ... <= cu[N] = T) give unspecified values but stay memory-safe (clamped into
     [0, T]). A "vk" final state is written [N, HV, V, K] by the state pass (no transposed copy) and o straight into
-    a contiguous core_attn_out (which must not overlap the inputs: vLLM's is a buffer of its own). float64,
+    a contiguous core_attn_out (which must not overlap the inputs: ValueError; vLLM's is a buffer of its own). float64,
     gradients and torch.compile tracing go through fast.chunk_gated_delta_rule.
     """
     if (check_values is not False or head_first is not False or not isinstance(cu_seqlens, torch.Tensor)
@@ -78,6 +78,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if plan is None:
         _ref.check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
         check_gdn_inputs(q, k, v, g, beta, scale, h0, cu_seqlens, None, None, 64, None, offset_values=False)
+    _ref.check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seqlens)   # (every call)
     from . import library
     if (_is_fp64(q, k, v, g, beta, h0) or library.wants_graph(q, k, v, g, beta, h0)
             or type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool):

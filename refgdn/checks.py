@@ -30,6 +30,34 @@ def _need_tensor(name: str, t, ndim: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {_shape(t)}")
 
 
+def _byte_span(t: torch.Tensor) -> tuple:
+    """[first, last] byte addresses t's elements can reach (empty: None)."""
+    if t.numel() == 0:
+        return None
+    lo = hi = 0
+    for st, n in zip(t.stride(), t.shape):
+        lo, hi = (lo + st * (n - 1), hi) if st < 0 else (lo, hi + st * (n - 1))
+    base, size = t.data_ptr(), t.element_size()
+    return base + lo * size, base + hi * size + size - 1
+
+
+def need_disjoint(name: str, out: torch.Tensor, inputs: dict) -> None:
+    """out (an op's output argument, written by kernels while they read the inputs) must not share a byte with
+    any input tensor: ValueError naming both. Spans by address (a view interleaved with an input, each element
+    apart, is refused too: outputs are buffers of their own). None inputs and non-tensors are skipped."""
+    o = _byte_span(out)
+    if o is None:
+        return
+    for what, t in inputs.items():
+        if not isinstance(t, torch.Tensor) or t.device != out.device:
+            continue
+        r = _byte_span(t)
+        if r is not None and o[0] <= r[1] and r[0] <= o[1]:
+            raise ValueError(f"{name} must not overlap {what} (it is written while {what} is read): "
+                             f"{name} {_shape(out)} at bytes [{o[0]:#x}, {o[1]:#x}], {what} {_shape(t)} at "
+                             f"[{r[0]:#x}, {r[1]:#x}]")
+
+
 def _need_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")

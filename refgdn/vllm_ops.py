@@ -32,7 +32,7 @@ import torch
 from .checks import (_need_tensor, _shape, check_vk_states, check_vllm_conv_fn_inputs, check_vllm_conv_fn_refusals,
                      check_vllm_conv_refusals, check_vllm_conv_update_inputs, check_vllm_gating_arguments,
                      check_vllm_packed_decode_inputs, check_vllm_post_conv_inputs, check_vllm_recurrent_inputs,
-                     check_vllm_sigmoid_gating_inputs, final_state_v_first, host_offsets, one_host_read,
+                     check_vllm_sigmoid_gating_inputs, final_state_v_first, host_offsets, need_disjoint, one_host_read,
                      vllm_conv_fn_rows, vllm_conv_update_rows, vllm_packed_decode_slots, vllm_recurrent_slots)
 from .conv import causal_conv1d as _causal_conv1d
 from .delta_rule import chunk_gated_delta_rule as _chunk
@@ -71,6 +71,7 @@ def vllm_chunk(chunk, q, k, v, g, beta, scale, initial_state, output_final_state
     """vLLM's chunk op over a package's chunk_gated_delta_rule (refgdn's or fast's): both generations' arguments
     checked here (ValueError naming them), the "vk" states seen through their [.., K, V] views."""
     check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
+    check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seqlens)
     vk = state_layout == "vk"
     h0 = initial_state.transpose(-1, -2) if vk and initial_state is not None else initial_state   # [N, HV, K, V]
     o, final = chunk(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
@@ -100,6 +101,14 @@ def check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, cor
             raise ValueError(f"core_attn_out must be [B, T, HV, V] = {list(v.shape)} in v's dtype {v.dtype} on "
                              f"{v.device} (o is written into it), got {_shape(core_attn_out)} {core_attn_out.dtype} "
                              f"on {core_attn_out.device}")
+
+
+def check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    """core_attn_out (a tensor: check_vllm_chunk_args ran) shares no byte with the inputs: fast's kernels write o
+    into it while other programs read them. A per-call check (addresses are no part of a call's signature)."""
+    if core_attn_out is not None:
+        need_disjoint("core_attn_out", core_attn_out, dict(q=q, k=k, v=v, g=g, beta=beta,
+                                                            initial_state=initial_state, cu_seqlens=cu_seqlens))
 
 
 def default_beta(q: torch.Tensor, v: torch.Tensor, beta):

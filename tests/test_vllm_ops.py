@@ -1222,6 +1222,36 @@ def test_chunk_newer_generation_bad_arguments(pkg, bad, words):
         pkg.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
 
 
+@pytest.mark.parametrize("pkg", [RV, FV], ids=["refgdn", "fast"])
+def test_chunk_core_attn_out_must_not_overlap_the_inputs(pkg):
+    """core_attn_out sharing bytes with an input (fast's kernels would write o while reading it) is refused on every
+    call, served ones included (addresses are no part of the plan's signature); disjoint carvings of one buffer
+    are fine, and nothing is written before the refusal."""
+    q, k, v, g, beta, h0 = gdn_inputs(1, 40, 1, 2, 16, 16, seed=5, dtype=torch.float32, device=DEV, init=True, N=2)
+    kw = dict(initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True, cu_seqlens=_t([0, 15, 40]),
+              state_layout="vk")
+    block = torch.randn(2, 1, 40, 2, 16, device=DEV)            # v and o carved from one buffer, apart
+    v2, out = block[0], block[1]
+    v2.copy_(v)
+    for _ in range(3):                                           # the first, the remembered and the served call
+        o, _ = pkg.chunk_gated_delta_rule(q, k, v2, g, beta, **kw, core_attn_out=out)
+        assert o is out
+    for name, arg in (("v", 2), ("q", 0), ("g", 3)):
+        xs = [q, k, v2, g, beta]
+        shared = xs[arg].clone() if name != "v" else None
+        if name == "v":
+            bad_out = v2                                          # o written over v itself
+        else:                                                     # a [1, 40, 2, 16] view starting inside xs[arg]
+            store = torch.zeros(shared.numel() + 40 * 2 * 16, device=DEV)
+            store[:shared.numel()] = shared.reshape(-1)
+            xs[arg] = store[:shared.numel()].view(shared.shape)
+            bad_out = store[4:4 + 40 * 2 * 16].view(1, 40, 2, 16)
+        before = [x.clone() for x in xs]
+        with pytest.raises(ValueError, match=f"core_attn_out must not overlap {name}"):
+            pkg.chunk_gated_delta_rule(*xs, **kw, core_attn_out=bad_out)
+        assert all(torch.equal(a, b) for a, b in zip(xs, before)), name
+
+
 def test_chunk_newer_generation_keys_equal_the_launches():
     """fast.keys.vllm_ops predicts the newer-generation call's launches (traced_ops raises on a mismatch)."""
     from fast import keys as fk
