@@ -324,8 +324,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     (x 2) in fp32 after its load, by one formula (fast.chunk.common._beta_of): no torch launch, nothing stored.
     offsets_on_device (varlen; vLLM's chunk op, fast.vllm_ops.chunk_gated_delta_rule): cu_seqlens' values are never
     read on the host: every kernel runs on chunk tables built on the device (common._Chunks.unchecked with
-    every_kernel: offsets clamped into [0, T], cdiv(T, BT) + N table rows, sequences in index order), so the call
-    reads nothing back and can be captured. Valid offsets give the host tables' bits; any values stay memory-safe
+    every_kernel: offsets clamped into [0, T], cdiv(T, BT) + N table rows, sequences longest first as the host
+    tables' for N <= CHUNK_TABLE_BLOCK, in index order above), so the call reads nothing back and can be captured. Valid offsets give the host tables' bits; any values stay memory-safe
     (the caller checks them, or leaves them unchecked as vLLM does). N == 1 runs as the dense call over all T
     tokens. out: o is written into this contiguous [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
