@@ -112,7 +112,8 @@ from ..launch import SignaturePlans, shape_key, varlen_key
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
 from .common import (CHUNK_ORDER_BLOCK, CHUNK_SIZES, CHUNK_TABLE_BLOCK, FP32_PRECISION,  # noqa: F401
-                     INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg, _check_fast_limits,
+                     INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, MAX_HEAD_DIM, SOFTPLUS_THRESHOLD, _blocks, _cfg,
+                     _check_fast_limits,
                      _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff,
                      _is_fp64, _l2norm_rows, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head, _trunc_tf32,
                      _unit_last, chunk_table_kernel)
@@ -325,9 +326,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     offsets_on_device (varlen; vLLM's chunk op, fast.vllm_ops.chunk_gated_delta_rule): cu_seqlens' values are never
     read on the host: every kernel runs on chunk tables built on the device (common._Chunks.unchecked with
     every_kernel: offsets clamped into [0, T], cdiv(T, BT) + N table rows, sequences longest first as the host
-    tables' for N <= CHUNK_TABLE_BLOCK, in index order above), so the call reads nothing back and can be captured. Valid offsets give the host tables' bits; any values stay memory-safe
-    (the caller checks them, or leaves them unchecked as vLLM does). N == 1 runs as the dense call over all T
-    tokens. out: o is written into this contiguous [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out)."""
+    tables' for N <= CHUNK_TABLE_BLOCK, in index order above), so the call reads nothing back and can be captured.
+    Valid offsets give the host tables' bits; any values stay memory-safe (the caller checks them, or leaves them
+    unchecked as vLLM does). N == 1 runs as the dense call over all T tokens. out: o is written into this contiguous
+    [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out)."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
