@@ -107,8 +107,8 @@ def check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seql
     """core_attn_out (a tensor: check_vllm_chunk_args ran) shares no byte with the inputs: fast's kernels write o
     into it while other programs read them. A per-call check (addresses are no part of a call's signature)."""
     if core_attn_out is not None:
-        need_disjoint("core_attn_out", core_attn_out, dict(q=q, k=k, v=v, g=g, beta=beta,
-                                                            initial_state=initial_state, cu_seqlens=cu_seqlens))
+        need_disjoint("core_attn_out", core_attn_out, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                                        ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)))
 
 
 def default_beta(q: torch.Tensor, v: torch.Tensor, beta):
