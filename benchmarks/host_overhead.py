@@ -21,9 +21,10 @@ Rows (both paths do the same work on valid inputs; the old one is what gdn_decod
                  Relaunch, Triton's compiled launcher alone, JITFunction.run, the allocations, and one
                  torch kernel launch for scale (launch_rows)
   serving        (--sm90, --device cuda) the serving ops' decode at N = 1 (vLLM's packed decode, its recurrent op,
-                 its gated op, SGLang's op, vLLM's conv update) and vLLM's prefill preparation over 64 tokens: the
-                 full path (checks, launch plan, JITFunction.run) vs served from the call layout's or signature's
-                 plan (fast.launch.LayoutPlans, SignaturePlans), host time only
+                 its gated op, SGLang's op and its target verify of 1 + 3 tokens, vLLM's conv update) and vLLM's
+                 prefill preparation over 64 tokens: the full path (checks, launch plan, JITFunction.run) vs
+                 served from the call layout's or signature's plan (fast.launch.LayoutPlans, SignaturePlans), host
+                 time only
   --sm90         (CPU, no GPU needed) Triton's real launch path instead of the stubs: a stand-in driver
                  reports an sm_90 target and every launch is a compile-only warmup (benchmarks.compile_check's
                  trick), so JITFunction.run does all its host work (argument binding and specialisation, the
@@ -184,6 +185,12 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
     conv_w = torch.randn(D, 4, generator=g).to(**bf)
     rows64 = torch.randn(64, D, generator=g).to(**bf)                      # a short prefill's conv rows
     a64, b64 = torch.randn(64, HV, generator=g).to(**bf), torch.randn(64, HV, generator=g).to(**bf)
+    x4 = torch.randn(4 * N, D, generator=g).to(**bf)                       # a verify of 1 + 3 tokens per request
+    q4, k4, v4 = (x4[:, :H * K].view(1, 4 * N, H, K), x4[:, H * K:2 * H * K].view(1, 4 * N, H, K),
+                  x4[:, 2 * H * K:].view(1, 4 * N, HV, V))
+    a4, b4 = torch.randn(4 * N, HV, generator=g).to(**bf), torch.randn(4 * N, HV, generator=g).to(**bf)
+    cu4 = torch.arange(0, 4 * N + 1, 4, dtype=torch.int32, device=device)
+    cache = torch.zeros(SLOTS, 4, HV, V, K, device=device)                  # [C, steps, HV, V, K]
     calls = [
         ("vLLM packed decode", fv._PACKED, lambda: fv.fused_recurrent_gated_delta_rule_packed_decode(
             x, a, b, A_log, dt_bias, None, pool, out, idx, True)),
@@ -196,6 +203,11 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
         ("SGLang fused_sigmoid_gating_delta_rule_update", fsg._DECODE,
          lambda: fsg.fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx,
                                                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu)),
+        ("SGLang target verify (1 + 3 tokens into its cache)", fsg._VERIFY,
+         lambda: fsg.fused_sigmoid_gating_delta_rule_update(A_log, a4, dt_bias, 1.0, 20.0, q4, k4, v4, b4, pool, idx,
+                                                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu4,
+                                                            disable_state_update=True, intermediate_states_buffer=cache,
+                                                            intermediate_state_indices=idx, cache_steps=4)),
         ("vLLM causal_conv1d_update (decode)", fv._CONV_UPDATE, lambda: fv.causal_conv1d_update(
             x, conv_pool, conv_w, None, "silu", idx)),
         ("vLLM fused_post_conv_prep (64 tokens)", fv._POST_CONV, lambda: fv.fused_post_conv_prep(

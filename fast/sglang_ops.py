@@ -12,7 +12,7 @@ from refgdn.checks import (check_sglang_decode_inputs, host_offsets, one_host_re
                            sglang_decode_slots)
 
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
-from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots
+from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots, slots_plan
 from .launch import LayoutPlans, scalar_key
 from .vllm_ops import _SlotsOpPlan
 
@@ -39,16 +39,23 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     to [0, T], a slot at or past S treated as a negative one (zeros in, nothing written); two sequences on one slot
     race, as in SGLang. float64 runs refgdn (the kernel computes in float32).
     """
-    # the key: the non-tensor arguments the checks read; a verify (the cache arguments) is never served
-    plain = (intermediate_states_buffer is None and intermediate_state_indices is None and cache_steps is None
-             and retrieve_parent_token is None)
-    key = None if check_values or not plain else scalar_key(
-        "sglang", softplus_beta, softplus_threshold, use_qk_l2norm_in_kernel, is_kda, disable_state_update, type(scale))
-    tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias)
-    p = _DECODE.get(key, tensors)
-    if p is not None:                     # a layout whose call passed the checks before: the launch alone
-        return p.serve(q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias,
-                       scale)[0]
+    # the key: the non-tensor arguments the checks read (a verify's cache_steps among them; tree drafts never served)
+    verify = intermediate_states_buffer is not None
+    key = None if check_values or retrieve_parent_token is not None else scalar_key(
+        "sglang-verify" if verify else "sglang", softplus_beta, softplus_threshold, use_qk_l2norm_in_kernel, is_kda,
+        disable_state_update, type(scale), cache_steps)
+    if verify:
+        tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, intermediate_states_buffer,
+                   intermediate_state_indices, A_log, dt_bias)
+        p = _VERIFY.get(key, tensors)
+        if p is not None:                 # a verify layout whose call passed the checks before: table and launch
+            return p.serve(*tensors, scale)
+    else:
+        tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias)
+        p = _DECODE.get(key, tensors)
+        if p is not None:                 # a layout whose call passed the checks before: the launch alone
+            return p.serve(q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log,
+                           dt_bias, scale)[0]
     N, a3, b3, steps = check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b,
                                            initial_state_source, initial_state_indices, scale, use_qk_l2norm_in_kernel,
                                            cu_seqlens, is_kda, disable_state_update, intermediate_states_buffer,
@@ -78,21 +85,57 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
         # verify: the state after token j of sequence n goes to row rows[n] * steps + j of the buffer seen as [C steps,
         # HV, K, V] (a view: its first two dims merge, checked), through a [N, steps] table built on the device
         hs = buf.flatten(0, 1).transpose(-1, -2)
-        rows = (intermediate_state_indices.long() if intermediate_state_indices is not None
-                else torch.arange(N, device=q.device))
-        table = torch.where(rows[:, None] >= 0, rows[:, None] * steps + torch.arange(steps, device=q.device), -1)
+        table = _verify_table(intermediate_state_indices, torch.arange(N, device=q.device),
+                              torch.arange(steps, device=q.device), steps)
         write = WRITE_EACH_SLOT
     pos = (q2, k2, v2, a3, b3, pool, o, hs)
     kw = dict(H=H, L=max(steps, 1), write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
               idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, gate=True, pad_zero=False)
     launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
     if key is not None and q2 is q and k2 is k and v2 is v:
-        # the decode (no verify buffer) by call layout: its state is the pool, written in place (or not at all)
-        _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, True, K, tensors))
+        if buf is None:   # the decode by call layout: its state is the pool, written in place (or not at all)
+            _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, True, K, tensors))
+        else:             # the verify by call layout: the buffer's states, the row table built per call
+            _VERIFY.remember(key, tensors, lambda: _VerifyPlan(pos, kw, o, K, steps, N, tensors))
     return o
 
 
-# Eager decodes by call layout (fast.launch.LayoutPlans, as fast.vllm_ops' _SLOTS): SGLang calls the op once per GDN
-# layer and step outside its CUDA graphs. Verify calls (intermediate_states_buffer: a table built per call) are checked
-# in full on every call.
+def _verify_table(rows, every_row: torch.Tensor, j: torch.Tensor, steps: int) -> torch.Tensor:
+    """[N, steps] int64: the buffer row (of its [C steps, HV, V, K] view) where token j of sequence n's state goes,
+    rows[n] * steps + j (rows None: row n, every_row = arange(N)); -1 for a negative row (nothing cached)."""
+    r = (rows.long() if rows is not None else every_row)[:, None]
+    return torch.where(r >= 0, r * steps + j, -1)
+
+
+class _VerifyPlan:
+    """One target-verify layout of the op (intermediate_states_buffer given): recurrent_slots_kernel's SlotsPlan, the
+    output's shape and the aranges of the row table, which each call builds from its own intermediate_state_indices
+    (three torch launches). The buffer goes to the kernel as it is: its [C steps, HV, K, V] view shares its address
+    and the plan holds the view's strides."""
+    __slots__ = ("slots", "o_meta", "steps", "every_row", "j", "scale", "M", "direct")
+
+    def __init__(self, pos: tuple, kw: dict, o: torch.Tensor, K: int, steps: int, N: int, tensors: tuple):
+        self.slots = slots_plan(*pos, scale=0.0, **kw)
+        self.M = self.slots.M
+        # what the kernel reads is the call's own or shares its address: the gates' [B, T, HV] views, the pool's and
+        # the buffer's transposed views
+        self.direct = self.slots.direct and pos[3].data_ptr() == tensors[3].data_ptr() and (
+            pos[4].data_ptr() == tensors[4].data_ptr() and pos[7].data_ptr() == tensors[8].data_ptr())
+        self.o_meta = (o.shape, o.dtype, o.device)
+        self.steps = steps
+        self.every_row = torch.arange(N, device=o.device)
+        self.j = torch.arange(steps, device=o.device)
+        self.scale = K ** -0.5
+
+    def serve(self, q, k, v, a, b, pool, cu_seqlens, idx, buf, rows, A_log, dt_bias, scale) -> torch.Tensor:
+        o = torch.empty(self.o_meta[0], dtype=self.o_meta[1], device=self.o_meta[2])
+        table = _verify_table(rows, self.every_row, self.j, self.steps)
+        self.slots.run((q, k, v, a, b, pool, o, buf, cu_seqlens, idx, None, A_log, dt_bias, table),
+                       self.scale if scale is None else float(scale))
+        return o
+
+
+# Eager decodes and target verifies by call layout (fast.launch.LayoutPlans, as fast.vllm_ops' _SLOTS): SGLang calls
+# the op once per GDN layer and step outside its CUDA graphs (a verify's row table is built per call).
 _DECODE = LayoutPlans()
+_VERIFY = LayoutPlans()

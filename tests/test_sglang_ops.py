@@ -270,13 +270,15 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(o_static, o_e) and torch.equal(g_pool, e_pool), rnd
 
 
-@pytest.mark.parametrize("name", ["decode-varlen-padded", "dense-3d-gates", "frozen-state", "verify-cache-rows"])
+@pytest.mark.parametrize("name", ["decode-varlen-padded", "dense-3d-gates", "frozen-state", "verify-cache-rows",
+                                  "verify-cache-row-n-bf16"])
 def test_layout_plan_equals_the_checked_call(name, monkeypatch):
-    """From a layout's second call fast serves the decode from a plan (fast.launch.LayoutPlans: no checks, the compiled
-    launcher reused on a GPU): bit for bit the checked call (check_values=True: never served), round after round. A
-    verify (the intermediate states cache) is checked in full on every call."""
+    """From a layout's second call fast serves the decode or target verify from a plan (fast.launch.LayoutPlans: no
+    checks, the compiled launcher reused on a GPU; a verify's row table built per call from its own rows): bit for
+    bit the checked call (check_values=True: never served), round after round."""
     p = families(quick=True, device=DEV)[name]
     FS._DECODE.clear()
+    FS._VERIFY.clear()
     checked = []
     real = FS.check_sglang_decode_inputs
     monkeypatch.setattr(FS, "check_sglang_decode_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
@@ -288,5 +290,32 @@ def test_layout_plan_equals_the_checked_call(name, monkeypatch):
         want = run(lambda *a, **k: op(*a, **k, check_values=True), args, kw)
         for what, x, y in zip(("o", "pool", "cache"), got, want):
             assert (x is None and y is None) or torch.equal(x, y), f"round {seed}: {what}"
-    # checked: every check_values call, the layout's first two (its plan is kept from the second), every verify call
-    assert len(checked) == rounds + (rounds if "cache" in p else 2), len(checked)
+    # checked: every check_values call and the layout's first two (its plan is kept from the second)
+    assert len(checked) == rounds + 2, len(checked)
+
+
+def test_served_verify_follows_each_calls_rows_and_misses_on_bad_shapes(monkeypatch):
+    """A served target verify builds its row table from the call's own intermediate_state_indices (rows moved,
+    negative, or left out: row n) and its own buffer: bit for bit the checked call; a buffer of other steps misses
+    the plan and is refused by name."""
+    p = families(quick=True, device=DEV)["verify-cache-rows"]
+    FS._VERIFY.clear()
+    checked = []
+    real = FS.check_sglang_decode_inputs
+    monkeypatch.setattr(FS, "check_sglang_decode_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    op = getattr(FS, OP)
+    args, kw = problem(p, torch.float32, DEV, 0)
+    for rnd, rows in enumerate(([1, 0, -1], [1, 0, -1], [2, -1, 0], [0, 1, 2], None)):
+        kw2 = dict(kw, intermediate_state_indices=None if rows is None else torch.tensor(rows, dtype=torch.int32,
+                                                                                           device=DEV))
+        if rows is None:
+            del kw2["intermediate_state_indices"]
+        got = run(op, args, kw2)
+        want = run(lambda *a, **k: op(*a, **k, check_values=True), args, kw2)
+        for what, x, y in zip(("o", "pool", "cache"), got, want):
+            assert torch.equal(x, y), f"rows {rows}: {what}"
+    # checked: the five check_values calls, the rows layout's first two, the first (and only) call without rows
+    assert len(checked) == 5 + 2 + 1, len(checked)
+    bad = dict(kw, intermediate_states_buffer=kw["intermediate_states_buffer"][:, :2].contiguous())
+    with pytest.raises(ValueError, match="cache_steps"):
+        op(*args, **bad)
