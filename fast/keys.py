@@ -731,19 +731,18 @@ def _sglang_fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_b
     if _fp64(q, k, v, a, b, A_log, dt_bias, initial_state_source):
         return []
     B, T, H, K = q.shape
-    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
     steps = 0 if intermediate_states_buffer is None else intermediate_states_buffer.shape[1]
     pool = initial_state_source.transpose(-1, -2)
     buf = intermediate_states_buffer
     if buf is None:
         hs, write, table = pool, _rec.WRITE_NONE if disable_state_update else _rec.WRITE_FINAL, None
-    else:                                               # verify: every token's state to the buffer (a [N, steps] table)
+    else:                                               # verify: every token's state to the buffer (rows by sequence)
         hs, write = buf.flatten(0, 1).transpose(-1, -2), _rec.WRITE_EACH_SLOT
-        table = _meta(N, steps, dtype=torch.int64)
+        table = intermediate_state_indices
     return _slots_keys(q, k, v, a.reshape(B, T, -1), b.reshape(B, T, -1), pool, v, hs, H=H, L=max(steps, 1),
                        scale=1.0, write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                       idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, gate=True,
-                       pad_zero=False)
+                       idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, cache=buf is not None,
+                       gate=True, pad_zero=False)
 
 
 class sglang_ops:

@@ -83,38 +83,30 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
         write, hs, table = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool, None
     else:
         # verify: the state after token j of sequence n goes to row rows[n] * steps + j of the buffer seen as [C steps,
-        # HV, K, V] (a view: its first two dims merge, checked), through a [N, steps] table built on the device
-        hs = buf.flatten(0, 1).transpose(-1, -2)
-        table = _verify_table(intermediate_state_indices, torch.arange(N, device=q.device),
-                              torch.arange(steps, device=q.device), steps)
+        # HV, K, V] (a view: its first two dims merge, checked; rows None: row n), formed by the kernel (WIDX)
+        hs, table = buf.flatten(0, 1).transpose(-1, -2), intermediate_state_indices
         write = WRITE_EACH_SLOT
     pos = (q2, k2, v2, a3, b3, pool, o, hs)
     kw = dict(H=H, L=max(steps, 1), write=write, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-              idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, gate=True, pad_zero=False)
+              idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, widx=table, cache=buf is not None, gate=True,
+              pad_zero=False)
     launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
     if key is not None and q2 is q and k2 is k and v2 is v:
         if buf is None:   # the decode by call layout: its state is the pool, written in place (or not at all)
             _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, True, K, tensors))
-        else:             # the verify by call layout: the buffer's states, the row table built per call
-            _VERIFY.remember(key, tensors, lambda: _VerifyPlan(pos, kw, o, K, steps, N, tensors))
+        else:             # the verify by call layout: the buffer's states, its cache rows formed by the kernel
+            _VERIFY.remember(key, tensors, lambda: _VerifyPlan(pos, kw, o, K, tensors))
     return o
 
 
-def _verify_table(rows, every_row: torch.Tensor, j: torch.Tensor, steps: int) -> torch.Tensor:
-    """[N, steps] int64: the buffer row (of its [C steps, HV, V, K] view) where token j of sequence n's state goes,
-    rows[n] * steps + j (rows None: row n, every_row = arange(N)); -1 for a negative row (nothing cached)."""
-    r = (rows.long() if rows is not None else every_row)[:, None]
-    return torch.where(r >= 0, r * steps + j, -1)
-
-
 class _VerifyPlan:
-    """One target-verify layout of the op (intermediate_states_buffer given): recurrent_slots_kernel's SlotsPlan, the
-    output's shape and the aranges of the row table, which each call builds from its own intermediate_state_indices
-    (three torch launches). The buffer goes to the kernel as it is: its [C steps, HV, K, V] view shares its address
-    and the plan holds the view's strides."""
-    __slots__ = ("slots", "o_meta", "steps", "every_row", "j", "scale", "M", "direct")
+    """One target-verify layout of the op (intermediate_states_buffer given): recurrent_slots_kernel's SlotsPlan and
+    the output's shape. The kernel forms each token's cache row from the call's intermediate_state_indices itself
+    (WIDX); the buffer goes to it as it is: its [C steps, HV, K, V] view shares its address and the plan holds the
+    view's strides."""
+    __slots__ = ("slots", "o_meta", "scale", "M", "direct")
 
-    def __init__(self, pos: tuple, kw: dict, o: torch.Tensor, K: int, steps: int, N: int, tensors: tuple):
+    def __init__(self, pos: tuple, kw: dict, o: torch.Tensor, K: int, tensors: tuple):
         self.slots = slots_plan(*pos, scale=0.0, **kw)
         self.M = self.slots.M
         # what the kernel reads is the call's own or shares its address: the gates' [B, T, HV] views, the pool's and
@@ -122,20 +114,16 @@ class _VerifyPlan:
         self.direct = self.slots.direct and pos[3].data_ptr() == tensors[3].data_ptr() and (
             pos[4].data_ptr() == tensors[4].data_ptr() and pos[7].data_ptr() == tensors[8].data_ptr())
         self.o_meta = (o.shape, o.dtype, o.device)
-        self.steps = steps
-        self.every_row = torch.arange(N, device=o.device)
-        self.j = torch.arange(steps, device=o.device)
         self.scale = K ** -0.5
 
     def serve(self, q, k, v, a, b, pool, cu_seqlens, idx, buf, rows, A_log, dt_bias, scale) -> torch.Tensor:
         o = torch.empty(self.o_meta[0], dtype=self.o_meta[1], device=self.o_meta[2])
-        table = _verify_table(rows, self.every_row, self.j, self.steps)
-        self.slots.run((q, k, v, a, b, pool, o, buf, cu_seqlens, idx, None, A_log, dt_bias, table),
+        self.slots.run((q, k, v, a, b, pool, o, buf, cu_seqlens, idx, None, A_log, dt_bias, rows),
                        self.scale if scale is None else float(scale))
         return o
 
 
 # Eager decodes and target verifies by call layout (fast.launch.LayoutPlans, as fast.vllm_ops' _SLOTS): SGLang calls
-# the op once per GDN layer and step outside its CUDA graphs (a verify's row table is built per call).
+# the op once per GDN layer and step outside its CUDA graphs.
 _DECODE = LayoutPlans()
 _VERIFY = LayoutPlans()

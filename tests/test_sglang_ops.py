@@ -207,12 +207,16 @@ def test_fast_is_memory_safe_on_unchecked_values():
     o_r, _, buf_r = run(RS.fused_sigmoid_gating_delta_rule_update, args_r, kw_r, wider)
     torch.testing.assert_close(o, o_r)
     torch.testing.assert_close(buf, buf_r[:, :2])
+    # an int64 row whose product with the steps would overflow (2^62 * 2) caches nothing either
+    far = dict(kw, intermediate_state_indices=torch.tensor([1, 2 ** 62, 2], dtype=torch.int64, device=DEV))
+    o_far, _, buf_far = run(FS.fused_sigmoid_gating_delta_rule_update, args, far)
+    assert torch.equal(o_far, o) and torch.equal(buf_far, buf)
 
 
 def test_fast_reads_nothing_back_unless_asked():
     """SGLang calls it inside CUDA graphs: no host read without check_values (refgdn.capture's guards), one with it."""
     from refgdn.capture import HostSyncInCapture, capture_guards
-    for name in ("verify-cache-rows", "verify-cache-row-n-bf16"):      # (the verify's table is built on the device)
+    for name in ("verify-cache-rows", "verify-cache-row-n-bf16"):      # (the verify's cache rows formed by the kernel)
         args, kw = problem(families(True, DEV)[name], torch.float32, DEV)
         with capture_guards("sglang_ops", DEV):
             run(FS.fused_sigmoid_gating_delta_rule_update, args, kw)

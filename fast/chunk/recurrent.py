@@ -144,7 +144,7 @@ def recurrent_slots_kernel(
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
     GATE: tl.constexpr = False, SLOT_LO: tl.constexpr = 0, THRESHOLD: tl.constexpr = 20.0,
-    PAD_ZERO: tl.constexpr = True, WIDX: tl.constexpr = False,
+    PAD_ZERO: tl.constexpr = True, WIDX: tl.constexpr = 0,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
     ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
@@ -159,8 +159,9 @@ def recurrent_slots_kernel(
     (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked), and
     a per-token write entry outside it is skipped;
     PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead.
-    WIDX (SGLang's target verify): WRITE_EACH_SLOT's destinations come from widx [N, L] instead (rows of hs in
-    [0, SW); negative: none), whatever the read slot.
+    WIDX (SGLang's target verify, a cache of L steps per row): WRITE_EACH_SLOT's destinations are rows of hs
+    [SW, HV, K, V] instead, row * L + j for the state after token j, whatever the read slot; row = widx[n] (WIDX 1,
+    widx [N] int; negative: none) or n (WIDX 2, widx None); a destination outside [0, SW) is skipped.
     WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [SLOT_LO, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
@@ -218,9 +219,13 @@ def recurrent_slots_kernel(
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if WRITE == 2:                                                   # WRITE_EACH_SLOT
             j = t64 - bos
-            if WIDX:
-                dest = tl.load(widx + i_n.to(tl.int64) * s_wn + tl.minimum(j, L - 1) * s_wt).to(tl.int64)
-                ok = (j < L) & (dest >= 0) & (dest < SW)
+            if WIDX != 0:
+                if WIDX == 1:
+                    row = tl.load(widx + i_n.to(tl.int64) * s_wn).to(tl.int64)
+                else:
+                    row = i_n.to(tl.int64)
+                dest = row * L + j                           # (row < SW first: no overflow for any row)
+                ok = (j < L) & (row >= 0) & (row < SW) & (dest < SW)
             else:
                 dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
                 ok = valid & (j < L) & (dest >= SLOT_LO) & (dest < S)
@@ -276,13 +281,15 @@ SLOTS_TENSORS = ("q", "k", "v", "g", "beta", "pool", "o", "hs", "cu_seqlens", "i
 
 
 def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float, write: int, l2norm: bool,
-                 cu_seqlens=None, idx=None, num_acc=None, A_log=None, dt_bias=None, widx=None, gate: bool = False,
-                 slot_lo: int = 0, pad_zero: bool = True):
+                 cu_seqlens=None, idx=None, num_acc=None, A_log=None, dt_bias=None, widx=None, cache: bool = False,
+                 gate: bool = False, slot_lo: int = 0, pad_zero: bool = True):
     """Everything recurrent_slots_kernel is launched with, from shapes, strides and dtypes only (meta tensors do):
     -> (grid, args, constexprs, options), or None when there is nothing to launch (no sequence, head or token).
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   g, beta: [B, T, HV]   pool: [S, HV, K, V] or None   o: [B, T, HV, V]
-    hs: the states written (the pool, rows [R, HV, K, V] or a cache)   idx: [N] or [N, L]   widx: [N, L]
+    hs: the states written (the pool, rows [R, HV, K, V] or a cache)   idx: [N] or [N, L]
+    cache (with WRITE_EACH_SLOT: SGLang's target verify): hs is a cache of L steps per row, sequence n's at row
+    widx[n] ([N] int; negative: none) or, widx None, row n (the kernel's WIDX)
     The serving ops (fast.vllm_ops, fast.sglang_ops) launch through launch_slots and fast.keys predicts their
     variants from the same plan, so the ~50 arguments are spelled once. Absent tensors pass strides 0.
     """
@@ -298,13 +305,14 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     # the kernel reads A_log[h], dt_bias[h] at unit stride: any caller's strided [HV] view made contiguous here
     A_log, dt_bias = (None if t is None else t.contiguous() for t in (A_log, dt_bias))
     args = (q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx,
-            T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if widx is not None else 0, scale,
+            T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if cache else 0, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
-            *strides(pool, 4), *hs.stride(), *s_idx, *strides(widx, 2))
+            *strides(pool, 4), *hs.stride(), *s_idx, widx.stride(0) if widx is not None else 0, 0)
     constexprs = dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
                       L2NORM=bool(l2norm), USE_POOL=pool is not None, INDEXED=idx is not None,
                       SPEC=num_acc is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), GATE=gate,
-                      SLOT_LO=slot_lo, THRESHOLD=20.0, PAD_ZERO=pad_zero, WIDX=widx is not None)
+                      SLOT_LO=slot_lo, THRESHOLD=20.0, PAD_ZERO=pad_zero,
+                      WIDX=(1 if widx is not None else 2) if cache else 0)
     return (triton.cdiv(V, BV), N * HV), args, constexprs, cfg
 
 
