@@ -48,7 +48,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
         tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, intermediate_states_buffer,
                    intermediate_state_indices, A_log, dt_bias)
         p = _VERIFY.get(key, tensors)
-        if p is not None:                 # a verify layout whose call passed the checks before: table and launch
+        if p is not None:                 # a verify layout whose call passed the checks before: the launch alone
             return p.serve(*tensors, scale)
     else:
         tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias)
