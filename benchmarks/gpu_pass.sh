@@ -7,7 +7,8 @@
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 08:04: fast.causal_conv1d's
-#     varlen tile table built on the device; vLLM's chunk op's longest-first order built on the device)
+#     varlen tile table built on the device; vLLM's chunk op's longest-first order built on the device; SGLang's
+#     target verify from a plan, its cache rows formed by recurrent_slots_kernel)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -89,11 +90,13 @@ if [[ $steps == *pending* ]]; then
   # device from the checked offsets; chunk_table_kernel's EVERY form (int32 offsets and the longest-first program
   # order on the device) under vLLM's chunk op; their tests, conformance and the bench tables
   timeout 240 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
-    tests/test_host_reads.py tests/test_fast_conv.py tests/test_launch.py tests/test_capture.py \
+    tests/test_host_reads.py tests/test_fast_conv.py tests/test_launch.py tests/test_capture.py tests/test_sglang_ops.py \
     ${PENDING_TESTS:-tests/test_fast_chunk.py tests/test_fast_grad.py} 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 200 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,vllm_causal_conv1d_fn,\
-causal_conv1d,causal_conv1d_grad --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 150 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
+  # (H200, 2026-11-29: the tests 146 s, the conformance 88-200 s, the chunk table ~60-150 s on a cold machine)
+  timeout 300 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,vllm_causal_conv1d_fn,\
+causal_conv1d,causal_conv1d_grad,sglang_fused_sigmoid_gating_delta_rule_update --jobs 14 2>/dev/null | tail -2
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 100 python3 -m benchmarks.bench_vllm --no-results --only conv_fn 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-vllm-conv-fn.log"; rc=$((rc | ${PIPESTATUS[0]}))
