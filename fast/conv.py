@@ -433,7 +433,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
     else:
         check_offsets_again(cu_seqlens, cu_seqlens_cpu, x.shape[1])     # (the values' rules, on every call)
-    cu = None if cu_seqlens is None else checked_offsets(cu_seqlens, cu_seqlens_cpu)
+    cu = checked_offsets(cu_seqlens, cu_seqlens_cpu)
     if plan is None:
         return _forward(x, weight, bias, activation, initial_state, output_final_state, cu, device_table=True)
     with plan:
@@ -480,7 +480,7 @@ def causal_conv1d_with_config(x, weight, bias=None, activation=None, initial_sta
         CUDA); Triton's num_stages and maxnreg.
     """
     check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
-    cu = None if cu_seqlens is None else checked_offsets(cu_seqlens, cu_seqlens_cpu)
+    cu = checked_offsets(cu_seqlens, cu_seqlens_cpu)
     return _forward(x, weight, bias, activation, initial_state, output_final_state, cu, config, device_table=True)
 
 

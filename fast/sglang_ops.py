@@ -12,7 +12,7 @@ from refgdn.checks import (check_sglang_decode_inputs, host_offsets, one_host_re
                            sglang_decode_slots)
 
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
-from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots, slots_plan
+from .chunk.recurrent import WRITE_EACH_SLOT, WRITE_FINAL, WRITE_NONE, launch_slots
 from .launch import LayoutPlans, scalar_key
 from .vllm_ops import _SlotsOpPlan
 
@@ -49,7 +49,8 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
                    intermediate_state_indices, A_log, dt_bias)
         p = _VERIFY.get(key, tensors)
         if p is not None:                 # a verify layout whose call passed the checks before: the launch alone
-            return p.serve(*tensors, scale)
+            return p.serve(q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log,
+                           dt_bias, scale, intermediate_states_buffer, intermediate_state_indices)[0]
     else:
         tensors = (q, k, v, a, b, initial_state_source, cu_seqlens, initial_state_indices, None, A_log, dt_bias)
         p = _DECODE.get(key, tensors)
@@ -92,35 +93,10 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
               pad_zero=False)
     launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
     if key is not None and q2 is q and k2 is k and v2 is v:
-        if buf is None:   # the decode by call layout: its state is the pool, written in place (or not at all)
-            _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, True, K, tensors))
-        else:             # the verify by call layout: the buffer's states, its cache rows formed by the kernel
-            _VERIFY.remember(key, tensors, lambda: _VerifyPlan(pos, kw, o, K, tensors))
+        # by call layout: the decode's state is the pool, written in place (or not at all); the verify's the buffer's
+        # steps, its cache rows formed by the kernel
+        (_VERIFY if verify else _DECODE).remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, hs, True, K, tensors))
     return o
-
-
-class _VerifyPlan:
-    """One target-verify layout of the op (intermediate_states_buffer given): recurrent_slots_kernel's SlotsPlan and
-    the output's shape. The kernel forms each token's cache row from the call's intermediate_state_indices itself
-    (WIDX); the buffer goes to it as it is: its [C steps, HV, K, V] view shares its address and the plan holds the
-    view's strides."""
-    __slots__ = ("slots", "o_meta", "scale", "M", "direct")
-
-    def __init__(self, pos: tuple, kw: dict, o: torch.Tensor, K: int, tensors: tuple):
-        self.slots = slots_plan(*pos, scale=0.0, **kw)
-        self.M = self.slots.M
-        # what the kernel reads is the call's own or shares its address: the gates' [B, T, HV] views, the pool's and
-        # the buffer's transposed views
-        self.direct = self.slots.direct and pos[3].data_ptr() == tensors[3].data_ptr() and (
-            pos[4].data_ptr() == tensors[4].data_ptr() and pos[7].data_ptr() == tensors[8].data_ptr())
-        self.o_meta = (o.shape, o.dtype, o.device)
-        self.scale = K ** -0.5
-
-    def serve(self, q, k, v, a, b, pool, cu_seqlens, idx, buf, rows, A_log, dt_bias, scale) -> torch.Tensor:
-        o = torch.empty(self.o_meta[0], dtype=self.o_meta[1], device=self.o_meta[2])
-        self.slots.run((q, k, v, a, b, pool, o, buf, cu_seqlens, idx, None, A_log, dt_bias, rows),
-                       self.scale if scale is None else float(scale))
-        return o
 
 
 # Eager decodes and target verifies by call layout (fast.launch.LayoutPlans, as fast.vllm_ops' _SLOTS): SGLang calls

@@ -219,13 +219,13 @@ def slot_row(slot_rows, i_n, COL: tl.constexpr, ref, mask, SLOTS: tl.constexpr):
     return r, mask
 
 
-def checked_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu) -> torch.Tensor:
+def checked_offsets(cu_seqlens, cu_seqlens_cpu):
     """The device tensor of offsets whose values the host checked, for kernels that read offsets after an op's
     host check (fast.causal_conv1d's tile table, built on the device from it). Without cu_seqlens_cpu the values
     were read from cu_seqlens itself: cu_seqlens (no copy). With it, the caller's host copy is what was checked
     (it may differ from cu_seqlens when stale): its values, uploaded in cu_seqlens' dtype from pinned memory
-    without blocking, N + 1 integers (a pageable copy would wait for every kernel queued before it)."""
-    if cu_seqlens_cpu is None:
+    without blocking, N + 1 integers (a pageable copy would wait for every kernel queued before it). None: None."""
+    if cu_seqlens is None or cu_seqlens_cpu is None:
         return cu_seqlens
     host = cu_seqlens_cpu.to(cu_seqlens.dtype)
     if cu_seqlens.device.type == "cuda":

@@ -78,13 +78,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if plan is None:
         _ref.check_vllm_chunk_args(q, v, initial_state, chunk_indices, chunk_offsets, core_attn_out, state_layout)
         check_gdn_inputs(q, k, v, g, beta, scale, h0, cu_seqlens, None, None, 64, None, offset_values=False)
-    _ref.check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seqlens)   # (every call)
     from . import library
     if (_is_fp64(q, k, v, g, beta, h0) or library.wants_graph(q, k, v, g, beta, h0)
             or type(output_final_state) is not bool or type(use_qk_l2norm_in_kernel) is not bool):
         return _ref.vllm_chunk(_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                head_first, use_qk_l2norm_in_kernel, chunk_indices, chunk_offsets, core_attn_out,
                                state_layout)
+    _ref.check_vllm_chunk_out(core_attn_out, q, k, v, g, beta, initial_state, cu_seqlens)   # (every call)
     if plan is None:
         _check_fast_limits(q.shape[3], v.shape[3], 64)
         plan = _CHUNK.after_checks(sig)                  # (None on a signature's first call: launched as it is)
@@ -215,13 +215,16 @@ class _SlotsOpPlan:
         self.direct = self.slots.direct and all(
             t is None or t.data_ptr() == u.data_ptr() for t, u in ((tensors[3], pos[3]), (tensors[4], pos[4])))
 
-    def serve(self, q, k, v, g, beta, state, cu_seqlens, idx, num_acc, A_log, dt_bias, scale):
-        """-> (o, final_state), as _slots_op returns them for a call of this layout."""
+    def serve(self, q, k, v, g, beta, state, cu_seqlens, idx, num_acc, A_log, dt_bias, scale, cache=None,
+              cache_rows=None):
+        """-> (o, final_state), as _slots_op returns them for a call of this layout. cache, cache_rows (SGLang's
+        target verify): the call's intermediate_states_buffer, written in place (its [C steps, HV, K, V] view shares
+        its address; the guard pins its strides, so the view is one), and its rows (or None)."""
         o = torch.empty(self.o_meta[0], dtype=self.o_meta[1], device=self.o_meta[2])
-        final = state if self.hs_meta is None else torch.empty(self.hs_meta[0], dtype=self.hs_meta[1],
-                                                                device=self.hs_meta[2])
+        final = cache if cache is not None else state if self.hs_meta is None else torch.empty(
+            self.hs_meta[0], dtype=self.hs_meta[1], device=self.hs_meta[2])
         self.slots.run((q, k, v, g, self.ones if beta is None else beta, state, o, final, cu_seqlens, idx, num_acc,
-                        A_log, dt_bias, None), self.scale if scale is None else float(scale))
+                        A_log, dt_bias, cache_rows), self.scale if scale is None else float(scale))
         return o, final
 
 
