@@ -1101,3 +1101,188 @@ def sglang_cache_rows(intermediate_state_indices, N: int, num_rows: int, steps: 
         if r >= 0 and length > steps:
             raise ValueError(f"sequence {n} has {length} tokens but intermediate_states_buffer keeps {steps} steps")
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's GDN API (refgdn.flashinfer_ops, fast.flashinfer_ops)
+# ----------------------------------------------------------------------------------------------
+
+def _need_bool(name: str, flag) -> None:
+    if not isinstance(flag, bool):
+        raise ValueError(f"{name} must be a bool, got {flag!r}")
+
+
+def flashinfer_heads(Hq: int, Hk: int, Hv: int) -> int:
+    """FlashInfer's two head layouts: GQA (num_q_heads a multiple of num_k_heads = num_v_heads) or GVA (num_v_heads a
+    multiple of num_q_heads = num_k_heads); returns num_sab_heads = max(Hq, Hv), the heads of g, beta, o and the
+    states. ValueError otherwise."""
+    gqa = Hk == Hv and Hv > 0 and Hq % Hv == 0
+    gva = Hq == Hk and Hq > 0 and Hv % Hq == 0
+    if not (gqa or gva):
+        raise ValueError(f"q, k, v heads ({Hq}, {Hk}, {Hv}) must be GQA (num_q_heads a multiple of num_k_heads = "
+                         f"num_v_heads) or GVA (num_v_heads a multiple of num_q_heads = num_k_heads)")
+    return max(Hq, Hv)
+
+
+def check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                    use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
+                                    checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp,
+                                    offset_values: bool = True) -> Tuple[int, int]:
+    """Validate FlashInfer's chunk_gated_delta_rule (flashinfer.gdn_prefill) arguments; return (N, num_sab_heads).
+
+    q: [T, Hq, K]   k: [T, Hk, K]   v: [T, Hv, V] (packed tokens; GQA or GVA: flashinfer_heads)   g (alpha, the
+    decay itself), beta: [T, sab] floating or None   cu_seqlens: [N+1] int (required)   initial_state, output_state:
+    [N, sab, V, K] floating   output: [T, sab, V] in q's dtype, no byte shared with an input. The state
+    checkpoints (checkpoint_every_n_tokens > 0) are refused by name. offset_values=False: cu_seqlens' values are the
+    caller's to check (fast reads them only when asked)."""
+    if isinstance(checkpoint_every_n_tokens, bool) or not isinstance(checkpoint_every_n_tokens, numbers.Integral) \
+            or checkpoint_every_n_tokens < 0:
+        raise ValueError(f"checkpoint_every_n_tokens must be an int >= 0, got {checkpoint_every_n_tokens!r}")
+    if checkpoint_every_n_tokens or state_checkpoints is not None or checkpoint_cu_starts is not None:
+        raise ValueError("the state checkpoints (checkpoint_every_n_tokens > 0, state_checkpoints, "
+                         "checkpoint_cu_starts) are not supported: pass 0 and None")
+    _need_bool("output_final_state", output_final_state)
+    _need_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    _need_bool("use_cp", use_cp)
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens must be given ([N+1] int: FlashInfer's prefill takes packed tokens only)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _need_tensor(name, t, 3)
+        _need_float(name, t)
+    T, Hq, K = q.shape
+    Hk, Hv, V = k.shape[1], v.shape[1], v.shape[2]
+    if k.shape[0] != T or v.shape[0] != T or k.shape[2] != K:
+        raise ValueError(f"q, k, v must be [T, Hq, K], [T, Hk, K], [T, Hv, V] with one T and K, got {_shape(q)}, "
+                         f"{_shape(k)}, {_shape(v)}")
+    if K == 0 or V == 0:
+        raise ValueError(f"head dims must be positive, got K={K} (q) and V={V} (v)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    sab = flashinfer_heads(Hq, Hk, Hv)
+    device = q.device
+    _need_device("k", k, device)
+    _need_device("v", v, device)
+    for name, t in (("g", g), ("beta", beta)):
+        if t is not None:
+            check_float_param(name, t, (T, sab), "[T, num_sab_heads]", device)
+    check_scale(scale)
+    N = check_cu_seqlens(cu_seqlens, 1, T, device, values=offset_values)
+    for name, t in (("initial_state", initial_state), ("output_state", output_state)):
+        if t is not None:
+            check_float_param(name, t, (N, sab, V, K), "[N, num_sab_heads, V, K]", device)
+    if output is not None:
+        _need_tensor("output", output, 3)
+        if tuple(output.shape) != (T, sab, V) or output.dtype != q.dtype or output.device != device:
+            raise ValueError(f"output must be [T, num_sab_heads, V] = [{T}, {sab}, {V}] in q's dtype {q.dtype} on "
+                             f"{device}, got {_shape(output)} {output.dtype} on {output.device}")
+    return N, sab
+
+
+def check_flashinfer_outputs_disjoint(output, output_state, inputs: tuple) -> None:
+    """output / output_state (written by kernels while others read the inputs) share no byte with the inputs
+    ((name, tensor) pairs) nor with each other. Per call: addresses are no part of a call's signature."""
+    if output is not None:
+        need_disjoint("output", output, inputs + (("output_state", output_state),))
+    if output_state is not None:
+        need_disjoint("output_state", output_state, inputs)
+
+
+def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
+                                   initial_state, initial_state_indices, output_state_indices,
+                                   intermediate_states_buffer, disable_state_update, ssm_state_indices=None,
+                                   state_layout: str = "vk") -> Tuple[int, int, int]:
+    """Validate FlashInfer's GDN decode arguments (gated_delta_rule_decode_pretranspose / _decode / _mtp); return
+    (B, T, rows), rows the states the pool holds (B for a per-batch ``state``).
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   a, b: [B, T, HV] (the raw gate projections)   A_log, dt_bias: [HV]
+    state: [B, HV, V, K] ("vk", FlashInfer's pretranspose layout) or [B, HV, K, V] ("kv"), or the pool initial_state
+    [P, HV, V, K] with initial_state_indices [B] int (negative: a padded row) and output_state_indices [B] int or None;
+    intermediate_states_buffer: [C >= B, T', HV, V, K] with T' >= T (row n for batch row n), for T > 1 only, like
+    disable_state_update=True; output: [B, T, HV, V] floating. ssm_state_indices (FlashInfer's per-token pool scatter)
+    is refused by name."""
+    _need_bool("use_qk_l2norm", use_qk_l2norm)
+    _need_bool("disable_state_update", disable_state_update)
+    if ssm_state_indices is not None:
+        raise ValueError("ssm_state_indices (FlashInfer's per-token pool scatter) is not supported: pass None (keep "
+                         "the steps in intermediate_states_buffer, or use fast.vllm_ops.fused_recurrent_gated_delta_"
+                         "rule's per-token slots)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _need_tensor(name, t, 4)
+        _need_float(name, t)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _need_shape("k", k, q.shape, "[B, T, H, K] (same as q)")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {_shape(v)}")
+    if H == 0 or HV % H != 0 or K == 0 or V == 0:
+        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's H={H} (GVA), head dims positive (K={K}, V={V})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    device = q.device
+    _need_device("k", k, device)
+    _need_device("v", v, device)
+    for name, t in (("a", a), ("b", b)):
+        check_float_param(name, t, (B, T, HV), "[B, T, HV]", device)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float_param(name, t, (HV,), "[HV]", device)
+    check_scale(scale)
+    dims = (HV, V, K) if state_layout == "vk" else (HV, K, V)
+    contract = "[HV, V, K]" if state_layout == "vk" else "[HV, K, V]"
+    if initial_state is not None:
+        if state is not None:
+            raise ValueError("pass the per-batch state or the pool (initial_state with initial_state_indices), not both")
+        if initial_state_indices is None:
+            raise ValueError("initial_state (the pool) and initial_state_indices must be given together")
+        _need_tensor("initial_state", initial_state, 4)
+        if tuple(initial_state.shape[1:]) != dims or initial_state.shape[0] < 1:
+            raise ValueError(f"initial_state must be the pool [P >= 1, {', '.join(map(str, dims))}] ({contract} per "
+                             f"slot), got {_shape(initial_state)}")
+        _need_float("initial_state", initial_state)
+        _need_device("initial_state", initial_state, device)
+        check_index_vector("initial_state_indices", initial_state_indices, B, device)
+        rows = initial_state.shape[0]
+    else:
+        if initial_state_indices is not None:
+            raise ValueError("initial_state (the pool) and initial_state_indices must be given together")
+        if output_state_indices is not None:
+            raise ValueError("output_state_indices needs the pool (initial_state with initial_state_indices)")
+        if state is None:
+            raise ValueError("pass the per-batch state or the pool (initial_state with initial_state_indices)")
+        check_float_param("state", state, (B,) + dims, "[B, " + contract[1:], device)
+        rows = B
+    if output_state_indices is not None:
+        check_index_vector("output_state_indices", output_state_indices, B, device)
+    buf = intermediate_states_buffer
+    if (buf is not None or disable_state_update) and T == 1:
+        raise ValueError("intermediate_states_buffer and disable_state_update are for T > 1 tokens per batch row "
+                         "(FlashInfer's MTP verify)")
+    if buf is not None:
+        _need_tensor("intermediate_states_buffer", buf, 5)
+        if buf.shape[0] < B or buf.shape[1] < T or tuple(buf.shape[2:]) != (HV, V, K):
+            raise ValueError(f"intermediate_states_buffer must be [C >= B, T' >= T, HV, V, K] = [>= {B}, >= {T}, {HV}, "
+                             f"{V}, {K}] (row n for batch row n), got {_shape(buf)}")
+        if buf.stride(0) != buf.shape[1] * buf.stride(1):
+            raise ValueError(f"intermediate_states_buffer's rows must be [T', HV, V, K] blocks one after another "
+                             f"(stride(0) = T' * stride(1)), got strides {buf.stride()}")
+        _need_float("intermediate_states_buffer", buf)
+        _need_device("intermediate_states_buffer", buf, device)
+    if output is not None:
+        _need_tensor("output", output, 4)
+        if tuple(output.shape) != (B, T, HV, V) or output.device != device:
+            raise ValueError(f"output must be [B, T, HV, V] = [{B}, {T}, {HV}, {V}] on {device}, got {_shape(output)} "
+                             f"on {output.device}")
+        _need_float("output", output)
+    return B, T, rows
+
+
+def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: int, writes: bool) -> tuple:
+    """(read slots, write slots) of FlashInfer's pool decode, from the values (a host read): a negative read index
+    pads its row (nothing read or written, output zeros); a negative write index skips that row's write back. Raises
+    ValueError naming the entry for an index >= the pool's rows, or (writes) a slot written by two rows."""
+    read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row", "rows",
+                          writes and output_state_indices is None)
+    if output_state_indices is None:
+        return read, read
+    dest = _one_slot_each("output_state_indices", output_state_indices, rows, 0, "negative: no write back", "rows",
+                          writes)
+    return read, [d if r >= 0 else -1 for r, d in zip(read, dest)]

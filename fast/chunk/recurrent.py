@@ -126,6 +126,7 @@ def recurrent_config(K: int, V: int) -> dict:
 # ============================================================================================
 
 WRITE_NONE, WRITE_FINAL, WRITE_EACH_SLOT, WRITE_EACH_ROW = 0, 1, 2, 3   # where recurrent_slots_kernel stores states
+WRITE_EACH_SLOT_AND_FINAL = 4    # WRITE_EACH_SLOT's cache rows, and the final state to the pool (FlashInfer's MTP)
 
 
 @triton.jit
@@ -144,7 +145,7 @@ def recurrent_slots_kernel(
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, USE_POOL: tl.constexpr, INDEXED: tl.constexpr,
     SPEC: tl.constexpr, WRITE: tl.constexpr, EPS: tl.constexpr, PRECISE: tl.constexpr,
     GATE: tl.constexpr = False, SLOT_LO: tl.constexpr = 0, THRESHOLD: tl.constexpr = 20.0,
-    PAD_ZERO: tl.constexpr = True, WIDX: tl.constexpr = 0,
+    PAD_ZERO: tl.constexpr = True, WIDX: tl.constexpr = 0, FINAL_IDX: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head): the recurrent_kernel's time loop, its state read from a slot of
     ``pool`` [S, HV, K, V] (strided) and stored per WRITE (fast.vllm_ops.fused_recurrent_gated_delta_rule):
@@ -158,13 +159,18 @@ def recurrent_slots_kernel(
     else pool[n] (USE_POOL) or zeros. A slot outside [SLOT_LO, S) marks a padded sequence: o zeros, no pool store
     (SLOT_LO 1: slot 0 is vLLM's null block; memory safety: the host checks name such values only when asked), and
     a per-token write entry outside it is skipped;
-    PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead.
+    PAD_ZERO False (SGLang's padding): a padded sequence's outputs are computed from a zero state instead (and its
+    WIDX cache rows written; with PAD_ZERO they are not).
     WIDX (SGLang's target verify, a cache of L steps per row): WRITE_EACH_SLOT's destinations are rows of hs
     [SW, HV, K, V] instead, row * L + j for the state after token j, whatever the read slot; row = widx[n] (WIDX 1,
     widx [N] int; negative: none) or n (WIDX 2, widx None); a destination outside [0, SW) is skipped.
     WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [SLOT_LO, S)) -- hs is
-    pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded).
+    pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded);
+    WRITE_EACH_SLOT_AND_FINAL (FlashInfer's MTP with its state update on): WRITE_EACH_SLOT's cache rows (WIDX), and the
+    final state to the pool (its strides) as WRITE_FINAL. FINAL_IDX (FlashInfer's output_state_indices; WIDX 0 or 2):
+    the final state goes to pool row widx[n] instead of the read slot (outside [SLOT_LO, S): not stored), for a
+    sequence that was read (a padded one writes nothing).
     Stores round to the destination's dtype; the running state stays fp32 in registers.
     """
     i_v = tl.program_id(0)
@@ -217,7 +223,7 @@ def recurrent_slots_kernel(
         if PAD_ZERO:
             b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if WRITE == 2:                                                   # WRITE_EACH_SLOT
+        if WRITE == 2 or WRITE == 4:                                     # WRITE_EACH_SLOT (and final)
             j = t64 - bos
             if WIDX != 0:
                 if WIDX == 1:
@@ -226,6 +232,8 @@ def recurrent_slots_kernel(
                     row = i_n.to(tl.int64)
                 dest = row * L + j                           # (row < SW first: no overflow for any row)
                 ok = (j < L) & (row >= 0) & (row < SW) & (dest < SW)
+                if PAD_ZERO:                                 # FlashInfer's padding: a padded row caches nothing
+                    ok = ok & valid
             else:
                 dest = tl.load(p_idx + tl.minimum(j, L - 1) * s_it).to(tl.int64)
                 ok = valid & (j < L) & (dest >= SLOT_LO) & (dest < S)
@@ -236,9 +244,19 @@ def recurrent_slots_kernel(
             row = i_b * T + t64
             tl.store(hs + row * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
                      tl.where(valid, b_h, 0.0).to(hs.dtype.element_ty), mask=m_kv)
-    if WRITE == 1:                                                       # WRITE_FINAL: where it was read from
-        tl.store(hs + slot * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
-                 b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, valid & (eos > bos)))
+    if WRITE == 1 or WRITE == 4:                                         # WRITE_FINAL: where it was read from
+        dest = slot
+        ok = valid & (eos > bos)
+        if FINAL_IDX:                                                    # ... or to widx[n]
+            dest = tl.load(widx + i_n.to(tl.int64) * s_wn).to(tl.int64)
+            ok = ok & (dest >= SLOT_LO) & (dest < S)
+            dest = tl.where(ok, dest, 0)
+        if WRITE == 4:                  # hs holds the per-token cache: the final state goes to the pool
+            tl.store(pool + dest * s_pn + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
+                     b_h.to(pool.dtype.element_ty), mask=_masked_by(m_kv, ok))
+        else:
+            tl.store(hs + dest * s_hn + i_h * s_hh + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
+                     b_h.to(hs.dtype.element_ty), mask=_masked_by(m_kv, ok))
 
 
 def is_v_major(states: torch.Tensor) -> bool:
@@ -282,7 +300,7 @@ SLOTS_TENSORS = ("q", "k", "v", "g", "beta", "pool", "o", "hs", "cu_seqlens", "i
 
 def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float, write: int, l2norm: bool,
                  cu_seqlens=None, idx=None, num_acc=None, A_log=None, dt_bias=None, widx=None, cache: bool = False,
-                 gate: bool = False, slot_lo: int = 0, pad_zero: bool = True):
+                 gate: bool = False, slot_lo: int = 0, pad_zero: bool = True, final_idx=None):
     """Everything recurrent_slots_kernel is launched with, from shapes, strides and dtypes only (meta tensors do):
     -> (grid, args, constexprs, options), or None when there is nothing to launch (no sequence, head or token).
 
@@ -290,6 +308,8 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     hs: the states written (the pool, rows [R, HV, K, V] or a cache)   idx: [N] or [N, L]
     cache (with WRITE_EACH_SLOT: SGLang's target verify): hs is a cache of L steps per row, sequence n's at row
     widx[n] ([N] int; negative: none) or, widx None, row n (the kernel's WIDX)
+    final_idx ([N] int, WRITE_FINAL / WRITE_EACH_SLOT_AND_FINAL; FlashInfer's output_state_indices): the final state
+    goes to pool row final_idx[n] instead of the read slot (passed as the kernel's widx: not with widx)
     The serving ops (fast.vllm_ops, fast.sglang_ops) launch through launch_slots and fast.keys predicts their
     variants from the same plan, so the ~50 arguments are spelled once. Absent tensors pass strides 0.
     """
@@ -304,6 +324,10 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     s_idx = (0, 0) if idx is None else (idx.stride(0), idx.stride(1) if idx.dim() == 2 else 0)
     # the kernel reads A_log[h], dt_bias[h] at unit stride: any caller's strided [HV] view made contiguous here
     A_log, dt_bias = (None if t is None else t.contiguous() for t in (A_log, dt_bias))
+    wdim = None if widx is None else 1 if cache else 0
+    if final_idx is not None:
+        assert widx is None and write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL), "final_idx: the kernel's widx"
+        widx, wdim = final_idx, 0
     args = (q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx,
             T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if cache else 0, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
@@ -312,7 +336,7 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
                       L2NORM=bool(l2norm), USE_POOL=pool is not None, INDEXED=idx is not None,
                       SPEC=num_acc is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), GATE=gate,
                       SLOT_LO=slot_lo, THRESHOLD=20.0, PAD_ZERO=pad_zero,
-                      WIDX=(1 if widx is not None else 2) if cache else 0)
+                      WIDX=(1 if wdim == 1 else 2) if cache else 0, FINAL_IDX=final_idx is not None)
     return (triton.cdiv(V, BV), N * HV), args, constexprs, cfg
 
 

@@ -1,0 +1,176 @@
+"""FlashInfer's GDN ops in Triton: refgdn.flashinfer_ops's twins (semantics and arguments there).
+
+``chunk_gated_delta_rule``: fast's chunked forward (fast.chunk) on FlashInfer's packed tokens, the decay taken as its
+log, the states [N, H, V, K] read and written through their [.., K, V] views, the chunk tables built on the device (no
+host read: the call can be captured). ``gated_delta_rule_decode_pretranspose`` / ``gated_delta_rule_decode`` /
+``gated_delta_rule_mtp``: vLLM's serving recurrent kernel (fast.chunk.recurrent.recurrent_slots_kernel) with the gates
+formed in it, the states read and written through their strides, one launch. Where FlashInfer needs sm_90 or newer,
+these run on any GPU Triton supports.
+"""
+from __future__ import annotations
+
+import torch
+
+import refgdn.flashinfer_ops as _ref
+from refgdn.checks import (check_cu_seqlens_values, check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint,
+                           check_flashinfer_prefill_inputs, flashinfer_decode_slots)
+from refgdn.flashinfer_ops import _tokens, gqa_to_gva, mtp_update_flag, prefill_scale
+
+from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
+from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
+from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
+
+__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
+           "gated_delta_rule_mtp"]
+
+# the decay's log for an alpha of 0 (or below float32's smallest positive value): exp(-104) is 0 in float32, and a
+# finite floor keeps the chunk's cumulative sums finite (-inf - -inf would be NaN). Within a chunk the sums then reach
+# at most 64 * 104 in magnitude, where float32 keeps the other tokens' decays to ~1e-6 relative.
+LOG_DECAY_FLOOR = -104.0
+
+
+def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
+                           state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0,
+                           use_cp=False, *, check_values: bool = False):
+    """FlashInfer's GDN prefill (refgdn.flashinfer_ops.chunk_gated_delta_rule's twin, same semantics) on fast's chunked
+    forward.
+
+    q: [T, Hq, K]   k: [T, Hk, K]   v: [T, Hv, V]   g (alpha), beta: [T, sab] or None   cu_seqlens: [N+1] int
+    initial_state, output_state: [N, sab, V, K]   ->   output [T, sab, V] (or (output, final state))
+
+        S <- alpha_t S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = state[n]^T)
+
+    Shapes and dtypes are checked on the host; cu_seqlens' values only with check_values=True (a host read). By
+    default nothing is read back (the offsets clamped into [0, T] on the device: memory-safe whatever their values).
+    GQA inputs run as GVA with k and v repeated per q head (copies). alpha = 0 is taken as exp(LOG_DECAY_FLOOR), 0 in
+    float32. float64 and gradients run refgdn.
+    """
+    check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                    use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
+                                    checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp, offset_values=False)
+    from . import library
+    if _is_fp64(q, g, beta, initial_state, output_state) or library.wants_graph(q, k, v, g, beta, initial_state):
+        return _ref.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                           use_qk_l2norm_in_kernel, output, output_state, use_cp=use_cp)
+    check_flashinfer_outputs_disjoint(output, output_state, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                                             ("initial_state", initial_state),
+                                                             ("cu_seqlens", cu_seqlens)))
+    T, _, K = q.shape
+    V = v.shape[2]
+    _check_fast_limits(K, V, 64)
+    if check_values:
+        check_cu_seqlens_values(cu_seqlens, T)
+    sab = max(q.shape[1], v.shape[1])
+    q, k, v = gqa_to_gva(q, k, v)
+    dev = q.device
+    # the decay's log (float32; precision hazard: log(0) = -inf, floored: LOG_DECAY_FLOOR)
+    log_g = (torch.zeros(1, dtype=torch.float32, device=dev).expand(T, sab) if g is None
+             else torch.log(g.float()).clamp_min_(LOG_DECAY_FLOOR))
+    beta = torch.ones(1, dtype=torch.float32, device=dev).expand(T, sab) if beta is None else beta
+    h0 = initial_state.transpose(-1, -2) if initial_state is not None else None                   # [N, sab, K, V]
+    out = output[None] if output is not None and output.is_contiguous() else None
+    o, final = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), h0,
+                          output_final_state or output_state is not None, cu_seqlens, use_qk_l2norm_in_kernel,
+                          chunk_size=64, final_v_first=True, offsets_on_device=True, out=out)
+    o = output if out is not None else output.copy_(o[0]) if output is not None else o[0]
+    if final is not None:
+        final = final.transpose(-1, -2)                                  # the [N, sab, V, K] tensor written
+    if output_state is not None:        # the rows of non-empty sequences, chosen on the device (no host read)
+        cu = cu_seqlens.clamp(0, T)
+        nonempty = (cu[1:] > cu[:-1])[:, None, None, None]
+        final = output_state.copy_(torch.where(nonempty, final, output_state))
+    return (o, final) if output_final_state else o
+
+
+def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                   initial_state_indices, output_state_indices, buf, disable_state_update, vk: bool,
+                   check_values: bool):
+    """The decode entry points after their checks: one launch of recurrent_slots_kernel. -> (output, the states)."""
+    if _is_fp64(q, a, b, A_log, dt_bias, state, initial_state, buf):
+        return _ref._decode_call(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                                 initial_state_indices, output_state_indices, buf, disable_state_update, vk)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_fast_limits(K, V)
+    states = initial_state if initial_state is not None else state
+    if check_values and initial_state is not None:                  # the slots' value rules: a host read
+        flashinfer_decode_slots(initial_state_indices, output_state_indices, states.shape[0], not disable_state_update)
+    pool = states.transpose(-1, -2) if vk else states                                              # [P, HV, K, V]
+    o = output if (output is not None and output.dtype == q.dtype and output.is_contiguous()) else \
+        torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    if buf is None:
+        write, hs = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool
+    else:
+        # the state after token j of batch row n goes to row n * T' + j of the buffer seen as [C T', HV, K, V] (a
+        # view: its first two dims merge, checked), formed by the kernel (WIDX 2); the final one to the pool as well
+        # unless disable_state_update
+        hs = buf.flatten(0, 1).transpose(-1, -2)
+        write = WRITE_EACH_SLOT if disable_state_update else WRITE_EACH_SLOT_AND_FINAL
+    final = write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL)
+    final_idx = output_state_indices if final else None            # (None: the read slot)
+    q2, k2, v2 = _unit_last(q), _unit_last(k), _unit_last(v)
+    launch_slots(q2, k2, v2, a, b, pool, o, hs, H=H, L=buf.shape[1] if buf is not None else 1, write=write,
+                 l2norm=use_qk_l2norm, idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, cache=buf is not None,
+                 gate=True, pad_zero=True, final_idx=final_idx, scale=K ** -0.5 if scale is None else float(scale))
+    if output is not None and o is not output:
+        o = output.copy_(o)
+    return o, states
+
+
+def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None,
+                                         use_qk_l2norm=True, initial_state=None, initial_state_indices=None,
+                                         output_state_indices=None, *, intermediate_states_buffer=None,
+                                         disable_state_update=False, check_values: bool = False):
+    """FlashInfer's V-major decode (refgdn.flashinfer_ops' twin, same semantics): one launch.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   a, b: [B, T, HV]   A_log, dt_bias: [HV]
+    state: [B, HV, V, K], or initial_state [P, HV, V, K] with initial_state_indices [B] (output_state_indices [B])
+    -> (output [B, T, HV, V], the state or pool)
+
+        g_t = -exp(A_log) softplus(a_t + dt_bias);  beta_t = sigmoid(b_t)
+        S <- exp(g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = slot^T)
+
+    Shapes, dtypes and devices are checked on the host; the slots' values only with check_values=True (a host read),
+    so by default the call can be captured. Unchecked values stay memory-safe: a slot at or past P is a padded row (a
+    write index there is skipped). float64 runs refgdn (the kernel computes in float32).
+    """
+    check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                                   initial_state_indices, output_state_indices, intermediate_states_buffer,
+                                   disable_state_update)
+    return _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                          initial_state_indices, output_state_indices, intermediate_states_buffer,
+                          disable_state_update, True, check_values)
+
+
+def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
+                            check_values: bool = False):
+    """FlashInfer's K-major decode (refgdn.flashinfer_ops' twin): one token per row, state [B, HV, K, V] in place.
+
+    q, k: [B, 1, H, K]   v: [B, 1, HV, V]   a, b: [B, 1, HV]   A_log, dt_bias: [HV]   -> (output [B, 1, HV, V], state)
+    """
+    check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None, None,
+                                   None, None, False, state_layout="kv")
+    if q.shape[1] != 1:
+        raise ValueError(f"gated_delta_rule_decode takes one token per batch row (q [B, 1, H, K]), got T={q.shape[1]}")
+    return _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None, None, None, None,
+                          False, False, check_values)
+
+
+def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None,
+                         output=None, intermediate_states_buffer=None, ssm_state_indices=None,
+                         disable_state_update=None, use_qk_l2norm=True, output_state_indices=None, *,
+                         check_values: bool = False):
+    """FlashInfer's MTP verify step on a pool (refgdn.flashinfer_ops' twin): one launch.
+
+    q, k: [B, T, H, K]   v: [B, T, HV, V]   a, b: [B, T, HV]   initial_state: [P, HV, V, K]
+    initial_state_indices, output_state_indices: [B]   intermediate_states_buffer: [C >= B, T' >= T, HV, V, K]
+    -> (output [B, T, HV, V], initial_state)
+    """
+    frozen = mtp_update_flag(disable_state_update)
+    check_flashinfer_decode_inputs(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                                   initial_state_indices, output_state_indices,
+                                   intermediate_states_buffer, frozen and _tokens(q) > 1, ssm_state_indices)
+    return _decode_launch(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                          initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, True,
+                          check_values)
