@@ -23,7 +23,8 @@ import traceback
 from typing import Iterable, Optional
 
 CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad",
-                "conformance.cases_model", "conformance.cases_vllm", "conformance.cases_sglang")
+                "conformance.cases_model", "conformance.cases_vllm", "conformance.cases_sglang",
+                "conformance.cases_flashinfer")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 

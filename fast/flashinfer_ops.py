@@ -29,6 +29,20 @@ __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "ga
 LOG_DECAY_FLOOR = -104.0
 
 
+def prefill_core_inputs(q, k, v, g, beta, initial_state) -> tuple:
+    """The chunked forward's inputs for FlashInfer's prefill arguments: (q, k, v [1, T, ., .], the decay's log and
+    beta [1, T, sab] float32, the initial state's [N, sab, K, V] view or None). GQA's k, v repeated per q head."""
+    T, sab = q.shape[0], max(q.shape[1], v.shape[1])
+    q, k, v = gqa_to_gva(q, k, v)
+    dev = q.device
+    # the decay's log (float32; precision hazard: log(0) = -inf, floored: LOG_DECAY_FLOOR)
+    log_g = (torch.zeros(1, dtype=torch.float32, device=dev).expand(T, sab) if g is None
+             else torch.log(g.float()).clamp_min_(LOG_DECAY_FLOOR))
+    beta = torch.ones(1, dtype=torch.float32, device=dev).expand(T, sab) if beta is None else beta
+    h0 = initial_state.transpose(-1, -2) if initial_state is not None else None
+    return q[None], k[None], v[None], log_g[None], beta[None], h0
+
+
 def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
                            state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0,
@@ -61,16 +75,9 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     _check_fast_limits(K, V, 64)
     if check_values:
         check_cu_seqlens_values(cu_seqlens, T)
-    sab = max(q.shape[1], v.shape[1])
-    q, k, v = gqa_to_gva(q, k, v)
-    dev = q.device
-    # the decay's log (float32; precision hazard: log(0) = -inf, floored: LOG_DECAY_FLOOR)
-    log_g = (torch.zeros(1, dtype=torch.float32, device=dev).expand(T, sab) if g is None
-             else torch.log(g.float()).clamp_min_(LOG_DECAY_FLOOR))
-    beta = torch.ones(1, dtype=torch.float32, device=dev).expand(T, sab) if beta is None else beta
-    h0 = initial_state.transpose(-1, -2) if initial_state is not None else None                   # [N, sab, K, V]
     out = output[None] if output is not None and output.is_contiguous() else None
-    o, final = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), h0,
+    q4, k4, v4, g4, beta4, h0 = prefill_core_inputs(q, k, v, g, beta, initial_state)
+    o, final = _chunk_fwd(q4, k4, v4, g4, beta4, prefill_scale(scale, K), h0,
                           output_final_state or output_state is not None, cu_seqlens, use_qk_l2norm_in_kernel,
                           chunk_size=64, final_v_first=True, offsets_on_device=True, out=out)
     o = output if out is not None else output.copy_(o[0]) if output is not None else o[0]
@@ -81,6 +88,28 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         nonempty = (cu[1:] > cu[:-1])[:, None, None, None]
         final = output_state.copy_(torch.where(nonempty, final, output_state))
     return (o, final) if output_final_state else o
+
+
+def decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
+                       output_state_indices, buf, disable_state_update, vk: bool, o) -> tuple:
+    """launch_slots' arguments (but scale) for a decode entry point's call, from shapes, strides and dtypes only
+    (fast.keys passes meta tensors): (positional, keywords). states: the per-batch state or the pool, as given."""
+    H = q.shape[2]
+    pool = states.transpose(-1, -2) if vk else states                                             # [P, HV, K, V]
+    if buf is None:
+        write, hs = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool
+    else:
+        # the state after token j of batch row n goes to row n * T' + j of the buffer seen as [C T', HV, K, V] (a
+        # view: its first two dims merge, checked), formed by the kernel (WIDX 2); the final one to the pool as well
+        # unless disable_state_update
+        hs = buf.flatten(0, 1).transpose(-1, -2)
+        write = WRITE_EACH_SLOT if disable_state_update else WRITE_EACH_SLOT_AND_FINAL
+    final_idx = output_state_indices if write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL) else None   # None: read slot
+    pos = (_unit_last(q), _unit_last(k), _unit_last(v), a, b, pool, o, hs)
+    kw = dict(H=H, L=buf.shape[1] if buf is not None else 1, write=write, l2norm=use_qk_l2norm,
+              idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, cache=buf is not None, gate=True,
+              pad_zero=True, final_idx=final_idx)
+    return pos, kw
 
 
 def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
@@ -96,23 +125,11 @@ def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l
     states = initial_state if initial_state is not None else state
     if check_values and initial_state is not None:                  # the slots' value rules: a host read
         flashinfer_decode_slots(initial_state_indices, output_state_indices, states.shape[0], not disable_state_update)
-    pool = states.transpose(-1, -2) if vk else states                                              # [P, HV, K, V]
     o = output if (output is not None and output.dtype == q.dtype and output.is_contiguous()) else \
         torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    if buf is None:
-        write, hs = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool
-    else:
-        # the state after token j of batch row n goes to row n * T' + j of the buffer seen as [C T', HV, K, V] (a
-        # view: its first two dims merge, checked), formed by the kernel (WIDX 2); the final one to the pool as well
-        # unless disable_state_update
-        hs = buf.flatten(0, 1).transpose(-1, -2)
-        write = WRITE_EACH_SLOT if disable_state_update else WRITE_EACH_SLOT_AND_FINAL
-    final = write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL)
-    final_idx = output_state_indices if final else None            # (None: the read slot)
-    q2, k2, v2 = _unit_last(q), _unit_last(k), _unit_last(v)
-    launch_slots(q2, k2, v2, a, b, pool, o, hs, H=H, L=buf.shape[1] if buf is not None else 1, write=write,
-                 l2norm=use_qk_l2norm, idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, cache=buf is not None,
-                 gate=True, pad_zero=True, final_idx=final_idx, scale=K ** -0.5 if scale is None else float(scale))
+    pos, kw = decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
+                                 output_state_indices, buf, disable_state_update, vk, o)
+    launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
     if output is not None and o is not output:
         o = output.copy_(o)
     return o, states

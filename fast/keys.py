@@ -748,3 +748,75 @@ def _sglang_fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_b
 class sglang_ops:
     """Keys of fast.sglang_ops's op, under its name (refgdn.capture.traced_ops(fast.sglang_ops, keys=sglang_ops))."""
     fused_sigmoid_gating_delta_rule_update = staticmethod(_sglang_fused_sigmoid_gating_delta_rule_update)
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's GDN ops (fast.flashinfer_ops): traced_ops(fast.flashinfer_ops, keys=fast.keys.flashinfer_ops)
+# ----------------------------------------------------------------------------------------------
+
+def _meta_like(t):
+    """t as a meta tensor of its sizes, strides and dtype (None for None): the key functions below run the ops' own
+    argument glue (fast.flashinfer_ops) on these, so nothing is computed or allocated on a device."""
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
+                               state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0,
+                               use_cp=False, *, check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.chunk_gated_delta_rule: the chunked forward's on the device tables, on the
+    arguments fast.flashinfer_ops.prefill_core_inputs forms (float64: refgdn, none)."""
+    from .flashinfer_ops import prefill_core_inputs
+    if _fp64(q, g, beta, initial_state, output_state):
+        return []
+    q4, k4, v4, g4, beta4, h0 = prefill_core_inputs(*(_meta_like(t) for t in (q, k, v, g, beta, initial_state)))
+    return chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, h0, output_final_state or output_state is not None,
+                                  cu_seqlens, use_qk_l2norm_in_kernel, device=q.device, device_tables=True)
+
+
+def _fi_decode(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, idx, out_idx, buf, frozen, vk, fp64_too=()):
+    """recurrent_slots_kernel's key for a FlashInfer decode entry point (float64: refgdn, none)."""
+    from .flashinfer_ops import decode_launch_args
+    if _fp64(q, a, b, A_log, dt_bias, states, buf, *fp64_too):
+        return []
+    B, T, _, K = q.shape
+    o = _meta(B, T, v.shape[2], v.shape[3], dtype=q.dtype)
+    pos, kw = decode_launch_args(*(_meta_like(t) for t in (q, k, v, states, A_log, a, b, dt_bias)), use_qk_l2norm,
+                                 *(_meta_like(t) for t in (idx, out_idx, buf)), frozen, vk, o)
+    return _slots_keys(*pos, scale=1.0, **kw)
+
+
+def _fi_gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None,
+                                             use_qk_l2norm=True, initial_state=None, initial_state_indices=None,
+                                             output_state_indices=None, *, intermediate_states_buffer=None,
+                                             disable_state_update=False, check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.gated_delta_rule_decode_pretranspose: one recurrent_slots_kernel."""
+    return _fi_decode(q, k, v, initial_state if initial_state is not None else state, A_log, a, b, dt_bias,
+                      use_qk_l2norm, initial_state_indices, output_state_indices, intermediate_states_buffer,
+                      disable_state_update, True)
+
+
+def _fi_gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
+                                check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.gated_delta_rule_decode: one recurrent_slots_kernel on the K-major state."""
+    return _fi_decode(q, k, v, state, A_log, a, b, dt_bias, use_qk_l2norm, None, None, None, False, False)
+
+
+def _fi_gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None,
+                             output=None, intermediate_states_buffer=None, ssm_state_indices=None,
+                             disable_state_update=None, use_qk_l2norm=True, output_state_indices=None, *,
+                             check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.gated_delta_rule_mtp: one recurrent_slots_kernel (disable_state_update None:
+    True, FlashInfer's default)."""
+    frozen = True if disable_state_update is None else disable_state_update
+    return _fi_decode(q, k, v, initial_state, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
+                      output_state_indices, intermediate_states_buffer, frozen, True)
+
+
+class flashinfer_ops:
+    """Keys of fast.flashinfer_ops's ops, under their names (refgdn.capture.traced_ops(fast.flashinfer_ops,
+    keys=flashinfer_ops))."""
+    chunk_gated_delta_rule = staticmethod(_fi_chunk_gated_delta_rule)
+    gated_delta_rule_decode_pretranspose = staticmethod(_fi_gated_delta_rule_decode_pretranspose)
+    gated_delta_rule_decode = staticmethod(_fi_gated_delta_rule_decode)
+    gated_delta_rule_mtp = staticmethod(_fi_gated_delta_rule_mtp)

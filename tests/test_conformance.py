@@ -148,17 +148,19 @@ def test_rule_bound_is_twice_ref_error_plus_floor():
 
 
 def test_quick_matrix_runs_every_family_the_tests_leave_to_it():
-    """tests/test_vllm_ops.py, tests/test_sglang_ops.py and tests/test_serving_fast.py leave their fast-vs-refgdn rule
-    checks to the quick matrix (the README's test command runs it first): it collects each of their families in fp32,
-    fp16 and bf16."""
-    from conformance import cases_serving, cases_sglang, cases_vllm
+    """tests/test_vllm_ops.py, tests/test_sglang_ops.py, tests/test_flashinfer_ops.py and tests/test_serving_fast.py
+    leave their fast-vs-refgdn rule checks to the quick matrix (the README's test command runs it first): it collects
+    each of their families in fp32, fp16 and bf16."""
+    from conformance import cases_flashinfer, cases_serving, cases_sglang, cases_vllm
     cases, problems, _ = runner.collect(True, DEVICE)
     assert not problems
     have = {(c.op, c.case, c.dtype) for c in cases}
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     for op, fams in ((cases_vllm.OP, cases_vllm.families), (cases_vllm.CONV_OP, cases_vllm.conv_families),
                      (cases_vllm.CONV_FN_OP, cases_vllm.conv_fn_families),
-                     (cases_vllm.PACKED_OP, cases_vllm.packed_families), (cases_sglang.OP, cases_sglang.families)):
+                     (cases_vllm.PACKED_OP, cases_vllm.packed_families), (cases_sglang.OP, cases_sglang.families),
+                     (cases_flashinfer.PREFILL_OP, cases_flashinfer.prefill_families),
+                     (cases_flashinfer.DECODE_OP, cases_flashinfer.decode_families)):
         for family, p in fams(True, DEVICE).items():
             want = (torch.float32,) if p.get("fp32_x") else dtypes
             assert all((op, family, dt) in have for dt in want), (op, family)
