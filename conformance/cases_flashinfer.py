@@ -40,7 +40,8 @@ def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> 
     output_final_state=True, cu_seqlens, use_qk_l2norm_in_kernel]. p: cu (offsets), heads (Hq, Hk, Hv) (1, 1, 2),
     K, V (16); alpha (the decay in (0.5, 1), with an exact 0 at token 3 of head 0) / beta (in (0, 1)) given or None;
     h0 (an initial state); l2 (else k unit-norm); scale; out_state (output_state given, filled with SENTINEL);
-    output (a preallocated output). q, k, v in dtype; alpha, beta and the states float32."""
+    output (a preallocated output); ckpt: checkpoint_every_n_tokens (state_checkpoints filled with SENTINEL, one row
+    more than the checkpoints). q, k, v in dtype; alpha, beta and the states float32."""
     gen = torch.Generator().manual_seed(seed)
     cu = p["cu"]
     T, N = cu[-1], len(cu) - 1
@@ -68,24 +69,36 @@ def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> 
         kw["output_state"] = torch.full((N, sab, V, K), SENTINEL, dtype=torch.float32, device=device)
     if p.get("output"):
         kw["output"] = torch.empty(T, sab, V, dtype=dtype, device=device)
+    every = p.get("ckpt", 0)
+    if every:
+        starts = [0]
+        for n in range(N):
+            starts.append(starts[-1] + (cu[n + 1] - cu[n]) // every)
+        kw.update(checkpoint_every_n_tokens=every,
+                  checkpoint_cu_starts=torch.tensor(starts, dtype=torch.int64, device=device),
+                  state_checkpoints=torch.full((starts[-1] + 1, sab, V, K), SENTINEL, dtype=torch.float32,
+                                               device=device))
     return [q, k, v, alpha, beta, p.get("scale"), h0, True, cu_t, bool(p.get("l2"))], kw
 
 
 def run_prefill(op, args: list, kw: dict, wide: bool = False) -> tuple:
-    """op on fresh copies of the output buffers (float64 ones when ``wide``) -> (o, final state)."""
-    kw = {name: (t.double() if wide else t).clone() for name, t in kw.items()}
+    """op on fresh copies of the output buffers (float64 ones when ``wide``) -> (o, final state, the checkpoints
+    after the call or None)."""
+    kw = {name: (t.double() if wide and t.is_floating_point() else t).clone() if isinstance(t, torch.Tensor) else t
+          for name, t in kw.items()}
     if wide and "output" in kw:
         del kw["output"]                       # (output must be in q's dtype: the truth allocates its own)
-    return op(*args, **kw)
+    o, final = op(*args, **kw)
+    return o, final, kw.get("state_checkpoints")
 
 
 def prefill_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     import fast.flashinfer_ops as FF
     import refgdn.flashinfer_ops as RF
     args, kw = prefill_problem(p, dtype, device, seed)
-    o_f, s_f = run_prefill(FF.chunk_gated_delta_rule, args, kw)
-    o_r, s_r = run_prefill(RF.chunk_gated_delta_rule, args, kw)
-    o_t, s_t = run_prefill(RF.chunk_gated_delta_rule, [_wide(t) for t in args], kw, wide=True)
+    o_f, s_f, c_f = run_prefill(FF.chunk_gated_delta_rule, args, kw)
+    o_r, s_r, c_r = run_prefill(RF.chunk_gated_delta_rule, args, kw)
+    o_t, s_t, c_t = run_prefill(RF.chunk_gated_delta_rule, [_wide(t) for t in args], kw, wide=True)
     cu = p["cu"]
     full = [n for n in range(len(cu) - 1) if cu[n + 1] > cu[n]]
     empty = [n for n in range(len(cu) - 1) if n not in full]
@@ -93,13 +106,17 @@ def prefill_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[
     if p.get("out_state") and empty:
         out.append(Check("output_state, empty sequences' rows", s_f[empty],
                          torch.full_like(s_f[empty], SENTINEL), exact=True))
+    if c_f is not None:                         # every row but the spare last one is a checkpoint
+        out += [Check("checkpoints", c_f[:-1], c_t[:-1], c_r[:-1], dtype=dtype),
+                Check("state_checkpoints' spare row", c_f[-1:], torch.full_like(c_f[-1:], SENTINEL), exact=True)]
     return out
 
 
 def prefill_families(quick: bool, device: str) -> dict:
     """GVA over several sequences with an empty one, an alpha of 0 and initial states; GQA with alpha None; equal heads
     with output and output_state given (an empty sequence's row untouched) and scale 0.0 (the default); one sequence
-    over several chunks; K / V not powers of two. Quick: heads of 16 and T <= 80; full: Qwen3-Next's 16 / 32 heads of
+    over several chunks; K / V not powers of two; state checkpoints (a sequence shorter than the interval, ends
+    between checkpoints). Quick: heads of 16 and T <= 200; full: Qwen3-Next's 16 / 32 heads of
     128 where the family allows."""
     q3 = {} if quick else dict(K=128, V=128)
     return {
@@ -111,6 +128,8 @@ def prefill_families(quick: bool, device: str) -> dict:
         "one-seq-chunks": dict(cu=[0, 80 if quick else 300], heads=(1, 1, 2) if quick else (16, 16, 32), l2=True,
                                **q3),
         "odd-KV-scale": dict(cu=[0, 13, 40], heads=(2, 2, 4), K=24, V=40, scale=0.3, beta=False, h0=True),
+        "checkpoints": dict(cu=[0, 70, 70, 200] if quick else [0, 700, 700, 1000, 1100], ckpt=64 if quick else 128,
+                            heads=(1, 1, 2) if quick else (16, 16, 32), h0=True, l2=True, out_state=True, **q3),
     }
 
 

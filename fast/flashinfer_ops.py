@@ -13,7 +13,8 @@ import torch
 
 import refgdn.flashinfer_ops as _ref
 from refgdn.checks import (check_cu_seqlens_values, check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint,
-                           check_flashinfer_prefill_inputs, flashinfer_decode_slots)
+                           check_flashinfer_prefill_inputs, flashinfer_checkpoint_rows, flashinfer_decode_slots,
+                           one_host_read_scope)
 from refgdn.flashinfer_ops import _tokens, gqa_to_gva, mtp_update_flag, prefill_scale
 
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
@@ -58,7 +59,9 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     Shapes and dtypes are checked on the host; cu_seqlens' values only with check_values=True (a host read). By
     default nothing is read back (the offsets clamped into [0, T] on the device: memory-safe whatever their values).
     GQA inputs run as GVA with k and v repeated per q head (copies). alpha = 0 is taken as exp(LOG_DECAY_FLOOR), 0 in
-    float32. float64 and gradients run refgdn.
+    float32. State checkpoints are stored by the state pass (its CKPT; the forward not pipelined); their rows'
+    values too are checked only with check_values (unchecked: a row outside state_checkpoints is not stored). float64
+    and gradients run refgdn.
     """
     check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                     use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
@@ -66,20 +69,29 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     from . import library
     if _is_fp64(q, g, beta, initial_state, output_state) or library.wants_graph(q, k, v, g, beta, initial_state):
         return _ref.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                           use_qk_l2norm_in_kernel, output, output_state, use_cp=use_cp)
+                                           use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
+                                           checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp)
     check_flashinfer_outputs_disjoint(output, output_state, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                                                              ("initial_state", initial_state),
-                                                             ("cu_seqlens", cu_seqlens)))
+                                                             ("cu_seqlens", cu_seqlens),
+                                                             ("checkpoint_cu_starts", checkpoint_cu_starts)),
+                                      state_checkpoints)
     T, _, K = q.shape
     V = v.shape[2]
     _check_fast_limits(K, V, 64)
+    every = checkpoint_every_n_tokens
     if check_values:
-        check_cu_seqlens_values(cu_seqlens, T)
+        with one_host_read_scope():
+            check_cu_seqlens_values(cu_seqlens, T)
+            if every:
+                flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every, state_checkpoints.shape[0])
     out = output[None] if output is not None and output.is_contiguous() else None
     q4, k4, v4, g4, beta4, h0 = prefill_core_inputs(q, k, v, g, beta, initial_state)
     o, final = _chunk_fwd(q4, k4, v4, g4, beta4, prefill_scale(scale, K), h0,
                           output_final_state or output_state is not None, cu_seqlens, use_qk_l2norm_in_kernel,
-                          chunk_size=64, final_v_first=True, offsets_on_device=True, out=out)
+                          chunk_size=64, final_v_first=True, offsets_on_device=True, out=out,
+                          checkpoints=(state_checkpoints.transpose(-1, -2), checkpoint_cu_starts, every // 64)
+                          if every else None)
     o = output if out is not None else output.copy_(o[0]) if output is not None else o[0]
     if final is not None:
         final = final.transpose(-1, -2)                                  # the [N, sab, V, K] tensor written

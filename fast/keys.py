@@ -387,7 +387,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            allow_neg_eigval=False, state_v_first=False, use_gate_in_kernel=None, chunk_indices=None,
                            cp_context=None, head_first=False, device=None,
                            offsets_known: Optional[bool] = None, slots: bool = False,
-                           beta_logits: int = 0, device_tables: bool = False) -> List[CompileKey]:
+                           beta_logits: int = 0, device_tables: bool = False,
+                           checkpoints: Optional[tuple] = None) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -401,7 +402,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off). beta_logits
     1 / 2: beta holds logits the kernels take (gdn_prefill's raw b, with fla's keywords at their defaults;
     chunk_gated_delta_rule_fwd's beta_logits). device_tables: every kernel's tables built on the device
-    (chunk_gated_delta_rule_fwd's offsets_on_device: vLLM's chunk op), one chunk_table_kernel launch for all."""
+    (chunk_gated_delta_rule_fwd's offsets_on_device: vLLM's chunk op), one chunk_table_kernel launch for all.
+    checkpoints: (ck, starts) tensors of chunk_gated_delta_rule_fwd's checkpoints (FlashInfer's; the state pass's
+    CKPT; not pipelined), else None."""
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
@@ -469,8 +472,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  PREFETCH_BETA=_chunk.state_prefetch_beta(fused, varlen, beta.dtype, l2 and fused),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits,
-                 VN_SPLIT=False),                             # (the backward's recompute only)
+                 VN_SPLIT=False, CKPT=checkpoints is not None),     # (VN_SPLIT: the backward's recompute only)
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
+                 ck=_dt(checkpoints[0]) if checkpoints else None, ck_starts=_dt(checkpoints[1]) if checkpoints else None,
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
                  **hv_new, **wy, **qo),
@@ -771,7 +775,9 @@ def _fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_s
         return []
     q4, k4, v4, g4, beta4, h0 = prefill_core_inputs(*(_meta_like(t) for t in (q, k, v, g, beta, initial_state)))
     return chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, h0, output_final_state or output_state is not None,
-                                  cu_seqlens, use_qk_l2norm_in_kernel, device=q.device, device_tables=True)
+                                  cu_seqlens, use_qk_l2norm_in_kernel, device=q.device, device_tables=True,
+                                  checkpoints=(state_checkpoints, checkpoint_cu_starts) if checkpoint_every_n_tokens
+                                  else None)
 
 
 def _fi_decode(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, idx, out_idx, buf, frozen, vk, fp64_too=()):

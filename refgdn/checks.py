@@ -1132,15 +1132,17 @@ def check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, outp
 
     q: [T, Hq, K]   k: [T, Hk, K]   v: [T, Hv, V] (packed tokens; GQA or GVA: flashinfer_heads)   g (alpha, the
     decay itself), beta: [T, sab] floating or None   cu_seqlens: [N+1] int (required)   initial_state, output_state:
-    [N, sab, V, K] floating   output: [T, sab, V] in q's dtype, no byte shared with an input. The state
-    checkpoints (checkpoint_every_n_tokens > 0) are refused by name. offset_values=False: cu_seqlens' values are the
-    caller's to check (fast reads them only when asked)."""
-    if isinstance(checkpoint_every_n_tokens, bool) or not isinstance(checkpoint_every_n_tokens, numbers.Integral) \
-            or checkpoint_every_n_tokens < 0:
-        raise ValueError(f"checkpoint_every_n_tokens must be an int >= 0, got {checkpoint_every_n_tokens!r}")
-    if checkpoint_every_n_tokens or state_checkpoints is not None or checkpoint_cu_starts is not None:
-        raise ValueError("the state checkpoints (checkpoint_every_n_tokens > 0, state_checkpoints, "
-                         "checkpoint_cu_starts) are not supported: pass 0 and None")
+    [N, sab, V, K] floating   output: [T, sab, V] in q's dtype, no byte shared with an input. State checkpoints
+    (checkpoint_every_n_tokens: a multiple of 64): state_checkpoints [R, sab, V, K] floating, checkpoint_cu_starts
+    [N+1] int (values: flashinfer_checkpoint_rows). offset_values=False: cu_seqlens' values are the caller's to check
+    (fast reads them only when asked)."""
+    every = checkpoint_every_n_tokens
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0 or every % 64:
+        raise ValueError(f"checkpoint_every_n_tokens must be 0 or a positive multiple of the chunk size 64, got "
+                         f"{every!r}")
+    if (every > 0) != (state_checkpoints is not None) or (every > 0) != (checkpoint_cu_starts is not None):
+        raise ValueError("state_checkpoints and checkpoint_cu_starts must both be given with checkpoint_every_n_tokens"
+                         " > 0, and both be None with 0")
     _need_bool("output_final_state", output_final_state)
     _need_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     _need_bool("use_cp", use_cp)
@@ -1170,6 +1172,14 @@ def check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, outp
     for name, t in (("initial_state", initial_state), ("output_state", output_state)):
         if t is not None:
             check_float_param(name, t, (N, sab, V, K), "[N, num_sab_heads, V, K]", device)
+    if every:
+        _need_tensor("state_checkpoints", state_checkpoints, 4)
+        if tuple(state_checkpoints.shape[1:]) != (sab, V, K):
+            raise ValueError(f"state_checkpoints must be [R, num_sab_heads, V, K] = [R, {sab}, {V}, {K}], got "
+                             f"{_shape(state_checkpoints)}")
+        _need_float("state_checkpoints", state_checkpoints)
+        _need_device("state_checkpoints", state_checkpoints, device)
+        check_index_vector("checkpoint_cu_starts", checkpoint_cu_starts, N + 1, device)
     if output is not None:
         _need_tensor("output", output, 3)
         if tuple(output.shape) != (T, sab, V) or output.dtype != q.dtype or output.device != device:
@@ -1178,13 +1188,16 @@ def check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, outp
     return N, sab
 
 
-def check_flashinfer_outputs_disjoint(output, output_state, inputs: tuple) -> None:
-    """output / output_state (written by kernels while others read the inputs) share no byte with the inputs
-    ((name, tensor) pairs) nor with each other. Per call: addresses are no part of a call's signature."""
+def check_flashinfer_outputs_disjoint(output, output_state, inputs: tuple, state_checkpoints=None) -> None:
+    """output / output_state / state_checkpoints (written by kernels while others read the inputs) share no byte with
+    the inputs ((name, tensor) pairs) nor with each other. Per call: addresses are no part of a call's signature."""
     if output is not None:
-        need_disjoint("output", output, inputs + (("output_state", output_state),))
+        need_disjoint("output", output, inputs + (("output_state", output_state),
+                                                  ("state_checkpoints", state_checkpoints)))
     if output_state is not None:
-        need_disjoint("output_state", output_state, inputs)
+        need_disjoint("output_state", output_state, inputs + (("state_checkpoints", state_checkpoints),))
+    if state_checkpoints is not None:
+        need_disjoint("state_checkpoints", state_checkpoints, inputs)
 
 
 def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
@@ -1286,3 +1299,20 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
     dest = _one_slot_each("output_state_indices", output_state_indices, rows, 0, "negative: no write back", "rows",
                           writes)
     return read, [d if r >= 0 else -1 for r, d in zip(read, dest)]
+
+
+def flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every: int, rows: int) -> List[int]:
+    """The first checkpoint row of each sequence, from the values (host reads): checkpoint_cu_starts must start at
+    0, give sequence n (len_n // every) rows, and end within state_checkpoints' ``rows``; ValueError naming the entry
+    otherwise."""
+    offs, starts = host_offsets(cu_seqlens), checkpoint_cu_starts.tolist()         # host reads: value checks
+    if starts[0] != 0:
+        raise ValueError(f"checkpoint_cu_starts[0] must be 0, got {starts[0]}")
+    for n in range(len(offs) - 1):
+        want = (offs[n + 1] - offs[n]) // every
+        if starts[n + 1] - starts[n] != want:
+            raise ValueError(f"checkpoint_cu_starts gives sequence {n} {starts[n + 1] - starts[n]} checkpoints; its "
+                             f"{offs[n + 1] - offs[n]} tokens make {want} (one every {every})")
+    if starts[-1] > rows:
+        raise ValueError(f"checkpoint_cu_starts ends at {starts[-1]}, past state_checkpoints' {rows} rows")
+    return starts[:-1]

@@ -8,8 +8,7 @@ per-batch tensor or a pool of slots, written in place. So FlashInfer's imports o
 ``from refgdn.flashinfer_ops import ...`` (the oracle, any device) or ``from fast.flashinfer_ops import ...`` (Triton:
 any GPU Triton runs on, where FlashInfer's kernels need sm_90 or newer). Both packages' functions have one signature.
 
-Not supported, refused by name: the prefill's state checkpoints, the MTP's per-token pool scatter
-(``ssm_state_indices``). Where FlashInfer's backends differ, one behaviour is chosen and documented per function.
+Not supported, refused by name: the MTP's per-token pool scatter (``ssm_state_indices``). Where FlashInfer's backends differ, one behaviour is chosen and documented per function.
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ import warnings
 import torch
 
 from .checks import (check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint,
-                     check_flashinfer_prefill_inputs, flashinfer_decode_slots, host_offsets, one_host_read)
+                     check_flashinfer_prefill_inputs, flashinfer_checkpoint_rows, flashinfer_decode_slots,
+                     host_offsets, one_host_read)
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import softplus as _softplus
 
@@ -58,14 +58,19 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     g is the decay itself (FlashInfer's alpha; alpha = 0 clears the state); scale None or 0.0 is K ** -0.5. output
     and output_state, when given, are written and returned (output_state also without output_final_state, as
     FlashInfer's Hopper path does); an empty sequence's row of output_state is left untouched, and of a final state
-    allocated here it holds the sequence's initial state (zeros without one). use_cp (FlashInfer's context-parallel
-    schedule) changes nothing here. Computed in float32 (float64 when any input is), o rounded to q's dtype.
+    allocated here it holds the sequence's initial state (zeros without one). State checkpoints
+    (checkpoint_every_n_tokens, a multiple of 64): sequence n's state after every checkpoint_every_n_tokens of its
+    tokens, in order, to rows checkpoint_cu_starts[n], ... of state_checkpoints [R, sab, V, K] (len_n // every rows;
+    the values are checked). use_cp (FlashInfer's context-parallel schedule) changes nothing here. Computed in float32 (float64 when any input is), o rounded to q's dtype.
     """
     N, sab = check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                              use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
                                              checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp)
     check_flashinfer_outputs_disjoint(output, output_state, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
-                                                             ("initial_state", initial_state)))
+                                                             ("initial_state", initial_state)), state_checkpoints)
+    every = checkpoint_every_n_tokens
+    starts = flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every,
+                                        state_checkpoints.shape[0]) if every else []
     T, _, K = q.shape
     wide = torch.float64 if torch.float64 in [t.dtype for t in (q, g, beta, initial_state) if t is not None] \
         else torch.float32
@@ -76,10 +81,17 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     o, final = _recurrent(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K),
                           initial_state, True, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first=True)
     o = o[0]                                                                         # [T, sab, V]
+    offs = host_offsets(cu_seqlens)
+    for n, row in enumerate(starts):     # checkpoints: the sequence again, every tokens at a time from its state
+        s = None if initial_state is None else initial_state[n:n + 1]
+        for j in range((offs[n + 1] - offs[n]) // every):
+            seg = slice(offs[n] + j * every, offs[n] + (j + 1) * every)
+            _, s = _recurrent(q[None, seg], k[None, seg], v[None, seg], log_g[None, seg], beta[None, seg],
+                              prefill_scale(scale, K), s, True, None, use_qk_l2norm_in_kernel, state_v_first=True)
+            state_checkpoints[row + j] = s[0].to(state_checkpoints.dtype)
     if output is not None:
         o = output.copy_(o)
     if output_state is not None:                 # the rows of non-empty sequences (an empty one's row untouched)
-        offs = host_offsets(cu_seqlens)
         for n in range(N):
             if offs[n + 1] > offs[n]:
                 output_state[n] = final[n].to(output_state.dtype)

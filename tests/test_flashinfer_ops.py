@@ -34,10 +34,14 @@ def _wide(args: list) -> list:
 def test_refgdn_prefill_equals_the_steps_written_out(p):
     """float64: every output and final state is FlashInfer's recurrence written out here per sequence, head and token
     (the decay multiplied in as alpha, alpha = 0 included; GQA's k / v head h // (Hq / Hv), GVA's q / k head
-    h // (Hv / Hq); states read and written [V, K]); an empty sequence's output_state row keeps its contents."""
+    h // (Hv / Hq); states read and written [V, K]); an empty sequence's output_state row keeps its contents; the
+    checkpoints are the states after every checkpoint_every_n_tokens tokens, in their rows, the spare row untouched."""
     args, kw = prefill_problem(p, torch.float64, DEV)
     args = _wide(args)
-    o, final = run_prefill(RF.chunk_gated_delta_rule, args, kw, wide=True)
+    o, final, ck = run_prefill(RF.chunk_gated_delta_rule, args, kw, wide=True)
+    every = p.get("ckpt", 0)
+    starts = kw["checkpoint_cu_starts"].tolist() if every else None
+    stored = set()
     q, k, v, alpha, beta, scale, h0, _, cu, l2 = args
     T, Hq, K = q.shape
     Hk, Hv, V = k.shape[1], v.shape[1], v.shape[2]
@@ -58,12 +62,19 @@ def test_refgdn_prefill_equals_the_steps_written_out(p):
                 state = a * state
                 state = state + torch.outer(kt, b * (v[t, hv] - state.T @ kt))
                 torch.testing.assert_close(o[t, h], scale * state.T @ qt, rtol=1e-12, atol=1e-12)
+                done = t + 1 - offs[n]
+                if every and done % every == 0:
+                    row = starts[n] + done // every - 1
+                    torch.testing.assert_close(ck[row, h], state.T, rtol=1e-12, atol=1e-12)
+                    stored.add(row)
             if offs[n + 1] > offs[n]:
                 torch.testing.assert_close(final[n, h], state.T, rtol=1e-12, atol=1e-12)
             elif "output_state" in kw:
                 assert torch.equal(final[n, h], torch.full_like(final[n, h], SENTINEL))
             else:                                       # an allocated final state: the sequence's initial state
                 assert torch.equal(final[n, h], state.T)
+    if every:
+        assert stored == set(range(starts[-1])) and torch.equal(ck[-1], torch.full_like(ck[-1], SENTINEL))
 
 
 @pytest.mark.parametrize("p", DECODE)
@@ -188,9 +199,17 @@ def _prefill_bad(bad: dict) -> tuple:
 
 
 PREFILL_BAD = [
-    pytest.param(dict(checkpoint_every_n_tokens=64), "state checkpoints", id="checkpoints"),
-    pytest.param(dict(state_checkpoints=torch.zeros(1)), "state checkpoints", id="checkpoint-buffer"),
-    pytest.param(dict(checkpoint_every_n_tokens=-1), "checkpoint_every_n_tokens must be an int >= 0", id="ckpt-neg"),
+    pytest.param(dict(checkpoint_every_n_tokens=64), "must both be given", id="checkpoints-without-buffers"),
+    pytest.param(dict(state_checkpoints=torch.zeros(1)), "must both be given", id="checkpoint-buffer-alone"),
+    pytest.param(dict(checkpoint_every_n_tokens=-1), "a positive multiple of the chunk size 64", id="ckpt-neg"),
+    pytest.param(dict(checkpoint_every_n_tokens=32, state_checkpoints=torch.zeros(1),
+                      checkpoint_cu_starts=torch.zeros(1)), "a positive multiple of the chunk size 64", id="ckpt-32"),
+    pytest.param(dict(checkpoint_every_n_tokens=64, state_checkpoints=torch.zeros(2, 2, 16, 8, device=DEV),
+                      checkpoint_cu_starts=_t([0, 0, 0, 0], torch.int64)),
+                 r"state_checkpoints must be \[R, num_sab_heads, V, K\]", id="ckpt-shape"),
+    pytest.param(dict(checkpoint_every_n_tokens=64, state_checkpoints=torch.zeros(2, 2, 16, 16, device=DEV),
+                      checkpoint_cu_starts=_t([0, 0, 0], torch.int64)),
+                 r"checkpoint_cu_starts must have shape \[B\] = \[4\]", id="ckpt-starts-shape"),
     pytest.param(dict(cu_seqlens=None), "cu_seqlens must be given", id="no-cu_seqlens"),
     pytest.param(dict(q=lambda kw: kw["q"][None]), "q must be 3-D", id="q-4d"),
     pytest.param(dict(k=lambda kw: kw["k"][:, :1]), "must be GQA", id="heads"),
@@ -438,3 +457,28 @@ def test_prefill_cuda_graph_replay_equals_eager():
         o_e, s_e = FF.chunk_gated_delta_rule(*static, **kw)
         torch.cuda.synchronize()
         assert torch.equal(o_static, o_e) and torch.equal(s_static, s_e), cu
+
+
+@pytest.mark.parametrize("starts,rows,words", [
+    pytest.param([1, 2, 2, 4], 5, r"checkpoint_cu_starts\[0\] must be 0", id="not-from-0"),
+    pytest.param([0, 2, 2, 4], 5, "gives sequence 0 2 checkpoints; its 70 tokens make 1", id="wrong-count"),
+    pytest.param([0, 1, 1, 3], 2, "ends at 3, past state_checkpoints' 2 rows", id="past-the-rows"),
+])
+def test_bad_checkpoint_rows(starts, rows, words):
+    """refgdn always checks checkpoint_cu_starts' values, fast with check_values=True (same words); nothing is
+    written. Unchecked, fast stores no checkpoint outside state_checkpoints (rows past its end are skipped)."""
+    p = prefill_families(True, DEV)["checkpoints"]
+    for pkg, extra in ((RF, {}), (FF, dict(check_values=True))):
+        args, kw = prefill_problem(p, torch.float32, DEV)
+        kw["checkpoint_cu_starts"] = _t(starts, torch.int64)
+        kw["state_checkpoints"] = torch.full((rows,) + kw["state_checkpoints"].shape[1:], SENTINEL, device=DEV)
+        before = kw["state_checkpoints"].clone()
+        with pytest.raises(ValueError, match=words):
+            pkg.chunk_gated_delta_rule(*args, **kw, **extra)
+        assert torch.equal(kw["state_checkpoints"], before)
+    args, kw = prefill_problem(p, torch.float32, DEV)
+    kw["checkpoint_cu_starts"] = _t([0, 1, 3, 5], torch.int64)       # sequence 2's rows 3 and 4: 4 is past R = 4
+    _, _, ck = run_prefill(FF.chunk_gated_delta_rule, args, kw)
+    _, _, good = run_prefill(FF.chunk_gated_delta_rule, *prefill_problem(p, torch.float32, DEV))
+    assert torch.equal(ck[0], good[0]) and torch.equal(ck[3], good[1])     # seq 0's row; seq 2's first at row 3
+    assert torch.equal(ck[1:3], kw["state_checkpoints"][1:3])              # rows 1, 2: nobody's now

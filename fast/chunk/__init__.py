@@ -291,7 +291,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                fuse_output: Optional[bool] = None, segments: Optional[int] = None,
                                offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
                                update_x2: bool = False, final_v_first: bool = False, beta_logits: int = 0,
-                               offsets_on_device: bool = False, out: Optional[torch.Tensor] = None):
+                               offsets_on_device: bool = False, out: Optional[torch.Tensor] = None,
+                               checkpoints: Optional[tuple] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -329,7 +330,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     tables' for N <= CHUNK_TABLE_BLOCK, in index order above), so the call reads nothing back and can be captured.
     Valid offsets give the host tables' bits; any values stay memory-safe (the caller checks them, or leaves them
     unchecked as vLLM does). N == 1 runs as the dense call over all T tokens. out: o is written into this contiguous
-    [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out)."""
+    [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out). checkpoints (FlashInfer's state checkpoints,
+    fast.flashinfer_ops): (ck [R, HV, K, V] float32, starts [N] int, every: chunks between checkpoints), the state
+    pass's CKPT (the state after every ``every`` whole chunks of sequence n to rows starts[n], starts[n] + 1, ...); the
+    forward is then not pipelined."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -370,6 +374,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev) if out is None else out
     fused = forward_fuses_output(N, T, BT, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
+    if checkpoints is not None:
+        S = 1                                     # (the checkpoints are the state pass's: one pass, not segments)
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
@@ -399,13 +405,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if from_a:
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
-                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, beta_logits=beta_logits)
+                      wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, beta_logits=beta_logits,
+                      ckpt=checkpoints)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
         _launch_w_u(k, v, beta, G, A, w, u, ch, T, BT, precise=precise, configs=configs, beta_logits=beta_logits)
         _launch_state(k, w, u, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs, out=out,
-                      slots=slots, update_x2=update_x2)
+                      slots=slots, update_x2=update_x2, ckpt=checkpoints)
     if not fused:
         _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
                        configs=configs)

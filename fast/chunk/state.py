@@ -26,18 +26,19 @@ from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _C
                      _hi_lo, _is_fp64, _load_beta, _num_sms, _operand, _precise, _rows16, _seq_coords, _seq_first_chunk,
                      _seq_head, _unit_last, _upcast)
 from .output import _output_block
+from .recurrent import _masked_by
 
 
 # ============================================================================================
 # kernel 3: state passing (sequential over chunks, state in registers)
 # ============================================================================================
 
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "ck_every", "ck_rows"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
-    cu_seqlens, chunk_offsets, seq_order, slot_rows, T, NT, scale,
+    cu_seqlens, chunk_offsets, seq_order, slot_rows, ck, ck_starts, T, NT, scale, ck_every, ck_rows,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
-    s_0n, s_0h, s_0k, s_0v, s_tn, s_th, s_tk, s_tv,
+    s_0n, s_0h, s_0k, s_0v, s_tn, s_th, s_tk, s_tv, s_cn, s_ch, s_ck, s_cv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -45,7 +46,7 @@ def chunk_state_kernel(
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
     H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False, BETA_LOGITS: tl.constexpr = 0,
-    VN_SPLIT: tl.constexpr = False,
+    VN_SPLIT: tl.constexpr = False, CKPT: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -91,6 +92,10 @@ def chunk_state_kernel(
     final state max error against float64 at B=1 T=4096 3.86e-3 -> 1.86e-3, B=4 T=4096 4.22e-3 -> 2.51e-3; the
     chunk-start state split the same way for K S changed nothing. Device time +3 % (B=4 T=4096) to +9 % (B=1
     T=4096, T=65536): the public forward keeps one term, as fla does (benchmarks/RESULTS.md, 2026-11-27).
+
+    CKPT (FlashInfer's state checkpoints, fast.flashinfer_ops): the state after every ck_every-th full chunk of a
+    sequence, its j-th such state (j = 0, 1, ...) to row ck_starts[n] + j of ck [ck_rows, HV, K, V] (fp32, any
+    strides: s_c*); a row outside [0, ck_rows) is not stored (memory safety for unchecked starts).
 
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
@@ -206,6 +211,13 @@ def chunk_state_kernel(
             b_h += _dot(tl.trans(b_k), b_v, "bf16x2", DOT_F32)
         else:
             b_h += _dot(tl.trans(b_k), _operand(b_v, b_k.dtype, PREC), PREC, DOT_F32)  # + K^T (decayed v_new)
+        if CKPT:                              # after ck_every whole chunks: a checkpoint of the state
+            done = i_t + 1
+            r_ck = tl.load(ck_starts + i_n).to(tl.int64) + done // ck_every - 1
+            ok = (done % ck_every == 0) & (done * BT <= eos - bos) & (r_ck >= 0) & (r_ck < ck_rows)
+            r_ck = tl.where(ok, r_ck, 0)
+            tl.store(ck + r_ck * s_cn + i_h * s_ch + o_k[:, None] * s_ck + o_v[None, :] * s_cv,
+                     b_h.to(ck.dtype.element_ty), mask=_masked_by(m_kv, ok))
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
@@ -308,7 +320,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
                   slots: Optional[tuple] = None, update_x2: bool = False, beta_logits: int = 0,
-                  vn_lo: Optional[torch.Tensor] = None):
+                  vn_lo: Optional[torch.Tensor] = None, ckpt: Optional[tuple] = None):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
     kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
@@ -316,7 +328,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     forward; beta_logits 1 / 2: beta holds logits, the kernel's BETA_LOGITS). out: (q, o, scale, qs): step 5
     fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32
     (output.row_scales; use_qk_l2norm_in_kernel) or None. vn_lo: v_new's low bf16 term (the kernel's VN_SPLIT, the
-    backward's bf16x2 recompute; v_new then bf16 and holding the high term), else None.
+    backward's bf16x2 recompute; v_new then bf16 and holding the high term), else None. ckpt: (ck [R, HV, K, V]
+    float32 view, starts [N] int, every: chunks between checkpoints) for the kernel's CKPT, else None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
@@ -360,6 +373,9 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         **cfg)
     if vn_lo is not None:
         kw["VN_SPLIT"] = True
+    ck, ck_starts, ck_every = ckpt if ckpt is not None else (None, None, 1)
+    if ckpt is not None:
+        kw["CKPT"] = True
     if update_x2 and k.dtype != torch.bfloat16:
         raise ValueError(f"update_x2 splits into bfloat16 terms: k must be bfloat16, got {k.dtype}")
     slot_rows = None
@@ -371,8 +387,10 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
-        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, T, ch.NT, float(scale),
-        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3], *_state_strides(h0), *_state_strides(ht))
+        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, ck, ck_starts, T, ch.NT, float(scale), int(ck_every),
+        ck.shape[0] if ck is not None else 0,
+        *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3], *_state_strides(h0), *_state_strides(ht),
+        *_state_strides(ck))
 
 
 def _state_strides(s: Optional[torch.Tensor]) -> tuple:
