@@ -6,9 +6,9 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 08:04: fast.causal_conv1d's
-#     varlen tile table built on the device; vLLM's chunk op's longest-first order built on the device; SGLang's
-#     target verify from a plan, its cache rows formed by recurrent_slots_kernel)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 10:24: FlashInfer's GDN API,
+#     fast.flashinfer_ops, and the two kernel forms under it: the state pass's checkpoints, recurrent_slots_kernel's
+#     final-state destinations)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -86,20 +86,21 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # what the session of 2026-11-29 08:04 wrote without a GPU run: fast.causal_conv1d's varlen tile table built on the
-  # device from the checked offsets; chunk_table_kernel's EVERY form (int32 offsets and the longest-first program
-  # order on the device) under vLLM's chunk op; their tests, conformance and the bench tables
-  timeout 240 python3 -m pytest -q -n 12 -p no:benchmark tests/test_vllm_ops.py tests/test_vllm_layer.py \
-    tests/test_host_reads.py tests/test_fast_conv.py tests/test_launch.py tests/test_capture.py tests/test_sglang_ops.py \
+  # what the session of 2026-11-29 10:24 wrote without a GPU run: FlashInfer's GDN API (fast.flashinfer_ops: the
+  # prefill on the chunked forward, its state checkpoints stored by chunk_state_kernel's CKPT; the decode / MTP on
+  # recurrent_slots_kernel with FINAL_IDX and WRITE_EACH_SLOT_AND_FINAL); the kernels' other users' tests, the
+  # conformance of the new ops and of the ops on the changed kernels, and bench_flashinfer's tables
+  timeout 300 python3 -m pytest -q -n 12 -p no:benchmark tests/test_flashinfer_ops.py tests/test_vllm_ops.py \
+    tests/test_sglang_ops.py tests/test_launch.py tests/test_capture.py tests/test_compile.py tests/test_benchmarks.py \
     ${PENDING_TESTS:-tests/test_fast_chunk.py tests/test_fast_grad.py} 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
-  # (H200, 2026-11-29: the tests 146 s, the conformance 88-200 s, the chunk table ~60-150 s on a cold machine)
-  timeout 300 python3 -m conformance --device cuda --full --ops vllm_chunk_gated_delta_rule,vllm_causal_conv1d_fn,\
-causal_conv1d,causal_conv1d_grad,sglang_fused_sigmoid_gating_delta_rule_update --jobs 14 2>/dev/null | tail -2
+  timeout 300 python3 -m conformance --device cuda --full --ops flashinfer_chunk_gated_delta_rule,\
+flashinfer_gated_delta_rule_decode,chunk_gated_delta_rule,vllm_chunk_gated_delta_rule,vllm_fused_recurrent_gated_delta_rule,vllm_packed_decode,\
+sglang_fused_sigmoid_gating_delta_rule_update --jobs 14 2>/dev/null | tail -2
   rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 200 python3 -m benchmarks.bench_vllm --no-results --only chunk 2>&1 | grep --line-buffered "^|" \
-    | tee "$OUT/bench-vllm-chunk.log"; rc=$((rc | ${PIPESTATUS[0]}))
-  timeout 100 python3 -m benchmarks.bench_vllm --no-results --only conv_fn 2>&1 | grep --line-buffered "^|" \
-    | tee "$OUT/bench-vllm-conv-fn.log"; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 -m conformance --device cuda --quick --ops flashinfer_chunk_gated_delta_rule,\
+flashinfer_gated_delta_rule_decode --jobs 14 2>/dev/null | tail -1; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 240 python3 -m benchmarks.bench_flashinfer --no-results 2>&1 | grep --line-buffered "^|" \
+    | tee "$OUT/bench-flashinfer.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \

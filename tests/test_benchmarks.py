@@ -299,3 +299,24 @@ def test_conv_fn_rows_calls_at_a_tiny_shape():
     assert torch.equal(padded[2:4], torch.zeros_like(padded[2:4])) and op[2:4].abs().sum() > 0
     assert torch.equal(padded[:2], op[:2]) and torch.equal(padded[4:], op[4:])
     assert outs["plain"][0].shape == (1, 8, 32) and outs["zeroing"].shape == (8, 32)
+
+
+def test_flashinfer_bench_calls_at_a_tiny_shape(monkeypatch):
+    """bench_flashinfer's calls end to end on the test device at a tiny shape: the prefill with and without
+    checkpoints gives the same outputs and final states (the checkpoints are extra stores), and the MTP verify row
+    leaves its pool as it was (disable_state_update: replays of the benchmark's graph time the same work)."""
+    import benchmarks.bench_decode as bd
+    import benchmarks.bench_flashinfer as bf
+    import benchmarks.bench_prefill as bp
+    for mod in (bd, bf, bp):
+        for name, value in dict(H=1, HV=2, K=16, V=16).items():
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, value)
+    o1, s1 = bf.prefill_call([1030, 70], "fast", device=DEVICE)()
+    o2, s2 = bf.prefill_call([1030, 70], "ckpt", device=DEVICE)()
+    assert torch.equal(o1, o2) and torch.equal(s1, s2) and torch.isfinite(o1.float()).all()
+    call = bf.decode_call(2, seed=1, verify_k=2, device=DEVICE)
+    pool = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, dict)][0]["initial_state"]
+    before = pool.clone()
+    o, _ = call()
+    assert o.shape == (2, 3, 2, 16) and torch.isfinite(o.float()).all() and torch.equal(pool, before)
