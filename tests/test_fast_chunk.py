@@ -414,13 +414,16 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     assert pl.pipeline_segments(1, 65536, 64, dev, True) == 1
     assert pl.pipeline_segments(1, 16320, 64, dev, False) == 1                  # 255 chunks
     cuda = DEV == "cuda"
-    assert pl.pipeline_segments(1, 16384, 64, dev, False) == (2 if cuda else 1)
-    assert pl.pipeline_segments(1, 32704, 64, dev, False) == (2 if cuda else 1)                  # 511 chunks
-    assert pl.pipeline_segments(1, 32768, 64, dev, False) == (4 if cuda else 1)
+    for capturing in (True, False):      # two segments from 256 chunks only inside a graph's capture (no host work)
+        assert pl.pipeline_segments(1, 16384, 64, dev, False, capturing) == (2 if cuda and capturing else 1)
+        assert pl.pipeline_segments(1, 32704, 64, dev, False, capturing) == (2 if cuda and capturing else 1)  # 511
+        assert pl.pipeline_segments(1, 32768, 64, dev, False, capturing) == (4 if cuda else 1)
+    assert pl.pipeline_segments(1, 16384, 64, dev, False) == 1                 # (not capturing now)
     # the forward's fused-output rule: a single sequence long enough to pipeline keeps kernel 4 (Qwen3.5's 64 value
     # heads would fuse it by the program count alone); shorter, or two sequences, fuse (the interpreter always fuses)
     big = pl.state_fuses_output(1, 64, 128, 128, dev)
-    assert pl.forward_fuses_output(1, 16384, 64, 64, 128, 128, dev) == (big and not cuda)
+    assert pl.forward_fuses_output(1, 16384, 64, 64, 128, 128, dev, True) == (big and not cuda)
+    assert pl.forward_fuses_output(1, 16384, 64, 64, 128, 128, dev, False) == big
     assert pl.forward_fuses_output(1, 16320, 64, 64, 128, 128, dev) == big
     assert pl.forward_fuses_output(2, 16384, 64, 64, 128, 128, dev) == pl.state_fuses_output(2, 64, 128, 128, dev)
     assert pl.forward_fuses_output(1, 65536, 64, 32, 128, 128, dev) == (not cuda)       # Qwen3-Next: never fused

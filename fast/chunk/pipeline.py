@@ -38,10 +38,18 @@ _STREAMS: dict = {}                 # device index -> the state pass's high-prio
 _STREAMS_LOCK = threading.Lock()
 
 
-def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool) -> int:
+def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool,
+                      capturing: Optional[bool] = None) -> int:
     """How many segments the forward of one dense call pipelines (1: none), for a single sequence (N = 1, dense) on a
     CUDA device when the state pass is the unfused latency-bound one (not ``fused``): 4 from 512 chunks (T >= 32768
-    at BT = 64), 2 from 256 chunks (T >= 16384). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
+    at BT = 64); while a CUDA graph is captured (``capturing``, default: the current stream's state) also 2 from 256
+    chunks (T >= 16384). An eager call below 512 chunks is not pipelined: each segment's ~170 us of host work then
+    delays the device, and one pass is faster. H200 host, eager do_bench ms, three rounds alternating in one process
+    (2026-11-29), 1 / 2 segments: T=16384 0.750-0.755 / 0.778-0.993 (fast.chunk_gated_delta_rule 0.750-0.754 /
+    0.778-0.785; fast.flashinfer_ops' prefill, more host work ahead of it, 0.768-0.772 / 0.804-1.218), T=24576
+    1.107-1.111 / 1.125-1.128, T=32704 1.460-1.464 / 1.472-1.473; T=65536 1 / 2 / 4: 2.893-2.897 / 2.867-2.876 /
+    2.748-2.754 (the four segments kept). A graph's replay has no host work: there two segments stay ~10 % faster
+    at T=16384 (0.673 vs 0.745-0.753 ms). Triton 3.6, bf16, Qwen3-Next shape, ms by segment count 1 / 2 / 4 / 8
     (2026-11-24; device time from a CUDA graph's replay; then the eager call through its launch plan, and its host
     time per call), H100: T=16384 0.942 / 0.842 / 0.822 / 0.891, eager 0.956 / 0.885 / 0.868 / 1.438; T=65536
     3.661 / 3.279 / 3.144 / 3.158, eager 3.649 / 3.386 / 3.231 / 3.241. H200: T=16384 0.893 / 0.790 / 0.770 /
@@ -61,12 +69,16 @@ def pipeline_segments(N: int, T: int, BT: int, device: torch.device, fused: bool
     if N != 1 or fused or is_interpreting() or device.type != "cuda":
         return 1
     chunks = cdiv(T, BT)
-    return 4 if chunks >= 512 else 2 if chunks >= 256 else 1
+    if capturing is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+    return 4 if chunks >= 512 else 2 if chunks >= 256 and capturing else 1
 
 
-def forward_fuses_output(N: int, T: int, BT: int, HV: int, K: int, V: int, device: torch.device) -> bool:
+def forward_fuses_output(N: int, T: int, BT: int, HV: int, K: int, V: int, device: torch.device,
+                         capturing: Optional[bool] = None) -> bool:
     """Whether the forward forms o in the state pass: state_fuses_output's rule, except for a single sequence long
-    enough to be pipelined unfused (pipeline_segments > 1), which keeps kernel 4 and the pipeline. At Qwen3-Next's
+    enough to be pipelined unfused (pipeline_segments > 1, capturing as there), which keeps kernel 4 and the
+    pipeline. At Qwen3-Next's
     32 value heads a single sequence is never fused anyway; at Qwen3.5's 64 (16 key heads) the pass has enough
     programs to fuse, but the pipeline is faster. H200, Triton 3.6, bf16, l2norm in the kernel, B = 1, H = 16,
     HV = 64 (benchmarks.bench_prefill.state_sweep / pipeline_sweep with heads=(16, 64), 2026-11-28), ms, eager
@@ -74,7 +86,7 @@ def forward_fuses_output(N: int, T: int, BT: int, HV: int, K: int, V: int, devic
     fused 4.940-4.947, unfused 4 segments 4.39-4.61 (4.399); and B = 2, T = 8192 (not pipelined) fused 0.953,
     unfused 1.040 (the rule's choice stands)."""
     fused = state_fuses_output(N, HV, K, V, device)
-    return fused and not (N == 1 and pipeline_segments(1, T, BT, device, False) > 1)
+    return fused and not (N == 1 and pipeline_segments(1, T, BT, device, False, capturing) > 1)
 
 
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
