@@ -167,6 +167,7 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
     time per call through the op's full path (its layout plans forgotten before every call: checks, launch plan,
     JITFunction.run) and served from the layout's plan (fast.launch.LayoutPlans, from a layout's second call). No
     sync: host work only (on a GPU the launches are queued)."""
+    import fast.flashinfer_ops as ffi
     import fast.sglang_ops as fsg
     import fast.vllm_ops as fv
     g = torch.Generator().manual_seed(0)
@@ -208,6 +209,14 @@ def serving_rows(device: str, iters: int, repeats: int) -> list:
                                                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu4,
                                                             disable_state_update=True, intermediate_states_buffer=cache,
                                                             intermediate_state_indices=idx, cache_steps=4)),
+        ("FlashInfer gated_delta_rule_decode_pretranspose (pool)", ffi._DECODE,
+         lambda: ffi.gated_delta_rule_decode_pretranspose(q.view(N, 1, H, K), k.view(N, 1, H, K), v.view(N, 1, HV, V),
+                                                          None, A_log, a.view(N, 1, HV), dt_bias, b.view(N, 1, HV),
+                                                          initial_state=pool, initial_state_indices=idx)),
+        ("FlashInfer gated_delta_rule_mtp (1 + 3 tokens into its buffer)", ffi._DECODE,
+         lambda: ffi.gated_delta_rule_mtp(q4.view(N, 4, H, K), k4.view(N, 4, H, K), v4.view(N, 4, HV, V), pool, idx,
+                                          A_log, a4.view(N, 4, HV), dt_bias, b4.view(N, 4, HV),
+                                          intermediate_states_buffer=cache, disable_state_update=True)),
         ("vLLM causal_conv1d_update (decode)", fv._CONV_UPDATE, lambda: fv.causal_conv1d_update(
             x, conv_pool, conv_w, None, "silu", idx)),
         ("vLLM fused_post_conv_prep (64 tokens)", fv._POST_CONV, lambda: fv.fused_post_conv_prep(

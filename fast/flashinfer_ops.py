@@ -20,6 +20,8 @@ from refgdn.flashinfer_ops import _tokens, gqa_to_gva, mtp_update_flag, prefill_
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
+from .launch import LayoutPlans, scalar_key
+from .vllm_ops import _SlotsOpPlan
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
            "gated_delta_rule_mtp"]
@@ -124,10 +126,38 @@ def decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, ini
     return pos, kw
 
 
+# Eager decode / MTP calls by call layout (fast.launch.LayoutPlans, as fast.sglang_ops'): from a layout's second call
+# on, the checks are skipped and the compiled launcher reused. The key: the entry point's non-tensor arguments; the
+# guard compares every tensor's metadata. Calls with check_values or an output buffer are never served.
+_DECODE = LayoutPlans()
+
+
+def _decode_key(name: str, q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                initial_state_indices, output_state_indices, buf, disable_state_update, check_values) -> tuple:
+    """(key, tensors) of a decode entry point's call for _DECODE (key None: never served)."""
+    tensors = (q, k, v, a, b, initial_state if initial_state is not None else state, initial_state_indices,
+               output_state_indices, buf, A_log, dt_bias)
+    key = None if check_values is not False or output is not None else scalar_key(
+        name, use_qk_l2norm, disable_state_update, type(scale), initial_state is None)
+    return key, tensors
+
+
+def _serve(p, tensors: tuple, scale, disable_state_update: bool, vk: bool) -> tuple:
+    """A decode call of a known layout (p: its _SlotsOpPlan): the launch alone. -> (output, the states)."""
+    q, k, v, a, b, states, idx, out_idx, buf, A_log, dt_bias = tensors
+    pool = states.transpose(-1, -2) if vk else states
+    cache = None if buf is None else buf.flatten(0, 1).transpose(-1, -2)
+    o, _ = p.serve(q, k, v, a, b, pool, None, idx, None, A_log, dt_bias, scale, cache,
+                   None if disable_state_update else out_idx)
+    return o, states
+
+
 def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                    initial_state_indices, output_state_indices, buf, disable_state_update, vk: bool,
-                   check_values: bool):
-    """The decode entry points after their checks: one launch of recurrent_slots_kernel. -> (output, the states)."""
+                   check_values: bool, key=None, tensors=None):
+    """The decode entry points after their checks: one launch of recurrent_slots_kernel. -> (output, the states).
+    key, tensors: the call's _DECODE entry (None: not kept), remembered when the launch reads the call's tensors as
+    they are."""
     if _is_fp64(q, a, b, A_log, dt_bias, state, initial_state, buf):
         return _ref._decode_call(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                                  initial_state_indices, output_state_indices, buf, disable_state_update, vk)
@@ -142,6 +172,8 @@ def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l
     pos, kw = decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
                                  output_state_indices, buf, disable_state_update, vk, o)
     launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
+    if key is not None and pos[0] is q and pos[1] is k and pos[2] is v:
+        _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, pos[7], True, K, tensors))
     if output is not None and o is not output:
         o = output.copy_(o)
     return o, states
@@ -164,12 +196,18 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
     so by default the call can be captured. Unchecked values stay memory-safe: a slot at or past P is a padded row (a
     write index there is skipped). float64 runs refgdn (the kernel computes in float32).
     """
+    key, tensors = _decode_key("pretranspose", q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
+                               initial_state, initial_state_indices, output_state_indices, intermediate_states_buffer,
+                               disable_state_update, check_values)
+    p = _DECODE.get(key, tensors)
+    if p is not None:                     # a layout whose call passed the checks before: the launch alone
+        return _serve(p, tensors, scale, disable_state_update, True)
     check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                                    initial_state_indices, output_state_indices, intermediate_states_buffer,
                                    disable_state_update)
     return _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                           initial_state_indices, output_state_indices, intermediate_states_buffer,
-                          disable_state_update, True, check_values)
+                          disable_state_update, True, check_values, key, tensors)
 
 
 def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
@@ -178,12 +216,17 @@ def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, ou
 
     q, k: [B, 1, H, K]   v: [B, 1, HV, V]   a, b: [B, 1, HV]   A_log, dt_bias: [HV]   -> (output [B, 1, HV, V], state)
     """
+    key, tensors = _decode_key("kmajor", q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None,
+                               None, None, None, False, check_values)
+    p = _DECODE.get(key, tensors)
+    if p is not None:
+        return _serve(p, tensors, scale, False, False)
     check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None, None,
                                    None, None, False, state_layout="kv")
     if q.shape[1] != 1:
         raise ValueError(f"gated_delta_rule_decode takes one token per batch row (q [B, 1, H, K]), got T={q.shape[1]}")
     return _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None, None, None, None,
-                          False, False, check_values)
+                          False, False, check_values, key, tensors)
 
 
 def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None,
@@ -197,9 +240,15 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
     -> (output [B, T, HV, V], initial_state)
     """
     frozen = mtp_update_flag(disable_state_update)
+    key, tensors = _decode_key("mtp", q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
+                               initial_state, initial_state_indices, output_state_indices, intermediate_states_buffer,
+                               frozen, check_values if ssm_state_indices is None else None)
+    p = _DECODE.get(key, tensors)
+    if p is not None:
+        return _serve(p, tensors, scale, frozen, True)
     check_flashinfer_decode_inputs(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                                    initial_state_indices, output_state_indices,
                                    intermediate_states_buffer, frozen and _tokens(q) > 1, ssm_state_indices)
     return _decode_launch(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                           initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, True,
-                          check_values)
+                          check_values, key, tensors)

@@ -482,3 +482,28 @@ def test_bad_checkpoint_rows(starts, rows, words):
     _, _, good = run_prefill(FF.chunk_gated_delta_rule, *prefill_problem(p, torch.float32, DEV))
     assert torch.equal(ck[0], good[0]) and torch.equal(ck[3], good[1])     # seq 0's row; seq 2's first at row 3
     assert torch.equal(ck[1:3], kw["state_checkpoints"][1:3])              # rows 1, 2: nobody's now
+
+
+@pytest.mark.parametrize("name", list(decode_families(quick=True, device=DEV)))
+def test_layout_plan_equals_the_checked_call(name, monkeypatch):
+    """From a layout's second call fast serves the decode / MTP step from a plan (fast.launch.LayoutPlans: no checks,
+    the compiled launcher reused on a GPU): bit for bit the checked call (check_values=True: never served), round
+    after round; a bad argument afterwards still meets the checks."""
+    p = decode_families(quick=True, device=DEV)[name]
+    FF._DECODE.clear()
+    checked = []
+    real = FF.check_flashinfer_decode_inputs
+    monkeypatch.setattr(FF, "check_flashinfer_decode_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    rounds = 3
+    for seed in range(rounds):
+        fn, args, kw = decode_problem(p, torch.float32, DEV, seed)
+        op = getattr(FF, fn)
+        got = run_decode(op, fn, args, kw)
+        want = run_decode(lambda *a, **k: op(*a, **k, check_values=True), fn, args, kw)
+        for what, x, y in zip(("o", "states", "buffer"), got, want):
+            assert (x is None and y is None) or torch.equal(x, y), f"round {seed}: {what}"
+    assert len(checked) == rounds + 2, len(checked)      # every check_values call, the layout's first two
+    gates = 6 if fn.endswith("mtp") else 5
+    args[gates] = args[gates][:, :, :1]
+    with pytest.raises(ValueError, match=r"a must have shape \[B, T, HV\]"):
+        op(*args, **kw)
