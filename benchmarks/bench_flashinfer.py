@@ -156,13 +156,7 @@ def main(argv=None):
     copy = common.copy_bandwidth_gbs()
     tables = (("prefill", PREFILL_TITLE, PREFILL_META, prefill_rows),
               ("decode", DECODE_TITLE, DECODE_META, lambda: decode_rows(copy)))
-    for name, title, meta, make in tables:
-        if ns.only not in (None, name):
-            continue
-        r = make()
-        print(common.format_table(r), flush=True)
-        if not ns.no_results:
-            common.append_results(title, r, meta=dict(meta, copy_GBps=copy))
+    common.run_tables(tables, ns.only, ns.no_results, copy_GBps=copy)
 
 
 if __name__ == "__main__":

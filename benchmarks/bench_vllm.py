@@ -490,13 +490,7 @@ def main(argv=None):
               ("conv", CONV_TITLE, CONV_META, lambda: conv_rows(copy)),
               ("conv_fn", CONV_FN_TITLE, CONV_FN_META, lambda: conv_fn_rows(copy)),
               ("chunk", CHUNK_TITLE, CHUNK_META, lambda: chunk_rows()))
-    for name, title, meta, make in tables:
-        if ns.only not in (None, name):
-            continue
-        r = make()
-        print(common.format_table(r), flush=True)
-        if not ns.no_results:
-            common.append_results(title, r, meta=dict(meta, copy_GBps=copy))
+    common.run_tables(tables, ns.only, ns.no_results, copy_GBps=copy)
 
 
 if __name__ == "__main__":

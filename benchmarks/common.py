@@ -376,6 +376,18 @@ def format_table(rows: Iterable[dict], columns: Optional[list] = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def run_tables(tables, only=None, no_results: bool = False, **meta_extra) -> None:
+    """Print each table (name, title, meta, make() -> rows) whose name is ``only`` (every one when None) and append it
+    to RESULTS.md unless no_results, its meta with meta_extra added (e.g. the measured copy bandwidth)."""
+    for name, title, meta, make in tables:
+        if only not in (None, name):
+            continue
+        r = make()
+        print(format_table(r), flush=True)
+        if not no_results:
+            append_results(title, r, meta=dict(meta, **meta_extra))
+
+
 def append_results(section_title: str, table_rows: list, meta: Optional[dict] = None,
                    path: Optional[Path] = None) -> str:
     """Append one section (title, device/version line, meta, markdown table) to RESULTS.md.

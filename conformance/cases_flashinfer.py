@@ -23,8 +23,8 @@ from typing import List
 
 import torch
 
-from .cases_prefill import dtypes_for, seed_of
-from .core import DTYPE_NAMES, Case, Check
+from .cases_prefill import family_cases
+from .core import Check, row_checks
 
 PREFILL_OP = "flashinfer_chunk_gated_delta_rule"
 DECODE_OP = "flashinfer_gated_delta_rule_decode"
@@ -206,18 +206,11 @@ def decode_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[C
     o_t, st_t, buf_t = run_decode(getattr(RF, fn), fn, args, kw, wide=True)
     where, at = _states_of(fn, args, kw)
     st0 = (args if where == "args" else kw)[at]
-    moved = [s for s in range(st0.shape[0]) if not torch.equal(st_r[s], st0[s])]
-    still = [s for s in range(st0.shape[0]) if s not in moved]
-    out = [Check("o", o_f, o_t, o_r),
-           Check("written states", st_f[moved], st_t[moved], st_r[moved], dtype=st0.dtype),
-           Check("untouched states", st_f[still], st0[still], exact=True)]
+    out = [Check("o", o_f, o_t, o_r)] + row_checks("states", st0, st_f, st_t, st_r)
     buf = kw.get("intermediate_states_buffer")
-    if buf is not None:
-        flat = lambda t: t.flatten(0, 1)  # noqa: E731   [C T', HV, V, K]
-        cached = [i for i in range(flat(buf).shape[0]) if not torch.equal(flat(buf_r)[i], flat(buf)[i])]
-        rest = [i for i in range(flat(buf).shape[0]) if i not in cached]
-        out += [Check("cached steps", flat(buf_f)[cached], flat(buf_t)[cached], flat(buf_r)[cached], dtype=buf.dtype),
-                Check("buffer, other entries", flat(buf_f)[rest], flat(buf)[rest], exact=True)]
+    if buf is not None:                                  # the buffer's steps, [C T', HV, V, K]
+        out += row_checks("steps", *(t.flatten(0, 1) for t in (buf, buf_f, buf_t, buf_r)), written="cached",
+                          untouched="other")
     return out
 
 
@@ -253,13 +246,5 @@ def cases(quick: bool, device: str) -> list:
         import fast.flashinfer_ops  # noqa: F401
     except ImportError:
         return []
-    out = []
-    for op, fams, check in ((PREFILL_OP, prefill_families, prefill_checks), (DECODE_OP, decode_families,
-                                                                             decode_checks)):
-        for family, p in fams(quick, device).items():
-            for dt in dtypes_for(device):
-                name = f"{op}/{family}/{DTYPE_NAMES[dt]}"
-                out.append(Case(op=op, case=family, dtype=dt, quick=quick,
-                                run=lambda device, p=p, dt=dt, name=name, check=check: check(p, dt, device,
-                                                                                             seed_of(name))))
-    return out
+    return family_cases(quick, device, ((PREFILL_OP, prefill_families, prefill_checks),
+                                        (DECODE_OP, decode_families, decode_checks)))

@@ -43,6 +43,23 @@ def dtypes_for(device: str) -> list:
     return out
 
 
+def family_cases(quick: bool, device: str, ops) -> list:
+    """The Cases of ops whose families are dicts of parameters: ops = ((op name, families(quick, device) -> {family:
+    p}, checks(p, dtype, device, seed) -> [Check]), ...); one case per family and dtype of dtypes_for (float32 only for
+    a family with p["fp32_x"]), seeded by its full name."""
+    out = []
+    for op, fams, check in ops:
+        for family, p in fams(quick, device).items():
+            for dt in dtypes_for(device):
+                if p.get("fp32_x") and dt != torch.float32:        # (the family's x is float32 by construction)
+                    continue
+                name = f"{op}/{family}/{DTYPE_NAMES[dt]}"
+                out.append(Case(op=op, case=family, dtype=dt, quick=quick,
+                                run=lambda device, p=p, dt=dt, name=name, check=check: check(p, dt, device,
+                                                                                            seed_of(name))))
+    return out
+
+
 def _interpreter_bf16_ok() -> bool:
     try:
         from fast.utils import interpreter_bf16_rne_supported

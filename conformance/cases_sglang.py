@@ -16,8 +16,8 @@ from typing import List
 
 import torch
 
-from .cases_prefill import dtypes_for, seed_of
-from .core import DTYPE_NAMES, Case, Check
+from .cases_prefill import family_cases
+from .core import Check, row_checks
 
 OP = "sglang_fused_sigmoid_gating_delta_rule_update"
 
@@ -78,17 +78,10 @@ def checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     o_t, pool_t, buf_t = run(RS.fused_sigmoid_gating_delta_rule_update, wide, kw,
                              None if buf is None else buf.double())
     pool = args[9]
-    moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
-    still = [s for s in range(pool.shape[0]) if s not in moved]
-    out = [Check("o", o_f, o_t, o_r),
-           Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
-           Check("untouched slots", pool_f[still], pool[still], exact=True)]
+    out = [Check("o", o_f, o_t, o_r)] + row_checks("slots", pool, pool_f, pool_t, pool_r)
     if buf is not None:             # verify: the cached steps by the rule, every other entry of the cache exact
-        flat = lambda t: t.flatten(0, 1)  # noqa: E731   [C steps, HV, V, K]
-        cached = [i for i in range(flat(buf).shape[0]) if not torch.equal(flat(buf_r)[i], flat(buf)[i])]
-        rest = [i for i in range(flat(buf).shape[0]) if i not in cached]
-        out += [Check("cached steps", flat(buf_f)[cached], flat(buf_t)[cached], flat(buf_r)[cached], dtype=buf.dtype),
-                Check("cache, other entries", flat(buf_f)[rest], flat(buf)[rest], exact=True)]
+        out += row_checks("steps", *(t.flatten(0, 1) for t in (buf, buf_f, buf_t, buf_r)), written="cached",
+                          untouched="other")           # [C steps, HV, V, K]
     return out
 
 
@@ -122,10 +115,4 @@ def cases(quick: bool, device: str) -> list:
         import fast.sglang_ops  # noqa: F401
     except ImportError:
         return []
-    out = []
-    for family, p in families(quick, device).items():
-        for dt in dtypes_for(device):
-            name = f"{OP}/{family}/{DTYPE_NAMES[dt]}"
-            out.append(Case(op=OP, case=family, dtype=dt, quick=quick,
-                            run=lambda device, p=p, dt=dt, name=name: checks(p, dt, device, seed_of(name))))
-    return out
+    return family_cases(quick, device, ((OP, families, checks),))

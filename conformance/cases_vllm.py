@@ -31,8 +31,8 @@ from typing import List, Optional
 
 import torch
 
-from .cases_prefill import dtypes_for, seed_of
-from .core import DTYPE_NAMES, Case, Check
+from .cases_prefill import family_cases
+from .core import Check, row_checks
 
 OP = "vllm_fused_recurrent_gated_delta_rule"
 PACKED_OP = "vllm_packed_decode"
@@ -124,10 +124,7 @@ def checks(p: dict, dtype: torch.dtype, device: str, seed: int, sigmoid: bool = 
     flat = o_f.reshape(-1, *o_f.shape[2:])
     out = [Check("o", o_f, o_t, o_r), Check("padded outputs", flat[pad], torch.zeros_like(flat[pad]), exact=True)]
     if kw["inplace_final_state"]:
-        moved = [s for s in range(pool.shape[0]) if not torch.equal(pool_r[s], pool[s])]
-        still = [s for s in range(pool.shape[0]) if s not in moved]
-        out += [Check("written slots", pool_f[moved], pool_t[moved], pool_r[moved], dtype=pool.dtype),
-                Check("untouched slots", pool_f[still], pool[still], exact=True)]
+        out += row_checks("slots", pool, pool_f, pool_t, pool_r)
     else:
         out.append(Check("per-token states", fs_f, fs_t, fs_r, dtype=fs_f.dtype))
         if pool is not None:
@@ -510,18 +507,9 @@ def cases(quick: bool, device: str) -> list:
         import fast.vllm_ops  # noqa: F401
     except ImportError:
         return []
-    out = []
-    for op, fams, check in ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
-                            (SIGMOID_OP, sigmoid_families, sigmoid_checks),
-                            (POST_CONV_OP, post_conv_families, post_conv_checks),
-                            (CONV_OP, conv_families, conv_checks), (CONV_FN_OP, conv_fn_families, conv_fn_checks),
-                            (CHUNK_OP, chunk_families, chunk_checks)):
-        for family, p in fams(quick, device).items():
-            for dt in dtypes_for(device):
-                if p.get("fp32_x") and dt != torch.float32:        # (the family's x is float32 by construction)
-                    continue
-                name = f"{op}/{family}/{DTYPE_NAMES[dt]}"
-                out.append(Case(op=op, case=family, dtype=dt, quick=quick,
-                                run=lambda device, p=p, dt=dt, name=name, check=check: check(p, dt, device,
-                                                                                            seed_of(name))))
-    return out
+    return family_cases(quick, device, ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
+                                        (SIGMOID_OP, sigmoid_families, sigmoid_checks),
+                                        (POST_CONV_OP, post_conv_families, post_conv_checks),
+                                        (CONV_OP, conv_families, conv_checks),
+                                        (CONV_FN_OP, conv_fn_families, conv_fn_checks),
+                                        (CHUNK_OP, chunk_families, chunk_checks)))

@@ -1015,6 +1015,23 @@ def check_vllm_sigmoid_gating_inputs(A_log, a, b, dt_bias, q, k, v, beta, thresh
     return N, a3, b3
 
 
+def need_step_buffer(buf, rows: int, steps: int, state: tuple, device: torch.device, contract: str, steps_name: str,
+                     note: str) -> None:
+    """An MTP verify's intermediate_states_buffer (SGLang's, FlashInfer's): a floating [C >= rows, S >= steps, *state]
+    tensor on ``device`` whose rows are [S, *state] blocks one after another (the kernels address row r's step j as
+    row r * S + j of the buffer's first two dims merged), else ValueError naming it with ``contract``."""
+    name = "intermediate_states_buffer"
+    _need_tensor(name, buf, 2 + len(state))
+    if buf.shape[0] < max(rows, 1) or buf.shape[1] < max(steps, 1) or tuple(buf.shape[2:]) != tuple(state):
+        want = ", ".join([f"C >= {max(rows, 1)}", f"{steps_name} >= {max(steps, 1)}"] + [str(d) for d in state])
+        raise ValueError(f"{name} must be {contract} = [{want}]{note}, got {_shape(buf)}")
+    if buf.stride(0) != buf.shape[1] * buf.stride(1):
+        raise ValueError(f"{name}'s rows must be [{steps_name}, HV, V, K] blocks one after another (stride(0) = "
+                         f"{steps_name} * stride(1)), got strides {buf.stride()}")
+    _need_float(name, buf)
+    _need_device(name, buf, device)
+
+
 def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source,
                                initial_state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, is_kda,
                                disable_state_update, intermediate_states_buffer, intermediate_state_indices,
@@ -1060,15 +1077,7 @@ def check_sglang_decode_inputs(A_log, a, dt_bias, softplus_beta, softplus_thresh
     steps = 0
     buf = intermediate_states_buffer
     if buf is not None:
-        _need_tensor("intermediate_states_buffer", buf, 5)
-        if tuple(buf.shape[2:]) != (HV, V, K) or min(buf.shape[:2]) < 1:
-            raise ValueError(f"intermediate_states_buffer must be [C, steps, HV, V, K] = [C >= 1, steps >= 1, {HV}, "
-                             f"{V}, {K}], got {_shape(buf)}")
-        if buf.stride(0) != buf.shape[1] * buf.stride(1):
-            raise ValueError(f"intermediate_states_buffer's rows must be [steps, HV, V, K] blocks one after another "
-                             f"(stride(0) = steps * stride(1)), got strides {buf.stride()}")
-        _need_float("intermediate_states_buffer", buf)
-        _need_device("intermediate_states_buffer", buf, q.device)
+        need_step_buffer(buf, 1, 1, (HV, V, K), q.device, "[C, steps, HV, V, K]", "steps", "")
         steps = buf.shape[1]
         if cache_steps is not None and (isinstance(cache_steps, bool) or cache_steps != steps):
             raise ValueError(f"cache_steps must be intermediate_states_buffer's steps per row ({steps}) or None, got "
@@ -1219,26 +1228,14 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
         raise ValueError("ssm_state_indices (FlashInfer's per-token pool scatter) is not supported: pass None (keep "
                          "the steps in intermediate_states_buffer, or use fast.vllm_ops.fused_recurrent_gated_delta_"
                          "rule's per-token slots)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _need_tensor(name, t, 4)
-        _need_float(name, t)
+    _need_tensor("q", q, 4)
+    _need_tensor("v", v, 4)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    _need_shape("k", k, q.shape, "[B, T, H, K] (same as q)")
-    if tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {_shape(v)}")
-    if H == 0 or HV % H != 0 or K == 0 or V == 0:
-        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's H={H} (GVA), head dims positive (K={K}, V={V})")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     device = q.device
-    _need_device("k", k, device)
-    _need_device("v", v, device)
-    for name, t in (("a", a), ("b", b)):
+    for name, t in (("a", a), ("b", b)):           # (by their names first: the shared checks call them g, beta)
         check_float_param(name, t, (B, T, HV), "[B, T, HV]", device)
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        check_float_param(name, t, (HV,), "[HV]", device)
-    check_scale(scale)
+    check_gdn_inputs(q, k, v, a, b, scale, None, None, A_log, dt_bias)
     dims = (HV, V, K) if state_layout == "vk" else (HV, K, V)
     contract = "[HV, V, K]" if state_layout == "vk" else "[HV, K, V]"
     if initial_state is not None:
@@ -1270,15 +1267,8 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
         raise ValueError("intermediate_states_buffer and disable_state_update are for T > 1 tokens per batch row "
                          "(FlashInfer's MTP verify)")
     if buf is not None:
-        _need_tensor("intermediate_states_buffer", buf, 5)
-        if buf.shape[0] < B or buf.shape[1] < T or tuple(buf.shape[2:]) != (HV, V, K):
-            raise ValueError(f"intermediate_states_buffer must be [C >= B, T' >= T, HV, V, K] = [>= {B}, >= {T}, {HV}, "
-                             f"{V}, {K}] (row n for batch row n), got {_shape(buf)}")
-        if buf.stride(0) != buf.shape[1] * buf.stride(1):
-            raise ValueError(f"intermediate_states_buffer's rows must be [T', HV, V, K] blocks one after another "
-                             f"(stride(0) = T' * stride(1)), got strides {buf.stride()}")
-        _need_float("intermediate_states_buffer", buf)
-        _need_device("intermediate_states_buffer", buf, device)
+        need_step_buffer(buf, B, T, (HV, V, K), device, "[C >= B, T' >= T, HV, V, K]", "T'",
+                         " (row n for batch row n)")
     if output is not None:
         _need_tensor("output", output, 4)
         if tuple(output.shape) != (B, T, HV, V) or output.device != device:
