@@ -9,6 +9,8 @@ these run on any GPU Triton supports.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import refgdn.flashinfer_ops as _ref
@@ -20,7 +22,7 @@ from refgdn.flashinfer_ops import _tokens, gqa_to_gva, mtp_update_flag, prefill_
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
-from .launch import LayoutPlans, scalar_key
+from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
 from .vllm_ops import _SlotsOpPlan
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
@@ -65,9 +67,16 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     values too are checked only with check_values (unchecked: a row outside state_checkpoints is not stored). float64
     and gradients run refgdn.
     """
-    check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                    use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
-                                    checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp, offset_values=False)
+    # a signature whose call passed the checks before skips them and launches through its plan (fast.launch: the
+    # compiled launchers reused); T and N left out, so a serving stream's prefills share one
+    sig = _prefill_signature(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                             use_qk_l2norm_in_kernel, output, output_state, state_checkpoints, checkpoint_cu_starts,
+                             checkpoint_every_n_tokens, use_cp)
+    plan = _PREFILL.get(sig)
+    if plan is None:
+        check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                        use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
+                                        checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp, offset_values=False)
     from . import library
     if _is_fp64(q, g, beta, initial_state, output_state) or library.wants_graph(q, k, v, g, beta, initial_state):
         return _ref.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -79,8 +88,9 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                                                              ("checkpoint_cu_starts", checkpoint_cu_starts)),
                                       state_checkpoints)
     T, _, K = q.shape
-    V = v.shape[2]
-    _check_fast_limits(K, V, 64)
+    if plan is None:
+        _check_fast_limits(K, v.shape[2], 64)
+        plan = _PREFILL.after_checks(sig)               # (None on a signature's first call: launched as it is)
     every = checkpoint_every_n_tokens
     if check_values:
         with one_host_read_scope():
@@ -89,11 +99,12 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                 flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every, state_checkpoints.shape[0])
     out = output[None] if output is not None and output.is_contiguous() else None
     q4, k4, v4, g4, beta4, h0 = prefill_core_inputs(q, k, v, g, beta, initial_state)
-    o, final = _chunk_fwd(q4, k4, v4, g4, beta4, prefill_scale(scale, K), h0,
-                          output_final_state or output_state is not None, cu_seqlens, use_qk_l2norm_in_kernel,
-                          chunk_size=64, final_v_first=True, offsets_on_device=True, out=out,
-                          checkpoints=(state_checkpoints.transpose(-1, -2), checkpoint_cu_starts, every // 64)
-                          if every else None)
+    with plan if plan is not None else contextlib.nullcontext():
+        o, final = _chunk_fwd(q4, k4, v4, g4, beta4, prefill_scale(scale, K), h0,
+                              output_final_state or output_state is not None, cu_seqlens, use_qk_l2norm_in_kernel,
+                              chunk_size=64, final_v_first=True, offsets_on_device=True, out=out,
+                              checkpoints=(state_checkpoints.transpose(-1, -2), checkpoint_cu_starts, every // 64)
+                              if every else None)
     o = output if out is not None else output.copy_(o[0]) if output is not None else o[0]
     if final is not None:
         final = final.transpose(-1, -2)                                  # the [N, sab, V, K] tensor written
@@ -102,6 +113,27 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         nonempty = (cu[1:] > cu[:-1])[:, None, None, None]
         final = output_state.copy_(torch.where(nonempty, final, output_state))
     return (o, final) if output_final_state else o
+
+
+def _prefill_signature(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, output,
+                       output_state, state_checkpoints, checkpoint_cu_starts, every, use_cp):
+    """What check_flashinfer_prefill_inputs reads, the token count T and the sequence count N left out (each tensor's
+    type, shape less its T or N dim, dtype and device; whether that dim is T or N; the flags and checkpoint interval
+    with their types; type(scale)), or None (checked in full, no plan kept). Two calls with equal signatures pass or
+    fail the checks alike, up to cu_seqlens' and checkpoint_cu_starts' values (the caller's, as without a plan)."""
+    if any(type(f) is not bool for f in (output_final_state, l2, use_cp)) or type(every) is not int:
+        return None
+    try:
+        T, N = q.shape[0], cu_seqlens.shape[0] - 1
+        rows = lambda t, n: None if t is None else (shape_key(t, 0), t.shape[0] == n)  # noqa: E731
+        return (shape_key(q, 0), rows(k, T), rows(v, T), rows(g, T), rows(beta, T), rows(output, T), type(scale),
+                output_final_state, l2, use_cp, every, shape_key(cu_seqlens, 0), N >= 1, rows(initial_state, N),
+                rows(output_state, N), rows(state_checkpoints, -1), rows(checkpoint_cu_starts, N + 1))
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks name the problem
+        return None
+
+
+_PREFILL = SignaturePlans(64, seen_size=256)
 
 
 def decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,

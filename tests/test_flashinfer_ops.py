@@ -507,3 +507,29 @@ def test_layout_plan_equals_the_checked_call(name, monkeypatch):
     args[gates] = args[gates][:, :, :1]
     with pytest.raises(ValueError, match=r"a must have shape \[B, T, HV\]"):
         op(*args, **kw)
+
+
+def test_prefill_plan_equals_the_checked_call(monkeypatch):
+    """From a signature's second call the prefill skips its checks and launches through its plan (fast.launch's
+    SignaturePlans; T and N are no part of the signature): bit for bit a call whose plans were forgotten, over
+    request mixes of other lengths; a bad argument afterwards still meets the checks."""
+    base = prefill_families(True, DEV)["gva-varlen-h0"]
+    checked = []
+    real = FF.check_flashinfer_prefill_inputs
+    monkeypatch.setattr(FF, "check_flashinfer_prefill_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
+    FF._PREFILL.clear()
+    mixes = ([0, 5, 5, 37, 70], [0, 9, 30, 31, 50], [0, 64, 64, 64, 130])
+    for seed, cu in enumerate(mixes):
+        args, kw = prefill_problem(dict(base, cu=cu), torch.float32, DEV, seed)
+        got = FF.chunk_gated_delta_rule(*args, **kw)       # (from the second mix on: served by the plan)
+        FF._PREFILL.clear()
+        want = FF.chunk_gated_delta_rule(*args, **kw)      # checked, launched as it is
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), cu
+        FF.chunk_gated_delta_rule(*args, **kw)             # the signature's second call: its plan kept
+    n = len(checked)
+    args, kw = prefill_problem(dict(base, cu=[0, 3, 20, 20, 41]), torch.float32, DEV, 7)
+    FF.chunk_gated_delta_rule(*args, **kw)
+    assert len(checked) == n                     # served: no checks
+    args[3] = args[3][:, :1]
+    with pytest.raises(ValueError, match=r"g must have shape \[T, num_sab_heads\]"):
+        FF.chunk_gated_delta_rule(*args, **kw)
