@@ -136,7 +136,8 @@ def prefill_families(quick: bool, device: str) -> dict:
 def decode_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
     """(fn name, args, kwargs) of one decode call. p: fn ("pretranspose", "decode" or "mtp"), B, T, H, HV, K, V
     (1, 2, 16, 16); P: pool rows (None: the per-batch state); idx / out_idx: initial_state_indices /
-    output_state_indices; buf: (C, T') for intermediate_states_buffer (random contents); frozen
+    output_state_indices; ssm: ssm_state_indices [B][T]; buf: (C, T') for intermediate_states_buffer (random
+    contents); frozen
     (disable_state_update); state_dtype (float32); l2; scale. q, k, v, a, b in dtype; A_log, dt_bias float32."""
     gen = torch.Generator().manual_seed(seed)
     B, T = p["B"], p.get("T", 1)
@@ -160,6 +161,8 @@ def decode_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> t
         kw["intermediate_states_buffer"] = r(C, Tb, HV, V, K).to(sd).to(device)
     if p.get("out_idx") is not None:
         kw["output_state_indices"] = t32(p["out_idx"])
+    if p.get("ssm") is not None:
+        kw["ssm_state_indices"] = t32(p["ssm"])
     if fn == "mtp":
         kw["disable_state_update"] = bool(p.get("frozen"))
         args = [q, k, v, states, t32(p["idx"]), A_log, a, dt_bias, b]
@@ -217,7 +220,8 @@ def decode_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[C
 def decode_families(quick: bool, device: str) -> dict:
     """V-major decode on a pool with a padded row, with output_state_indices (one negative), on per-batch states, a
     bfloat16 pool; K-major decode; MTP verify into the buffer with the pool frozen, MTP committing (buffer and
-    output_state_indices, or neither); three value heads per key head. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
+    output_state_indices, or neither), MTP with each token's state in its own pool row (ssm_state_indices: a padded
+    row, a negative entry, a row's own read slot reused); three value heads per key head. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
     16 / 32 heads of 128 where the family allows."""
     qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
     out = {
@@ -232,6 +236,8 @@ def decode_families(quick: bool, device: str) -> dict:
         "mtp-commit-buffer-out-idx": dict(fn="mtp", B=3, T=3, P=7, idx=[6, 2, -1], out_idx=[0, -1, 4], buf=(3, 3),
                                           l2=True),
         "mtp-commit": dict(fn="mtp", B=2, T=4, P=5, idx=[3, 1], l2=True),
+        "mtp-token-slots": dict(fn="mtp", B=3, T=3, P=12, idx=[6, -1, 1], ssm=[[0, 2, 3], [4, 5, 7], [8, -1, 1]],
+                                l2=True),
     }
     out = {name: dict(p, **qwen) for name, p in out.items()}
     out["gva3"] = dict(fn="pretranspose", B=3, P=6, idx=[5, 1, 3], l2=True,

@@ -137,11 +137,15 @@ _PREFILL = SignaturePlans(64, seen_size=256)
 
 
 def decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
-                       output_state_indices, buf, disable_state_update, vk: bool, o) -> tuple:
+                       output_state_indices, buf, disable_state_update, vk: bool, o, ssm_state_indices=None) -> tuple:
     """launch_slots' arguments (but scale) for a decode entry point's call, from shapes, strides and dtypes only
     (fast.keys passes meta tensors): (positional, keywords). states: the per-batch state or the pool, as given."""
-    H = q.shape[2]
+    H, T = q.shape[2], q.shape[1]
     pool = states.transpose(-1, -2) if vk else states                                             # [P, HV, K, V]
+    if ssm_state_indices is not None:    # each token's state to its own pool row (the kernel's WIDX 3), no final
+        pos = (_unit_last(q), _unit_last(k), _unit_last(v), a, b, pool, o, pool)
+        return pos, dict(H=H, L=T, write=WRITE_EACH_SLOT, l2norm=use_qk_l2norm, idx=initial_state_indices,
+                         A_log=A_log, dt_bias=dt_bias, gate=True, pad_zero=True, token_slots=ssm_state_indices)
     if buf is None:
         write, hs = (WRITE_NONE if disable_state_update else WRITE_FINAL), pool
     else:
@@ -165,10 +169,11 @@ _DECODE = LayoutPlans()
 
 
 def _decode_key(name: str, q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
-                initial_state_indices, output_state_indices, buf, disable_state_update, check_values) -> tuple:
+                initial_state_indices, output_state_indices, buf, disable_state_update, check_values,
+                ssm_state_indices=None) -> tuple:
     """(key, tensors) of a decode entry point's call for _DECODE (key None: never served)."""
     tensors = (q, k, v, a, b, initial_state if initial_state is not None else state, initial_state_indices,
-               output_state_indices, buf, A_log, dt_bias)
+               output_state_indices, buf, A_log, dt_bias, ssm_state_indices)
     key = None if check_values is not False or output is not None else scalar_key(
         name, use_qk_l2norm, disable_state_update, type(scale), initial_state is None)
     return key, tensors
@@ -176,33 +181,36 @@ def _decode_key(name: str, q, k, v, state, A_log, a, dt_bias, b, scale, output, 
 
 def _serve(p, tensors: tuple, scale, disable_state_update: bool, vk: bool) -> tuple:
     """A decode call of a known layout (p: its _SlotsOpPlan): the launch alone. -> (output, the states)."""
-    q, k, v, a, b, states, idx, out_idx, buf, A_log, dt_bias = tensors
+    q, k, v, a, b, states, idx, out_idx, buf, A_log, dt_bias, tokens = tensors
     pool = states.transpose(-1, -2) if vk else states
     cache = None if buf is None else buf.flatten(0, 1).transpose(-1, -2)
-    o, _ = p.serve(q, k, v, a, b, pool, None, idx, None, A_log, dt_bias, scale, cache,
-                   None if disable_state_update else out_idx)
+    # the kernel's widx: the per-token rows, else the final state's rows (unless nothing is written back)
+    widx = tokens if tokens is not None else None if disable_state_update else out_idx
+    o, _ = p.serve(q, k, v, a, b, pool, None, idx, None, A_log, dt_bias, scale, cache, widx)
     return o, states
 
 
 def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                    initial_state_indices, output_state_indices, buf, disable_state_update, vk: bool,
-                   check_values: bool, key=None, tensors=None):
+                   check_values: bool, key=None, tensors=None, ssm_state_indices=None):
     """The decode entry points after their checks: one launch of recurrent_slots_kernel. -> (output, the states).
     key, tensors: the call's _DECODE entry (None: not kept), remembered when the launch reads the call's tensors as
     they are."""
     if _is_fp64(q, a, b, A_log, dt_bias, state, initial_state, buf):
         return _ref._decode_call(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
-                                 initial_state_indices, output_state_indices, buf, disable_state_update, vk)
+                                 initial_state_indices, output_state_indices, buf, disable_state_update, vk,
+                                 ssm_state_indices)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_fast_limits(K, V)
     states = initial_state if initial_state is not None else state
     if check_values and initial_state is not None:                  # the slots' value rules: a host read
-        flashinfer_decode_slots(initial_state_indices, output_state_indices, states.shape[0], not disable_state_update)
+        flashinfer_decode_slots(initial_state_indices, output_state_indices, states.shape[0], not disable_state_update,
+                                ssm_state_indices)
     o = output if (output is not None and output.dtype == q.dtype and output.is_contiguous()) else \
         torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     pos, kw = decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
-                                 output_state_indices, buf, disable_state_update, vk, o)
+                                 output_state_indices, buf, disable_state_update, vk, o, ssm_state_indices)
     launch_slots(*pos, scale=K ** -0.5 if scale is None else float(scale), **kw)
     if key is not None and pos[0] is q and pos[1] is k and pos[2] is v:
         _DECODE.remember(key, tensors, lambda: _SlotsOpPlan(pos, kw, o, pos[7], True, K, tensors))
@@ -274,7 +282,7 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
     frozen = mtp_update_flag(disable_state_update)
     key, tensors = _decode_key("mtp", q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
                                initial_state, initial_state_indices, output_state_indices, intermediate_states_buffer,
-                               frozen, check_values if ssm_state_indices is None else None)
+                               frozen, check_values, ssm_state_indices)
     p = _DECODE.get(key, tensors)
     if p is not None:
         return _serve(p, tensors, scale, frozen, True)
@@ -283,4 +291,4 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
                                    intermediate_states_buffer, frozen and _tokens(q) > 1, ssm_state_indices)
     return _decode_launch(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                           initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, True,
-                          check_values, key, tensors)
+                          check_values, key, tensors, ssm_state_indices)

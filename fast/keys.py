@@ -780,15 +780,15 @@ def _fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_s
                                   else None)
 
 
-def _fi_decode(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, idx, out_idx, buf, frozen, vk, fp64_too=()):
+def _fi_decode(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, idx, out_idx, buf, frozen, vk, tokens=None):
     """recurrent_slots_kernel's key for a FlashInfer decode entry point (float64: refgdn, none)."""
     from .flashinfer_ops import decode_launch_args
-    if _fp64(q, a, b, A_log, dt_bias, states, buf, *fp64_too):
+    if _fp64(q, a, b, A_log, dt_bias, states, buf):
         return []
     B, T, _, K = q.shape
     o = _meta(B, T, v.shape[2], v.shape[3], dtype=q.dtype)
     pos, kw = decode_launch_args(*(_meta_like(t) for t in (q, k, v, states, A_log, a, b, dt_bias)), use_qk_l2norm,
-                                 *(_meta_like(t) for t in (idx, out_idx, buf)), frozen, vk, o)
+                                 *(_meta_like(t) for t in (idx, out_idx, buf)), frozen, vk, o, _meta_like(tokens))
     return _slots_keys(*pos, scale=1.0, **kw)
 
 
@@ -816,7 +816,7 @@ def _fi_gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_lo
     True, FlashInfer's default)."""
     frozen = True if disable_state_update is None else disable_state_update
     return _fi_decode(q, k, v, initial_state, A_log, a, b, dt_bias, use_qk_l2norm, initial_state_indices,
-                      output_state_indices, intermediate_states_buffer, frozen, True)
+                      output_state_indices, intermediate_states_buffer, frozen, True, ssm_state_indices)
 
 
 class flashinfer_ops:

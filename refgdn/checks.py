@@ -1220,14 +1220,10 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
     state: [B, HV, V, K] ("vk", FlashInfer's pretranspose layout) or [B, HV, K, V] ("kv"), or the pool initial_state
     [P, HV, V, K] with initial_state_indices [B] int (negative: a padded row) and output_state_indices [B] int or None;
     intermediate_states_buffer: [C >= B, T', HV, V, K] with T' >= T (row n for batch row n), for T > 1 only, like
-    disable_state_update=True; output: [B, T, HV, V] floating. ssm_state_indices (FlashInfer's per-token pool scatter)
-    is refused by name."""
+    disable_state_update=True; output: [B, T, HV, V] floating; ssm_state_indices: [B, T] int (FlashInfer's per-token
+    pool scatter: T >= 2, the state updated, no buffer, no output_state_indices)."""
     _need_bool("use_qk_l2norm", use_qk_l2norm)
     _need_bool("disable_state_update", disable_state_update)
-    if ssm_state_indices is not None:
-        raise ValueError("ssm_state_indices (FlashInfer's per-token pool scatter) is not supported: pass None (keep "
-                         "the steps in intermediate_states_buffer, or use fast.vllm_ops.fused_recurrent_gated_delta_"
-                         "rule's per-token slots)")
     _need_tensor("q", q, 4)
     _need_tensor("v", v, 4)
     B, T, H, K = q.shape
@@ -1269,6 +1265,16 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
     if buf is not None:
         need_step_buffer(buf, B, T, (HV, V, K), device, "[C >= B, T' >= T, HV, V, K]", "T'",
                          " (row n for batch row n)")
+    if ssm_state_indices is not None:               # FlashInfer's per-token pool scatter
+        _need_tensor("ssm_state_indices", ssm_state_indices, 2)
+        if tuple(ssm_state_indices.shape) != (B, T) or ssm_state_indices.dtype not in INT_DTYPES:
+            raise ValueError(f"ssm_state_indices must be [B, T] = [{B}, {T}] int32 or int64 (the pool row of each "
+                             f"token's state), got {_shape(ssm_state_indices)} {ssm_state_indices.dtype}")
+        _need_device("ssm_state_indices", ssm_state_indices, device)
+        if T < 2 or disable_state_update or buf is not None or output_state_indices is not None:
+            raise ValueError("ssm_state_indices (each token's state to its own pool row) needs T >= 2 tokens, "
+                             "disable_state_update=False, and neither intermediate_states_buffer nor "
+                             "output_state_indices")
     if output is not None:
         _need_tensor("output", output, 4)
         if tuple(output.shape) != (B, T, HV, V) or output.device != device:
@@ -1278,17 +1284,37 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
     return B, T, rows
 
 
-def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: int, writes: bool) -> tuple:
-    """(read slots, write slots) of FlashInfer's pool decode, from the values (a host read): a negative read index
-    pads its row (nothing read or written, output zeros); a negative write index skips that row's write back. Raises
-    ValueError naming the entry for an index >= the pool's rows, or (writes) a slot written by two rows."""
+def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: int, writes: bool,
+                            ssm_state_indices=None) -> tuple:
+    """(read slots, write slots, per-token slots or None) of FlashInfer's pool decode, from the values (host reads): a
+    negative read index pads its row (nothing read or written, output zeros); a negative write index skips that
+    row's write back. With ssm_state_indices [B, T] the states go to those rows instead (a negative entry: not
+    stored) and no row writes back. Raises ValueError naming the entry for an index >= the pool's rows, (writes) a
+    slot written by two rows, or a row written per token that another row reads."""
+    if ssm_state_indices is not None:
+        read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row",
+                              "rows", False)
+        tokens, owner = ssm_state_indices.tolist(), {}                       # host read: value checks
+        for n, row in enumerate(tokens):
+            for t, s in enumerate(row):
+                if s >= rows:
+                    raise ValueError(f"ssm_state_indices[{n}, {t}] = {s} is outside the pool's {rows} slots "
+                                     f"(negative: not stored)")
+                if s < 0 or read[n] < 0:
+                    continue
+                if owner.setdefault(s, (n, t)) != (n, t):
+                    raise ValueError(f"slot {s} is given to tokens {owner[s]} and {(n, t)} (ssm_state_indices)")
+                if s in read and read.index(s) != n:
+                    raise ValueError(f"slot {s} is written by row {n}'s token {t} and read by row {read.index(s)} "
+                                     f"(ssm_state_indices, initial_state_indices)")
+        return read, [-1] * len(read), [r if read[n] >= 0 else [-1] * len(r) for n, r in enumerate(tokens)]
     read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row", "rows",
                           writes and output_state_indices is None)
     if output_state_indices is None:
-        return read, read
+        return read, read, None
     dest = _one_slot_each("output_state_indices", output_state_indices, rows, 0, "negative: no write back", "rows",
                           writes)
-    return read, [d if r >= 0 else -1 for r, d in zip(read, dest)]
+    return read, [d if r >= 0 else -1 for r, d in zip(read, dest)], None
 
 
 def flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every: int, rows: int) -> List[int]:

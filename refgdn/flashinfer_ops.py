@@ -8,7 +8,7 @@ per-batch tensor or a pool of slots, written in place. So FlashInfer's imports o
 ``from refgdn.flashinfer_ops import ...`` (the oracle, any device) or ``from fast.flashinfer_ops import ...`` (Triton:
 any GPU Triton runs on, where FlashInfer's kernels need sm_90 or newer). Both packages' functions have one signature.
 
-Not supported, refused by name: the MTP's per-token pool scatter (``ssm_state_indices``). Where FlashInfer's backends differ, one behaviour is chosen and documented per function.
+Where FlashInfer's backends differ, one behaviour is chosen and documented per function.
 """
 from __future__ import annotations
 
@@ -99,10 +99,13 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     return (o, final) if output_final_state else o
 
 
-def _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, pool, vk: bool, read, write, buf, output):
+def _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, pool, vk: bool, read, write, buf, output,
+            tokens=None):
     """The decode core: batch row n runs its T tokens from pool[read[n]] (zeros and nothing written when read[n] < 0),
-    writes its final state to pool[write[n]] (write[n] < 0: nowhere; applied after every row has read) and, with a
-    buffer, the state after token t to buf[n, t]. pool is [P, HV, V, K] (vk) or [P, HV, K, V]. -> o [B, T, HV, V]."""
+    writes its final state to pool[write[n]] (write[n] < 0: nowhere) and, with a buffer, the state after token t to
+    buf[n, t]; with tokens (per-token pool rows [B][T]), the state after token t to pool[tokens[n][t]] (< 0: not
+    stored). Pool writes are applied after every row has read. pool is [P, HV, V, K] (vk) or [P, HV, K, V].
+    -> o [B, T, HV, V]."""
     B, T = q.shape[:2]
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     wide = torch.float64 if torch.float64 in (q.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype, pool.dtype) \
@@ -118,11 +121,14 @@ def _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, pool, vk: bool,
         if read[n] < 0:                                   # a padded row: output zeros, nothing read or written
             continue
         s0 = kv(pool[read[n]])[None].to(wide)
-        for t in range(T) if buf is not None else ():     # MTP: the state after each token, to row n of the buffer
+        for t in range(T) if buf is not None or tokens is not None else ():   # MTP: the state after each token
             step = [x[n:n + 1, :t + 1].to(wide) for x in (q, k, v, g, beta)]
             _, s_t = _recurrent(*step, scale=scale, initial_state=s0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm)
-            buf[n, t] = s_t[0].transpose(-1, -2).to(buf.dtype)                          # [HV, V, K]
+            if buf is not None:                                                          # to row n of the buffer
+                buf[n, t] = s_t[0].transpose(-1, -2).to(buf.dtype)                      # [HV, V, K]
+            elif tokens[n][t] >= 0:                                                      # to its own pool row
+                updates.append((tokens[n][t], kv(s_t[0])))
         seq = [x[n:n + 1].to(wide) for x in (q, k, v, g, beta)]
         o_n, s1 = _recurrent(*seq, scale=scale, initial_state=s0, output_final_state=True,
                              use_qk_l2norm_in_kernel=use_qk_l2norm)
@@ -166,17 +172,20 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
 
 
 def _decode_call(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
-                 initial_state_indices, output_state_indices, buf, disable_state_update, vk: bool):
+                 initial_state_indices, output_state_indices, buf, disable_state_update, vk: bool,
+                 ssm_state_indices=None):
     """The three decode entry points after their checks: slots from the values, then the core."""
     B = q.shape[0]
     writes = not disable_state_update
+    tokens = None
     if initial_state is None:
         pool, read, write = state, list(range(B)), list(range(B)) if writes else [-1] * B
     else:
         pool = initial_state
-        read, write = flashinfer_decode_slots(initial_state_indices, output_state_indices, pool.shape[0], writes)
+        read, write, tokens = flashinfer_decode_slots(initial_state_indices, output_state_indices, pool.shape[0],
+                                                      writes, ssm_state_indices)
         write = write if writes else [-1] * B
-    o = _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, pool, vk, read, write, buf, output)
+    o = _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, pool, vk, read, write, buf, output, tokens)
     return o, pool
 
 
@@ -220,12 +229,15 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
 
     q, k: [B, T, H, K]   v: [B, T, HV, V]   a, b: [B, T, HV]   initial_state: [P, HV, V, K]
     initial_state_indices, output_state_indices: [B]   intermediate_states_buffer: [C >= B, T' >= T, HV, V, K]
-    -> (output [B, T, HV, V], initial_state)
-    ssm_state_indices (the per-token pool scatter) is refused by name.
+    ssm_state_indices: [B, T] int   -> (output [B, T, HV, V], initial_state)
+    ssm_state_indices (FlashInfer's per-token pool scatter, T >= 2, disable_state_update=False): the state after token
+    t of row n goes to pool row ssm_state_indices[n, t] (negative: not stored) and no row writes back its final state
+    (the last token's row holds it); such a row must not be another row's read slot, nor given twice (checked).
     """
     frozen = mtp_update_flag(disable_state_update)
     check_flashinfer_decode_inputs(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                                    initial_state_indices, output_state_indices,
                                    intermediate_states_buffer, frozen and _tokens(q) > 1, ssm_state_indices)
     return _decode_call(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
-                        initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, vk=True)
+                        initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, vk=True,
+                        ssm_state_indices=ssm_state_indices)

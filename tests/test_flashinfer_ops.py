@@ -101,6 +101,9 @@ def test_refgdn_decode_equals_the_steps_written_out(p):
     read = p["idx"] if p.get("P") else list(range(B))
     write = p["out_idx"] if p.get("out_idx") is not None else read
     frozen = p.get("frozen", False)
+    ssm = p.get("ssm")                                   # each token's state to its own pool row, no write back
+    if ssm is not None:
+        write = [-1] * B
     written, cached = set(), set()
     for n in range(B):
         if read[n] < 0:
@@ -122,6 +125,9 @@ def test_refgdn_decode_equals_the_steps_written_out(p):
                 if buf is not None:
                     torch.testing.assert_close(buf_after[n, t, h], state.T, rtol=1e-12, atol=1e-12)
                     cached.add((n, t))
+                if ssm is not None and ssm[n][t] >= 0:
+                    torch.testing.assert_close(after[ssm[n][t], h], state.T, rtol=1e-12, atol=1e-12)
+                    written.add(ssm[n][t])
             if write[n] >= 0 and not frozen:
                 torch.testing.assert_close(after[write[n], h], state if kv else state.T, rtol=1e-12, atol=1e-12)
                 written.add(write[n])
@@ -248,7 +254,14 @@ def _decode_bad(name: str, bad: dict) -> tuple:
 
 
 DECODE_BAD = [
-    pytest.param("mtp-commit", dict(ssm_state_indices=torch.zeros(1)), "ssm_state_indices", id="per-token-scatter"),
+    pytest.param("mtp-commit", dict(ssm_state_indices=torch.zeros(1)), "ssm_state_indices must be 2-D",
+                 id="token-slots-1d"),
+    pytest.param("mtp-commit", dict(ssm_state_indices=_t([[0, 2, 3, 4]])), r"ssm_state_indices must be \[B, T\]",
+                 id="token-slots-shape"),
+    pytest.param("mtp-commit", dict(ssm_state_indices=_t([[0, 2, 3, 4], [5, 6, 7, 8]]), disable_state_update=True),
+                 "needs T >= 2 tokens, disable_state_update=False", id="token-slots-frozen"),
+    pytest.param("mtp-commit-buffer-out-idx", dict(ssm_state_indices=_t([[0, 1, 2], [3, 4, 5], [6, 7, 8]])),
+                 "neither intermediate_states_buffer nor output_state_indices", id="token-slots-with-buffer"),
     pytest.param("pretranspose-pool-padded", {3: torch.zeros(4, 2, 16, 16)}, "not both", id="state-and-pool"),
     pytest.param("pretranspose-state", dict(initial_state_indices=_t([0, 1, 2])), "given together",
                  id="indices-without-pool"),
@@ -298,16 +311,23 @@ def test_decode_k_major_takes_one_token():
     pytest.param(dict(idx=[4, -1, 7, 7], out_idx=None), "slot 7 is given to rows 2 and 3", id="one-slot-two-rows"),
     pytest.param(dict(out_idx=[2, 3, 2, 8]), "slot 2 is given to rows 0 and 2", id="one-write-two-rows"),
     pytest.param(dict(out_idx=[2, 3, -1, 9]), r"output_state_indices\[3\] = 9 is outside", id="write-past-pool"),
+    pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [1, 2], [3, 9], [6, 8]]),
+                 r"ssm_state_indices\[2, 1\] = 9 is outside", id="token-slot-past-pool"),
+    pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [3, 5], [6, 2], [8, 3]]),
+                 r"slot 2 is given to tokens \(0, 1\) and \(2, 1\)", id="token-slot-twice"),
+    pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 7], [3, 5], [6, 2], [8, 3]]),
+                 "slot 7 is written by row 0's token 1 and read by row 3", id="token-slot-read-by-another"),
 ])
 def test_bad_slot_values(change, words):
     """refgdn always checks the slots, fast with check_values=True (same words), both before any write."""
     p = dict(decode_families(True, DEV)["pretranspose-out-idx"], **change)
     for pkg, extra in ((RF, {}), (FF, dict(check_values=True))):
         fn, args, kw = decode_problem(p, torch.float32, DEV)
-        before = kw["initial_state"].clone()
+        pool = args[3] if fn.endswith("mtp") else kw["initial_state"]
+        before = pool.clone()
         with pytest.raises(ValueError, match=words):
             getattr(pkg, fn)(*args, **kw, **extra)
-        assert torch.equal(kw["initial_state"], before)
+        assert torch.equal(pool, before)
 
 
 def test_prefill_offsets_checked_when_asked():
@@ -326,6 +346,13 @@ def test_fast_is_memory_safe_on_unchecked_values():
     fn, args, kw = decode_problem(dict(base, idx=[4, -1, 30, 7], out_idx=[2, 3, 5, 40]), torch.float32, DEV)
     o, after, _ = run_decode(getattr(FF, fn), fn, args, kw)
     fn, args_r, kw_r = decode_problem(dict(base, idx=[4, -1, -1, 7], out_idx=[2, 3, 5, -1]), torch.float32, DEV)
+    o_r, after_r, _ = run_decode(getattr(RF, fn), fn, args_r, kw_r)
+    torch.testing.assert_close(o, o_r)
+    torch.testing.assert_close(after, after_r)
+    base = decode_families(True, DEV)["mtp-token-slots"]                # a per-token row past the pool: not stored
+    fn, args, kw = decode_problem(dict(base, ssm=[[0, 2, 30], [4, 5, 7], [8, -1, 1]]), torch.float32, DEV)
+    o, after, _ = run_decode(getattr(FF, fn), fn, args, kw)
+    fn, args_r, kw_r = decode_problem(dict(base, ssm=[[0, 2, -1], [4, 5, 7], [8, -1, 1]]), torch.float32, DEV)
     o_r, after_r, _ = run_decode(getattr(RF, fn), fn, args_r, kw_r)
     torch.testing.assert_close(o, o_r)
     torch.testing.assert_close(after, after_r)

@@ -163,7 +163,9 @@ def recurrent_slots_kernel(
     WIDX cache rows written; with PAD_ZERO they are not).
     WIDX (SGLang's target verify, a cache of L steps per row): WRITE_EACH_SLOT's destinations are rows of hs
     [SW, HV, K, V] instead, row * L + j for the state after token j, whatever the read slot; row = widx[n] (WIDX 1,
-    widx [N] int; negative: none) or n (WIDX 2, widx None); a destination outside [0, SW) is skipped.
+    widx [N] int; negative: none) or n (WIDX 2, widx None); a destination outside [0, SW) is skipped. WIDX 3
+    (FlashInfer's per-token pool scatter): the state after token j to pool row widx[n, j] (widx [N, L] int; hs is the
+    pool; outside [SLOT_LO, S): skipped), whatever the read slot.
     WRITE_FINAL: the final state to the read
     row (if any token); WRITE_EACH_SLOT: the state after token j to idx[n, j] (j < L, slots in [SLOT_LO, S)) -- hs is
     pool then; WRITE_EACH_ROW: the state after token t to row t of hs [B * T, HV, K, V] (zeros when padded);
@@ -225,7 +227,10 @@ def recurrent_slots_kernel(
         tl.store(o + ((i_b * T + t64) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if WRITE == 2 or WRITE == 4:                                     # WRITE_EACH_SLOT (and final)
             j = t64 - bos
-            if WIDX != 0:
+            if WIDX == 3:                            # FlashInfer's per-token scatter: widx [N, L], read slot apart
+                dest = tl.load(widx + i_n.to(tl.int64) * s_wn + tl.minimum(j, L - 1) * s_wt).to(tl.int64)
+                ok = valid & (j < L) & (dest >= SLOT_LO) & (dest < S)
+            elif WIDX != 0:
                 if WIDX == 1:
                     row = tl.load(widx + i_n.to(tl.int64) * s_wn).to(tl.int64)
                 else:
@@ -300,7 +305,7 @@ SLOTS_TENSORS = ("q", "k", "v", "g", "beta", "pool", "o", "hs", "cu_seqlens", "i
 
 def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float, write: int, l2norm: bool,
                  cu_seqlens=None, idx=None, num_acc=None, A_log=None, dt_bias=None, widx=None, cache: bool = False,
-                 gate: bool = False, slot_lo: int = 0, pad_zero: bool = True, final_idx=None):
+                 gate: bool = False, slot_lo: int = 0, pad_zero: bool = True, final_idx=None, token_slots=None):
     """Everything recurrent_slots_kernel is launched with, from shapes, strides and dtypes only (meta tensors do):
     -> (grid, args, constexprs, options), or None when there is nothing to launch (no sequence, head or token).
 
@@ -310,6 +315,8 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     widx[n] ([N] int; negative: none) or, widx None, row n (the kernel's WIDX)
     final_idx ([N] int, WRITE_FINAL / WRITE_EACH_SLOT_AND_FINAL; FlashInfer's output_state_indices): the final state
     goes to pool row final_idx[n] instead of the read slot (passed as the kernel's widx: not with widx)
+    token_slots ([N, L] int, WRITE_EACH_SLOT; FlashInfer's ssm_state_indices): the state after token j goes to pool
+    row token_slots[n, j] whatever the read slot (the kernel's WIDX 3, widx; hs is the pool)
     The serving ops (fast.vllm_ops, fast.sglang_ops) launch through launch_slots and fast.keys predicts their
     variants from the same plan, so the ~50 arguments are spelled once. Absent tensors pass strides 0.
     """
@@ -328,15 +335,20 @@ def slots_launch(q, k, v, g, beta, pool, o, hs, *, H: int, L: int, scale: float,
     if final_idx is not None:
         assert widx is None and write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL), "final_idx: the kernel's widx"
         widx, wdim = final_idx, 0
+    if token_slots is not None:
+        assert widx is None and write == WRITE_EACH_SLOT and not cache, "token_slots: the kernel's widx"
+        widx, wdim = token_slots, 2
     args = (q, k, v, g, beta, pool, o, hs, cu_seqlens, idx, num_acc, A_log, dt_bias, widx,
             T, pool.shape[0] if pool is not None else 0, L, hs.shape[0] if cache else 0, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
-            *strides(pool, 4), *hs.stride(), *s_idx, widx.stride(0) if widx is not None else 0, 0)
+            *strides(pool, 4), *hs.stride(), *s_idx, widx.stride(0) if widx is not None else 0,
+            widx.stride(1) if wdim == 2 else 0)
     constexprs = dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
                       L2NORM=bool(l2norm), USE_POOL=pool is not None, INDEXED=idx is not None,
                       SPEC=num_acc is not None, WRITE=write, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), GATE=gate,
                       SLOT_LO=slot_lo, THRESHOLD=20.0, PAD_ZERO=pad_zero,
-                      WIDX=(1 if wdim == 1 else 2) if cache else 0, FINAL_IDX=final_idx is not None)
+                      WIDX=(1 if wdim == 1 else 2) if cache else 3 if wdim == 2 else 0,
+                      FINAL_IDX=final_idx is not None)
     return (triton.cdiv(V, BV), N * HV), args, constexprs, cfg
 
 
