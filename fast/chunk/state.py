@@ -213,11 +213,14 @@ def chunk_state_kernel(
             b_h += _dot(tl.trans(b_k), _operand(b_v, b_k.dtype, PREC), PREC, DOT_F32)  # + K^T (decayed v_new)
         if CKPT:                              # after ck_every whole chunks: a checkpoint of the state
             done = i_t + 1
-            r_ck = tl.load(ck_starts + i_n).to(tl.int64) + done // ck_every - 1
-            ok = (done % ck_every == 0) & (done * BT <= eos - bos) & (r_ck >= 0) & (r_ck < ck_rows)
-            r_ck = tl.where(ok, r_ck, 0)
-            tl.store(ck + r_ck * s_cn + i_h * s_ch + o_k[:, None] * s_ck + o_v[None, :] * s_cv,
-                     b_h.to(ck.dtype.element_ty), mask=_masked_by(m_kv, ok))
+            # a branch, not a masked store: the state's conversion to the store's layout (through shared memory) is
+            # then paid at the checkpoints only, not in every chunk
+            if (done % ck_every == 0) & (done * BT <= eos - bos):
+                r_ck = tl.load(ck_starts + i_n).to(tl.int64) + done // ck_every - 1
+                ok = (r_ck >= 0) & (r_ck < ck_rows)
+                r_ck = tl.where(ok, r_ck, 0)
+                tl.store(ck + r_ck * s_cn + i_h * s_ch + o_k[:, None] * s_ck + o_v[None, :] * s_cv,
+                         b_h.to(ck.dtype.element_ty), mask=_masked_by(m_kv, ok))
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
