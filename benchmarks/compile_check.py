@@ -21,7 +21,9 @@ sequences (the state pass's paths); decode = fast.serving's step kernels at Qwen
 state): decode at N = 1, 8, 16 and verify of 1 + 3 tokens at N = 8; norm = fast.norm's gated output norm at
 V = 128 (decode rows and a T = 4096 prefill, forward and backward) and the model's plain norms (hidden 2048,
 head_dim 256); vllm = the vLLM / SGLang ops' kernels at Qwen3-Next's shape (fast.vllm_ops' recurrent op in both
-generations, its gated op, the packed decode, the prefill preparation; SGLang's decode and target verify).
+generations, its gated op, the packed decode, the prefill preparation; SGLang's decode and target verify);
+flashinfer = FlashInfer's API (fast.flashinfer_ops): the prefill with and without state checkpoints, the decode with
+output_state_indices, the MTP step into its buffer and into per-token pool rows.
 
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
 broadcast of a scalar atomic's result).
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--shape", default="small",
-                    choices=["small", "bench", "bench16", "decode", "forward", "norm", "vllm"])
+                    choices=["small", "bench", "bench16", "decode", "forward", "norm", "vllm", "flashinfer"])
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
@@ -145,6 +147,33 @@ def main(argv=None) -> int:
                                                       intermediate_states_buffer=torch.empty(N, L, HV, V, K).to(pool_dt))
         FV.fused_post_conv_prep(x(4096, 2 * H * K + HV * V), x(4096, HV), x(4096, HV), torch.rand(HV),
                                 torch.randn(HV), H, K, V, True)
+    elif args.shape == "flashinfer":
+        # FlashInfer's API (fast.flashinfer_ops) at Qwen3-Next's heads, through its own host code: the prefill over 4
+        # sequences with and without state checkpoints (the state pass's CKPT), the decode on a pool with
+        # output_state_indices (FINAL_IDX), the MTP step into its buffer with the state update on (WRITE 4) and with
+        # each token's state in its own pool row (WIDX 3)
+        import fast.flashinfer_ops as FF
+        H, HV, K, V, N, L = 16, 32, 128, 128, 8, 4
+        x = lambda *s: torch.randn(*s).to(dt)                   # noqa: E731
+        i32 = lambda t: torch.as_tensor(t, dtype=torch.int32)   # noqa: E731
+        T = 4 * 256
+        cu = torch.tensor([0, 256, 512, 768, 1024])
+        pre = (x(T, H, K), x(T, H, K), x(T, HV, V), torch.rand(T, HV), torch.rand(T, HV), None,
+               torch.randn(4, HV, V, K), True, cu, True)
+        FF.chunk_gated_delta_rule(*pre)
+        FF.chunk_gated_delta_rule(*pre, state_checkpoints=torch.empty(8, HV, V, K), checkpoint_every_n_tokens=128,
+                                  checkpoint_cu_starts=torch.tensor([0, 2, 4, 6, 8]))
+        A_log, dt_bias = torch.rand(HV), torch.randn(HV)
+        q, k, v, a, b = x(N, L, H, K), x(N, L, H, K), x(N, L, HV, V), x(N, L, HV), x(N, L, HV)
+        for pool_dt in (torch.float32, torch.bfloat16):
+            pool = torch.randn(N * (L + 2), HV, V, K).to(pool_dt)
+            FF.gated_delta_rule_decode_pretranspose(q[:, :1], k[:, :1], v[:, :1], None, A_log, a[:, :1], dt_bias,
+                                                    b[:, :1], initial_state=pool, initial_state_indices=i32(range(N)),
+                                                    output_state_indices=i32(range(N, 2 * N)))
+            FF.gated_delta_rule_mtp(q, k, v, pool, i32(range(N)), A_log, a, dt_bias, b, disable_state_update=False,
+                                    intermediate_states_buffer=torch.empty(N, L, HV, V, K).to(pool_dt))
+            FF.gated_delta_rule_mtp(q, k, v, pool, i32(range(N)), A_log, a, dt_bias, b, disable_state_update=False,
+                                    ssm_state_indices=i32(torch.arange(N, N + N * L).reshape(N, L)))
     elif args.shape == "small":
         for BT in (16, 32, 64):
             gdn(1, 128, 2, 4, BT, l2=BT == 64, gate=BT == 64)
