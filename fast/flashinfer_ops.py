@@ -234,7 +234,8 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
 
     Shapes, dtypes and devices are checked on the host; the slots' values only with check_values=True (a host read),
     so by default the call can be captured. Unchecked values stay memory-safe: a slot at or past P is a padded row (a
-    write index there is skipped). float64 runs refgdn (the kernel computes in float32).
+    write index there is skipped); a row written where another row reads (which the checks refuse) gives unspecified
+    values. float64 runs refgdn (the kernel computes in float32).
     """
     key, tensors = _decode_key("pretranspose", q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm,
                                initial_state, initial_state_indices, output_state_indices, intermediate_states_buffer,

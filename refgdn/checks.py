@@ -1290,7 +1290,8 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
     negative read index pads its row (nothing read or written, output zeros); a negative write index skips that
     row's write back. With ssm_state_indices [B, T] the states go to those rows instead (a negative entry: not
     stored) and no row writes back. Raises ValueError naming the entry for an index >= the pool's rows, (writes) a
-    slot written by two rows, or a row written per token that another row reads."""
+    slot written by two rows, or a slot written by one row (output_state_indices, ssm_state_indices) that another row
+    reads (the kernels read and write the pool in place, in no order between rows)."""
     if ssm_state_indices is not None:
         read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row",
                               "rows", False)
@@ -1314,7 +1315,12 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
         return read, read, None
     dest = _one_slot_each("output_state_indices", output_state_indices, rows, 0, "negative: no write back", "rows",
                           writes)
-    return read, [d if r >= 0 else -1 for r, d in zip(read, dest)], None
+    dest = [d if r >= 0 else -1 for r, d in zip(read, dest)]
+    for n, d in enumerate(dest if writes else ()):     # a write must not land where another row still reads
+        if d >= 0 and d in read and read.index(d) != n:
+            raise ValueError(f"slot {d} is written by row {n} (output_state_indices) and read by row {read.index(d)} "
+                             f"(initial_state_indices)")
+    return read, dest, None
 
 
 def flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every: int, rows: int) -> List[int]:

@@ -311,6 +311,8 @@ def test_decode_k_major_takes_one_token():
     pytest.param(dict(idx=[4, -1, 7, 7], out_idx=None), "slot 7 is given to rows 2 and 3", id="one-slot-two-rows"),
     pytest.param(dict(out_idx=[2, 3, 2, 8]), "slot 2 is given to rows 0 and 2", id="one-write-two-rows"),
     pytest.param(dict(out_idx=[2, 3, -1, 9]), r"output_state_indices\[3\] = 9 is outside", id="write-past-pool"),
+    pytest.param(dict(out_idx=[2, 3, 4, 8]), r"slot 4 is written by row 2 \(output_state_indices\) and read by row 0",
+                 id="write-where-another-reads"),
     pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [1, 2], [3, 9], [6, 8]]),
                  r"ssm_state_indices\[2, 1\] = 9 is outside", id="token-slot-past-pool"),
     pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [3, 5], [6, 2], [8, 3]]),
