@@ -47,9 +47,9 @@ DECODE_META = {"op": "fast.flashinfer_ops.gated_delta_rule_decode_pretranspose, 
 DECODE_N = (1, 8, 32, 128)
 
 
-def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "cuda"):
+def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "cuda", every: int = 1024):
     """FlashInfer's prefill over requests of these lengths: a callable. what: "fast", "ckpt" (fast, checkpoints every
-    1024 tokens), "fla" (fla 0.6.0 on the same tokens; None without fla)."""
+    ``every`` tokens), "fla" (fla 0.6.0 on the same tokens; None without fla)."""
     import fast.flashinfer_ops as FF
     from benchmarks.bench_prefill import cu_seqlens_of, gdn_inputs
     T, N = sum(lens), len(lens)
@@ -66,7 +66,6 @@ def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "c
     h0 = S0.transpose(-1, -2).contiguous()                                  # [N, HV, V, K]
     kw = {}
     if what == "ckpt":
-        every = 1024
         starts = torch.tensor([0] + [x // every for x in lens], device=device).cumsum(0)
         kw = dict(state_checkpoints=torch.empty(int(starts[-1]), HV, V, K, device=device),
                   checkpoint_cu_starts=starts, checkpoint_every_n_tokens=every)

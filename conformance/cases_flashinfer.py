@@ -116,7 +116,7 @@ def prefill_families(quick: bool, device: str) -> dict:
     """GVA over several sequences with an empty one, an alpha of 0 and initial states; GQA with alpha None; equal heads
     with output and output_state given (an empty sequence's row untouched) and scale 0.0 (the default); one sequence
     over several chunks; K / V not powers of two; state checkpoints (a sequence shorter than the interval, ends
-    between checkpoints). Quick: heads of 16 and T <= 200; full: Qwen3-Next's 16 / 32 heads of
+    between checkpoints). Quick: heads of 16 and T <= 140; full: Qwen3-Next's 16 / 32 heads of
     128 where the family allows."""
     q3 = {} if quick else dict(K=128, V=128)
     return {
@@ -128,7 +128,7 @@ def prefill_families(quick: bool, device: str) -> dict:
         "one-seq-chunks": dict(cu=[0, 80 if quick else 300], heads=(1, 1, 2) if quick else (16, 16, 32), l2=True,
                                **q3),
         "odd-KV-scale": dict(cu=[0, 13, 40], heads=(2, 2, 4), K=24, V=40, scale=0.3, beta=False, h0=True),
-        "checkpoints": dict(cu=[0, 70, 70, 200] if quick else [0, 700, 700, 1000, 1100], ckpt=64 if quick else 128,
+        "checkpoints": dict(cu=[0, 70, 70, 140] if quick else [0, 700, 700, 1000, 1100], ckpt=64 if quick else 128,
                             heads=(1, 1, 2) if quick else (16, 16, 32), h0=True, l2=True, out_state=True, **q3),
     }
 

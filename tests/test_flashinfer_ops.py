@@ -394,8 +394,8 @@ def test_fast_reads_nothing_back_unless_asked():
     with pytest.raises(HostSyncInCapture):
         with capture_guards("flashinfer_ops", DEV):
             run_decode(lambda *a, **k: getattr(FF, fn)(*a, **k, check_values=True), fn, args, kw)
-    for p in prefill_families(True, DEV).values():
-        args, kw = prefill_problem(p, torch.float32, DEV)
+    for name in ("gva-varlen-h0", "checkpoints"):                     # (varlen; the checkpoints' rows)
+        args, kw = prefill_problem(prefill_families(True, DEV)[name], torch.float32, DEV)
         with capture_guards("flashinfer_ops", DEV):
             run_prefill(FF.chunk_gated_delta_rule, args, kw)
     with pytest.raises(HostSyncInCapture):
@@ -415,9 +415,10 @@ def test_keys_equal_the_launches():
             run_decode(getattr(F, fn), fn, args, kw)
     assert [key.kernel for key in log.launched] == ["recurrent_slots_kernel"] * len(decode_families(True, DEV))
     log = KeyLog()
-    with recording(log):
-        for p in prefill_families(True, DEV).values():
-            run_prefill(F.chunk_gated_delta_rule, *prefill_problem(p, torch.float32, DEV))
+    with recording(log):           # varlen, one sequence (the dense call), GQA, checkpoints (the state pass's CKPT)
+        for name in ("gva-varlen-h0", "one-seq-chunks", "gqa-no-alpha", "checkpoints"):
+            run_prefill(F.chunk_gated_delta_rule, *prefill_problem(prefill_families(True, DEV)[name], torch.float32,
+                                                                   DEV))
     assert "chunk_table_kernel" in [key.kernel for key in log.launched]     # the device tables of the varlen calls
 
 
@@ -491,11 +492,11 @@ def test_prefill_cuda_graph_replay_equals_eager():
 @pytest.mark.parametrize("starts,rows,words", [
     pytest.param([1, 2, 2, 4], 5, r"checkpoint_cu_starts\[0\] must be 0", id="not-from-0"),
     pytest.param([0, 2, 2, 4], 5, "gives sequence 0 2 checkpoints; its 70 tokens make 1", id="wrong-count"),
-    pytest.param([0, 1, 1, 3], 2, "ends at 3, past state_checkpoints' 2 rows", id="past-the-rows"),
+    pytest.param([0, 1, 1, 2], 1, "ends at 2, past state_checkpoints' 1 rows", id="past-the-rows"),
 ])
 def test_bad_checkpoint_rows(starts, rows, words):
     """refgdn always checks checkpoint_cu_starts' values, fast with check_values=True (same words); nothing is
-    written. Unchecked, fast stores no checkpoint outside state_checkpoints (rows past its end are skipped)."""
+    written."""
     p = prefill_families(True, DEV)["checkpoints"]
     for pkg, extra in ((RF, {}), (FF, dict(check_values=True))):
         args, kw = prefill_problem(p, torch.float32, DEV)
@@ -505,12 +506,6 @@ def test_bad_checkpoint_rows(starts, rows, words):
         with pytest.raises(ValueError, match=words):
             pkg.chunk_gated_delta_rule(*args, **kw, **extra)
         assert torch.equal(kw["state_checkpoints"], before)
-    args, kw = prefill_problem(p, torch.float32, DEV)
-    kw["checkpoint_cu_starts"] = _t([0, 1, 3, 5], torch.int64)       # sequence 2's rows 3 and 4: 4 is past R = 4
-    _, _, ck = run_prefill(FF.chunk_gated_delta_rule, args, kw)
-    _, _, good = run_prefill(FF.chunk_gated_delta_rule, *prefill_problem(p, torch.float32, DEV))
-    assert torch.equal(ck[0], good[0]) and torch.equal(ck[3], good[1])     # seq 0's row; seq 2's first at row 3
-    assert torch.equal(ck[1:3], kw["state_checkpoints"][1:3])              # rows 1, 2: nobody's now
 
 
 @pytest.mark.parametrize("name", list(decode_families(quick=True, device=DEV)))
@@ -523,7 +518,7 @@ def test_layout_plan_equals_the_checked_call(name, monkeypatch):
     checked = []
     real = FF.check_flashinfer_decode_inputs
     monkeypatch.setattr(FF, "check_flashinfer_decode_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
-    rounds = 3
+    rounds = 2
     for seed in range(rounds):
         fn, args, kw = decode_problem(p, torch.float32, DEV, seed)
         op = getattr(FF, fn)
@@ -547,7 +542,7 @@ def test_prefill_plan_equals_the_checked_call(monkeypatch):
     real = FF.check_flashinfer_prefill_inputs
     monkeypatch.setattr(FF, "check_flashinfer_prefill_inputs", lambda *a, **k: checked.append(1) or real(*a, **k))
     FF._PREFILL.clear()
-    mixes = ([0, 5, 5, 37, 70], [0, 9, 30, 31, 50], [0, 64, 64, 64, 130])
+    mixes = ([0, 5, 5, 37, 70], [0, 9, 30, 31, 50])
     for seed, cu in enumerate(mixes):
         args, kw = prefill_problem(dict(base, cu=cu), torch.float32, DEV, seed)
         got = FF.chunk_gated_delta_rule(*args, **kw)       # (from the second mix on: served by the plan)
@@ -562,3 +557,18 @@ def test_prefill_plan_equals_the_checked_call(monkeypatch):
     args[3] = args[3][:, :1]
     with pytest.raises(ValueError, match=r"g must have shape \[T, num_sab_heads\]"):
         FF.chunk_gated_delta_rule(*args, **kw)
+
+
+def test_unchecked_checkpoint_rows_stay_in_the_buffer():
+    """Unchecked, fast stores no checkpoint outside state_checkpoints (rows past its end are skipped) and writes each
+    one where checkpoint_cu_starts puts it."""
+    p = prefill_families(True, DEV)["checkpoints"]
+    args, kw = prefill_problem(p, torch.float32, DEV)
+    _, _, good = run_prefill(FF.chunk_gated_delta_rule, args, kw)          # rows 0, 1 (sequences 0, 2), 2 spare
+    kw["checkpoint_cu_starts"] = _t([0, 1, 2, 3], torch.int64)            # sequence 2's row moved to the spare one
+    _, _, moved = run_prefill(FF.chunk_gated_delta_rule, args, kw)
+    assert torch.equal(moved[0], good[0]) and torch.equal(moved[2], good[1])
+    assert torch.equal(moved[1], kw["state_checkpoints"][1])               # row 1: nobody's now
+    kw["checkpoint_cu_starts"] = _t([0, 1, 3, 4], torch.int64)            # sequence 2's row 3: past R = 3
+    _, _, past = run_prefill(FF.chunk_gated_delta_rule, args, kw)
+    assert torch.equal(past[0], good[0]) and torch.equal(past[1:], kw["state_checkpoints"][1:])
