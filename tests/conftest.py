@@ -20,6 +20,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """With -n and pytest-xdist's default distribution ("load"), its "worksteal" one where this xdist has it (3.2+):
+    a worker that runs out of tests takes pending ones from the other, so the suite's long tests (30-45 s each on the
+    CI's 2 cores) do not leave one worker idle at the end. An explicit --dist is left as given."""
+    opt = config.option
+    if not getattr(opt, "numprocesses", None) or getattr(opt, "dist", None) not in ("load", "no"):
+        return
+    try:
+        import xdist
+        version = tuple(int(x) for x in xdist.__version__.split(".")[:2])
+    except Exception:  # noqa: BLE001 - no xdist, or a version string of another form: keep the default
+        return
+    if version >= (3, 2):
+        opt.dist = "worksteal"
+
+
 @pytest.fixture(autouse=True)
 def _bf16_casts_as_on_a_gpu(request):
     """A test parametrized with a bfloat16 dtype runs, in the Triton interpreter, with fp32 -> bf16 casts rounding to
