@@ -24,6 +24,7 @@ from typing import List
 import torch
 
 from .cases_prefill import family_cases
+from .cases_sglang import raw_gate_inputs
 from .core import Check, row_checks
 
 PREFILL_OP = "flashinfer_chunk_gated_delta_rule"
@@ -137,19 +138,13 @@ def decode_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> t
     """(fn name, args, kwargs) of one decode call. p: fn ("pretranspose", "decode" or "mtp"), B, T, H, HV, K, V
     (1, 2, 16, 16); P: pool rows (None: the per-batch state); idx / out_idx: initial_state_indices /
     output_state_indices; ssm: ssm_state_indices [B][T]; buf: (C, T') for intermediate_states_buffer (random
-    contents); frozen
-    (disable_state_update); state_dtype (float32); l2; scale. q, k, v, a, b in dtype; A_log, dt_bias float32."""
+    contents); frozen (disable_state_update); state_dtype (float32); l2; scale. q, k, v, a, b in dtype; A_log, dt_bias
+    float32 (cases_sglang.raw_gate_inputs)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = p["B"], p.get("T", 1)
-    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    HV, K, V = p.get("HV", 2), p.get("K", 16), p.get("V", 16)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
-    if not p.get("l2"):
-        k = torch.nn.functional.normalize(k, dim=-1)
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
-    a, b = (r(B, T, HV).to(dtype).to(device) for _ in range(2))
-    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
-    dt_bias = (0.5 * r(HV)).float().to(device)
+    q, k, v, a, b, A_log, dt_bias = raw_gate_inputs(p, B, T, dtype, device, gen, True)
     sd = p.get("state_dtype", torch.float32)
     t32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     fn = p["fn"]

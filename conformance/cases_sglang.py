@@ -31,16 +31,9 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
     contents, disable_state_update)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = p["B"], p["T"]
-    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    HV, V, K = p.get("HV", 2), p.get("V", 16), p.get("K", 16)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
-    if not p.get("l2"):
-        k = torch.nn.functional.normalize(k, dim=-1)
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
-    shape = (B, T, HV) if p.get("gates3d") else (B * T, HV)
-    a, b = (r(*shape).to(dtype).to(device) for _ in range(2))
-    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
-    dt_bias = (0.5 * r(HV)).float().to(device)
+    q, k, v, a, b, A_log, dt_bias = raw_gate_inputs(p, B, T, dtype, device, gen, bool(p.get("gates3d")))
     pool = (0.5 * r(p.get("slots", 9), HV, V, K)).to(p.get("pool_dtype", torch.float32)).to(device)
     idx = torch.tensor(p["idx"], dtype=torch.int32, device=device)
     kw = dict(scale=p.get("scale"), use_qk_l2norm_in_kernel=bool(p.get("l2")),
@@ -54,6 +47,23 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
         if c.get("rows") is not None:
             kw["intermediate_state_indices"] = torch.tensor(c["rows"], dtype=torch.int32, device=device)
     return [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx], kw
+
+
+def raw_gate_inputs(p: dict, B: int, T: int, dtype: torch.dtype, device: str, gen: torch.Generator,
+                    gates3d: bool) -> tuple:
+    """(q, k [B, T, H, K], v [B, T, HV, V] in dtype (k unit-norm unless p["l2"]), the raw gates a, b in dtype ([B, T,
+    HV] when gates3d, else [B * T, HV]), A_log, dt_bias [HV] float32), drawn from gen in this order; H, HV, K, V from
+    p (1, 2, 16, 16). The problems of the decode ops that form their gates in the kernel (SGLang's, FlashInfer's)."""
+    H, HV, K, V = p.get("H", 1), p.get("HV", 2), p.get("K", 16), p.get("V", 16)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if not p.get("l2"):
+        k = torch.nn.functional.normalize(k, dim=-1)
+    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    a, b = (r(*((B, T, HV) if gates3d else (B * T, HV))).to(dtype).to(device) for _ in range(2))
+    A_log = (torch.rand(HV, generator=gen, dtype=torch.float64) * 2 - 1).float().to(device)
+    dt_bias = (0.5 * r(HV)).float().to(device)
+    return q, k, v, a, b, A_log, dt_bias
 
 
 def run(op, args: list, kw: dict, buffer=None) -> tuple:
