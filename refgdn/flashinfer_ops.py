@@ -61,7 +61,8 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     allocated here it holds the sequence's initial state (zeros without one). State checkpoints
     (checkpoint_every_n_tokens, a multiple of 64): sequence n's state after every checkpoint_every_n_tokens of its
     tokens, in order, to rows checkpoint_cu_starts[n], ... of state_checkpoints [R, sab, V, K] (len_n // every rows;
-    the values are checked). use_cp (FlashInfer's context-parallel schedule) changes nothing here. Computed in float32 (float64 when any input is), o rounded to q's dtype.
+    the values are checked). use_cp (FlashInfer's context-parallel schedule) changes nothing here. Computed in
+    float32 (float64 when any input is), o rounded to q's dtype.
     """
     N, sab = check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                              use_qk_l2norm_in_kernel, output, output_state, state_checkpoints,
