@@ -216,8 +216,8 @@ def decode_families(quick: bool, device: str) -> dict:
     """V-major decode on a pool with a padded row, with output_state_indices (one negative), on per-batch states, a
     bfloat16 pool; K-major decode; MTP verify into the buffer with the pool frozen, MTP committing (buffer and
     output_state_indices, or neither), MTP with each token's state in its own pool row (ssm_state_indices: a padded
-    row, a negative entry, a row's own read slot reused); three value heads per key head. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
-    16 / 32 heads of 128 where the family allows."""
+    row, a negative entry, a row's own read slot reused); three value heads per key head. Quick: 1 / 2 heads of 16;
+    full: Qwen3-Next's 16 / 32 heads of 128 where the family allows."""
     qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
     out = {
         "pretranspose-pool-padded": dict(fn="pretranspose", B=4, P=9, idx=[4, -1, 0, 7], l2=True),

@@ -474,7 +474,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits,
                  VN_SPLIT=False, CKPT=checkpoints is not None),     # (VN_SPLIT: the backward's recompute only)
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
-                 ck=_dt(checkpoints[0]) if checkpoints else None, ck_starts=_dt(checkpoints[1]) if checkpoints else None,
+                 ck=_dt(checkpoints[0]) if checkpoints else None,
+                 ck_starts=_dt(checkpoints[1]) if checkpoints else None,
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
                  **hv_new, **wy, **qo),

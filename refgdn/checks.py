@@ -1236,7 +1236,8 @@ def check_flashinfer_decode_inputs(q, k, v, state, A_log, a, dt_bias, b, scale, 
     contract = "[HV, V, K]" if state_layout == "vk" else "[HV, K, V]"
     if initial_state is not None:
         if state is not None:
-            raise ValueError("pass the per-batch state or the pool (initial_state with initial_state_indices), not both")
+            raise ValueError("pass the per-batch state or the pool (initial_state with initial_state_indices), "
+                             "not both")
         if initial_state_indices is None:
             raise ValueError("initial_state (the pool) and initial_state_indices must be given together")
         _need_tensor("initial_state", initial_state, 4)
