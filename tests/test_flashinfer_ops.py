@@ -4,7 +4,8 @@ gated_delta_rule_decode_pretranspose / gated_delta_rule_decode / gated_delta_rul
 refgdn's ops against the rule written out per token and head here (float64, FlashInfer's conventions: the decay as
 alpha, states [.., V, K], GQA / GVA heads); fast's against refgdn by the conformance rule: the checks of
 conformance.cases_flashinfer, run on every family below by the quick matrix (`python -m conformance --quick`, the first
-half of the README's test command), and here only where a test needs more than the rule. Bad inputs raise before anything is written.
+half of the README's test command), and here only where a test needs more than the rule. Bad inputs raise before
+anything is written.
 """
 import inspect
 import warnings
