@@ -1297,6 +1297,7 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
         read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row",
                               "rows", False)
         tokens, owner = ssm_state_indices.tolist(), {}                       # host read: value checks
+        reader = _other_reader(read)
         for n, row in enumerate(tokens):
             for t, s in enumerate(row):
                 if s >= rows:
@@ -1306,8 +1307,8 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
                     continue
                 if owner.setdefault(s, (n, t)) != (n, t):
                     raise ValueError(f"slot {s} is given to tokens {owner[s]} and {(n, t)} (ssm_state_indices)")
-                if s in read and read.index(s) != n:
-                    raise ValueError(f"slot {s} is written by row {n}'s token {t} and read by row {read.index(s)} "
+                if reader(s, n) is not None:
+                    raise ValueError(f"slot {s} is written by row {n}'s token {t} and read by row {reader(s, n)} "
                                      f"(ssm_state_indices, initial_state_indices)")
         return read, [-1] * len(read), [r if read[n] >= 0 else [-1] * len(r) for n, r in enumerate(tokens)]
     read = _one_slot_each("initial_state_indices", initial_state_indices, rows, 0, "negative: a padded row", "rows",
@@ -1317,11 +1318,22 @@ def flashinfer_decode_slots(initial_state_indices, output_state_indices, rows: i
     dest = _one_slot_each("output_state_indices", output_state_indices, rows, 0, "negative: no write back", "rows",
                           writes)
     dest = [d if r >= 0 else -1 for r, d in zip(read, dest)]
+    reader = _other_reader(read)
     for n, d in enumerate(dest if writes else ()):     # a write must not land where another row still reads
-        if d >= 0 and d in read and read.index(d) != n:
-            raise ValueError(f"slot {d} is written by row {n} (output_state_indices) and read by row {read.index(d)} "
+        if d >= 0 and reader(d, n) is not None:
+            raise ValueError(f"slot {d} is written by row {n} (output_state_indices) and read by row {reader(d, n)} "
                              f"(initial_state_indices)")
     return read, dest, None
+
+
+def _other_reader(read: List[int]) -> Callable[[int, int], Optional[int]]:
+    """reader(slot, n): the first row other than n whose read slot is ``slot`` (None if none), from the rows' read
+    slots (negative: a padded row, reads nothing). Several rows may read one slot when none of them writes it."""
+    rows_of: dict = {}
+    for m, r in enumerate(read):
+        if r >= 0:
+            rows_of.setdefault(r, []).append(m)
+    return lambda slot, n: next((m for m in rows_of.get(slot, ()) if m != n), None)
 
 
 def flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every: int, rows: int) -> List[int]:

@@ -314,6 +314,8 @@ def test_decode_k_major_takes_one_token():
     pytest.param(dict(out_idx=[2, 3, -1, 9]), r"output_state_indices\[3\] = 9 is outside", id="write-past-pool"),
     pytest.param(dict(out_idx=[2, 3, 4, 8]), r"slot 4 is written by row 2 \(output_state_indices\) and read by row 0",
                  id="write-where-another-reads"),
+    pytest.param(dict(idx=[4, -1, 4, 7], out_idx=[4, 3, 2, 8]),          # rows 0 and 2 read slot 4, row 0 writes it
+                 r"slot 4 is written by row 0 \(output_state_indices\) and read by row 2", id="write-where-two-read"),
     pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [1, 2], [3, 9], [6, 8]]),
                  r"ssm_state_indices\[2, 1\] = 9 is outside", id="token-slot-past-pool"),
     pytest.param(dict(fn="mtp", T=2, out_idx=None, ssm=[[1, 2], [3, 5], [6, 2], [8, 3]]),
