@@ -74,26 +74,12 @@ def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "c
 
 
 def prefill_rows() -> list:
-    import triton
-    from benchmarks.bench_prefill import chunk_flops
-    from benchmarks.bench_vllm import chunk_mixes
-    out = []
-    for name, lens in chunk_mixes() + (("1 x 16384", [16384]),):
-        T = sum(lens)
-        base = None
-        for what, impl in (("fast", "fast.flashinfer_ops (nothing read back)"),
-                           ("ckpt", "fast.flashinfer_ops, checkpoints every 1024 tokens"),
-                           ("fla", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")):
-            call = prefill_call(lens, what)
-            if call is None:
-                continue
-            us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
-            base = us if base is None else base
-            out.append(dict(what=f"prefill {name}", N=T, impl=impl, us=us, TFLOPs=chunk_flops(T) / us / 1e6,
-                            vs_fast=None if what == "fast" else us / base))
-            del call
-        torch.cuda.empty_cache()
-    return out
+    from benchmarks.bench_vllm import chunk_mixes, mix_rows
+    return mix_rows("prefill", chunk_mixes() + (("1 x 16384", [16384]),),
+                    (("fast", "fast.flashinfer_ops (nothing read back)"),
+                     ("ckpt", "fast.flashinfer_ops, checkpoints every 1024 tokens"),
+                     ("fla", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")),
+                    prefill_call)
 
 
 def decode_call(N: int, seed: int = 0, pool_dtype: torch.dtype = torch.float32, verify_k: int = 0,

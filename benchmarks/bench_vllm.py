@@ -450,26 +450,35 @@ def chunk_call(lens: list, what: str = "op", seed: int = 0, device: str = "cuda"
     return call
 
 
-def chunk_rows(mixes=None) -> list:
+def mix_rows(label: str, mixes, impls, call_of) -> list:
+    """Eager prefill rows over request mixes (do_bench of the call, host included; TFLOP/s by
+    benchmarks.bench_prefill.chunk_flops): for each (name, lengths) of mixes and each (what, impl) of impls, the call
+    call_of(lengths, what) (None: skipped), vs_fast against the mix's first row."""
     import triton
     from benchmarks.bench_prefill import chunk_flops
     out = []
-    for name, lens in mixes or chunk_mixes():
+    for name, lens in mixes:
         T = sum(lens)
         base = None
-        for what, impl in (("op", "fast.vllm_ops (nothing read back)"),
-                           ("checked", "fast.vllm_ops, check_values=True (reads the offsets)"),
-                           ("fla", "fla 0.6.0, cu_seqlens"), ("fla-cpu", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")):
-            call = chunk_call(lens, what)
+        for what, impl in impls:
+            call = call_of(lens, what)
             if call is None:
                 continue
             us = triton.testing.do_bench(call, warmup=25, rep=200) * 1e3
+            out.append(dict(what=f"{label} {name}", N=T, impl=impl, us=us, TFLOPs=chunk_flops(T) / us / 1e6,
+                            vs_fast=None if base is None else us / base))
             base = us if base is None else base
-            out.append(dict(what=f"chunk {name}", N=T, impl=impl, us=us, TFLOPs=chunk_flops(T) / us / 1e6,
-                            vs_fast=None if what == "op" else us / base))
             del call
         torch.cuda.empty_cache()
     return out
+
+
+def chunk_rows(mixes=None) -> list:
+    return mix_rows("chunk", mixes or chunk_mixes(),
+                    (("op", "fast.vllm_ops (nothing read back)"),
+                     ("checked", "fast.vllm_ops, check_values=True (reads the offsets)"),
+                     ("fla", "fla 0.6.0, cu_seqlens"), ("fla-cpu", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")),
+                    chunk_call)
 
 
 def main(argv=None):
