@@ -154,7 +154,7 @@ def decode_launch_args(q, k, v, states, A_log, a, b, dt_bias, use_qk_l2norm, ini
         # unless disable_state_update
         hs = buf.flatten(0, 1).transpose(-1, -2)
         write = WRITE_EACH_SLOT if disable_state_update else WRITE_EACH_SLOT_AND_FINAL
-    final_idx = output_state_indices if write in (WRITE_FINAL, WRITE_EACH_SLOT_AND_FINAL) else None   # None: read slot
+    final_idx = _widx(None, output_state_indices, disable_state_update)                            # None: read slot
     pos = (_unit_last(q), _unit_last(k), _unit_last(v), a, b, pool, o, hs)
     kw = dict(H=H, L=buf.shape[1] if buf is not None else 1, write=write, l2norm=use_qk_l2norm,
               idx=initial_state_indices, A_log=A_log, dt_bias=dt_bias, cache=buf is not None, gate=True,
@@ -184,10 +184,17 @@ def _serve(p, tensors: tuple, scale, disable_state_update: bool, vk: bool) -> tu
     q, k, v, a, b, states, idx, out_idx, buf, A_log, dt_bias, tokens = tensors
     pool = states.transpose(-1, -2) if vk else states
     cache = None if buf is None else buf.flatten(0, 1).transpose(-1, -2)
-    # the kernel's widx: the per-token rows, else the final state's rows (unless nothing is written back)
-    widx = tokens if tokens is not None else None if disable_state_update else out_idx
-    o, _ = p.serve(q, k, v, a, b, pool, None, idx, None, A_log, dt_bias, scale, cache, widx)
+    o, _ = p.serve(q, k, v, a, b, pool, None, idx, None, A_log, dt_bias, scale, cache,
+                   _widx(tokens, out_idx, disable_state_update))
     return o, states
+
+
+def _widx(ssm_state_indices, output_state_indices, disable_state_update: bool):
+    """The rows recurrent_slots_kernel's widx holds for a decode call: the per-token pool rows (WIDX 3), else the final
+    state's rows (FINAL_IDX) unless nothing is written back; None: no widx (the final state to its read slot)."""
+    if ssm_state_indices is not None:
+        return ssm_state_indices
+    return None if disable_state_update else output_state_indices
 
 
 def _decode_launch(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
