@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 10:24: FlashInfer's GDN API at
-#     its final kernels: the full conformance of its two ops and bench_flashinfer's tables)
+#   pending (not in all): what a session wrote without running it on a GPU (nothing owed since 2026-11-29 13:40; kept
+#     as the FlashInfer API's pass: its tests, the full conformance of its two ops and bench_flashinfer's tables)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
