@@ -4,8 +4,10 @@
 log, the states [N, H, V, K] read and written through their [.., K, V] views, the chunk tables built on the device (no
 host read: the call can be captured). ``gated_delta_rule_decode_pretranspose`` / ``gated_delta_rule_decode`` /
 ``gated_delta_rule_mtp``: vLLM's serving recurrent kernel (fast.chunk.recurrent.recurrent_slots_kernel) with the gates
-formed in it, the states read and written through their strides, one launch. Where FlashInfer needs sm_90 or newer,
-these run on any GPU Triton supports.
+formed in it, the states read and written through their strides, one launch. ``chunk_gated_delta_rule_paged`` /
+``gated_delta_rule_decode_paged`` (FlashInfer's paged state cache): the chunked forward on a chunk-aligned copy of the
+tokens with every page boundary stored by the state pass, and the decode kernel on the page table's rows. Where
+FlashInfer needs sm_90 or newer, these run on any GPU Triton supports.
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import refgdn.flashinfer_ops as _ref
 from refgdn.checks import (check_cu_seqlens_values, check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint,
                            check_flashinfer_prefill_inputs, flashinfer_checkpoint_rows, flashinfer_decode_slots,
                            one_host_read_scope)
-from refgdn.flashinfer_ops import _tokens, gqa_to_gva, mtp_update_flag, prefill_scale
+from refgdn.checks import check_flashinfer_paged_decode_inputs, flashinfer_paged_rows
+from refgdn.flashinfer_ops import (GDNPagedDecodeSlots, GDNPagedPrefillSlots, _same_slots, _tokens,  # noqa: F401
+                                   check_paged_prefill, gdn_paged_decode_slots, gdn_paged_prefill_slots, gqa_to_gva,
+                                   mtp_update_flag, paged_disjoint, paged_gates, prefill_scale)
 
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
@@ -26,7 +31,8 @@ from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
 from .vllm_ops import _SlotsOpPlan
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
-           "gated_delta_rule_mtp"]
+           "gated_delta_rule_mtp", "chunk_gated_delta_rule_paged", "gated_delta_rule_decode_paged",
+           "gdn_paged_prefill_slots", "gdn_paged_decode_slots", "GDNPagedPrefillSlots", "GDNPagedDecodeSlots"]
 
 # the decay's log for an alpha of 0 (or below float32's smallest positive value): exp(-104) is 0 in float32, and a
 # finite floor keeps the chunk's cumulative sums finite (-inf - -inf would be NaN). Within a chunk the sums then reach
@@ -300,3 +306,128 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
     return _decode_launch(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                           initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, True,
                           check_values, key, tensors, ssm_state_indices)
+
+
+# ----------------------------------------------------------------------------------------------
+# flashinfer.gdn_paged (refgdn.flashinfer_ops for the semantics; the slots functions are refgdn's: device ops)
+# ----------------------------------------------------------------------------------------------
+
+def paged_layout(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, T: int) -> tuple:
+    """The chunk-aligned token layout of a paged prefill: sequence n's new tokens preceded by pad_n = prefix_n mod 64
+    rows, so its chunks start at multiples of 64 of its whole history and every page boundary (a multiple of
+    page_size, itself of 64) is a chunk boundary. -> (cu [N+1] of the padded layout (cu_seqlens' dtype), dest [T]
+    int64: each token's padded row, Tp = T + 63 N rows: a bound known on the host). Built on the device from any
+    values (offsets clamped into [0, T], rows within Tp): nothing read back."""
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long().clamp(0, T)
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    pad = torch.where(lens > 0, prefix_lens.long() % 64, 0)                    # [N] in [0, 63]
+    cpad = pad.cumsum(0)
+    cu_p = torch.cat([cu[:1] * 0, cu[1:] + cpad]).to(cu_seqlens.dtype)
+    t = torch.arange(T, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(N - 1, 0))
+    return cu_p, t + cpad[seq], T + 63 * N
+
+
+def _aligned(x: torch.Tensor, dest: torch.Tensor, Tp: int) -> torch.Tensor:
+    """x [T, ...] at rows dest of a zero [Tp, ...] tensor: the padded rows are zero tokens."""
+    return x.new_zeros((Tp,) + tuple(x.shape[1:])).index_copy_(0, dest, x)
+
+
+def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_seqlens, state_pool, page_indices,
+                                 page_indptr, page_size, last_page_len, use_qk_l2norm_in_kernel=False, output=None,
+                                 gate_domain="linear", use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                 beta_is_logit=False, slots=None, check_values: bool = False):
+    """FlashInfer's prefill on a paged state cache (refgdn.flashinfer_ops.chunk_gated_delta_rule_paged's twin).
+
+    q: [T, Hq, K]   k: [T, Hk, K]   v: [T, Hv, V]   g, beta: [T, sab]   cu_seqlens: [N+1] int
+    state_pool: [P, sab, V, K]   page_indices: [total_pages] int   page_indptr: [N+1] int   last_page_len: [N] int
+    -> output [T, sab, V]
+
+        S <- exp(log g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = page^T)
+
+    How: the pool rows from the page table on the device (gdn_paged_prefill_slots, or the slots given); the tokens
+    copied into a chunk-aligned layout (paged_layout: each sequence's prefix mod 64 zero rows in front, whose beta = 0
+    and decay 1 leave the state as it is, so chunks and page boundaries line up); the chunked forward from the page
+    holding the last prefix token (the state pass's H0_SLOTS), every crossed page boundary stored by the state pass
+    (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS); o gathered back. Nothing is read back unless
+    check_values=True (cu_seqlens and the page table's values checked: refgdn's rules); unchecked values stay
+    memory-safe (rows outside the pool are not written). The gates are formed in float32 (alpha = 0: the decay's log
+    floored at LOG_DECAY_FLOOR). float64 runs refgdn.
+    """
+    N, sab, P = check_paged_prefill(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr,
+                                    page_size, last_page_len, use_qk_l2norm_in_kernel, output, gate_domain,
+                                    use_gate_in_kernel, A_log, dt_bias, beta_is_logit, slots, offset_values=False)
+    paged_disjoint(output, state_pool, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                                        ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
+                                        ("page_indices", page_indices), ("page_indptr", page_indptr),
+                                        ("last_page_len", last_page_len)))
+    from . import library
+    if _is_fp64(q, g, beta, A_log, dt_bias, state_pool) or library.wants_graph(q, k, v, g, beta, A_log, dt_bias):
+        return _ref.chunk_gated_delta_rule_paged(
+            q, k, v, g, beta, scale, cu_seqlens=cu_seqlens, state_pool=state_pool, page_indices=page_indices,
+            page_indptr=page_indptr, page_size=page_size, last_page_len=last_page_len,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output=output, gate_domain=gate_domain,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, beta_is_logit=beta_is_logit,
+            slots=slots)
+    T, _, K = q.shape
+    _check_fast_limits(K, v.shape[2], 64)
+    if check_values:
+        with one_host_read_scope():
+            check_cu_seqlens_values(cu_seqlens, T)
+            cu = cu_seqlens.tolist()
+            flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size, P,
+                                  [cu[n + 1] - cu[n] for n in range(N)])
+            if slots is not None:
+                _same_slots(slots, gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size,
+                                                           last_page_len), "chunk_gated_delta_rule_paged")
+    if slots is None:
+        slots = gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len)
+    dev = q.device
+    log_g, beta = paged_gates(g, beta, T, sab, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit,
+                              torch.float32, dev, log_floor=LOG_DECAY_FLOOR)
+    cu_p, dest, Tp = paged_layout(cu_seqlens, slots.prefix_lens, T)
+    q, k, v = gqa_to_gva(q, k, v)
+    q, k, v, log_g, beta = (_aligned(x, dest, Tp) for x in (q, k, v, log_g, beta))
+    # the state pass's per-sequence rows: [N, 2] (write: the last page unless the sequence is empty; read), and its
+    # paged checkpoints [N, 3]: (the first boundary, in chunks of the aligned layout; its page-table entry; the last
+    # page's entry, which the final state takes)
+    cu = cu_seqlens.long()
+    some = cu[1:] > cu[:-1]
+    slot_rows = torch.stack([torch.where(some, slots.output_state_indices.long(), -1),
+                             slots.state_indices.long()], 1).to(torch.int32)
+    prefix = slots.prefix_lens.long()
+    first = (torch.div(prefix, page_size, rounding_mode="floor") + 1) * page_size - (prefix - prefix % 64)
+    table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
+                         page_indptr.long()[1:] - 1], 1).to(torch.int32)
+    pool = state_pool.transpose(-1, -2)                                                # [P, sab, K, V] view
+    o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True, cu_p,
+                      use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
+                      checkpoints=(pool, table, page_size // 64, page_indices))
+    o = o[0].index_select(0, dest)                                                     # [T, sab, V]
+    return output.copy_(o) if output is not None else o
+
+
+def gated_delta_rule_decode_paged(q, k, v, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
+                                  state_pool, page_indices, page_indptr, last_page_len, backend="auto", slots=None,
+                                  check_values: bool = False):
+    """FlashInfer's decode on a paged state cache (refgdn.flashinfer_ops.gated_delta_rule_decode_paged's twin): the
+    page table's rows formed on the device (gdn_paged_decode_slots, or the slots given), then
+    gated_delta_rule_decode_pretranspose's kernel on the pool with them (read: the last page or the one before;
+    write: the last page). -> output [B, 1, HV, V]. Values checked only with check_values=True (a host read)."""
+    check_flashinfer_paged_decode_inputs(q, k, v, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, state_pool,
+                                         page_indices, page_indptr, last_page_len, backend, slots)
+    paged_disjoint(output, state_pool, (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
+                                        ("dt_bias", dt_bias), ("page_indices", page_indices),
+                                        ("page_indptr", page_indptr), ("last_page_len", last_page_len)))
+    if check_values:
+        with one_host_read_scope():
+            flashinfer_paged_rows(page_indices, page_indptr, last_page_len, None, state_pool.shape[0])
+            if slots is not None:
+                _same_slots(slots, gdn_paged_decode_slots(page_indices, page_indptr, last_page_len),
+                            "gated_delta_rule_decode_paged")
+    if slots is None:
+        slots = gdn_paged_decode_slots(page_indices, page_indptr, last_page_len)
+    o, _ = _decode_launch(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, state_pool,
+                          slots.initial_state_indices, slots.output_state_indices, None, False, True, False)
+    return o

@@ -403,8 +403,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     1 / 2: beta holds logits the kernels take (gdn_prefill's raw b, with fla's keywords at their defaults;
     chunk_gated_delta_rule_fwd's beta_logits). device_tables: every kernel's tables built on the device
     (chunk_gated_delta_rule_fwd's offsets_on_device: vLLM's chunk op), one chunk_table_kernel launch for all.
-    checkpoints: (ck, starts) tensors of chunk_gated_delta_rule_fwd's checkpoints (FlashInfer's; the state pass's
-    CKPT; not pipelined), else None."""
+    checkpoints: (ck, starts[, every, page ids]) tensors of chunk_gated_delta_rule_fwd's checkpoints (FlashInfer's;
+    the state pass's CKPT, with page ids its CK_PAGED; not pipelined), else None."""
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
@@ -472,10 +472,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  PREFETCH_BETA=_chunk.state_prefetch_beta(fused, varlen, beta.dtype, l2 and fused),
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits,
-                 VN_SPLIT=False, CKPT=checkpoints is not None),     # (VN_SPLIT: the backward's recompute only)
+                 VN_SPLIT=False, CKPT=checkpoints is not None,      # (VN_SPLIT: the backward's recompute only)
+                 CK_PAGED=checkpoints is not None and len(checkpoints) > 3),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
                  ck=_dt(checkpoints[0]) if checkpoints else None,
                  ck_starts=_dt(checkpoints[1]) if checkpoints else None,
+                 ck_idx=_dt(checkpoints[3]) if checkpoints and len(checkpoints) > 3 else None,
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
                  **hv_new, **wy, **qo),

@@ -1351,3 +1351,133 @@ def flashinfer_checkpoint_rows(cu_seqlens, checkpoint_cu_starts, every: int, row
     if starts[-1] > rows:
         raise ValueError(f"checkpoint_cu_starts ends at {starts[-1]}, past state_checkpoints' {rows} rows")
     return starts[:-1]
+
+
+def check_flashinfer_page_table(page_indices, page_indptr, last_page_len, page_size, N: int, device) -> None:
+    """FlashInfer's paged recurrent-state table (flashinfer.gdn_paged): page_indices [total_pages] int (page ids),
+    page_indptr [N+1] int (sequence b owns page_indices[page_indptr[b]:page_indptr[b + 1]]), last_page_len [N] int,
+    page_size a positive multiple of the chunk 64 (so a page boundary is a chunk boundary of an aligned grid; None:
+    the decode, which takes no page size)."""
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral)
+                                  or page_size < 64 or page_size % 64):
+        raise ValueError(f"page_size must be a positive multiple of the chunk size 64, got {page_size!r}")
+    _need_tensor("page_indices", page_indices, 1)
+    if page_indices.dtype not in INT_DTYPES:
+        raise ValueError(f"page_indices must be int32 or int64, got {page_indices.dtype}")
+    _need_device("page_indices", page_indices, device)
+    check_index_vector("page_indptr", page_indptr, N + 1, device)
+    check_index_vector("last_page_len", last_page_len, N, device)
+
+
+def check_flashinfer_paged_pool(state_pool, sab: int, V: int, K: int, device) -> int:
+    """state_pool [num_pages >= 1, num_sab_heads, V, K] floating (FlashInfer's V-major state per page); returns
+    num_pages."""
+    _need_tensor("state_pool", state_pool, 4)
+    if tuple(state_pool.shape[1:]) != (sab, V, K) or state_pool.shape[0] < 1:
+        raise ValueError(f"state_pool must be [num_pages >= 1, num_sab_heads, V, K] = [P, {sab}, {V}, {K}], got "
+                         f"{_shape(state_pool)}")
+    _need_float("state_pool", state_pool)
+    _need_device("state_pool", state_pool, device)
+    return state_pool.shape[0]
+
+
+def flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size: Optional[int], num_pages: int,
+                          new_lens: Optional[List[int]] = None) -> List[tuple]:
+    """The pool rows of a paged prefill (new_lens: each sequence's new token count) or decode (None: one new token
+    each; page_size None: the decode's last_page_len is only known to be >= 1), from the values (host reads). Per sequence: (read page or -1, [written pages, in token order: each page
+    boundary the new tokens cross, then the last page], prefix length); a sequence without pages is a padded row
+    ((-1, [], 0); in a prefill only with no new tokens). ValueError naming the entry for: page_indptr not
+    non-decreasing within page_indices, a last_page_len outside [1, page_size], fewer tokens than new ones, a page id
+    outside [0, num_pages), a page written twice, or a page written by one sequence and read by another."""
+    ptr, last, ids = page_indptr.tolist(), last_page_len.tolist(), page_indices.tolist()   # host reads: value checks
+    N = len(last)
+    if ptr[0] < 0 or any(ptr[b + 1] < ptr[b] for b in range(N)) or ptr[N] > len(ids):
+        raise ValueError(f"page_indptr must be non-decreasing within page_indices' {len(ids)} entries, got {ptr}")
+    out = []
+    for b in range(N):
+        pages, new = ids[ptr[b]:ptr[b + 1]], 1 if new_lens is None else new_lens[b]
+        if not pages:
+            if new:
+                raise ValueError(f"sequence {b} has {new} new tokens but no pages (page_indptr[{b}] = "
+                                 f"page_indptr[{b + 1}] = {ptr[b]})")
+            out.append((-1, [], 0))
+            continue
+        if last[b] < 1 or (page_size is not None and last[b] > page_size):
+            raise ValueError(f"last_page_len[{b}] = {last[b]} is outside [1, page_size = {page_size}]")
+        for j, p in enumerate(pages):
+            if not 0 <= p < num_pages:
+                raise ValueError(f"page_indices[{ptr[b] + j}] = {p} (sequence {b}) is outside the pool's "
+                                 f"{num_pages} pages")
+        if page_size is None:                  # the decode: the last page, or the one before when the token opens it
+            if len(pages) == 1 and last[b] == 1:
+                raise ValueError(f"sequence {b}: a decoded token needs a prefix (its pages hold 1 token: the "
+                                 f"sequence's first token goes through the prefill)")
+            out.append((pages[-2] if last[b] == 1 else pages[-1], [pages[-1]], -1))
+            continue
+        total = (len(pages) - 1) * page_size + last[b]
+        prefix = total - new
+        if prefix < 0:
+            raise ValueError(f"sequence {b} has {new} new tokens but its pages hold {total} tokens "
+                             f"((num_pages - 1) * page_size + last_page_len)")
+        read = pages[(prefix - 1) // page_size] if prefix else -1
+        writes = [pages[m // page_size - 1] for m in range((prefix // page_size + 1) * page_size, total, page_size)]
+        out.append((read, (writes + [pages[-1]]) if new else [], prefix))
+    owner = {}
+    for b, (_, writes, _) in enumerate(out):
+        for p in writes:
+            if owner.setdefault(p, b) != b or writes.count(p) > 1:
+                raise ValueError(f"page {p} is written twice (sequences {owner[p]} and {b}): a written page must "
+                                 f"belong to one sequence, once")
+    for b, (read, _, _) in enumerate(out):
+        if read >= 0 and owner.get(read, b) != b:
+            raise ValueError(f"page {read} is read by sequence {b} and written by sequence {owner[read]}")
+    return out
+
+
+def check_flashinfer_paged_gates(g, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit, sab: int,
+                                 device) -> None:
+    """The gate arguments of FlashInfer's paged prefill: gate_domain "linear" (g is the decay alpha) or "log" (g is
+    its log); use_gate_in_kernel=True: g holds the raw projection a, with A_log and dt_bias [num_sab_heads] floating
+    (both None otherwise); beta_is_logit a bool."""
+    if gate_domain not in ("linear", "log"):
+        raise ValueError(f"gate_domain must be 'linear' (g is the decay) or 'log' (g is its log), got {gate_domain!r}")
+    _need_bool("use_gate_in_kernel", use_gate_in_kernel)
+    _need_bool("beta_is_logit", beta_is_logit)
+    if use_gate_in_kernel:
+        if g is None:
+            raise ValueError("use_gate_in_kernel=True forms the decay from g (the raw projection a): g must be given")
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            check_float_param(name, t, (sab,), "[num_sab_heads]", device)
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are read only with use_gate_in_kernel=True")
+
+
+def check_flashinfer_paged_slots(slots, names: Tuple[str, ...], N: int, device) -> None:
+    """slots (GDNPagedPrefillSlots / GDNPagedDecodeSlots, or None): its ``names`` fields, each an int tensor [N]."""
+    if slots is None:
+        return
+    for name in names:
+        check_index_vector(f"slots.{name}", getattr(slots, name, None), N, device)
+
+
+def check_flashinfer_paged_decode_inputs(q, k, v, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, state_pool,
+                                         page_indices, page_indptr, last_page_len, backend, slots) -> int:
+    """Validate FlashInfer's gated_delta_rule_decode_paged arguments (flashinfer.gdn_paged); return B.
+    q, k: [B, 1, H, K]   v: [B, 1, HV, V]   a, b: [B, 1, HV]   A_log, dt_bias: [HV]   state_pool: [P, HV, V, K]
+    page table: check_flashinfer_page_table (no page size)   backend: one of FlashInfer's names (no effect here)."""
+    if backend not in ("auto", "flashinfer", "cake_gdn", "rubin"):
+        raise ValueError(f"backend must be 'auto', 'flashinfer', 'cake_gdn' or 'rubin' (FlashInfer's; none changes "
+                         f"the result here), got {backend!r}")
+    _need_tensor("q", q, 4)
+    _need_tensor("v", v, 4)
+    B, T, _, K = q.shape
+    if T != 1:
+        raise ValueError(f"gated_delta_rule_decode_paged takes one token per sequence (q [B, 1, H, K]), got T={T}")
+    check_flashinfer_paged_pool(state_pool, v.shape[2], v.shape[3], K, q.device)
+    check_flashinfer_page_table(page_indices, page_indptr, last_page_len, None, B, q.device)
+    # the pool as the decode's initial_state (checked above under its own name), last_page_len standing for the
+    # [B] indices it needs
+    check_flashinfer_decode_inputs(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, state_pool,
+                                   last_page_len, None, None, False)
+    check_flashinfer_paged_slots(slots, ("initial_state_indices", "output_state_indices"), B, q.device)
+    return B

@@ -4,7 +4,10 @@
 forget gate given as the decay itself (alpha = exp(g)), states [N, H, V, K] float32, GQA or GVA heads.
 ``gated_delta_rule_decode_pretranspose``, ``gated_delta_rule_decode`` and ``gated_delta_rule_mtp``
 (``flashinfer.gdn_decode``): decode and MTP verify with the gates formed from the raw projections, the states a
-per-batch tensor or a pool of slots, written in place. So FlashInfer's imports of these names become
+per-batch tensor or a pool of slots, written in place. ``chunk_gated_delta_rule_paged`` / ``gated_delta_rule_decode_paged``
+with ``gdn_paged_prefill_slots`` / ``gdn_paged_decode_slots`` (``flashinfer.gdn_paged``): prefill and decode on a paged
+recurrent-state cache, page j of a sequence holding the state after its last token, so a request sharing a full-page
+prefix with an earlier one starts from the last shared page (prefix caching). So FlashInfer's imports of these names become
 ``from refgdn.flashinfer_ops import ...`` (the oracle, any device) or ``from fast.flashinfer_ops import ...`` (Triton:
 any GPU Triton runs on, where FlashInfer's kernels need sm_90 or newer). Both packages' functions have one signature.
 
@@ -16,14 +19,18 @@ import warnings
 
 import torch
 
-from .checks import (check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint,
-                     check_flashinfer_prefill_inputs, flashinfer_checkpoint_rows, flashinfer_decode_slots,
-                     host_offsets, one_host_read)
+from typing import NamedTuple, Optional
+
+from .checks import (check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint, check_flashinfer_page_table,
+                     check_flashinfer_paged_decode_inputs, check_flashinfer_paged_gates, check_flashinfer_paged_pool,
+                     check_flashinfer_paged_slots, check_flashinfer_prefill_inputs, check_index_vector, flashinfer_checkpoint_rows, flashinfer_decode_slots, flashinfer_paged_rows,
+                     host_offsets, need_disjoint, one_host_read)
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import softplus as _softplus
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
-           "gated_delta_rule_mtp"]
+           "gated_delta_rule_mtp", "chunk_gated_delta_rule_paged", "gated_delta_rule_decode_paged",
+           "gdn_paged_prefill_slots", "gdn_paged_decode_slots", "GDNPagedPrefillSlots", "GDNPagedDecodeSlots"]
 
 
 def gqa_to_gva(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -242,3 +249,222 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
     return _decode_call(q, k, v, None, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                         initial_state_indices, output_state_indices, intermediate_states_buffer, frozen, vk=True,
                         ssm_state_indices=ssm_state_indices)
+
+
+# ----------------------------------------------------------------------------------------------
+# flashinfer.gdn_paged: the state cache in pages (prefix caching)
+# ----------------------------------------------------------------------------------------------
+
+class GDNPagedPrefillSlots(NamedTuple):
+    """Per-sequence pool rows of a paged prefill, all [N] int32 (gdn_paged_prefill_slots; FlashInfer's fields)."""
+    state_indices: torch.Tensor          # page holding the last prefix token, read as the initial state (-1: none)
+    output_state_indices: torch.Tensor   # the last page, written with the final state (-1: a padded sequence)
+    checkpoint_cu_starts: torch.Tensor   # page_indices entry of the first page boundary the new tokens cross
+    prefix_lens: torch.Tensor            # tokens before the new ones
+
+
+class GDNPagedDecodeSlots(NamedTuple):
+    """Per-sequence pool rows of a paged decode, both [B] int32 (gdn_paged_decode_slots; FlashInfer's fields)."""
+    initial_state_indices: torch.Tensor  # the page read: the previous one when the token opens a new page
+    output_state_indices: torch.Tensor   # the last page, written with the state after the token
+
+
+def _page_at(page_indices: torch.Tensor, entry: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """page_indices[entry] where ok, else -1 (int64; entries clamped into the table: safe for any values)."""
+    if page_indices.numel() == 0:
+        return torch.full_like(entry, -1)
+    return torch.where(ok, page_indices.long()[entry.clamp(0, page_indices.numel() - 1)], -1)
+
+
+def _need_offsets(name: str, t) -> None:
+    """t: an int tensor [n+1], n >= 0 (the length the other arguments are checked against)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D int tensor [N+1], got {getattr(t, 'shape', type(t).__name__)}")
+    check_index_vector(name, t, t.numel(), t.device)
+
+
+def _page_counts(page_indptr: torch.Tensor) -> tuple:
+    ptr = page_indptr.long()
+    return ptr, ptr[1:] - ptr[:-1]
+
+
+def gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len) -> GDNPagedPrefillSlots:
+    """The pool rows chunk_gated_delta_rule_paged derives from a page table, on the device (no host read: a model may
+    form them once per step and pass them to every layer's call).
+
+    cu_seqlens: [N+1] int   page_indices: [total_pages] int   page_indptr: [N+1] int   last_page_len: [N] int
+    -> GDNPagedPrefillSlots of [N] int32. Sequence b's tokens after the call: (num_pages_b - 1) * page_size +
+    last_page_len[b]; its prefix: those less its new tokens. A sequence without pages is padding (rows -1).
+    """
+    _need_offsets("cu_seqlens", cu_seqlens)
+    check_flashinfer_page_table(page_indices, page_indptr, last_page_len, page_size, cu_seqlens.numel() - 1,
+                                cu_seqlens.device)
+    ptr, pages = _page_counts(page_indptr)
+    cu = cu_seqlens.long()
+    prefix = (pages - 1) * page_size + last_page_len.long() - (cu[1:] - cu[:-1])
+    some = pages > 0
+    prefix = torch.where(some, prefix, 0)
+    read = _page_at(page_indices, ptr[:-1] + torch.div(prefix - 1, page_size, rounding_mode="floor"),
+                    some & (prefix > 0))
+    final = _page_at(page_indices, ptr[1:] - 1, some)
+    starts = ptr[:-1] + torch.div(prefix, page_size, rounding_mode="floor")
+    return GDNPagedPrefillSlots(*(t.to(torch.int32) for t in (read, final, starts, prefix)))
+
+
+def gdn_paged_decode_slots(page_indices, page_indptr, last_page_len) -> GDNPagedDecodeSlots:
+    """The pool rows gated_delta_rule_decode_paged derives from a page table, on the device (no host read).
+
+    page_indices: [total_pages] int   page_indptr: [B+1] int   last_page_len: [B] int   -> GDNPagedDecodeSlots [B]
+    int32: read the last page, or the previous one when the token opens a new page (last_page_len 1); write the last
+    page. A sequence without pages is padding (rows -1).
+    """
+    _need_offsets("page_indptr", page_indptr)
+    check_flashinfer_page_table(page_indices, page_indptr, last_page_len, None, page_indptr.numel() - 1,
+                                page_indptr.device)
+    ptr, pages = _page_counts(page_indptr)
+    write = _page_at(page_indices, ptr[1:] - 1, pages > 0)
+    read = torch.where(last_page_len.long() == 1, _page_at(page_indices, ptr[1:] - 2, pages > 1), write)
+    return GDNPagedDecodeSlots(read.to(torch.int32), write.to(torch.int32))
+
+
+def paged_gates(g, beta, T: int, sab: int, gate_domain: str, use_gate_in_kernel: bool, A_log, dt_bias,
+                beta_is_logit: bool, wide: torch.dtype, device, log_floor: Optional[float] = None) -> tuple:
+    """The paged prefill's gates as the core takes them: (the decay's log, beta), [T, sab] in ``wide``.
+    g None: no decay; use_gate_in_kernel: g is the raw a, log decay = -exp(A_log) softplus(a + dt_bias); gate_domain
+    "log": g is the log; "linear": g is the decay (its log; alpha = 0 gives -inf, or log_floor when given). beta None:
+    ones; beta_is_logit: sigmoid(beta)."""
+    if g is None:
+        log_g = torch.zeros(T, sab, dtype=wide, device=device)
+    elif use_gate_in_kernel:
+        # precision hazard: softplus' exp of a large argument (refgdn's softplus)
+        log_g = -torch.exp(A_log.to(wide)) * _softplus(g.to(wide) + dt_bias.to(wide))
+    elif gate_domain == "log":
+        log_g = g.to(wide)
+    else:
+        log_g = torch.log(g.to(wide))
+        if log_floor is not None:
+            log_g = log_g.clamp_min(log_floor)
+    if beta is None:
+        beta = torch.ones(T, sab, dtype=wide, device=device)
+    else:
+        beta = torch.sigmoid(beta.to(wide)) if beta_is_logit else beta.to(wide)
+    return log_g, beta
+
+
+def check_paged_prefill(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,
+                        last_page_len, use_qk_l2norm_in_kernel, output, gate_domain, use_gate_in_kernel, A_log,
+                        dt_bias, beta_is_logit, slots, offset_values: bool = True) -> tuple:
+    """chunk_gated_delta_rule_paged's shape, dtype and device checks (both packages); -> (N, num_sab_heads, P)."""
+    N, sab = check_flashinfer_prefill_inputs(q, k, v, g, beta, scale, None, False, cu_seqlens,
+                                             use_qk_l2norm_in_kernel, output, None, None, None, 0, False,
+                                             offset_values=offset_values)
+    P = check_flashinfer_paged_pool(state_pool, sab, v.shape[2], q.shape[2], q.device)
+    check_flashinfer_page_table(page_indices, page_indptr, last_page_len, page_size, N, q.device)
+    check_flashinfer_paged_gates(g, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit, sab, q.device)
+    check_flashinfer_paged_slots(slots, GDNPagedPrefillSlots._fields, N, q.device)
+    return N, sab, P
+
+
+def paged_disjoint(output, state_pool, inputs: tuple) -> None:
+    """The paged ops' written tensors (output, the pool) share no byte with the inputs nor with each other."""
+    if output is not None:
+        need_disjoint("output", output, inputs + (("state_pool", state_pool),))
+    need_disjoint("state_pool", state_pool, inputs)
+
+
+def _same_slots(slots, derived, who: str) -> None:
+    """Slots a caller passed must be the ones its page table gives (a host read)."""
+    for name, given, want in zip(type(derived)._fields, slots, derived):
+        if not torch.equal(given.long().cpu(), want.long().cpu()):
+            raise ValueError(f"slots.{name} = {given.tolist()} is not what the page table gives {who} "
+                             f"({want.tolist()})")
+
+
+@one_host_read
+def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_seqlens, state_pool, page_indices,
+                                 page_indptr, page_size, last_page_len, use_qk_l2norm_in_kernel=False, output=None,
+                                 gate_domain="linear", use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                 beta_is_logit=False, slots=None):
+    """FlashInfer's chunked prefill on a paged state cache (flashinfer.gdn_paged), by the time loop.
+
+    q: [T, Hq, K]   k: [T, Hk, K]   v: [T, Hv, V] (packed; GQA or GVA as chunk_gated_delta_rule)   g, beta: [T, sab]
+    cu_seqlens: [N+1] int   state_pool: [P, sab, V, K]   page_indices: [total_pages] int   page_indptr: [N+1] int
+    last_page_len: [N] int   A_log, dt_bias: [sab] (use_gate_in_kernel)   ->   output [T, sab, V] in q's dtype
+
+        S <- exp(log g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = page^T)
+
+    Sequence b's new tokens q[cu_seqlens[b]:cu_seqlens[b + 1]] are the last of its (num_pages_b - 1) * page_size +
+    last_page_len[b] tokens (page_size: a multiple of the chunk 64); the tokens before them are its prefix. The
+    state starts from the page holding the last prefix token (zeros for an empty prefix); the state at every page
+    boundary the new tokens cross goes to the page that ends there, and the final state to the last page. Pages
+    ending at or before the prefix are only read, so a full-page prefix shared with other sequences is never
+    written; a prefix ending inside a page continues that page in place. A sequence without pages (and tokens) is
+    padding. gate_domain "linear": g is the decay (alpha), "log": its log; use_gate_in_kernel: g is the raw a,
+    log decay = -exp(A_log) softplus(a + dt_bias); beta_is_logit: beta = sigmoid(beta); g / beta None: 1. slots
+    (gdn_paged_prefill_slots') must be the page table's. The page table's values are checked (pages in range, none
+    written twice or written by one sequence and read by another). Computed in float32 (float64 when any input or
+    the pool is), o rounded to q's dtype.
+    """
+    N, sab, P = check_paged_prefill(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr,
+                                    page_size, last_page_len, use_qk_l2norm_in_kernel, output, gate_domain,
+                                    use_gate_in_kernel, A_log, dt_bias, beta_is_logit, slots)
+    paged_disjoint(output, state_pool, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                                        ("dt_bias", dt_bias)))
+    offs = host_offsets(cu_seqlens)
+    rows = flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size, P,
+                                 [offs[n + 1] - offs[n] for n in range(N)])
+    if slots is not None:
+        _same_slots(slots, gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len),
+                    "chunk_gated_delta_rule_paged")
+    T, _, K = q.shape
+    wide = torch.float64 if torch.float64 in [t.dtype for t in (q, g, beta, A_log, state_pool) if t is not None] \
+        else torch.float32
+    log_g, beta = paged_gates(g, beta, T, sab, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit, wide,
+                              q.device)
+    q, k, v = gqa_to_gva(q, k, v)
+    o = torch.zeros(T, sab, v.shape[2], dtype=q.dtype, device=q.device)
+    updates = []
+    for n, (read, writes, prefix) in enumerate(rows):
+        lo, L = offs[n], offs[n + 1] - offs[n]
+        s = None if read < 0 else state_pool[read][None].to(wide)                     # [1, sab, V, K]
+        # the new tokens in segments ending at the page boundaries they cross, then at their end
+        ends = [m - prefix for m in range((prefix // page_size + 1) * page_size, prefix + L, page_size)] + [L]
+        start = 0
+        for page, end in zip(writes, ends):
+            seg = slice(lo + start, lo + end)
+            o_s, s = _recurrent(q[None, seg], k[None, seg], v[None, seg], log_g[None, seg], beta[None, seg],
+                                prefill_scale(scale, K), s, True, None, use_qk_l2norm_in_kernel, state_v_first=True)
+            o[seg] = o_s[0].to(q.dtype)
+            updates.append((page, s[0]))
+            start = end
+    for page, s in updates:                                 # after every sequence read its page
+        state_pool[page] = s.to(state_pool.dtype)
+    return output.copy_(o) if output is not None else o
+
+
+@one_host_read
+def gated_delta_rule_decode_paged(q, k, v, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
+                                  state_pool, page_indices, page_indptr, last_page_len, backend="auto", slots=None):
+    """FlashInfer's single-token decode on a paged state cache (flashinfer.gdn_paged).
+
+    q, k: [B, 1, H, K]   v: [B, 1, HV, V]   a, b: [B, 1, HV]   A_log, dt_bias: [HV]   state_pool: [P, HV, V, K]
+    page_indices: [total_pages] int   page_indptr: [B+1] int   last_page_len: [B] int   -> output [B, 1, HV, V]
+
+    gated_delta_rule_decode_pretranspose's update. The decoded token is its sequence's last: it sits at position
+    last_page_len[b] of the last page. When it opens that page (last_page_len 1) the state is read from the previous
+    page, which is left as it was (it may be a shared full page), else from the last page; the state after the token
+    goes to the last page. A sequence without pages is padding (output zeros, nothing read or written); a sequence's
+    first token goes through the prefill (a decode needs a prefix: checked). backend is accepted (FlashInfer's
+    names) and changes nothing. slots (gdn_paged_decode_slots') must be the page table's.
+    """
+    check_flashinfer_paged_decode_inputs(q, k, v, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, state_pool,
+                                             page_indices, page_indptr, last_page_len, backend, slots)
+    paged_disjoint(output, state_pool, (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
+                                        ("dt_bias", dt_bias)))
+    rows = flashinfer_paged_rows(page_indices, page_indptr, last_page_len, None, state_pool.shape[0])
+    if slots is not None:
+        _same_slots(slots, gdn_paged_decode_slots(page_indices, page_indptr, last_page_len),
+                    "gated_delta_rule_decode_paged")
+    read = [r for r, _, _ in rows]
+    write = [w[0] if w else -1 for _, w, _ in rows]
+    return _decode(q, k, v, A_log, a, dt_bias, b, scale, use_qk_l2norm, state_pool, True, read, write, None, output)

@@ -36,7 +36,7 @@ from .recurrent import _masked_by
 @triton.jit(do_not_specialize=["T", "NT", "ck_every", "ck_rows"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
-    cu_seqlens, chunk_offsets, seq_order, slot_rows, ck, ck_starts, T, NT, scale, ck_every, ck_rows,
+    cu_seqlens, chunk_offsets, seq_order, slot_rows, ck, ck_starts, ck_idx, T, NT, scale, ck_every, ck_rows,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     s_0n, s_0h, s_0k, s_0v, s_tn, s_th, s_tk, s_tv, s_cn, s_ch, s_ck, s_cv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -46,7 +46,7 @@ def chunk_state_kernel(
     FROM_A: tl.constexpr = False, OUTPUT: tl.constexpr = False, L2NORM: tl.constexpr = False,
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
     H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False, BETA_LOGITS: tl.constexpr = 0,
-    VN_SPLIT: tl.constexpr = False, CKPT: tl.constexpr = False,
+    VN_SPLIT: tl.constexpr = False, CKPT: tl.constexpr = False, CK_PAGED: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -96,6 +96,10 @@ def chunk_state_kernel(
     CKPT (FlashInfer's state checkpoints, fast.flashinfer_ops): the state after every ck_every-th full chunk of a
     sequence, its j-th such state (j = 0, 1, ...) to row ck_starts[n] + j of ck [ck_rows, HV, K, V] (fp32, any
     strides: s_c*); a row outside [0, ck_rows) is not stored (memory safety for unchecked starts).
+    CK_PAGED (with CKPT; FlashInfer's paged state cache, fast.flashinfer_ops.chunk_gated_delta_rule_paged): ck_starts
+    is an int32 [N, 3] table (first, e0, e1) and ck_idx the page table's page ids: the state after chunk
+    first + j ck_every (j = 0, 1, ...; a page boundary) goes to page ck_idx[e0 + j] while e0 + j < e1 (the pages
+    before the last; the final state goes to the last one through HT_SLOTS).
 
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
@@ -137,6 +141,10 @@ def chunk_state_kernel(
     if FROM_A and PREFETCH_BETA:
         # beta one chunk ahead (docstring): the first chunk's here, the next chunk's rows in each (masked at the end)
         b_beta_next = tl.load(b_base + (bos + o_t).to(tl.int64) * s_bt, mask=bos + o_t < eos, other=0.0)
+    if CK_PAGED:                        # this sequence's first boundary (in chunks) and its page-table entries
+        ck_first = tl.load(ck_starts + i_n * 3)
+        ck_e0 = tl.load(ck_starts + i_n * 3 + 1)
+        ck_e1 = tl.load(ck_starts + i_n * 3 + 2)
     for i_t in range(0, n_chunks):
         rows = bos + i_t * BT + o_t
         m_r = rows < eos
@@ -215,9 +223,19 @@ def chunk_state_kernel(
             done = i_t + 1
             # a branch, not a masked store: the state's conversion to the store's layout (through shared memory) is
             # then paid at the checkpoints only, not in every chunk
-            if (done % ck_every == 0) & (done * BT <= eos - bos):
-                r_ck = tl.load(ck_starts + i_n).to(tl.int64) + done // ck_every - 1
-                ok = (r_ck >= 0) & (r_ck < ck_rows)
+            if CK_PAGED:
+                d_ck = done - ck_first
+                hit = (d_ck >= 0) & (d_ck % ck_every == 0) & (done * BT <= eos - bos)
+            else:
+                hit = (done % ck_every == 0) & (done * BT <= eos - bos)
+            if hit:
+                if CK_PAGED:                  # the page of this boundary, if it is not the last page (or past it)
+                    e_ck = ck_e0 + d_ck // ck_every
+                    in_table = (e_ck >= 0) & (e_ck < ck_e1)
+                    r_ck = tl.load(ck_idx + tl.where(in_table, e_ck, 0), mask=in_table, other=-1).to(tl.int64)
+                else:
+                    r_ck = tl.load(ck_starts + i_n).to(tl.int64) + done // ck_every - 1
+                ok = (r_ck >= 0) & (r_ck < ck_rows)                 # (-1: an entry past the table's)
                 r_ck = tl.where(ok, r_ck, 0)
                 tl.store(ck + r_ck * s_cn + i_h * s_ch + o_k[:, None] * s_ck + o_v[None, :] * s_cv,
                          b_h.to(ck.dtype.element_ty), mask=_masked_by(m_kv, ok))
@@ -332,7 +350,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     fused in (the kernel's OUTPUT): o written, h and v_new (then None) not; qs: q's row scales [B, T, H] fp32
     (output.row_scales; use_qk_l2norm_in_kernel) or None. vn_lo: v_new's low bf16 term (the kernel's VN_SPLIT, the
     backward's bf16x2 recompute; v_new then bf16 and holding the high term), else None. ckpt: (ck [R, HV, K, V]
-    float32 view, starts [N] int, every: chunks between checkpoints) for the kernel's CKPT, else None.
+    float32 view, starts [N] int, every: chunks between checkpoints[, page ids: the kernel's CK_PAGED, starts then
+    its [N, 3] table]) for the kernel's CKPT, else None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
@@ -376,9 +395,11 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         **cfg)
     if vn_lo is not None:
         kw["VN_SPLIT"] = True
-    ck, ck_starts, ck_every = ckpt if ckpt is not None else (None, None, 1)
+    ck, ck_starts, ck_every, ck_idx = (*ckpt, None)[:4] if ckpt is not None else (None, None, 1, None)
     if ckpt is not None:
         kw["CKPT"] = True
+    if ck_idx is not None:
+        kw["CK_PAGED"] = True
     if update_x2 and k.dtype != torch.bfloat16:
         raise ValueError(f"update_x2 splits into bfloat16 terms: k must be bfloat16, got {k.dtype}")
     slot_rows = None
@@ -390,7 +411,7 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
-        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, ck, ck_starts, T, ch.NT, float(scale), int(ck_every),
+        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, ck, ck_starts, ck_idx, T, ch.NT, float(scale), int(ck_every),
         ck.shape[0] if ck is not None else 0,
         *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3], *_state_strides(h0), *_state_strides(ht),
         *_state_strides(ck))
