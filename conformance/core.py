@@ -109,11 +109,12 @@ def evaluate(check: Check) -> dict:
 
 
 def row_checks(what: str, before: torch.Tensor, fast: torch.Tensor, truth: torch.Tensor, ref: torch.Tensor,
-               written: str = "written", untouched: str = "untouched") -> list:
-    """The rows (dim 0) of a state pool or cache an op writes in place, by the rule (in the rows' own dtype); every
-    other row exact. Which rows are written: those where refgdn_p's result differs from ``before``."""
+               written: str = "written", untouched: str = "untouched", dtype: Optional[torch.dtype] = None) -> list:
+    """The rows (dim 0) of a state pool or cache an op writes in place, by the rule (the floor of ``dtype``, default
+    the rows' own: a chunked prefill's states carry its inputs' precision); every other row exact. Which rows are
+    written: those where refgdn_p's result differs from ``before``."""
     moved = [i for i in range(before.shape[0]) if not torch.equal(ref[i], before[i])]
     still = [i for i in range(before.shape[0]) if i not in moved]
-    return [Check(f"{written} {what}", fast[moved], truth[moved], ref[moved], dtype=before.dtype),
+    return [Check(f"{written} {what}", fast[moved], truth[moved], ref[moved], dtype=dtype or before.dtype),
             Check(f"{untouched} {what}", fast[still], before[still], exact=True)]
 

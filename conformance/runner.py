@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 CASE_MODULES = ("conformance.cases_prefill", "conformance.cases_serving", "conformance.cases_grad",
                 "conformance.cases_model", "conformance.cases_vllm", "conformance.cases_sglang",
-                "conformance.cases_flashinfer")
+                "conformance.cases_flashinfer", "conformance.cases_flashinfer_paged")
 OPTIONAL_MODULES = ("conformance.cases_serving",)
 
 

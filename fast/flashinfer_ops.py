@@ -28,6 +28,7 @@ from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
 from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
+from .serving import prefill_update_x2
 from .vllm_ops import _SlotsOpPlan
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose", "gated_delta_rule_decode",
@@ -401,9 +402,10 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
     table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
                          page_indptr.long()[1:] - 1], 1).to(torch.int32)
     pool = state_pool.transpose(-1, -2)                                                # [P, sab, K, V] view
+    # the pages outlive the call, as gdn_prefill's cache: bf16's state update in two terms (fast.serving's rule)
     o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True, cu_p,
                       use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
-                      checkpoints=(pool, table, page_size // 64, page_indices))
+                      update_x2=prefill_update_x2(k.dtype), checkpoints=(pool, table, page_size // 64, page_indices))
     o = o[0].index_select(0, dest)                                                     # [T, sab, V]
     return output.copy_(o) if output is not None else o
 

@@ -822,6 +822,38 @@ def _fi_gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_lo
                       output_state_indices, intermediate_states_buffer, frozen, True, ssm_state_indices)
 
 
+def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_seqlens, state_pool, page_indices,
+                                     page_indptr, page_size, last_page_len, use_qk_l2norm_in_kernel=False,
+                                     output=None, gate_domain="linear", use_gate_in_kernel=False, A_log=None,
+                                     dt_bias=None, beta_is_logit=False, slots=None,
+                                     check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.chunk_gated_delta_rule_paged: the chunked forward on the chunk-aligned copy (T +
+    63 N rows; float32 gates) from and into the pool's [K, V] view at slot rows, with the paged checkpoints
+    (float64: refgdn, none)."""
+    from .flashinfer_ops import gqa_to_gva
+    if _fp64(q, g, beta, A_log, dt_bias, state_pool):
+        return []
+    N = cu_seqlens.shape[0] - 1
+    Tp = q.shape[0] + 63 * N
+    q, k, v = gqa_to_gva(*(_meta_like(t) for t in (q, k, v)))
+    q4, k4, v4 = (_meta(1, Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
+    g4 = beta4 = _meta(1, Tp, v.shape[1], dtype=torch.float32)
+    pool = _meta_like(state_pool).transpose(-1, -2)
+    return chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, pool, True, cu_seqlens, use_qk_l2norm_in_kernel,
+                                  device=q.device, device_tables=True, slots=True,
+                                  checkpoints=(pool, _meta(N, 3, dtype=torch.int32), page_size // 64, page_indices))
+
+
+def _fi_gated_delta_rule_decode_paged(q, k, v, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,
+                                      state_pool, page_indices, page_indptr, last_page_len, backend="auto",
+                                      slots=None, check_values=False) -> List[CompileKey]:
+    """Keys of fast.flashinfer_ops.gated_delta_rule_decode_paged: one recurrent_slots_kernel on the pool at the page
+    table's rows (int32 [B] from gdn_paged_decode_slots, or the slots given)."""
+    B = q.shape[0]
+    idx, out_idx = (slots if slots is not None else (_meta(B, dtype=torch.int32),) * 2)
+    return _fi_decode(q, k, v, state_pool, A_log, a, b, dt_bias, use_qk_l2norm, idx, out_idx, None, False, True)
+
+
 class flashinfer_ops:
     """Keys of fast.flashinfer_ops's ops, under their names (refgdn.capture.traced_ops(fast.flashinfer_ops,
     keys=flashinfer_ops))."""
@@ -829,3 +861,5 @@ class flashinfer_ops:
     gated_delta_rule_decode_pretranspose = staticmethod(_fi_gated_delta_rule_decode_pretranspose)
     gated_delta_rule_decode = staticmethod(_fi_gated_delta_rule_decode)
     gated_delta_rule_mtp = staticmethod(_fi_gated_delta_rule_mtp)
+    chunk_gated_delta_rule_paged = staticmethod(_fi_chunk_gated_delta_rule_paged)
+    gated_delta_rule_decode_paged = staticmethod(_fi_gated_delta_rule_decode_paged)

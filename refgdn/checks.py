@@ -1386,7 +1386,7 @@ def flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size: O
     """The pool rows of a paged prefill (new_lens: each sequence's new token count) or decode (None: one new token
     each; page_size None: the decode's last_page_len is only known to be >= 1), from the values (host reads). Per sequence: (read page or -1, [written pages, in token order: each page
     boundary the new tokens cross, then the last page], prefix length); a sequence without pages is a padded row
-    ((-1, [], 0); in a prefill only with no new tokens). ValueError naming the entry for: page_indptr not
+    ((-1, [], 0); in a prefill only with no new tokens; in a decode its output is zeros). ValueError naming the entry for: page_indptr not
     non-decreasing within page_indices, a last_page_len outside [1, page_size], fewer tokens than new ones, a page id
     outside [0, num_pages), a page written twice, or a page written by one sequence and read by another."""
     ptr, last, ids = page_indptr.tolist(), last_page_len.tolist(), page_indices.tolist()   # host reads: value checks
@@ -1397,7 +1397,7 @@ def flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size: O
     for b in range(N):
         pages, new = ids[ptr[b]:ptr[b + 1]], 1 if new_lens is None else new_lens[b]
         if not pages:
-            if new:
+            if new and new_lens is not None:
                 raise ValueError(f"sequence {b} has {new} new tokens but no pages (page_indptr[{b}] = "
                                  f"page_indptr[{b + 1}] = {ptr[b]})")
             out.append((-1, [], 0))
