@@ -11,6 +11,8 @@ request mixes:
   - fast (nothing read back: the chunk tables built on the device);
   - fast with state checkpoints every 1024 tokens (checkpoint_every_n_tokens: the state pass stores them; the
     forward is not pipelined then);
+  - fast's chunk_gated_delta_rule_paged on the same tokens as continuations of prefixes (mostly not chunk-aligned)
+    on a pool of pages of 1024 tokens (the chunk-aligned copy, the page boundaries stored by the state pass);
   - fla 0.6.0's chunk_gated_delta_rule on the same tokens (g = log alpha formed beforehand, not timed; cu_seqlens and
     cu_seqlens_cpu given; states [N, 32, K, V]).
 
@@ -49,7 +51,8 @@ DECODE_N = (1, 8, 32, 128)
 
 def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "cuda", every: int = 1024):
     """FlashInfer's prefill over requests of these lengths: a callable. what: "fast", "ckpt" (fast, checkpoints every
-    ``every`` tokens), "fla" (fla 0.6.0 on the same tokens; None without fla)."""
+    ``every`` tokens), "paged" (fast's paged prefill, pages of ``every`` tokens), "fla" (fla 0.6.0 on the same tokens;
+    None without fla)."""
     import fast.flashinfer_ops as FF
     from benchmarks.bench_prefill import cu_seqlens_of, gdn_inputs
     T, N = sum(lens), len(lens)
@@ -63,6 +66,8 @@ def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "c
                                       cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), use_qk_l2norm_in_kernel=True)
         return call
     alpha, b32 = g[0].exp(), beta[0].float()                                # [T, HV] float32
+    if what == "paged":
+        return _paged_call(q[0], k[0], v[0], alpha, b32, lens, cu, every, seed)
     h0 = S0.transpose(-1, -2).contiguous()                                  # [N, HV, V, K]
     kw = {}
     if what == "ckpt":
@@ -73,11 +78,34 @@ def prefill_call(lens: list, what: str = "fast", seed: int = 0, device: str = "c
                                              **kw)
 
 
+def _paged_call(q, k, v, alpha, beta, lens: list, cu, page_size: int, seed: int):
+    """chunk_gated_delta_rule_paged on the same tokens as continuations: request n has a prefix of (37 + 611 n) mod
+    2 page_size tokens (mostly not chunk-aligned) in pages of page_size from a shuffled pool (random states)."""
+    import math
+
+    import fast.flashinfer_ops as FF
+    dev = q.device
+    ids, ptr, last = [], [0], []
+    totals = [(37 + 611 * n) % (2 * page_size) + x for n, x in enumerate(lens)]
+    counts = [math.ceil(t / page_size) for t in totals]
+    perm = torch.randperm(sum(counts) + 1, generator=torch.Generator().manual_seed(seed)).tolist()
+    for t, c in zip(totals, counts):
+        ids += [perm.pop() for _ in range(c)]
+        ptr.append(len(ids))
+        last.append(t - (c - 1) * page_size)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    pool = 0.1 * torch.randn(len(perm) + len(ids), HV, V, K, device=dev)
+    kw = dict(cu_seqlens=cu, state_pool=pool, page_indices=i32(ids), page_indptr=i32(ptr), page_size=page_size,
+              last_page_len=i32(last), use_qk_l2norm_in_kernel=True)
+    return lambda: FF.chunk_gated_delta_rule_paged(q, k, v, alpha, beta, **kw)  # noqa: E731
+
+
 def prefill_rows() -> list:
     from benchmarks.bench_vllm import chunk_mixes, mix_rows
     return mix_rows("prefill", chunk_mixes() + (("1 x 16384", [16384]),),
                     (("fast", "fast.flashinfer_ops (nothing read back)"),
                      ("ckpt", "fast.flashinfer_ops, checkpoints every 1024 tokens"),
+                     ("paged", "fast.flashinfer_ops paged: prefixes, pages of 1024"),
                      ("fla", "fla 0.6.0, cu_seqlens + cu_seqlens_cpu")),
                     prefill_call)
 

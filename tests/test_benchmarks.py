@@ -315,6 +315,8 @@ def test_flashinfer_bench_calls_at_a_tiny_shape(monkeypatch):
     o1, s1 = bf.prefill_call([140, 70], "fast", device=DEVICE)()
     o2, s2 = bf.prefill_call([140, 70], "ckpt", device=DEVICE, every=64)()
     assert torch.equal(o1, o2) and torch.equal(s1, s2) and torch.isfinite(o1.float()).all()
+    o3 = bf.prefill_call([140, 70], "paged", device=DEVICE, every=64)()            # (the same tokens, after prefixes)
+    assert o3.shape == o1.shape and torch.isfinite(o3.float()).all()
     call = bf.decode_call(2, seed=1, verify_k=2, device=DEVICE)
     pool = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, dict)][0]["initial_state"]
     before = pool.clone()

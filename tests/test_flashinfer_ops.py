@@ -144,7 +144,7 @@ def test_refgdn_decode_equals_the_steps_written_out(p):
 
 def test_flashinfer_names_and_argument_orders():
     """Both packages' functions take FlashInfer's parameters by name and position (flashinfer.gdn_prefill /
-    flashinfer.gdn_decode, as FlashInfer documents them), plus the trailing check_values keyword of fast's."""
+    flashinfer.gdn_decode / flashinfer.gdn_paged, as FlashInfer documents them), plus the trailing check_values keyword of fast's."""
     want = {
         "chunk_gated_delta_rule": "q k v g beta scale initial_state output_final_state cu_seqlens "
                                   "use_qk_l2norm_in_kernel output output_state state_checkpoints checkpoint_cu_starts "
@@ -156,12 +156,23 @@ def test_flashinfer_names_and_argument_orders():
         "gated_delta_rule_mtp": "q k v initial_state initial_state_indices A_log a dt_bias b scale output "
                                 "intermediate_states_buffer ssm_state_indices disable_state_update use_qk_l2norm "
                                 "output_state_indices",
+        # flashinfer.gdn_paged (the slots functions and their tuples: one object in both packages)
+        "chunk_gated_delta_rule_paged": "q k v g beta scale cu_seqlens state_pool page_indices page_indptr "
+                                        "page_size last_page_len use_qk_l2norm_in_kernel output gate_domain "
+                                        "use_gate_in_kernel A_log dt_bias beta_is_logit slots",
+        "gated_delta_rule_decode_paged": "q k v A_log a dt_bias b scale output use_qk_l2norm state_pool "
+                                         "page_indices page_indptr last_page_len backend slots",
+        "gdn_paged_prefill_slots": "cu_seqlens page_indices page_indptr page_size last_page_len",
+        "gdn_paged_decode_slots": "page_indices page_indptr last_page_len",
+        "GDNPagedPrefillSlots": "state_indices output_state_indices checkpoint_cu_starts prefix_lens",
+        "GDNPagedDecodeSlots": "initial_state_indices output_state_indices",
     }
     assert sorted(RF.__all__) == sorted(want) == sorted(FF.__all__)
     for name, params in want.items():
         ref = list(inspect.signature(getattr(RF, name)).parameters)
         assert ref == params.split(), name
-        assert list(inspect.signature(getattr(FF, name)).parameters) == ref + ["check_values"], name
+        extra = [] if getattr(FF, name) is getattr(RF, name) else ["check_values"]
+        assert list(inspect.signature(getattr(FF, name)).parameters) == ref + extra, name
 
 
 def test_fast_returns_flashinfers_outputs():
