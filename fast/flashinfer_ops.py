@@ -12,6 +12,7 @@ FlashInfer needs sm_90 or newer, these run on any GPU Triton supports.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -22,12 +23,13 @@ from refgdn.checks import (check_cu_seqlens_values, check_flashinfer_decode_inpu
 from refgdn.checks import check_flashinfer_paged_decode_inputs, flashinfer_paged_rows
 from refgdn.flashinfer_ops import (GDNPagedDecodeSlots, GDNPagedPrefillSlots, _same_slots, _tokens,  # noqa: F401
                                    check_paged_prefill, gdn_paged_decode_slots, gdn_paged_prefill_slots, gqa_to_gva,
-                                   mtp_update_flag, paged_disjoint, paged_gates, prefill_scale)
+                                   mtp_update_flag, paged_disjoint, prefill_scale)
 
 from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
 from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
+from .paged import launch_paged_pack, launch_paged_rows
 from .serving import prefill_update_x2
 from .vllm_ops import _SlotsOpPlan
 
@@ -313,26 +315,14 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
 # flashinfer.gdn_paged (refgdn.flashinfer_ops for the semantics; the slots functions are refgdn's: device ops)
 # ----------------------------------------------------------------------------------------------
 
-def paged_layout(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, T: int) -> tuple:
-    """The chunk-aligned token layout of a paged prefill: sequence n's new tokens preceded by pad_n = prefix_n mod 64
-    rows, so its chunks start at multiples of 64 of its whole history and every page boundary (a multiple of
-    page_size, itself of 64) is a chunk boundary. -> (cu [N+1] of the padded layout (cu_seqlens' dtype), dest [T]
-    int64: each token's padded row, Tp = T + 63 N rows: a bound known on the host). Built on the device from any
-    values (offsets clamped into [0, T], rows within Tp): nothing read back."""
+def aligned_rows(cu_seqlens: torch.Tensor, cu_p: torch.Tensor, T: int) -> torch.Tensor:
+    """Each token's row in the chunk-aligned layout (fast.paged), [T] int64: t + the pad rows of its sequence and
+    those before it, on the device (offsets clamped into [0, T]; rows within T + 63 N)."""
     N = cu_seqlens.numel() - 1
     cu = cu_seqlens.long().clamp(0, T)
-    lens = (cu[1:] - cu[:-1]).clamp_min(0)
-    pad = torch.where(lens > 0, prefix_lens.long() % 64, 0)                    # [N] in [0, 63]
-    cpad = pad.cumsum(0)
-    cu_p = torch.cat([cu[:1] * 0, cu[1:] + cpad]).to(cu_seqlens.dtype)
     t = torch.arange(T, device=cu.device)
     seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(N - 1, 0))
-    return cu_p, t + cpad[seq], T + 63 * N
-
-
-def _aligned(x: torch.Tensor, dest: torch.Tensor, Tp: int) -> torch.Tensor:
-    """x [T, ...] at rows dest of a zero [Tp, ...] tensor: the padded rows are zero tokens."""
-    return x.new_zeros((Tp,) + tuple(x.shape[1:])).index_copy_(0, dest, x)
+    return t + (cu_p.long()[1:] - cu[1:])[seq]
 
 
 def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_seqlens, state_pool, page_indices,
@@ -347,18 +337,25 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
 
         S <- exp(log g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = page^T)
 
-    How: the pool rows from the page table on the device (gdn_paged_prefill_slots, or the slots given); the tokens
-    copied into a chunk-aligned layout (paged_layout: each sequence's prefix mod 64 zero rows in front, whose beta = 0
-    and decay 1 leave the state as it is, so chunks and page boundaries line up); the chunked forward from the page
+    How (fast.paged): the pool rows from the page table on the device (paged_rows_kernel: gdn_paged_prefill_slots'
+    rows, or the slots given); the tokens copied into a chunk-aligned layout (paged_pack_kernel: each sequence's
+    prefix mod 64 zero rows in front, whose beta = 0 and decay 1 leave the state as it is, so chunks and page
+    boundaries line up; the gates formed on the way); the chunked forward from the page
     holding the last prefix token (the state pass's H0_SLOTS), every crossed page boundary stored by the state pass
     (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS); o gathered back. Nothing is read back unless
     check_values=True (cu_seqlens and the page table's values checked: refgdn's rules); unchecked values stay
     memory-safe (rows outside the pool are not written). The gates are formed in float32 (alpha = 0: the decay's log
     floored at LOG_DECAY_FLOOR). float64 runs refgdn.
     """
-    N, sab, P = check_paged_prefill(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr,
-                                    page_size, last_page_len, use_qk_l2norm_in_kernel, output, gate_domain,
-                                    use_gate_in_kernel, A_log, dt_bias, beta_is_logit, slots, offset_values=False)
+    sig = _paged_signature(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,
+                           last_page_len, use_qk_l2norm_in_kernel, output, gate_domain, use_gate_in_kernel, A_log,
+                           dt_bias, beta_is_logit, slots)
+    plan = _PAGED.get(sig)
+    if plan is None:                      # (a signature that passed the checks before skips them: _PREFILL's way)
+        check_paged_prefill(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,
+                            last_page_len, use_qk_l2norm_in_kernel, output, gate_domain, use_gate_in_kernel, A_log,
+                            dt_bias, beta_is_logit, slots, offset_values=False)
+    N, P = cu_seqlens.shape[0] - 1, state_pool.shape[0]
     paged_disjoint(output, state_pool, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
                                         ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
                                         ("page_indices", page_indices), ("page_indptr", page_indptr),
@@ -372,7 +369,9 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, beta_is_logit=beta_is_logit,
             slots=slots)
     T, _, K = q.shape
-    _check_fast_limits(K, v.shape[2], 64)
+    if plan is None:
+        _check_fast_limits(K, v.shape[2], 64)
+        plan = _PAGED.after_checks(sig)                 # (None on a signature's first call: launched as it is)
     if check_values:
         with one_host_read_scope():
             check_cu_seqlens_values(cu_seqlens, T)
@@ -382,32 +381,48 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
             if slots is not None:
                 _same_slots(slots, gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size,
                                                            last_page_len), "chunk_gated_delta_rule_paged")
-    if slots is None:
-        slots = gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len)
-    dev = q.device
-    log_g, beta = paged_gates(g, beta, T, sab, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit,
-                              torch.float32, dev, log_floor=LOG_DECAY_FLOOR)
-    cu_p, dest, Tp = paged_layout(cu_seqlens, slots.prefix_lens, T)
     q, k, v = gqa_to_gva(q, k, v)
-    q, k, v, log_g, beta = (_aligned(x, dest, Tp) for x in (q, k, v, log_g, beta))
-    # the state pass's per-sequence rows: [N, 2] (write: the last page unless the sequence is empty; read), and its
-    # paged checkpoints [N, 3]: (the first boundary, in chunks of the aligned layout; its page-table entry; the last
-    # page's entry, which the final state takes)
-    cu = cu_seqlens.long()
-    some = cu[1:] > cu[:-1]
-    slot_rows = torch.stack([torch.where(some, slots.output_state_indices.long(), -1),
-                             slots.state_indices.long()], 1).to(torch.int32)
-    prefix = slots.prefix_lens.long()
-    first = (torch.div(prefix, page_size, rounding_mode="floor") + 1) * page_size - (prefix - prefix % 64)
-    table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
-                         page_indptr.long()[1:] - 1], 1).to(torch.int32)
+    gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
     pool = state_pool.transpose(-1, -2)                                                # [P, sab, K, V] view
-    # the pages outlive the call, as gdn_prefill's cache: bf16's state update in two terms (fast.serving's rule)
-    o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True, cu_p,
-                      use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
-                      update_x2=prefill_update_x2(k.dtype), checkpoints=(pool, table, page_size // 64, page_indices))
-    o = o[0].index_select(0, dest)                                                     # [T, sab, V]
+    with plan if plan is not None else contextlib.nullcontext():
+        # the slots, the aligned layout's offsets and the state pass's rows in one launch; the tokens and gates
+        # copied into the aligned layout (q, k, v in their dtypes, the decay's log and beta float32) in one more
+        _, cu_p, slot_rows, table = launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len,
+                                                      page_size, T, P, slots)
+        q, k, v, log_g, beta = launch_paged_pack(_unit_last(q), _unit_last(k), _unit_last(v), g, beta, A_log,
+                                                 dt_bias, cu_seqlens, cu_p, gate,
+                                                 None if beta is None else "logit" if beta_is_logit else "prob",
+                                                 LOG_DECAY_FLOOR)
+        # the pages outlive the call, as gdn_prefill's cache: bf16's state update in two terms (fast.serving's rule)
+        o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True,
+                          cu_p, use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
+                          update_x2=prefill_update_x2(k.dtype), checkpoints=(pool, table, page_size // 64,
+                                                                             page_indices))
+    o = o[0].index_select(0, aligned_rows(cu_seqlens, cu_p, T))                       # [T, sab, V]
     return output.copy_(o) if output is not None else o
+
+
+def _paged_signature(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,
+                     last_page_len, l2, output, gate_domain, use_gate_in_kernel, A_log, dt_bias, beta_is_logit,
+                     slots) -> Optional[tuple]:
+    """What check_paged_prefill reads, the token count T, the sequence count N and the page table's length left out
+    (as _prefill_signature), or None (checked in full, no plan kept)."""
+    if any(type(f) is not bool for f in (l2, use_gate_in_kernel, beta_is_logit)) or type(page_size) is not int \
+            or gate_domain not in ("linear", "log"):
+        return None
+    try:
+        T, N = q.shape[0], cu_seqlens.shape[0] - 1
+        rows = lambda t, n: None if t is None else (shape_key(t, 0), t.shape[0] == n)  # noqa: E731
+        return (shape_key(q, 0), rows(k, T), rows(v, T), rows(g, T), rows(beta, T), rows(output, T), type(scale),
+                l2, gate_domain, use_gate_in_kernel, beta_is_logit, page_size, shape_key(cu_seqlens, 0), N >= 1,
+                shape_key(state_pool), shape_key(page_indices, 0), rows(page_indptr, N + 1),
+                rows(last_page_len, N), shape_key(A_log), shape_key(dt_bias),
+                None if slots is None else (type(slots),) + tuple(rows(t, N) for t in slots))
+    except Exception:  # noqa: BLE001 - not a tensor, or too few dims: the full checks name the problem
+        return None
+
+
+_PAGED = SignaturePlans(64, seen_size=256)
 
 
 def gated_delta_rule_decode_paged(q, k, v, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,

@@ -830,18 +830,47 @@ def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, 
     """Keys of fast.flashinfer_ops.chunk_gated_delta_rule_paged: the chunked forward on the chunk-aligned copy (T +
     63 N rows; float32 gates) from and into the pool's [K, V] view at slot rows, with the paged checkpoints
     (float64: refgdn, none)."""
+    from . import paged as _paged
     from .flashinfer_ops import gqa_to_gva
     if _fp64(q, g, beta, A_log, dt_bias, state_pool):
         return []
     N = cu_seqlens.shape[0] - 1
     Tp = q.shape[0] + 63 * N
     q, k, v = gqa_to_gva(*(_meta_like(t) for t in (q, k, v)))
+    cfg = _paged.rows_config(N)
+    sdt = [t.dtype for t in slots] if slots is not None else [torch.int32] * 4
+    out = [CompileKey.make(
+        "paged_rows_kernel", dict(PS=page_size, GIVEN=slots is not None, BN=cfg["BN"]),
+        dict(cu=cu_seqlens.dtype, page_indices=(page_indices if page_indices.numel() else page_indptr).dtype,
+             page_indptr=page_indptr.dtype, last_page_len=last_page_len.dtype, s_read=sdt[0], s_final=sdt[1],
+             s_ck=sdt[2], s_prefix=sdt[3], cu_p=cu_seqlens.dtype, slot_rows=torch.int32, table=torch.int32),
+        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
+    HQ, K, HK, HVV, V = q.shape[1], q.shape[2], k.shape[1], v.shape[1], v.shape[2]
+    SAB = max(HQ, HVV)
+    cfg = _paged.pack_config(max(HQ * K, HK * K, HVV * V))
+    gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
+    out.append(CompileKey.make(
+        "paged_pack_kernel",
+        dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB),
+             BR=cfg["BR"], STEPS=max(1, N.bit_length()), GATE=_paged.GATES[gate],
+             BETA=_paged.BETAS[None if beta is None else "logit" if beta_is_logit else "prob"],
+             FLOOR=_fi_floor(), THRESHOLD=_paged.SOFTPLUS_THRESHOLD),
+        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype if g is not None else _F32,
+             beta=beta.dtype if beta is not None else _F32, A_log=_dt(A_log) or _F32, dt_bias=_dt(dt_bias) or _F32,
+             cu=cu_seqlens.dtype, cu_p=cu_seqlens.dtype, qo=q.dtype, ko=k.dtype, vo=v.dtype, go=_F32, bo=_F32),
+        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     q4, k4, v4 = (_meta(1, Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
     g4 = beta4 = _meta(1, Tp, v.shape[1], dtype=torch.float32)
     pool = _meta_like(state_pool).transpose(-1, -2)
-    return chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, pool, True, cu_seqlens, use_qk_l2norm_in_kernel,
-                                  device=q.device, device_tables=True, slots=True,
-                                  checkpoints=(pool, _meta(N, 3, dtype=torch.int32), page_size // 64, page_indices))
+    return out + chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, pool, True, cu_seqlens,
+                                        use_qk_l2norm_in_kernel, device=q.device, device_tables=True, slots=True,
+                                        checkpoints=(pool, _meta(N, 3, dtype=torch.int32), page_size // 64,
+                                                     page_indices))
+
+
+def _fi_floor() -> float:
+    from .flashinfer_ops import LOG_DECAY_FLOOR
+    return LOG_DECAY_FLOOR
 
 
 def _fi_gated_delta_rule_decode_paged(q, k, v, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, *,

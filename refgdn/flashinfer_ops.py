@@ -270,10 +270,11 @@ class GDNPagedDecodeSlots(NamedTuple):
 
 
 def _page_at(page_indices: torch.Tensor, entry: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """page_indices[entry] where ok, else -1 (int64; entries clamped into the table: safe for any values)."""
-    if page_indices.numel() == 0:
+    """page_indices[entry] where ok and the entry is within the table, else -1 (int64; safe for any values)."""
+    n = page_indices.numel()
+    if n == 0:
         return torch.full_like(entry, -1)
-    return torch.where(ok, page_indices.long()[entry.clamp(0, page_indices.numel() - 1)], -1)
+    return torch.where(ok & (entry >= 0) & (entry < n), page_indices.long()[entry.clamp(0, n - 1)], -1)
 
 
 def _need_offsets(name: str, t) -> None:

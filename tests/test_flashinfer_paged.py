@@ -381,3 +381,41 @@ def test_cuda_graph_replay_equals_eager():
         o_e = FF.chunk_gated_delta_rule_paged(*args, **kw)
         torch.cuda.synchronize()
         assert torch.equal(got[0], o_e) and torch.equal(got[1], kw["state_pool"]), rnd
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["table", "garbage"])
+def test_bookkeeping_kernels_equal_their_twins(garbage):
+    """fast.paged's two kernels against their torch twins: the rows bit for bit (also on garbage tables: the same
+    clamps), the aligned copy bit for bit, its gates to float32's rounding (the formulas' last bits differ)."""
+    from fast import paged
+    args, kw = prefill_problem(prefill_families(True, DEV)["raw-gates-output-padded"], torch.float32, DEV)
+    T, P = args[0].shape[0], kw["state_pool"].shape[0]
+    cu, ids, ptr, last = kw["cu_seqlens"], kw["page_indices"], kw["page_indptr"], kw["last_page_len"]
+    if garbage:
+        ids = torch.randint(-9, 2 * P, ids.shape, **I32)
+        last = torch.randint(-70, 200, last.shape, **I32)
+    got = paged.launch_paged_rows(cu, ids, ptr, last, 64, T, P)
+    want = paged.paged_rows(cu, ids, ptr, last, 64, T, P)
+    for a, b in zip(list(got[0]) + list(got[1:]), list(want[0]) + list(want[1:])):
+        assert torch.equal(a.long(), b.long())
+    g = args[3]
+    for gate, beta_mode, gg in (("raw", "logit", g), ("log", "prob", -g.abs()), ("linear", None, torch.rand_like(g)),
+                                (None, "prob", None)):
+        A_log, dt_bias = kw["A_log"], kw["dt_bias"]
+        beta = None if beta_mode is None else args[4]
+        k_out = paged.launch_paged_pack(*args[:3], gg, beta, A_log, dt_bias, cu, got[1], gate, beta_mode, -104.0)
+        t_out = paged.paged_pack(*args[:3], gg, beta, A_log, dt_bias, cu, got[1], gate, beta_mode, -104.0)
+        for a, b in zip(k_out[:3], t_out[:3]):
+            assert torch.equal(a, b)
+        for a, b in zip(k_out[3:], t_out[3:]):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+
+
+def test_planned_calls_equal_the_first():
+    """From a signature's second call on, the checks are skipped and the launches replayed (fast.launch's plans):
+    the same outputs and pages as the first, checked call, bit for bit."""
+    args, kw = prefill_problem(prefill_families(True, DEV)["prefixes-gva"], torch.float32, DEV)
+    first = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+    for _ in range(2):
+        again = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])

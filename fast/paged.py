@@ -1,0 +1,259 @@
+"""The paged prefill's bookkeeping (fast.flashinfer_ops.chunk_gated_delta_rule_paged): two small kernels where the
+torch glue took ~60 launches, each with its stage twin in torch.
+
+``paged_rows_kernel`` (one program, the sequences in blocks): FlashInfer's slots from the page table (or the caller's),
+and what the chunked forward takes from them:
+
+    prefix = (num_pages - 1) page_size + last_page_len - len ;   pad = prefix mod 64 (0 for an empty sequence)
+    cu_p[n + 1] = cu[n + 1] + sum_{m <= n} pad_m                  (the chunk-aligned layout's offsets)
+    slot_rows[n] = (last page or -1 when empty, the page of the last prefix token or -1)
+    table[n] = (first crossed boundary in chunks of the aligned layout, its page-table entry, the last page's entry)
+
+``paged_pack_kernel`` (rows of the aligned layout in blocks): row p of sequence n holds token cu[n] + (p - cu_p[n] -
+pad_n), or zeros for the pad_n rows in front (zero q, k, v; decay log 0 and beta 0: the state passes through) and for
+rows past cu_p[N]; the gates formed on the way (alpha's log floored, or -exp(A_log) softplus(a + dt_bias); beta or
+sigmoid(beta)). Values are never read on the host; any values stay memory-safe (offsets clamped into [0, T], rows
+within T + 63 N, page-table entries within the table).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+from .utils import cdiv, is_interpreting, next_pow2
+
+GATES = {None: 0, "linear": 1, "log": 2, "raw": 3}       # paged_pack_kernel's GATE
+BETAS = {None: 0, "prob": 1, "logit": 2}                 # ... and BETA
+SOFTPLUS_THRESHOLD = 20.0
+
+
+@triton.jit(do_not_specialize=["N", "T", "n_ids", "P"])
+def paged_rows_kernel(cu, page_indices, page_indptr, last_page_len, s_read, s_final, s_ck, s_prefix,
+                      cu_p, slot_rows, table, N, T, n_ids, P, PS: tl.constexpr, GIVEN: tl.constexpr,
+                      BN: tl.constexpr):
+    """cu, page_indptr: [N+1]; last_page_len: [N]; s_*: the four slots [N] (written, or read when GIVEN);
+    cu_p: [N+1] (cu's dtype); slot_rows: [N, 2] int32 (a page outside the pool's P: -1, nothing read or written
+    there: memory safety for unchecked values); table: [N, 3] int32. One program."""
+    carry = tl.zeros([1], dtype=tl.int64)
+    tl.store(cu_p + tl.arange(0, 1), carry.to(cu_p.dtype.element_ty))
+    for start in range(0, N, BN):
+        n = start + tl.arange(0, BN)
+        m = n < N
+        lo = tl.minimum(tl.maximum(tl.load(cu + n, mask=m, other=0).to(tl.int64), 0), T)
+        hi = tl.minimum(tl.maximum(tl.load(cu + n + 1, mask=m, other=0).to(tl.int64), 0), T)
+        lens = tl.maximum(hi - lo, 0)
+        p0 = tl.load(page_indptr + n, mask=m, other=0).to(tl.int64)
+        p1 = tl.load(page_indptr + n + 1, mask=m, other=0).to(tl.int64)
+        if GIVEN:
+            read = tl.load(s_read + n, mask=m, other=-1).to(tl.int64)
+            final = tl.load(s_final + n, mask=m, other=-1).to(tl.int64)
+            ck = tl.load(s_ck + n, mask=m, other=0).to(tl.int64)
+            prefix = tl.load(s_prefix + n, mask=m, other=0).to(tl.int64)
+        else:
+            some = p1 > p0
+            last = tl.load(last_page_len + n, mask=m, other=0).to(tl.int64)
+            prefix = tl.where(some, (p1 - p0 - 1) * PS + last - (hi - lo), 0)
+            # floor division of a possibly negative prefix (unchecked values): Python's, as the twin's
+            e_read = p0 + (prefix - 1 - ((prefix - 1) % PS + PS) % PS) // PS
+            ok_r = m & some & (prefix > 0) & (e_read >= 0) & (e_read < n_ids)
+            read = tl.where(ok_r, tl.load(page_indices + tl.where(ok_r, e_read, 0), mask=ok_r, other=-1), -1)
+            ok_f = m & some & (p1 - 1 >= 0) & (p1 - 1 < n_ids)
+            final = tl.where(ok_f, tl.load(page_indices + tl.where(ok_f, p1 - 1, 0), mask=ok_f, other=-1), -1)
+            ck = p0 + (prefix - ((prefix % PS) + PS) % PS) // PS
+            tl.store(s_read + n, read.to(tl.int32), mask=m)
+            tl.store(s_final + n, final.to(tl.int32), mask=m)
+            tl.store(s_ck + n, ck.to(tl.int32), mask=m)
+            tl.store(s_prefix + n, prefix.to(tl.int32), mask=m)
+        mod64 = ((prefix % 64) + 64) % 64
+        pad = tl.where(m & (lens > 0), mod64, 0)
+        cum = tl.cumsum(pad, 0) + carry
+        tl.store(cu_p + n + 1, (hi + cum).to(cu_p.dtype.element_ty), mask=m)
+        carry += tl.sum(pad, 0)
+        final = tl.where((final >= 0) & (final < P) & (lens > 0), final, -1)
+        tl.store(slot_rows + n * 2, final.to(tl.int32), mask=m)
+        tl.store(slot_rows + n * 2 + 1, tl.where((read >= 0) & (read < P), read, -1).to(tl.int32), mask=m)
+        floor_ps = (prefix - ((prefix % PS) + PS) % PS) // PS
+        first = ((floor_ps + 1) * PS - (prefix - mod64)) // 64
+        tl.store(table + n * 3, first.to(tl.int32), mask=m)
+        tl.store(table + n * 3 + 1, ck.to(tl.int32), mask=m)
+        tl.store(table + n * 3 + 2, (p1 - 1).to(tl.int32), mask=m)
+
+
+@triton.jit
+def _rows_of(cu_p, p, N, STEPS: tl.constexpr):
+    """The sequence of each aligned row p (largest n in [0, N) with cu_p[n] <= p), by binary search."""
+    lo = tl.zeros(p.shape, dtype=tl.int64)
+    hi = tl.zeros(p.shape, dtype=tl.int64) + N
+    for _ in tl.static_range(STEPS):                    # lo < hi <= N throughout: mid in [0, N)
+        mid = (lo + hi) // 2
+        right = tl.load(cu_p + mid).to(tl.int64) <= p
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["N", "T", "Tp"])
+def paged_pack_kernel(q, k, v, g, beta, A_log, dt_bias, cu, cu_p, qo, ko, vo, go, bo, N, T, Tp,
+                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
+                      HQ: tl.constexpr, HK: tl.constexpr, HVV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      SAB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr,
+                      STEPS: tl.constexpr, GATE: tl.constexpr, BETA: tl.constexpr, FLOOR: tl.constexpr,
+                      THRESHOLD: tl.constexpr):
+    """q: [T, HQ, K], k: [T, HK, K], v: [T, HVV, V] (row and head strides given, unit last); g, beta: [T, SAB] (row
+    strides); -> qo, ko, vo, go (float32), bo (float32): [Tp, ...] contiguous, every row written."""
+    p = tl.program_id(0) * BR + tl.arange(0, BR)
+    in_p = p < Tp
+    n = _rows_of(cu_p, p.to(tl.int64), N, STEPS)
+    c0 = tl.load(cu_p + n, mask=in_p, other=0).to(tl.int64)
+    c1 = tl.load(cu_p + n + 1, mask=in_p, other=0).to(tl.int64)
+    lo = tl.minimum(tl.maximum(tl.load(cu + n, mask=in_p, other=0).to(tl.int64), 0), T)
+    hi = tl.minimum(tl.maximum(tl.load(cu + n + 1, mask=in_p, other=0).to(tl.int64), 0), T)
+    pad = (c1 - c0) - tl.maximum(hi - lo, 0)
+    r = p - c0
+    real = in_p & (p < c1) & (r >= pad)
+    src = tl.where(real, lo + r - pad, 0)                                   # [BR] the token this row holds
+    rows = p.to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    for h in tl.static_range(HQ):
+        x = tl.load(q + src[:, None] * s_qt + h * s_qh + o_k[None, :], mask=real[:, None] & (o_k < K)[None, :],
+                    other=0.0)
+        tl.store(qo + (rows[:, None] * HQ + h) * K + o_k[None, :], x, mask=in_p[:, None] & (o_k < K)[None, :])
+    for h in tl.static_range(HK):
+        x = tl.load(k + src[:, None] * s_kt + h * s_kh + o_k[None, :], mask=real[:, None] & (o_k < K)[None, :],
+                    other=0.0)
+        tl.store(ko + (rows[:, None] * HK + h) * K + o_k[None, :], x, mask=in_p[:, None] & (o_k < K)[None, :])
+    for h in tl.static_range(HVV):
+        x = tl.load(v + src[:, None] * s_vt + h * s_vh + o_v[None, :], mask=real[:, None] & (o_v < V)[None, :],
+                    other=0.0)
+        tl.store(vo + (rows[:, None] * HVV + h) * V + o_v[None, :], x, mask=in_p[:, None] & (o_v < V)[None, :])
+    o_s = tl.arange(0, BS)
+    m_s = o_s < SAB
+    m = real[:, None] & m_s[None, :]
+    out = in_p[:, None] & m_s[None, :]
+    if GATE == 0:                                                            # no decay: log 0
+        b_g = tl.zeros([BR, BS], dtype=tl.float32)
+    else:
+        x = tl.load(g + src[:, None] * s_gt + o_s[None, :], mask=m, other=1.0).to(tl.float32)
+        if GATE == 1:                          # alpha: its log (precision hazard: log(0) = -inf, floored)
+            b_g = tl.maximum(tl.log(x), FLOOR)
+        elif GATE == 2:
+            b_g = x
+        else:                                  # -exp(A_log) softplus(a + dt_bias); the discarded branch's exp clamped
+            xa = x + tl.load(dt_bias + o_s, mask=m_s, other=0.0).to(tl.float32)[None, :]
+            sp = tl.where(xa > THRESHOLD, xa, tl.log(1 + tl.exp(tl.minimum(xa, THRESHOLD))))
+            b_g = -tl.exp(tl.load(A_log + o_s, mask=m_s, other=0.0).to(tl.float32))[None, :] * sp
+    tl.store(go + rows[:, None] * SAB + o_s[None, :], tl.where(m, b_g, 0.0), mask=out)
+    if BETA == 0:
+        b_b = tl.zeros([BR, BS], dtype=tl.float32) + 1.0
+    else:
+        x = tl.load(beta + src[:, None] * s_bt + o_s[None, :], mask=m, other=0.0).to(tl.float32)
+        if BETA == 1:
+            b_b = x
+        else:                                  # sigmoid without overflow: exp of -|x| only
+            e = tl.exp(-tl.abs(x))
+            b_b = tl.where(x >= 0, 1 / (1 + e), e / (1 + e))
+    tl.store(bo + rows[:, None] * SAB + o_s[None, :], tl.where(m, b_b, 0.0), mask=out)   # pad rows: beta 0
+
+
+# ============================================================================================
+# host side: launchers and the stage twins
+# ============================================================================================
+
+def rows_config(N: int) -> dict:
+    """paged_rows_kernel: one program over the sequences in blocks of BN (<= 1024), 4 warps."""
+    return dict(BN=min(max(next_pow2(N), 16), 1024), num_warps=4, num_stages=1)
+
+
+def pack_config(widths: int) -> dict:
+    """paged_pack_kernel: BR rows per program, ~8K elements of q / k / v per program (a copy: bandwidth-bound);
+    the interpreter takes 64-row blocks (fewer programs to interpret)."""
+    if is_interpreting():
+        return dict(BR=64, num_warps=4, num_stages=1)
+    return dict(BR=max(1, min(64, 8192 // max(widths, 1))), num_warps=4, num_stages=1)
+
+
+def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
+                      slots=None, out=None) -> tuple:
+    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32, table [N, 3] int32).
+    out: (slots, cu_p, slot_rows, table) tensors to write instead of fresh ones."""
+    N = cu_seqlens.numel() - 1
+    dev = cu_seqlens.device
+    if out is None:
+        sl = slots if slots is not None else tuple(torch.empty(N, dtype=torch.int32, device=dev) for _ in range(4))
+        out = (sl, torch.empty(N + 1, dtype=cu_seqlens.dtype, device=dev),
+               torch.empty(N, 2, dtype=torch.int32, device=dev), torch.empty(N, 3, dtype=torch.int32, device=dev))
+    sl, cu_p, slot_rows, table = out
+    cfg = rows_config(N)
+    ids = page_indices if page_indices.numel() else page_indptr          # (an empty table: never read)
+    launch(paged_rows_kernel, (1,), dict(PS=page_size, GIVEN=slots is not None, **cfg),
+           cu_seqlens, ids, page_indptr, last_page_len, *sl, cu_p, slot_rows, table, N, T, page_indices.numel(), P)
+    return out
+
+
+def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
+               slots=None) -> tuple:
+    """The stage twin of paged_rows_kernel in torch (refgdn.flashinfer_ops.gdn_paged_prefill_slots for the slots):
+    the same four results from the same values (any values: the kernel's clamps)."""
+    import refgdn.flashinfer_ops as RF
+    N = cu_seqlens.numel() - 1
+    if slots is None:
+        slots = RF.gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len)
+    cu = cu_seqlens.long().clamp(0, T)
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    prefix = slots.prefix_lens.long()
+    pad = torch.where(lens > 0, prefix % 64, 0)
+    cu_p = torch.cat([cu[:1] * 0, cu[1:] + pad.cumsum(0)]).to(cu_seqlens.dtype)
+    pool_row = lambda r: torch.where((r >= 0) & (r < P), r, -1)  # noqa: E731
+    slot_rows = torch.stack([pool_row(torch.where(lens > 0, slots.output_state_indices.long(), -1)),
+                             pool_row(slots.state_indices.long())], 1).to(torch.int32)
+    first = (torch.div(prefix, page_size, rounding_mode="floor") + 1) * page_size - (prefix - prefix % 64)
+    table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
+                         page_indptr.long()[1:] - 1], 1).to(torch.int32)
+    assert table.shape[0] == N
+    return slots, cu_p, slot_rows, table
+
+
+def launch_paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str],
+                      beta_mode: Optional[str], floor: float) -> tuple:
+    """q, k, v: [T, ., .] (unit last stride), g, beta: [T, sab] or None -> (q, k, v [Tp, ., .] in their dtypes, the
+    decay's log and beta [Tp, sab] float32), Tp = T + 63 N."""
+    T, HQ, K = q.shape
+    HK, HVV, V = k.shape[1], v.shape[1], v.shape[2]
+    N = cu_seqlens.numel() - 1
+    SAB = max(HQ, HVV)
+    Tp = T + 63 * N
+    dev = q.device
+    qo, ko, vo = (torch.empty((Tp,) + tuple(x.shape[1:]), dtype=x.dtype, device=dev) for x in (q, k, v))
+    go, bo = (torch.empty(Tp, SAB, dtype=torch.float32, device=dev) for _ in range(2))
+    cfg = pack_config(max(HQ * K, HK * K, HVV * V))
+    BR = cfg.pop("BR")
+    gt = g if g is not None else go                                         # (not read without one)
+    bt = beta if beta is not None else bo
+    kw = dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB), BR=BR,
+              STEPS=max(1, (N).bit_length()), GATE=GATES[gate], BETA=BETAS[beta_mode], FLOOR=floor,
+              THRESHOLD=SOFTPLUS_THRESHOLD, **cfg)
+    launch(paged_pack_kernel, (cdiv(Tp, BR),), kw,
+           q, k, v, gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens,
+           cu_p, qo, ko, vo, go, bo, N, T, Tp, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+           v.stride(1), gt.stride(0), bt.stride(0))
+    return qo, ko, vo, go, bo
+
+
+def paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str], beta_mode: Optional[str],
+               floor: float) -> tuple:
+    """The stage twin of paged_pack_kernel in torch: the same five tensors (the gates by refgdn's formulas:
+    refgdn.flashinfer_ops.paged_gates, float32)."""
+    import refgdn.flashinfer_ops as RF
+    from .flashinfer_ops import aligned_rows
+    T, N = q.shape[0], cu_seqlens.numel() - 1
+    Tp, sab = T + 63 * N, max(q.shape[1], v.shape[1])
+    log_g, b = RF.paged_gates(g, beta, T, sab, "log" if gate == "raw" else gate or "log", gate == "raw", A_log,
+                              dt_bias, beta_mode == "logit", torch.float32, q.device,
+                              log_floor=floor if gate == "linear" else None)
+    dest = aligned_rows(cu_seqlens, cu_p, T)
+    return tuple(x.new_zeros((Tp,) + tuple(x.shape[1:])).index_copy_(0, dest, x) for x in (q, k, v, log_g, b))
