@@ -163,6 +163,15 @@ def main(argv=None) -> int:
         FF.chunk_gated_delta_rule(*pre)
         FF.chunk_gated_delta_rule(*pre, state_checkpoints=torch.empty(8, HV, V, K), checkpoint_every_n_tokens=128,
                                   checkpoint_cu_starts=torch.tensor([0, 2, 4, 6, 8]))
+        for pool_dt in (torch.float32, torch.bfloat16):       # the paged prefill (fast.paged's kernels, CK_PAGED)
+            try:
+                FF.chunk_gated_delta_rule_paged(*pre[:5], cu_seqlens=cu,
+                                                state_pool=torch.randn(12, HV, V, K).to(pool_dt),
+                                                page_indices=i32(range(12)), page_indptr=i32([0, 3, 6, 9, 12]),
+                                                page_size=128, last_page_len=i32([37, 37, 37, 37]),
+                                                use_qk_l2norm_in_kernel=True)
+            except IndexError:      # (o's gather by the aligned rows, which nothing computed here: every kernel was)
+                pass
         A_log, dt_bias = torch.rand(HV), torch.randn(HV)
         q, k, v, a, b = x(N, L, H, K), x(N, L, H, K), x(N, L, HV, V), x(N, L, HV), x(N, L, HV)
         for pool_dt in (torch.float32, torch.bfloat16):

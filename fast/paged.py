@@ -164,6 +164,11 @@ def paged_pack_kernel(q, k, v, g, beta, A_log, dt_bias, cu, cu_p, qo, ko, vo, go
 # host side: launchers and the stage twins
 # ============================================================================================
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << max(n, 1).bit_length() - 1
+
+
 def rows_config(N: int) -> dict:
     """paged_rows_kernel: one program over the sequences in blocks of BN (<= 1024), 4 warps."""
     return dict(BN=min(max(next_pow2(N), 16), 1024), num_warps=4, num_stages=1)
@@ -174,7 +179,8 @@ def pack_config(widths: int) -> dict:
     the interpreter takes 64-row blocks (fewer programs to interpret)."""
     if is_interpreting():
         return dict(BR=64, num_warps=4, num_stages=1)
-    return dict(BR=max(1, min(64, 8192 // max(widths, 1))), num_warps=4, num_stages=1)
+    # (BR >= 32: Triton 3.6 fails to compile [16, .] tiles here, TritonGPURemoveLayoutConversions; a power of 2)
+    return dict(BR=max(32, min(64, prev_pow2(8192 // max(widths, 1)))), num_warps=4, num_stages=1)
 
 
 def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
