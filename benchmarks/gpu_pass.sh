@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (nothing owed since 2026-11-29 13:40; kept
-#     as the FlashInfer API's pass: its tests, the full conformance of its two ops and bench_flashinfer's tables)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 13:32: the full families of
+#     FlashInfer's paged ops at their final kernels, 773dbcb; with the FlashInfer API's tests and bench_flashinfer)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -89,10 +89,14 @@ if [[ $steps == *pending* ]]; then
   # MTP's per-token pool rows, recurrent_slots_kernel's WIDX 3; the state pass's checkpoint store under a branch):
   # their full conformance and bench_flashinfer's tables (H200, 2026-11-29: the tests ~55 s warm, the full families
   # of the two ops 112 s warm but > 130 s on a cold machine, the bench tables > 150 s cold)
-  timeout 200 python3 -m pytest -q -n 12 -p no:benchmark tests/test_flashinfer_ops.py tests/test_benchmarks.py \
+  timeout 200 python3 -m pytest -q -n 12 -p no:benchmark tests/test_flashinfer_ops.py tests/test_flashinfer_paged.py \
+    tests/test_benchmarks.py \
     2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 240 python3 -m conformance --device cuda --full --ops flashinfer_chunk_gated_delta_rule,\
 flashinfer_gated_delta_rule_decode --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+  # the paged ops' full families (> 150 s on a cold machine, 2026-11-29)
+  timeout 300 python3 -m conformance --device cuda --full --ops flashinfer_chunk_gated_delta_rule_paged,\
+flashinfer_gated_delta_rule_decode_paged --jobs 14 2>/dev/null | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 300 python3 -m benchmarks.bench_flashinfer --no-results 2>&1 | grep --line-buffered "^|" \
     | tee "$OUT/bench-flashinfer.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
