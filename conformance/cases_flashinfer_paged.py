@@ -105,24 +105,26 @@ def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> 
     return [q, k, v, g, beta, p.get("scale")], kw
 
 
-def run_prefill(op, args: list, kw: dict, wide: bool = False) -> tuple:
-    """op on a fresh copy of the pool (float64 copies of every floating input when ``wide``) -> (o, pool after)."""
+def run(op, args: list, kw: dict, wide: bool = False) -> tuple:
+    """op (either paged op) on a fresh copy of the pool and of an output buffer (float64 copies of every floating
+    input when ``wide``, no output buffer: it is q's dtype) -> (o, pool after)."""
     if wide:
         args = [_wide(t) for t in args]
-        kw = {n: _wide(t) for n, t in kw.items() if n != "output"}   # (output is q's dtype: the truth allocates)
+        kw = {n: _wide(t) for n, t in kw.items() if n != "output"}
     kw = dict(kw, state_pool=kw["state_pool"].clone())
     if "output" in kw:
         kw["output"] = kw["output"].clone()
     return op(*args, **kw), kw["state_pool"]
 
 
+
 def prefill_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     import fast.flashinfer_ops as FF
     import refgdn.flashinfer_ops as RF
     args, kw = prefill_problem(p, dtype, device, seed)
-    o_f, s_f = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
-    o_r, s_r = run_prefill(RF.chunk_gated_delta_rule_paged, args, kw)
-    o_t, s_t = run_prefill(RF.chunk_gated_delta_rule_paged, args, kw, wide=True)
+    o_f, s_f = run(FF.chunk_gated_delta_rule_paged, args, kw)
+    o_r, s_r = run(RF.chunk_gated_delta_rule_paged, args, kw)
+    o_t, s_t = run(RF.chunk_gated_delta_rule_paged, args, kw, wide=True)
     # the written pages at the coarser of the inputs' precision (as chunk_gated_delta_rule's final state: the chunked
     # form's dots take 16-bit operands where the time loop does not) and the pool's (its rounding)
     pool = kw["state_pool"]
@@ -140,7 +142,7 @@ def prefill_families(quick: bool, device: str) -> dict:
     ps = 64 if quick else 256
     s = 1 if quick else 4                                     # token counts scale with the page size
     return {
-        "prefixes-gva": dict(seqs=[(0, 70 * s), (100 * s, 90 * s), (64 * s, 5), (130 * s + 3, 200 * s),
+        "prefixes-gva": dict(seqs=[(0, 70 * s), (100 * s, 90 * s), (64 * s, 5), (130 * s + 3, 130 * s),
                                    (128 * s, 0)], ps=ps, heads=(1, 1, 2) if quick else (16, 16, 32), l2=True, **big),
         "shared-prefix-alpha-logits": dict(seqs=[(ps + 10, 60 * s), (ps + 50, 78 * s)], ps=ps, shared=True,
                                            gate="alpha", beta="logit", heads=(4, 2, 2) if quick else (32, 16, 16),
@@ -172,21 +174,13 @@ def decode_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> t
     return [q, k, v, A_log, a, dt_bias, b, p.get("scale")], kw
 
 
-def run_decode(op, args: list, kw: dict, wide: bool = False) -> tuple:
-    if wide:
-        args = [_wide(t) for t in args]
-        kw = {n: _wide(t) for n, t in kw.items()}
-    kw = dict(kw, state_pool=kw["state_pool"].clone())
-    return op(*args, **kw), kw["state_pool"]
-
-
 def decode_checks(p: dict, dtype: torch.dtype, device: str, seed: int) -> List[Check]:
     import fast.flashinfer_ops as FF
     import refgdn.flashinfer_ops as RF
     args, kw = decode_problem(p, dtype, device, seed)
-    o_f, s_f = run_decode(FF.gated_delta_rule_decode_paged, args, kw)
-    o_r, s_r = run_decode(RF.gated_delta_rule_decode_paged, args, kw)
-    o_t, s_t = run_decode(RF.gated_delta_rule_decode_paged, args, kw, wide=True)
+    o_f, s_f = run(FF.gated_delta_rule_decode_paged, args, kw)
+    o_r, s_r = run(RF.gated_delta_rule_decode_paged, args, kw)
+    o_t, s_t = run(RF.gated_delta_rule_decode_paged, args, kw, wide=True)
     return [Check("o", o_f, o_t, o_r)] + row_checks("pages", kw["state_pool"], s_f, s_t, s_r)
 
 

@@ -185,8 +185,8 @@ def pack_config(widths: int) -> dict:
 
 def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
                       slots=None, out=None) -> tuple:
-    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32, table [N, 3] int32).
-    out: (slots, cu_p, slot_rows, table) tensors to write instead of fresh ones."""
+    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32,
+    table [N, 3] int32). out: (slots, cu_p, slot_rows, table) tensors to write instead of fresh ones."""
     N = cu_seqlens.numel() - 1
     dev = cu_seqlens.device
     if out is None:

@@ -1384,10 +1384,11 @@ def check_flashinfer_paged_pool(state_pool, sab: int, V: int, K: int, device) ->
 def flashinfer_paged_rows(page_indices, page_indptr, last_page_len, page_size: Optional[int], num_pages: int,
                           new_lens: Optional[List[int]] = None) -> List[tuple]:
     """The pool rows of a paged prefill (new_lens: each sequence's new token count) or decode (None: one new token
-    each; page_size None: the decode's last_page_len is only known to be >= 1), from the values (host reads). Per sequence: (read page or -1, [written pages, in token order: each page
-    boundary the new tokens cross, then the last page], prefix length); a sequence without pages is a padded row
-    ((-1, [], 0); in a prefill only with no new tokens; in a decode its output is zeros). ValueError naming the entry for: page_indptr not
-    non-decreasing within page_indices, a last_page_len outside [1, page_size], fewer tokens than new ones, a page id
+    each; page_size None: the decode's last_page_len is only known to be >= 1), from the values (host reads). Per
+    sequence: (read page or -1, [written pages, in token order: each page boundary the new tokens cross, then the last
+    page], prefix length); a sequence without pages is a padded row ((-1, [], 0); in a prefill only with no new
+    tokens; in a decode its output is zeros). ValueError naming the entry for: page_indptr not non-decreasing within
+    page_indices, a last_page_len outside [1, page_size], fewer tokens than new ones, a page id
     outside [0, num_pages), a page written twice, or a page written by one sequence and read by another."""
     ptr, last, ids = page_indptr.tolist(), last_page_len.tolist(), page_indices.tolist()   # host reads: value checks
     N = len(last)

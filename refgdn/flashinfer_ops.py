@@ -4,12 +4,13 @@
 forget gate given as the decay itself (alpha = exp(g)), states [N, H, V, K] float32, GQA or GVA heads.
 ``gated_delta_rule_decode_pretranspose``, ``gated_delta_rule_decode`` and ``gated_delta_rule_mtp``
 (``flashinfer.gdn_decode``): decode and MTP verify with the gates formed from the raw projections, the states a
-per-batch tensor or a pool of slots, written in place. ``chunk_gated_delta_rule_paged`` / ``gated_delta_rule_decode_paged``
-with ``gdn_paged_prefill_slots`` / ``gdn_paged_decode_slots`` (``flashinfer.gdn_paged``): prefill and decode on a paged
-recurrent-state cache, page j of a sequence holding the state after its last token, so a request sharing a full-page
-prefix with an earlier one starts from the last shared page (prefix caching). So FlashInfer's imports of these names become
-``from refgdn.flashinfer_ops import ...`` (the oracle, any device) or ``from fast.flashinfer_ops import ...`` (Triton:
-any GPU Triton runs on, where FlashInfer's kernels need sm_90 or newer). Both packages' functions have one signature.
+per-batch tensor or a pool of slots, written in place. ``chunk_gated_delta_rule_paged`` /
+``gated_delta_rule_decode_paged`` with ``gdn_paged_prefill_slots`` / ``gdn_paged_decode_slots``
+(``flashinfer.gdn_paged``): prefill and decode on a paged recurrent-state cache, page j of a sequence holding the state
+after its last token, so a request sharing a full-page prefix with an earlier one starts from the last shared page
+(prefix caching). So FlashInfer's imports of these names become ``from refgdn.flashinfer_ops import ...`` (the oracle,
+any device) or ``from fast.flashinfer_ops import ...`` (Triton: any GPU Triton runs on, where FlashInfer's kernels need
+sm_90 or newer). Both packages' functions have one signature.
 
 Where FlashInfer's backends differ, one behaviour is chosen and documented per function.
 """
@@ -23,8 +24,9 @@ from typing import NamedTuple, Optional
 
 from .checks import (check_flashinfer_decode_inputs, check_flashinfer_outputs_disjoint, check_flashinfer_page_table,
                      check_flashinfer_paged_decode_inputs, check_flashinfer_paged_gates, check_flashinfer_paged_pool,
-                     check_flashinfer_paged_slots, check_flashinfer_prefill_inputs, check_index_vector, flashinfer_checkpoint_rows, flashinfer_decode_slots, flashinfer_paged_rows,
-                     host_offsets, need_disjoint, one_host_read)
+                     check_flashinfer_paged_slots, check_flashinfer_prefill_inputs, check_index_vector,
+                     flashinfer_checkpoint_rows, flashinfer_decode_slots, flashinfer_paged_rows, host_offsets,
+                     need_disjoint, one_host_read)
 from .delta_rule import recurrent_gated_delta_rule as _recurrent
 from .gating import softplus as _softplus
 

@@ -21,3 +21,17 @@ def gdn_inputs(B, T, H, HV, K, V, *, gate="mid", seed=0, dtype=torch.float64, de
     if init:
         out.append((0.5 * torch.randn(N or B, HV, K, V, generator=gen)).to(device=device, dtype=dtype))
     return out
+
+
+def captured(fn):
+    """fn captured in a CUDA graph after one warm-up call on a side stream (compiles and allocates outside the
+    capture) -> (graph, what the captured call returned: its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

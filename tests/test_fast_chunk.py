@@ -17,7 +17,7 @@ from conformance.core import Check, evaluate
 from fast import chunk as fc
 from fast.chunk.common import _beta_of
 from refgdn import delta_rule as dr
-from tests.helpers import gdn_inputs
+from tests.helpers import captured, gdn_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 D64 = torch.float64
@@ -454,14 +454,7 @@ def test_pipelined_forward_is_bit_identical(T, segments, dtype, l2, init, from_a
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[2], want[2]))
     # captured: the side stream forks from and joins the capturing stream
     ins = [x.clone() for x in (q, k, v, g, beta)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fc.chunk_gated_delta_rule_fwd(*ins, segments=segments, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fc.chunk_gated_delta_rule_fwd(*ins, segments=segments, **kw)
+    graph, out = captured(lambda: fc.chunk_gated_delta_rule_fwd(*ins, segments=segments, **kw))
     for seed in (5, 6):
         (q2, k2, v2, g2, beta2, _), _ = _inputs(1, T, 2, 4, 64, 32, dtype, init=True, seed=seed)
         for dst, src in zip(ins, (q2, k2, v2, g2, beta2)):

@@ -17,6 +17,7 @@ import fast.flashinfer_ops as FF
 import refgdn.flashinfer_ops as RF
 from conformance.cases_flashinfer import (SENTINEL, decode_families, decode_problem, prefill_families,
                                           prefill_problem, run_decode, run_prefill)
+from tests.helpers import captured
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PREFILL = [pytest.param(p, id=name) for name, p in prefill_families(quick=True, device=DEV).items()]
@@ -487,14 +488,7 @@ def test_prefill_cuda_graph_replay_equals_eager():
     the same total: bit for bit the eager call's output and final states."""
     p = prefill_families(True, DEV)["gva-varlen-h0"]
     static, kw = prefill_problem(p, torch.bfloat16, DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        FF.chunk_gated_delta_rule(*static, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_static, s_static = FF.chunk_gated_delta_rule(*static, **kw)
+    graph, (o_static, s_static) = captured(lambda: FF.chunk_gated_delta_rule(*static, **kw))
     for cu in ([0, 5, 5, 37, 70], [0, 1, 30, 30, 70], [0, 70, 70, 70, 70]):
         static[8].copy_(_t(cu, torch.int64))
         graph.replay()

@@ -14,9 +14,9 @@ import torch
 
 import fast.flashinfer_ops as FF
 import refgdn.flashinfer_ops as RF
-from conformance.cases_flashinfer_paged import (decode_families, decode_problem, prefill_families, prefill_problem,
-                                                run_decode, run_prefill)
+from conformance.cases_flashinfer_paged import decode_families, decode_problem, prefill_families, prefill_problem, run
 from refgdn.checks import flashinfer_paged_rows
+from tests.helpers import captured
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 I32 = dict(dtype=torch.int32, device=DEV)
@@ -298,17 +298,17 @@ def test_decode_bad_inputs_raise_before_any_write(pkg, change, words, value):
 def test_slots_given_must_be_the_tables():
     """Slots passed by the caller are used as given by fast (checked against the table with check_values) and always
     checked by refgdn."""
-    args, kw = prefill_problem(prefill_families(True, DEV)["prefixes-gva"], torch.float32, DEV)
+    args, kw = prefill_problem(prefill_families(True, DEV)["odd-KV-no-gates"], torch.float32, DEV)
     sl = RF.gdn_paged_prefill_slots(kw["cu_seqlens"], kw["page_indices"], kw["page_indptr"], kw["page_size"],
                                     kw["last_page_len"])
-    o_f, s_f = run_prefill(lambda *a, **k: FF.chunk_gated_delta_rule_paged(*a, **k, slots=sl), args, kw)
-    o_g, s_g = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+    o_f, s_f = run(lambda *a, **k: FF.chunk_gated_delta_rule_paged(*a, **k, slots=sl), args, kw)
+    o_g, s_g = run(FF.chunk_gated_delta_rule_paged, args, kw)
     assert torch.equal(o_f, o_g) and torch.equal(s_f, s_g)
     bad = sl._replace(prefix_lens=sl.prefix_lens + 1)
     for fn in (RF.chunk_gated_delta_rule_paged,
                lambda *a, **k: FF.chunk_gated_delta_rule_paged(*a, **k, check_values=True)):
         with pytest.raises(ValueError, match="slots.prefix_lens"):
-            run_prefill(lambda *a, **k: fn(*a, **k, slots=bad), args, kw)
+            run(lambda *a, **k: fn(*a, **k, slots=bad), args, kw)
 
 
 def test_fast_unchecked_values_stay_in_the_pool():
@@ -327,15 +327,15 @@ def test_fast_unchecked_values_stay_in_the_pool():
 def test_fast_reads_nothing_back_unless_asked():
     """Capturable by default (refgdn.capture's guards), one host read with check_values."""
     from refgdn.capture import HostSyncInCapture, capture_guards
-    args, kw = prefill_problem(prefill_families(True, DEV)["prefixes-gva"], torch.float32, DEV)
+    args, kw = prefill_problem(prefill_families(True, DEV)["odd-KV-no-gates"], torch.float32, DEV)
     with capture_guards("flashinfer_ops", DEV):
-        run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+        run(FF.chunk_gated_delta_rule_paged, args, kw)
     with pytest.raises(HostSyncInCapture):
         with capture_guards("flashinfer_ops", DEV):
-            run_prefill(lambda *a, **k: FF.chunk_gated_delta_rule_paged(*a, **k, check_values=True), args, kw)
+            run(lambda *a, **k: FF.chunk_gated_delta_rule_paged(*a, **k, check_values=True), args, kw)
     d_args, d_kw = decode_problem(decode_families(True, DEV)["open-mid-padded"], torch.float32, DEV)
     with capture_guards("flashinfer_ops", DEV):
-        run_decode(FF.gated_delta_rule_decode_paged, d_args, d_kw)
+        run(FF.gated_delta_rule_decode_paged, d_args, d_kw)
 
 
 def test_keys_equal_the_launches():
@@ -346,11 +346,9 @@ def test_keys_equal_the_launches():
     F = traced_ops(FF, keys=fk.flashinfer_ops)
     log = KeyLog()
     with recording(log):
-        for name in ("prefixes-gva", "one-seq-page128"):
-            for dt in (torch.float32, torch.bfloat16):
-                run_prefill(F.chunk_gated_delta_rule_paged, *prefill_problem(prefill_families(True, DEV)[name], dt,
-                                                                              DEV))
-        run_decode(F.gated_delta_rule_decode_paged, *decode_problem(decode_families(True, DEV)["open-mid-padded"],
+        for name, dt in (("prefixes-gva", torch.float32), ("one-seq-page128", torch.bfloat16)):
+            run(F.chunk_gated_delta_rule_paged, *prefill_problem(prefill_families(True, DEV)[name], dt, DEV))
+        run(F.gated_delta_rule_decode_paged, *decode_problem(decode_families(True, DEV)["open-mid-padded"],
                                                                     torch.float32, DEV))
     kernels = [key.kernel for key in log.launched]
     assert "chunk_state_kernel" in kernels and kernels[-1] == "recurrent_slots_kernel"
@@ -358,19 +356,12 @@ def test_keys_equal_the_launches():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU")
 def test_cuda_graph_replay_equals_eager():
-    """The paged prefill and decode captured (nothing read back) and replayed on new page tables of the same sizes:
-    bit for bit the eager calls' outputs and pools."""
+    """The paged prefill captured (nothing read back) and replayed on new page tables of the same sizes: bit for bit
+    the eager call's output and pool."""
     p = prefill_families(True, DEV)["prefixes-gva"]
     args, kw = prefill_problem(p, torch.bfloat16, DEV)
     pool0 = kw["state_pool"].clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        FF.chunk_gated_delta_rule_paged(*args, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_static = FF.chunk_gated_delta_rule_paged(*args, **kw)
+    graph, o_static = captured(lambda: FF.chunk_gated_delta_rule_paged(*args, **kw))
     for rnd in range(3):
         perm = torch.randperm(pool0.shape[0], device=DEV).to(torch.int32)
         kw["page_indices"].copy_(perm[:kw["page_indices"].numel()])
@@ -414,8 +405,8 @@ def test_bookkeeping_kernels_equal_their_twins(garbage):
 def test_planned_calls_equal_the_first():
     """From a signature's second call on, the checks are skipped and the launches replayed (fast.launch's plans):
     the same outputs and pages as the first, checked call, bit for bit."""
-    args, kw = prefill_problem(prefill_families(True, DEV)["prefixes-gva"], torch.float32, DEV)
-    first = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+    args, kw = prefill_problem(prefill_families(True, DEV)["odd-KV-no-gates"], torch.float32, DEV)
+    first = run(FF.chunk_gated_delta_rule_paged, args, kw)
     for _ in range(2):
-        again = run_prefill(FF.chunk_gated_delta_rule_paged, args, kw)
+        again = run(FF.chunk_gated_delta_rule_paged, args, kw)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
