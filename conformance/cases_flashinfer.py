@@ -243,9 +243,5 @@ def decode_families(quick: bool, device: str) -> dict:
 
 
 def cases(quick: bool, device: str) -> list:
-    try:
-        import fast.flashinfer_ops  # noqa: F401
-    except ImportError:
-        return []
     return family_cases(quick, device, ((PREFILL_OP, prefill_families, prefill_checks),
-                                        (DECODE_OP, decode_families, decode_checks)))
+                                        (DECODE_OP, decode_families, decode_checks)), needs="fast.flashinfer_ops")

@@ -199,9 +199,5 @@ def decode_families(quick: bool, device: str) -> dict:
 
 
 def cases(quick: bool, device: str) -> list:
-    try:
-        import fast.flashinfer_ops  # noqa: F401
-    except ImportError:
-        return []
     return family_cases(quick, device, ((PAGED_PREFILL_OP, prefill_families, prefill_checks),
-                                        (PAGED_DECODE_OP, decode_families, decode_checks)))
+                                        (PAGED_DECODE_OP, decode_families, decode_checks)), needs="fast.flashinfer_ops")

@@ -16,6 +16,7 @@ inputs made by slicing, strong and weak decay, qk-l2norm, fused gating). ``quick
 """
 from __future__ import annotations
 
+import importlib
 import zlib
 from typing import Callable, Optional
 
@@ -43,10 +44,16 @@ def dtypes_for(device: str) -> list:
     return out
 
 
-def family_cases(quick: bool, device: str, ops) -> list:
+def family_cases(quick: bool, device: str, ops, needs: Optional[str] = None) -> list:
     """The Cases of ops whose families are dicts of parameters: ops = ((op name, families(quick, device) -> {family:
     p}, checks(p, dtype, device, seed) -> [Check]), ...); one case per family and dtype of dtypes_for (float32 only for
-    a family with p["fp32_x"]), seeded by its full name."""
+    a family with p["fp32_x"]), seeded by its full name. needs: the fast module the ops come from; none when it does
+    not import (no Triton)."""
+    if needs is not None:
+        try:
+            importlib.import_module(needs)
+        except ImportError:
+            return []
     out = []
     for op, fams, check in ops:
         for family, p in fams(quick, device).items():

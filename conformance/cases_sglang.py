@@ -121,8 +121,4 @@ def families(quick: bool, device: str) -> dict:
 
 
 def cases(quick: bool, device: str) -> list:
-    try:
-        import fast.sglang_ops  # noqa: F401
-    except ImportError:
-        return []
-    return family_cases(quick, device, ((OP, families, checks),))
+    return family_cases(quick, device, ((OP, families, checks),), needs="fast.sglang_ops")

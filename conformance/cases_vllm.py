@@ -503,13 +503,9 @@ def chunk_families(quick: bool, device: str) -> dict:
 
 
 def cases(quick: bool, device: str) -> list:
-    try:
-        import fast.vllm_ops  # noqa: F401
-    except ImportError:
-        return []
     return family_cases(quick, device, ((OP, families, checks), (PACKED_OP, packed_families, packed_checks),
                                         (SIGMOID_OP, sigmoid_families, sigmoid_checks),
                                         (POST_CONV_OP, post_conv_families, post_conv_checks),
                                         (CONV_OP, conv_families, conv_checks),
                                         (CONV_FN_OP, conv_fn_families, conv_fn_checks),
-                                        (CHUNK_OP, chunk_families, chunk_checks)))
+                                        (CHUNK_OP, chunk_families, chunk_checks)), needs="fast.vllm_ops")

@@ -30,6 +30,7 @@ from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
 from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
 from .paged import launch_paged_pack, launch_paged_rows
+from .paged import modes as paged_modes
 from .serving import prefill_update_x2
 from .vllm_ops import _SlotsOpPlan
 
@@ -382,7 +383,6 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
                 _same_slots(slots, gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size,
                                                            last_page_len), "chunk_gated_delta_rule_paged")
     q, k, v = gqa_to_gva(q, k, v)
-    gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
     pool = state_pool.transpose(-1, -2)                                                # [P, sab, K, V] view
     with plan if plan is not None else contextlib.nullcontext():
         # the slots, the aligned layout's offsets and the state pass's rows in one launch; the tokens and gates
@@ -390,9 +390,9 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
         _, cu_p, slot_rows, table = launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len,
                                                       page_size, T, P, slots)
         q, k, v, log_g, beta = launch_paged_pack(_unit_last(q), _unit_last(k), _unit_last(v), g, beta, A_log,
-                                                 dt_bias, cu_seqlens, cu_p, gate,
-                                                 None if beta is None else "logit" if beta_is_logit else "prob",
-                                                 LOG_DECAY_FLOOR)
+                                                 dt_bias, cu_seqlens, cu_p,
+                                                 *paged_modes(g, beta, gate_domain, use_gate_in_kernel,
+                                                              beta_is_logit), LOG_DECAY_FLOOR)
         # the pages outlive the call, as gdn_prefill's cache: bf16's state update in two terms (fast.serving's rule)
         o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True,
                           cu_p, use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,

@@ -837,28 +837,22 @@ def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, 
     N = cu_seqlens.shape[0] - 1
     Tp = q.shape[0] + 63 * N
     q, k, v = gqa_to_gva(*(_meta_like(t) for t in (q, k, v)))
-    cfg = _paged.rows_config(N)
-    sdt = [t.dtype for t in slots] if slots is not None else [torch.int32] * 4
-    out = [CompileKey.make(
-        "paged_rows_kernel", dict(PS=page_size, GIVEN=slots is not None, BN=cfg["BN"]),
-        dict(cu=cu_seqlens.dtype, page_indices=(page_indices if page_indices.numel() else page_indptr).dtype,
-             page_indptr=page_indptr.dtype, last_page_len=last_page_len.dtype, s_read=sdt[0], s_final=sdt[1],
-             s_ck=sdt[2], s_prefix=sdt[3], cu_p=cu_seqlens.dtype, slot_rows=torch.int32, table=torch.int32),
-        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
-    HQ, K, HK, HVV, V = q.shape[1], q.shape[2], k.shape[1], v.shape[1], v.shape[2]
-    SAB = max(HQ, HVV)
-    cfg = _paged.pack_config(max(HQ * K, HK * K, HVV * V))
-    gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
-    out.append(CompileKey.make(
-        "paged_pack_kernel",
-        dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB),
-             BR=cfg["BR"], STEPS=max(1, N.bit_length()), GATE=_paged.GATES[gate],
-             BETA=_paged.BETAS[None if beta is None else "logit" if beta_is_logit else "prob"],
-             FLOOR=_fi_floor(), THRESHOLD=_paged.SOFTPLUS_THRESHOLD),
-        dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype if g is not None else _F32,
-             beta=beta.dtype if beta is not None else _F32, A_log=_dt(A_log) or _F32, dt_bias=_dt(dt_bias) or _F32,
-             cu=cu_seqlens.dtype, cu_p=cu_seqlens.dtype, qo=q.dtype, ko=k.dtype, vo=v.dtype, go=_F32, bo=_F32),
-        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
+    sab = max(q.shape[1], v.shape[1])
+    i32 = lambda *s: _meta(*s, dtype=torch.int32)  # noqa: E731
+    cu_p = _meta(N + 1, dtype=cu_seqlens.dtype)
+    out = []
+    for kernel, names, plan in (
+            ("paged_rows_kernel", _paged.ROWS_TENSORS, _paged.rows_launch(
+                cu_seqlens, page_indices, page_indptr, last_page_len,
+                tuple(slots) if slots is not None else (i32(N),) * 4, cu_p, i32(N, 2), i32(N, 3), page_size, 0, 1,
+                slots is not None)),
+            ("paged_pack_kernel", _paged.PACK_TENSORS, _paged.pack_launch(
+                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p,
+                tuple(_meta(Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
+                + (_meta(Tp, sab, dtype=torch.float32),) * 2,
+                *_paged.modes(g, beta, gate_domain, use_gate_in_kernel, beta_is_logit), _fi_floor()))):
+        _, args, constexprs, options = plan
+        out.append(CompileKey.make(kernel, constexprs, {n: _dt(t) for n, t in zip(names, args)}, options))
     q4, k4, v4 = (_meta(1, Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
     g4 = beta4 = _meta(1, Tp, v.shape[1], dtype=torch.float32)
     pool = _meta_like(state_pool).transpose(-1, -2)

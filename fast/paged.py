@@ -183,22 +183,44 @@ def pack_config(widths: int) -> dict:
     return dict(BR=max(32, min(64, prev_pow2(8192 // max(widths, 1)))), num_warps=4, num_stages=1)
 
 
-def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
-                      slots=None, out=None) -> tuple:
-    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32,
-    table [N, 3] int32). out: (slots, cu_p, slot_rows, table) tensors to write instead of fresh ones."""
+# the kernels' pointer arguments, in order (fast.keys names their dtypes from the plans below)
+ROWS_TENSORS = ("cu", "page_indices", "page_indptr", "last_page_len", "s_read", "s_final", "s_ck", "s_prefix", "cu_p",
+                "slot_rows", "table")
+PACK_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu", "cu_p", "qo", "ko", "vo", "go", "bo")
+
+
+def modes(g, beta, gate_domain: str, use_gate_in_kernel: bool, beta_is_logit: bool) -> tuple:
+    """paged_pack_kernel's (gate, beta) modes for chunk_gated_delta_rule_paged's arguments: keys of GATES, BETAS."""
+    gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
+    return gate, None if beta is None else "logit" if beta_is_logit else "prob"
+
+
+def rows_launch(cu_seqlens, page_indices, page_indptr, last_page_len, slots: tuple, cu_p, slot_rows, table,
+                page_size: int, T: int, P: int, given: bool) -> tuple:
+    """Everything paged_rows_kernel is launched with, from shapes and dtypes only (meta tensors do): (grid, args,
+    constexprs, options). slots: the four [N] tensors (written, or read when ``given``)."""
     N = cu_seqlens.numel() - 1
-    dev = cu_seqlens.device
-    if out is None:
-        sl = slots if slots is not None else tuple(torch.empty(N, dtype=torch.int32, device=dev) for _ in range(4))
-        out = (sl, torch.empty(N + 1, dtype=cu_seqlens.dtype, device=dev),
-               torch.empty(N, 2, dtype=torch.int32, device=dev), torch.empty(N, 3, dtype=torch.int32, device=dev))
-    sl, cu_p, slot_rows, table = out
     cfg = rows_config(N)
     ids = page_indices if page_indices.numel() else page_indptr          # (an empty table: never read)
-    launch(paged_rows_kernel, (1,), dict(PS=page_size, GIVEN=slots is not None, **cfg),
-           cu_seqlens, ids, page_indptr, last_page_len, *sl, cu_p, slot_rows, table, N, T, page_indices.numel(), P)
-    return out
+    args = (cu_seqlens, ids, page_indptr, last_page_len, *slots, cu_p, slot_rows, table, N, T, page_indices.numel(),
+            P)
+    return (1,), args, dict(PS=page_size, GIVEN=given, BN=cfg.pop("BN")), cfg
+
+
+def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
+                      slots=None) -> tuple:
+    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32,
+    table [N, 3] int32)."""
+    N = cu_seqlens.numel() - 1
+    dev = cu_seqlens.device
+    sl = slots if slots is not None else tuple(torch.empty(N, dtype=torch.int32, device=dev) for _ in range(4))
+    cu_p = torch.empty(N + 1, dtype=cu_seqlens.dtype, device=dev)
+    slot_rows = torch.empty(N, 2, dtype=torch.int32, device=dev)
+    table = torch.empty(N, 3, dtype=torch.int32, device=dev)
+    grid, args, constexprs, options = rows_launch(cu_seqlens, page_indices, page_indptr, last_page_len, sl, cu_p,
+                                                  slot_rows, table, page_size, T, P, slots is not None)
+    launch(paged_rows_kernel, grid, dict(constexprs, **options), *args)
+    return sl, cu_p, slot_rows, table
 
 
 def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
@@ -206,7 +228,6 @@ def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: 
     """The stage twin of paged_rows_kernel in torch (refgdn.flashinfer_ops.gdn_paged_prefill_slots for the slots):
     the same four results from the same values (any values: the kernel's clamps)."""
     import refgdn.flashinfer_ops as RF
-    N = cu_seqlens.numel() - 1
     if slots is None:
         slots = RF.gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len)
     cu = cu_seqlens.long().clamp(0, T)
@@ -220,34 +241,44 @@ def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: 
     first = (torch.div(prefix, page_size, rounding_mode="floor") + 1) * page_size - (prefix - prefix % 64)
     table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
                          page_indptr.long()[1:] - 1], 1).to(torch.int32)
-    assert table.shape[0] == N
     return slots, cu_p, slot_rows, table
+
+
+def pack_launch(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs: tuple, gate: Optional[str],
+                beta_mode: Optional[str], floor: float) -> tuple:
+    """Everything paged_pack_kernel is launched with, from shapes, strides and dtypes only (meta tensors do): (grid,
+    args, constexprs, options). outs: (qo, ko, vo, go, bo), [Tp, ...]."""
+    T, HQ, K = q.shape
+    HK, HVV, V = k.shape[1], v.shape[1], v.shape[2]
+    N = cu_seqlens.numel() - 1
+    SAB = max(HQ, HVV)
+    Tp = T + 63 * N
+    go, bo = outs[3], outs[4]
+    gt = g if g is not None else go                                         # (not read without one)
+    bt = beta if beta is not None else bo
+    cfg = pack_config(max(HQ * K, HK * K, HVV * V))
+    BR = cfg.pop("BR")
+    constexprs = dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB),
+                      BR=BR, STEPS=max(1, N.bit_length()), GATE=GATES[gate], BETA=BETAS[beta_mode], FLOOR=floor,
+                      THRESHOLD=SOFTPLUS_THRESHOLD)
+    args = (q, k, v, gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens,
+            cu_p, *outs, N, T, Tp, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            gt.stride(0), bt.stride(0))
+    return (cdiv(Tp, BR),), args, constexprs, cfg
 
 
 def launch_paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str],
                       beta_mode: Optional[str], floor: float) -> tuple:
     """q, k, v: [T, ., .] (unit last stride), g, beta: [T, sab] or None -> (q, k, v [Tp, ., .] in their dtypes, the
     decay's log and beta [Tp, sab] float32), Tp = T + 63 N."""
-    T, HQ, K = q.shape
-    HK, HVV, V = k.shape[1], v.shape[1], v.shape[2]
-    N = cu_seqlens.numel() - 1
-    SAB = max(HQ, HVV)
-    Tp = T + 63 * N
+    Tp, SAB = q.shape[0] + 63 * (cu_seqlens.numel() - 1), max(q.shape[1], v.shape[1])
     dev = q.device
-    qo, ko, vo = (torch.empty((Tp,) + tuple(x.shape[1:]), dtype=x.dtype, device=dev) for x in (q, k, v))
-    go, bo = (torch.empty(Tp, SAB, dtype=torch.float32, device=dev) for _ in range(2))
-    cfg = pack_config(max(HQ * K, HK * K, HVV * V))
-    BR = cfg.pop("BR")
-    gt = g if g is not None else go                                         # (not read without one)
-    bt = beta if beta is not None else bo
-    kw = dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB), BR=BR,
-              STEPS=max(1, (N).bit_length()), GATE=GATES[gate], BETA=BETAS[beta_mode], FLOOR=floor,
-              THRESHOLD=SOFTPLUS_THRESHOLD, **cfg)
-    launch(paged_pack_kernel, (cdiv(Tp, BR),), kw,
-           q, k, v, gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens,
-           cu_p, qo, ko, vo, go, bo, N, T, Tp, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-           v.stride(1), gt.stride(0), bt.stride(0))
-    return qo, ko, vo, go, bo
+    outs = tuple(torch.empty((Tp,) + tuple(x.shape[1:]), dtype=x.dtype, device=dev) for x in (q, k, v)) + \
+        tuple(torch.empty(Tp, SAB, dtype=torch.float32, device=dev) for _ in range(2))
+    grid, args, constexprs, options = pack_launch(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs, gate,
+                                                  beta_mode, floor)
+    launch(paged_pack_kernel, grid, dict(constexprs, **options), *args)
+    return outs
 
 
 def paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str], beta_mode: Optional[str],
