@@ -29,7 +29,7 @@ from .chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
 from .chunk.common import _check_fast_limits, _is_fp64, _unit_last
 from .chunk.recurrent import (WRITE_EACH_SLOT, WRITE_EACH_SLOT_AND_FINAL, WRITE_FINAL, WRITE_NONE, launch_slots)
 from .launch import LayoutPlans, SignaturePlans, scalar_key, shape_key
-from .paged import launch_paged_pack, launch_paged_rows
+from .paged import launch_paged_gates, launch_paged_rows
 from .paged import modes as paged_modes
 from .serving import prefill_update_x2
 from .vllm_ops import _SlotsOpPlan
@@ -316,16 +316,6 @@ def gated_delta_rule_mtp(q, k, v, initial_state, initial_state_indices, A_log, a
 # flashinfer.gdn_paged (refgdn.flashinfer_ops for the semantics; the slots functions are refgdn's: device ops)
 # ----------------------------------------------------------------------------------------------
 
-def aligned_rows(cu_seqlens: torch.Tensor, cu_p: torch.Tensor, T: int) -> torch.Tensor:
-    """Each token's row in the chunk-aligned layout (fast.paged), [T] int64: t + the pad rows of its sequence and
-    those before it, on the device (offsets clamped into [0, T]; rows within T + 63 N)."""
-    N = cu_seqlens.numel() - 1
-    cu = cu_seqlens.long().clamp(0, T)
-    t = torch.arange(T, device=cu.device)
-    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(N - 1, 0))
-    return t + (cu_p.long()[1:] - cu[1:])[seq]
-
-
 def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_seqlens, state_pool, page_indices,
                                  page_indptr, page_size, last_page_len, use_qk_l2norm_in_kernel=False, output=None,
                                  gate_domain="linear", use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -339,11 +329,11 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
         S <- exp(log g_t) S ;  S <- S + k_t (beta_t (v_t - S^T k_t))^T ;  o_t = scale S^T q_t     (S = page^T)
 
     How (fast.paged): the pool rows from the page table on the device (paged_rows_kernel: gdn_paged_prefill_slots'
-    rows, or the slots given); the tokens copied into a chunk-aligned layout (paged_pack_kernel: each sequence's
-    prefix mod 64 zero rows in front, whose beta = 0 and decay 1 leave the state as it is, so chunks and page
-    boundaries line up; the gates formed on the way); the chunked forward from the page
-    holding the last prefix token (the state pass's H0_SLOTS), every crossed page boundary stored by the state pass
-    (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS); o gathered back. Nothing is read back unless
+    rows, or the slots given); the chunked forward on a chunk-aligned row space (each sequence's prefix mod 64 zero
+    rows in front, whose beta = 0 and decay 1 leave the state as it is, so chunks and page boundaries line up): the
+    gates formed into it (paged_gates_kernel), q, k, v read and o written at the caller's rows (the kernels'
+    IN_ROWS: no token copied); from the page holding the last prefix token (the state pass's H0_SLOTS), every
+    crossed page boundary stored by the state pass (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS). Nothing is read back unless
     check_values=True (cu_seqlens and the page table's values checked: refgdn's rules); unchecked values stay
     memory-safe (rows outside the pool are not written). The gates are formed in float32 (alpha = 0: the decay's log
     floored at LOG_DECAY_FLOOR). float64 runs refgdn.
@@ -385,21 +375,21 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
     q, k, v = gqa_to_gva(q, k, v)
     pool = state_pool.transpose(-1, -2)                                                # [P, sab, K, V] view
     with plan if plan is not None else contextlib.nullcontext():
-        # the slots, the aligned layout's offsets and the state pass's rows in one launch; the tokens and gates
-        # copied into the aligned layout (q, k, v in their dtypes, the decay's log and beta float32) in one more
-        _, cu_p, slot_rows, table = launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len,
-                                                      page_size, T, P, slots)
-        q, k, v, log_g, beta = launch_paged_pack(_unit_last(q), _unit_last(k), _unit_last(v), g, beta, A_log,
-                                                 dt_bias, cu_seqlens, cu_p,
-                                                 *paged_modes(g, beta, gate_domain, use_gate_in_kernel,
-                                                              beta_is_logit), LOG_DECAY_FLOOR)
+        # the slots, the aligned layout's offsets and rows, the state pass's rows in one launch; the gates formed
+        # into the aligned layout (the decay's log and beta, float32) in one more
+        _, cu_p, in_rows, slot_rows, table = launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len,
+                                                               page_size, T, P, slots)
+        sab = max(q.shape[1], v.shape[1])
+        log_g, beta = launch_paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T, sab,
+                                         *paged_modes(g, beta, gate_domain, use_gate_in_kernel, beta_is_logit),
+                                         LOG_DECAY_FLOOR)
+        out = output[None] if output is not None and output.is_contiguous() else None
         # the pages outlive the call, as gdn_prefill's cache: bf16's state update in two terms (fast.serving's rule)
         o, _ = _chunk_fwd(q[None], k[None], v[None], log_g[None], beta[None], prefill_scale(scale, K), pool, True,
                           cu_p, use_qk_l2norm_in_kernel, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
-                          update_x2=prefill_update_x2(k.dtype), checkpoints=(pool, table, page_size // 64,
-                                                                             page_indices))
-    o = o[0].index_select(0, aligned_rows(cu_seqlens, cu_p, T))                       # [T, sab, V]
-    return output.copy_(o) if output is not None else o
+                          update_x2=prefill_update_x2(k.dtype), out=out,
+                          checkpoints=(pool, table, page_size // 64, page_indices), in_rows=(in_rows, log_g.shape[0]))
+    return output if out is not None else output.copy_(o[0]) if output is not None else o[0]
 
 
 def _paged_signature(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,

@@ -388,7 +388,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            cp_context=None, head_first=False, device=None,
                            offsets_known: Optional[bool] = None, slots: bool = False,
                            beta_logits: int = 0, device_tables: bool = False,
-                           checkpoints: Optional[tuple] = None) -> List[CompileKey]:
+                           checkpoints: Optional[tuple] = None, in_rows: bool = False) -> List[CompileKey]:
     """Keys of fast.chunk_gated_delta_rule: kernels 1, 3 and (unless the state pass forms o) 4 at chunk size
     BT = chunk_size; kernel 2 never runs in the forward, whose pass forms v_new from A (float64 runs
     refgdn: no keys). ``device``: the device whose SM count picks the state pass's BV (default q's).
@@ -404,7 +404,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     chunk_gated_delta_rule_fwd's beta_logits). device_tables: every kernel's tables built on the device
     (chunk_gated_delta_rule_fwd's offsets_on_device: vLLM's chunk op), one chunk_table_kernel launch for all.
     checkpoints: (ck, starts[, every, page ids]) tensors of chunk_gated_delta_rule_fwd's checkpoints (FlashInfer's;
-    the state pass's CKPT, with page ids its CK_PAGED; not pipelined), else None."""
+    the state pass's CKPT, with page ids its CK_PAGED; not pipelined), else None. in_rows: FlashInfer's paged
+    prefill (chunk_gated_delta_rule_fwd's in_rows: q, k, v, o at the caller's rows, the kernels' IN_ROWS; q's
+    shape then gives the kernels' rows)."""
     beta, initial_state, A_log, dt_bias = _fla_mapped(q, v, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                       use_gate_in_kernel, chunk_indices, cp_context, head_first)
@@ -448,9 +450,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  INV_DIAG_PREC=_chunk.INV_DIAG_PRECISION[kdt], INV_ROWS=_chunk._inv_rows(None, kdt), DOT_F32=interp,
                  UPCAST=False,
                  PRECISE=precise, THRESHOLD=_chunk.SOFTPLUS_THRESHOLD, EPS=_chunk.L2NORM_EPS,
-                 BETA_LOGITS=beta_logits),
+                 BETA_LOGITS=beta_logits, IN_ROWS=in_rows),
             dict(k=kdt, g=g.dtype, beta=beta.dtype, A_log=_dt(A_log), dt_bias=_dt(dt_bias), G=_F32, Gl=_F32, A=kdt,
-                 kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab),
+                 kn=kdt if l2 else None, cu_seqlens=cu, chunk_indices=tab, in_rows=_I32 if in_rows else None),
             opts(_chunk._cfg("kkt", _chunk.kkt_config(K)))))
     if fused and l2 and B * T * H:                          # q's row scales for the fused pass (output.py)
         cfg = _chunk._cfg("row_scales", _chunk.row_scales_config(K))
@@ -473,13 +475,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  UPDATE_X2=slots and _serving.prefill_update_x2(k.dtype), H0_SLOTS=slots,
                  HT_SLOTS=slots and bool(output_final_state), BETA_LOGITS=beta_logits,
                  VN_SPLIT=False, CKPT=checkpoints is not None,      # (VN_SPLIT: the backward's recompute only)
-                 CK_PAGED=checkpoints is not None and len(checkpoints) > 3),
+                 CK_PAGED=checkpoints is not None and len(checkpoints) > 3, IN_ROWS=in_rows,
+                 K_IN_ROWS=in_rows and not l2),
             dict(k=k.dtype, G=_F32, Gl=_F32, h0=_dt(initial_state),
                  ck=_dt(checkpoints[0]) if checkpoints else None,
                  ck_starts=_dt(checkpoints[1]) if checkpoints else None,
                  ck_idx=_dt(checkpoints[3]) if checkpoints and len(checkpoints) > 3 else None,
                  ht=(initial_state.dtype if slots else _F32) if output_final_state else None,
                  cu_seqlens=cu, chunk_offsets=tab, seq_order=tab, slot_rows=_I32 if slots else None, qs=_F32,
+                 in_rows=_I32 if in_rows else None,
                  **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
@@ -487,9 +491,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         out.append(CompileKey.make(
             "chunk_output_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen, L2NORM=l2,
-                 PREC=_chunk._fp32_prec(q.dtype), DOT_F32=interp, PRECISE=precise, EPS=_chunk.L2NORM_EPS),
+                 PREC=_chunk._fp32_prec(q.dtype), DOT_F32=interp, PRECISE=precise, EPS=_chunk.L2NORM_EPS,
+                 IN_ROWS=in_rows, K_IN_ROWS=in_rows and not l2),
             dict(q=q.dtype, k=k.dtype, v_new=v.dtype, h=k.dtype, G=_F32, Gl=_F32, o=v.dtype, cu_seqlens=cu,
-                 chunk_indices=tab),
+                 chunk_indices=tab, in_rows=_I32 if in_rows else None),
             opts(cfg)))
     return out
 
@@ -827,9 +832,9 @@ def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, 
                                      output=None, gate_domain="linear", use_gate_in_kernel=False, A_log=None,
                                      dt_bias=None, beta_is_logit=False, slots=None,
                                      check_values=False) -> List[CompileKey]:
-    """Keys of fast.flashinfer_ops.chunk_gated_delta_rule_paged: the chunked forward on the chunk-aligned copy (T +
-    63 N rows; float32 gates) from and into the pool's [K, V] view at slot rows, with the paged checkpoints
-    (float64: refgdn, none)."""
+    """Keys of fast.flashinfer_ops.chunk_gated_delta_rule_paged: the chunked forward on the chunk-aligned rows (T +
+    63 N; float32 gates; q, k, v at the caller's rows: in_rows) from and into the pool's [K, V] view at slot rows,
+    with the paged checkpoints (float64: refgdn, none)."""
     from . import paged as _paged
     from .flashinfer_ops import gqa_to_gva
     if _fp64(q, g, beta, A_log, dt_bias, state_pool):
@@ -844,22 +849,20 @@ def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, 
     for kernel, names, plan in (
             ("paged_rows_kernel", _paged.ROWS_TENSORS, _paged.rows_launch(
                 cu_seqlens, page_indices, page_indptr, last_page_len,
-                tuple(slots) if slots is not None else (i32(N),) * 4, cu_p, i32(N, 2), i32(N, 3), page_size, 0, 1,
-                slots is not None)),
-            ("paged_pack_kernel", _paged.PACK_TENSORS, _paged.pack_launch(
-                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p,
-                tuple(_meta(Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
-                + (_meta(Tp, sab, dtype=torch.float32),) * 2,
+                tuple(slots) if slots is not None else (i32(N),) * 4, cu_p, i32(N, 3), i32(N, 2), i32(N, 3), page_size,
+                0, 1, slots is not None)),
+            ("paged_gates_kernel", _paged.GATES_TENSORS, _paged.gates_launch(
+                g, beta, A_log, dt_bias, cu_seqlens, cu_p, (_meta(Tp, sab, dtype=torch.float32),) * 2, q.shape[0],
                 *_paged.modes(g, beta, gate_domain, use_gate_in_kernel, beta_is_logit), _fi_floor()))):
         _, args, constexprs, options = plan
         out.append(CompileKey.make(kernel, constexprs, {n: _dt(t) for n, t in zip(names, args)}, options))
-    q4, k4, v4 = (_meta(1, Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))
+    q4, k4, v4 = (_meta(1, Tp, *x.shape[1:], dtype=x.dtype) for x in (q, k, v))     # (the kernels' rows)
     g4 = beta4 = _meta(1, Tp, v.shape[1], dtype=torch.float32)
     pool = _meta_like(state_pool).transpose(-1, -2)
     return out + chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale, pool, True, cu_seqlens,
                                         use_qk_l2norm_in_kernel, device=q.device, device_tables=True, slots=True,
                                         checkpoints=(pool, _meta(N, 3, dtype=torch.int32), page_size // 64,
-                                                     page_indices))
+                                                     page_indices), in_rows=True)
 
 
 def _fi_floor() -> float:

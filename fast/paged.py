@@ -1,19 +1,25 @@
 """The paged prefill's bookkeeping (fast.flashinfer_ops.chunk_gated_delta_rule_paged): two small kernels where the
 torch glue took ~60 launches, each with its stage twin in torch.
 
+The chunked forward runs on a chunk-aligned row space: sequence n's tokens sit after pad_n zero rows, so its chunks
+start at multiples of 64 of its whole history and every page boundary is a chunk boundary. The zero rows have beta 0
+and decay 1 (the state passes through). Only the gates are written in that layout; q, k, v are read and o written at
+the caller's rows (the kernels' IN_ROWS, fast.chunk.common._in_rows_of), so no token is copied.
+
 ``paged_rows_kernel`` (one program, the sequences in blocks): FlashInfer's slots from the page table (or the caller's),
 and what the chunked forward takes from them:
 
     prefix = (num_pages - 1) page_size + last_page_len - len ;   pad = prefix mod 64 (0 for an empty sequence)
-    cu_p[n + 1] = cu[n + 1] + sum_{m <= n} pad_m                  (the chunk-aligned layout's offsets)
+    cu_p[n + 1] = cu[n + 1] + sum_{m <= n} pad_m                  (the aligned layout's offsets)
+    in_rows[n] = (cu_p[n] + pad_n, cu_p[n + 1], sum_{m <= n} pad_m)  (the rows holding the caller's tokens, the shift)
     slot_rows[n] = (last page or -1 when empty, the page of the last prefix token or -1)
     table[n] = (first crossed boundary in chunks of the aligned layout, its page-table entry, the last page's entry)
 
-``paged_pack_kernel`` (rows of the aligned layout in blocks): row p of sequence n holds token cu[n] + (p - cu_p[n] -
-pad_n), or zeros for the pad_n rows in front (zero q, k, v; decay log 0 and beta 0: the state passes through) and for
-rows past cu_p[N]; the gates formed on the way (alpha's log floored, or -exp(A_log) softplus(a + dt_bias); beta or
-sigmoid(beta)). Values are never read on the host; any values stay memory-safe (offsets clamped into [0, T], rows
-within T + 63 N, page-table entries within the table).
+``paged_gates_kernel`` (rows of the aligned layout in blocks): the decay's log and beta, float32, at row p of
+sequence n those of token cu[n] + (p - cu_p[n] - pad_n), zeros on the pad_n rows in front and past cu_p[N], formed on
+the way (alpha's log floored, or -exp(A_log) softplus(a + dt_bias); beta or sigmoid(beta)). Values are never read on
+the host; any values stay memory-safe (offsets clamped into [0, T], rows within T + 63 N, page-table entries within
+the table).
 """
 from __future__ import annotations
 
@@ -26,18 +32,18 @@ import triton.language as tl
 from .launch import launch
 from .utils import cdiv, is_interpreting, next_pow2
 
-GATES = {None: 0, "linear": 1, "log": 2, "raw": 3}       # paged_pack_kernel's GATE
+GATES = {None: 0, "linear": 1, "log": 2, "raw": 3}       # paged_gates_kernel's GATE
 BETAS = {None: 0, "prob": 1, "logit": 2}                 # ... and BETA
 SOFTPLUS_THRESHOLD = 20.0
 
 
 @triton.jit(do_not_specialize=["N", "T", "n_ids", "P"])
 def paged_rows_kernel(cu, page_indices, page_indptr, last_page_len, s_read, s_final, s_ck, s_prefix,
-                      cu_p, slot_rows, table, N, T, n_ids, P, PS: tl.constexpr, GIVEN: tl.constexpr,
+                      cu_p, in_rows, slot_rows, table, N, T, n_ids, P, PS: tl.constexpr, GIVEN: tl.constexpr,
                       BN: tl.constexpr):
     """cu, page_indptr: [N+1]; last_page_len: [N]; s_*: the four slots [N] (written, or read when GIVEN);
-    cu_p: [N+1] (cu's dtype); slot_rows: [N, 2] int32 (a page outside the pool's P: -1, nothing read or written
-    there: memory safety for unchecked values); table: [N, 3] int32. One program."""
+    cu_p: [N+1] (cu's dtype); in_rows: [N, 3] int32; slot_rows: [N, 2] int32 (a page outside the pool's P: -1,
+    nothing read or written there: memory safety for unchecked values); table: [N, 3] int32. One program."""
     carry = tl.zeros([1], dtype=tl.int64)
     tl.store(cu_p + tl.arange(0, 1), carry.to(cu_p.dtype.element_ty))
     for start in range(0, N, BN):
@@ -72,6 +78,11 @@ def paged_rows_kernel(cu, page_indices, page_indptr, last_page_len, s_read, s_fi
         pad = tl.where(m & (lens > 0), mod64, 0)
         cum = tl.cumsum(pad, 0) + carry
         tl.store(cu_p + n + 1, (hi + cum).to(cu_p.dtype.element_ty), mask=m)
+        # the caller's tokens at aligned rows [lo + cum, hi + cum), row p holding row p - cum (an empty or inverted
+        # range of unchecked offsets holds none)
+        tl.store(in_rows + n * 3, (lo + cum).to(tl.int32), mask=m)
+        tl.store(in_rows + n * 3 + 1, (hi + cum).to(tl.int32), mask=m)
+        tl.store(in_rows + n * 3 + 2, cum.to(tl.int32), mask=m)
         carry += tl.sum(pad, 0)
         final = tl.where((final >= 0) & (final < P) & (lens > 0), final, -1)
         tl.store(slot_rows + n * 2, final.to(tl.int32), mask=m)
@@ -97,14 +108,11 @@ def _rows_of(cu_p, p, N, STEPS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "T", "Tp"])
-def paged_pack_kernel(q, k, v, g, beta, A_log, dt_bias, cu, cu_p, qo, ko, vo, go, bo, N, T, Tp,
-                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
-                      HQ: tl.constexpr, HK: tl.constexpr, HVV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      SAB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr,
-                      STEPS: tl.constexpr, GATE: tl.constexpr, BETA: tl.constexpr, FLOOR: tl.constexpr,
-                      THRESHOLD: tl.constexpr):
-    """q: [T, HQ, K], k: [T, HK, K], v: [T, HVV, V] (row and head strides given, unit last); g, beta: [T, SAB] (row
-    strides); -> qo, ko, vo, go (float32), bo (float32): [Tp, ...] contiguous, every row written."""
+def paged_gates_kernel(g, beta, A_log, dt_bias, cu, cu_p, go, bo, N, T, Tp, s_gt, s_bt,
+                       SAB: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
+                       GATE: tl.constexpr, BETA: tl.constexpr, FLOOR: tl.constexpr, THRESHOLD: tl.constexpr):
+    """g, beta: [T, SAB] (row strides) -> go (the decay's log), bo (beta): [Tp, SAB] float32 contiguous, every row
+    written (the aligned layout's: module docstring)."""
     p = tl.program_id(0) * BR + tl.arange(0, BR)
     in_p = p < Tp
     n = _rows_of(cu_p, p.to(tl.int64), N, STEPS)
@@ -117,20 +125,6 @@ def paged_pack_kernel(q, k, v, g, beta, A_log, dt_bias, cu, cu_p, qo, ko, vo, go
     real = in_p & (p < c1) & (r >= pad)
     src = tl.where(real, lo + r - pad, 0)                                   # [BR] the token this row holds
     rows = p.to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    for h in tl.static_range(HQ):
-        x = tl.load(q + src[:, None] * s_qt + h * s_qh + o_k[None, :], mask=real[:, None] & (o_k < K)[None, :],
-                    other=0.0)
-        tl.store(qo + (rows[:, None] * HQ + h) * K + o_k[None, :], x, mask=in_p[:, None] & (o_k < K)[None, :])
-    for h in tl.static_range(HK):
-        x = tl.load(k + src[:, None] * s_kt + h * s_kh + o_k[None, :], mask=real[:, None] & (o_k < K)[None, :],
-                    other=0.0)
-        tl.store(ko + (rows[:, None] * HK + h) * K + o_k[None, :], x, mask=in_p[:, None] & (o_k < K)[None, :])
-    for h in tl.static_range(HVV):
-        x = tl.load(v + src[:, None] * s_vt + h * s_vh + o_v[None, :], mask=real[:, None] & (o_v < V)[None, :],
-                    other=0.0)
-        tl.store(vo + (rows[:, None] * HVV + h) * V + o_v[None, :], x, mask=in_p[:, None] & (o_v < V)[None, :])
     o_s = tl.arange(0, BS)
     m_s = o_s < SAB
     m = real[:, None] & m_s[None, :]
@@ -174,59 +168,60 @@ def rows_config(N: int) -> dict:
     return dict(BN=min(max(next_pow2(N), 16), 1024), num_warps=4, num_stages=1)
 
 
-def pack_config(widths: int) -> dict:
-    """paged_pack_kernel: BR rows per program, ~8K elements of q / k / v per program (a copy: bandwidth-bound);
-    the interpreter takes 64-row blocks (fewer programs to interpret)."""
+def gates_config(SAB: int) -> dict:
+    """paged_gates_kernel: BR rows per program (~4K float32 elements of each gate, bandwidth-bound); the interpreter
+    takes 64-row blocks (fewer programs to interpret)."""
     if is_interpreting():
         return dict(BR=64, num_warps=4, num_stages=1)
-    # (BR >= 32: Triton 3.6 fails to compile [16, .] tiles here, TritonGPURemoveLayoutConversions; a power of 2)
-    return dict(BR=max(32, min(64, prev_pow2(8192 // max(widths, 1)))), num_warps=4, num_stages=1)
+    # (BR >= 32: Triton 3.6 failed to compile the former copy's [16, .] tiles, TritonGPURemoveLayoutConversions)
+    return dict(BR=max(32, min(256, prev_pow2(4096 // max(SAB, 1)))), num_warps=4, num_stages=1)
 
 
 # the kernels' pointer arguments, in order (fast.keys names their dtypes from the plans below)
 ROWS_TENSORS = ("cu", "page_indices", "page_indptr", "last_page_len", "s_read", "s_final", "s_ck", "s_prefix", "cu_p",
-                "slot_rows", "table")
-PACK_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu", "cu_p", "qo", "ko", "vo", "go", "bo")
+                "in_rows", "slot_rows", "table")
+GATES_TENSORS = ("g", "beta", "A_log", "dt_bias", "cu", "cu_p", "go", "bo")
 
 
 def modes(g, beta, gate_domain: str, use_gate_in_kernel: bool, beta_is_logit: bool) -> tuple:
-    """paged_pack_kernel's (gate, beta) modes for chunk_gated_delta_rule_paged's arguments: keys of GATES, BETAS."""
+    """paged_gates_kernel's (gate, beta) modes for chunk_gated_delta_rule_paged's arguments: keys of GATES, BETAS."""
     gate = None if g is None else "raw" if use_gate_in_kernel else gate_domain
     return gate, None if beta is None else "logit" if beta_is_logit else "prob"
 
 
-def rows_launch(cu_seqlens, page_indices, page_indptr, last_page_len, slots: tuple, cu_p, slot_rows, table,
+def rows_launch(cu_seqlens, page_indices, page_indptr, last_page_len, slots: tuple, cu_p, in_rows, slot_rows, table,
                 page_size: int, T: int, P: int, given: bool) -> tuple:
     """Everything paged_rows_kernel is launched with, from shapes and dtypes only (meta tensors do): (grid, args,
     constexprs, options). slots: the four [N] tensors (written, or read when ``given``)."""
     N = cu_seqlens.numel() - 1
     cfg = rows_config(N)
     ids = page_indices if page_indices.numel() else page_indptr          # (an empty table: never read)
-    args = (cu_seqlens, ids, page_indptr, last_page_len, *slots, cu_p, slot_rows, table, N, T, page_indices.numel(),
-            P)
+    args = (cu_seqlens, ids, page_indptr, last_page_len, *slots, cu_p, in_rows, slot_rows, table, N, T,
+            page_indices.numel(), P)
     return (1,), args, dict(PS=page_size, GIVEN=given, BN=cfg.pop("BN")), cfg
 
 
 def launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
                       slots=None) -> tuple:
-    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], slot_rows [N, 2] int32,
-    table [N, 3] int32)."""
+    """P: the pool's pages. -> (slots (4 x [N] int32; the given ones when slots), cu_p [N+1], in_rows [N, 3] int32,
+    slot_rows [N, 2] int32, table [N, 3] int32)."""
     N = cu_seqlens.numel() - 1
     dev = cu_seqlens.device
     sl = slots if slots is not None else tuple(torch.empty(N, dtype=torch.int32, device=dev) for _ in range(4))
     cu_p = torch.empty(N + 1, dtype=cu_seqlens.dtype, device=dev)
+    in_rows = torch.empty(N, 3, dtype=torch.int32, device=dev)
     slot_rows = torch.empty(N, 2, dtype=torch.int32, device=dev)
     table = torch.empty(N, 3, dtype=torch.int32, device=dev)
     grid, args, constexprs, options = rows_launch(cu_seqlens, page_indices, page_indptr, last_page_len, sl, cu_p,
-                                                  slot_rows, table, page_size, T, P, slots is not None)
+                                                  in_rows, slot_rows, table, page_size, T, P, slots is not None)
     launch(paged_rows_kernel, grid, dict(constexprs, **options), *args)
-    return sl, cu_p, slot_rows, table
+    return sl, cu_p, in_rows, slot_rows, table
 
 
 def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: int, T: int, P: int,
                slots=None) -> tuple:
     """The stage twin of paged_rows_kernel in torch (refgdn.flashinfer_ops.gdn_paged_prefill_slots for the slots):
-    the same four results from the same values (any values: the kernel's clamps)."""
+    the same five results from the same values (any values: the kernel's clamps)."""
     import refgdn.flashinfer_ops as RF
     if slots is None:
         slots = RF.gdn_paged_prefill_slots(cu_seqlens, page_indices, page_indptr, page_size, last_page_len)
@@ -234,63 +229,65 @@ def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: 
     lens = (cu[1:] - cu[:-1]).clamp_min(0)
     prefix = slots.prefix_lens.long()
     pad = torch.where(lens > 0, prefix % 64, 0)
-    cu_p = torch.cat([cu[:1] * 0, cu[1:] + pad.cumsum(0)]).to(cu_seqlens.dtype)
+    cum = pad.cumsum(0)
+    cu_p = torch.cat([cu[:1] * 0, cu[1:] + cum]).to(cu_seqlens.dtype)
+    in_rows = torch.stack([cu[:-1] + cum, cu[1:] + cum, cum], 1).to(torch.int32)
     pool_row = lambda r: torch.where((r >= 0) & (r < P), r, -1)  # noqa: E731
     slot_rows = torch.stack([pool_row(torch.where(lens > 0, slots.output_state_indices.long(), -1)),
                              pool_row(slots.state_indices.long())], 1).to(torch.int32)
     first = (torch.div(prefix, page_size, rounding_mode="floor") + 1) * page_size - (prefix - prefix % 64)
     table = torch.stack([torch.div(first, 64, rounding_mode="floor"), slots.checkpoint_cu_starts.long(),
                          page_indptr.long()[1:] - 1], 1).to(torch.int32)
-    return slots, cu_p, slot_rows, table
+    return slots, cu_p, in_rows, slot_rows, table
 
 
-def pack_launch(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs: tuple, gate: Optional[str],
-                beta_mode: Optional[str], floor: float) -> tuple:
-    """Everything paged_pack_kernel is launched with, from shapes, strides and dtypes only (meta tensors do): (grid,
-    args, constexprs, options). outs: (qo, ko, vo, go, bo), [Tp, ...]."""
-    T, HQ, K = q.shape
-    HK, HVV, V = k.shape[1], v.shape[1], v.shape[2]
+def gates_launch(g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs: tuple, T: int, gate: Optional[str],
+                 beta_mode: Optional[str], floor: float) -> tuple:
+    """Everything paged_gates_kernel is launched with, from shapes, strides and dtypes only (meta tensors do): (grid,
+    args, constexprs, options). outs: (go, bo), [Tp, sab] float32; T: the caller's tokens."""
+    go, bo = outs
+    Tp, SAB = go.shape
     N = cu_seqlens.numel() - 1
-    SAB = max(HQ, HVV)
-    Tp = T + 63 * N
-    go, bo = outs[3], outs[4]
     gt = g if g is not None else go                                         # (not read without one)
     bt = beta if beta is not None else bo
-    cfg = pack_config(max(HQ * K, HK * K, HVV * V))
+    cfg = gates_config(SAB)
     BR = cfg.pop("BR")
-    constexprs = dict(HQ=HQ, HK=HK, HVV=HVV, K=K, V=V, SAB=SAB, BK=next_pow2(K), BV=next_pow2(V), BS=next_pow2(SAB),
-                      BR=BR, STEPS=max(1, N.bit_length()), GATE=GATES[gate], BETA=BETAS[beta_mode], FLOOR=floor,
-                      THRESHOLD=SOFTPLUS_THRESHOLD)
-    args = (q, k, v, gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens,
-            cu_p, *outs, N, T, Tp, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            gt.stride(0), bt.stride(0))
+    constexprs = dict(SAB=SAB, BS=next_pow2(SAB), BR=BR, STEPS=max(1, N.bit_length()), GATE=GATES[gate],
+                      BETA=BETAS[beta_mode], FLOOR=floor, THRESHOLD=SOFTPLUS_THRESHOLD)
+    args = (gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens, cu_p,
+            go, bo, N, T, Tp, gt.stride(0), bt.stride(0))
     return (cdiv(Tp, BR),), args, constexprs, cfg
 
 
-def launch_paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str],
-                      beta_mode: Optional[str], floor: float) -> tuple:
-    """q, k, v: [T, ., .] (unit last stride), g, beta: [T, sab] or None -> (q, k, v [Tp, ., .] in their dtypes, the
-    decay's log and beta [Tp, sab] float32), Tp = T + 63 N."""
-    Tp, SAB = q.shape[0] + 63 * (cu_seqlens.numel() - 1), max(q.shape[1], v.shape[1])
-    dev = q.device
-    outs = tuple(torch.empty((Tp,) + tuple(x.shape[1:]), dtype=x.dtype, device=dev) for x in (q, k, v)) + \
-        tuple(torch.empty(Tp, SAB, dtype=torch.float32, device=dev) for _ in range(2))
-    grid, args, constexprs, options = pack_launch(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs, gate,
-                                                  beta_mode, floor)
-    launch(paged_pack_kernel, grid, dict(constexprs, **options), *args)
+def launch_paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T: int, sab: int, gate: Optional[str],
+                       beta_mode: Optional[str], floor: float) -> tuple:
+    """g, beta: [T, sab] or None -> (the decay's log, beta), [Tp, sab] float32 in the aligned layout, Tp = T + 63 N."""
+    Tp = T + 63 * (cu_seqlens.numel() - 1)
+    outs = tuple(torch.empty(Tp, sab, dtype=torch.float32, device=cu_seqlens.device) for _ in range(2))
+    grid, args, constexprs, options = gates_launch(g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs, T, gate,
+                                                   beta_mode, floor)
+    launch(paged_gates_kernel, grid, dict(constexprs, **options), *args)
     return outs
 
 
-def paged_pack(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_p, gate: Optional[str], beta_mode: Optional[str],
-               floor: float) -> tuple:
-    """The stage twin of paged_pack_kernel in torch: the same five tensors (the gates by refgdn's formulas:
-    refgdn.flashinfer_ops.paged_gates, float32)."""
+def paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T: int, sab: int, gate: Optional[str],
+                beta_mode: Optional[str], floor: float) -> tuple:
+    """The stage twin of paged_gates_kernel in torch: the same two tensors (by refgdn's formulas:
+    refgdn.flashinfer_ops.paged_gates, float32), each token's gates at its aligned row (aligned_rows)."""
     import refgdn.flashinfer_ops as RF
-    from .flashinfer_ops import aligned_rows
-    T, N = q.shape[0], cu_seqlens.numel() - 1
-    Tp, sab = T + 63 * N, max(q.shape[1], v.shape[1])
+    N = cu_seqlens.numel() - 1
     log_g, b = RF.paged_gates(g, beta, T, sab, "log" if gate == "raw" else gate or "log", gate == "raw", A_log,
-                              dt_bias, beta_mode == "logit", torch.float32, q.device,
+                              dt_bias, beta_mode == "logit", torch.float32, cu_seqlens.device,
                               log_floor=floor if gate == "linear" else None)
     dest = aligned_rows(cu_seqlens, cu_p, T)
-    return tuple(x.new_zeros((Tp,) + tuple(x.shape[1:])).index_copy_(0, dest, x) for x in (q, k, v, log_g, b))
+    return tuple(x.new_zeros(T + 63 * N, sab).index_copy_(0, dest, x) for x in (log_g, b))
+
+
+def aligned_rows(cu_seqlens: torch.Tensor, cu_p: torch.Tensor, T: int) -> torch.Tensor:
+    """Each token's row in the chunk-aligned layout, [T] int64: t + the pad rows of its sequence and those before it,
+    on the device (offsets clamped into [0, T]; rows within T + 63 N)."""
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long().clamp(0, T)
+    t = torch.arange(T, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(N - 1, 0))
+    return t + (cu_p.long()[1:] - cu[1:])[seq]

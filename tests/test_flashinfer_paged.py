@@ -377,10 +377,11 @@ def test_cuda_graph_replay_equals_eager():
 @pytest.mark.parametrize("garbage", [False, True], ids=["table", "garbage"])
 def test_bookkeeping_kernels_equal_their_twins(garbage):
     """fast.paged's two kernels against their torch twins: the rows bit for bit (also on garbage tables: the same
-    clamps), the aligned copy bit for bit, its gates to float32's rounding (the formulas' last bits differ)."""
+    clamps), the aligned gates to float32's rounding (the formulas' last bits differ), zeros on the pad rows."""
     from fast import paged
     args, kw = prefill_problem(prefill_families(True, DEV)["raw-gates-output-padded"], torch.float32, DEV)
     T, P = args[0].shape[0], kw["state_pool"].shape[0]
+    sab = max(args[0].shape[1], args[2].shape[1])
     cu, ids, ptr, last = kw["cu_seqlens"], kw["page_indices"], kw["page_indptr"], kw["last_page_len"]
     if garbage:
         ids = torch.randint(-9, 2 * P, ids.shape, **I32)
@@ -389,17 +390,21 @@ def test_bookkeeping_kernels_equal_their_twins(garbage):
     want = paged.paged_rows(cu, ids, ptr, last, 64, T, P)
     for a, b in zip(list(got[0]) + list(got[1:]), list(want[0]) + list(want[1:])):
         assert torch.equal(a.long(), b.long())
+    # in_rows' ranges hold the caller's tokens: row p of sequence n is token p - d
+    for n, (lo, hi, d) in enumerate(got[2].tolist()):
+        assert (lo - d, hi - d) == (cu[n].item(), cu[n + 1].item()) and lo >= got[1][n].item()
     g = args[3]
     for gate, beta_mode, gg in (("raw", "logit", g), ("log", "prob", -g.abs()), ("linear", None, torch.rand_like(g)),
                                 (None, "prob", None)):
         A_log, dt_bias = kw["A_log"], kw["dt_bias"]
         beta = None if beta_mode is None else args[4]
-        k_out = paged.launch_paged_pack(*args[:3], gg, beta, A_log, dt_bias, cu, got[1], gate, beta_mode, -104.0)
-        t_out = paged.paged_pack(*args[:3], gg, beta, A_log, dt_bias, cu, got[1], gate, beta_mode, -104.0)
-        for a, b in zip(k_out[:3], t_out[:3]):
-            assert torch.equal(a, b)
-        for a, b in zip(k_out[3:], t_out[3:]):
+        k_out = paged.launch_paged_gates(gg, beta, A_log, dt_bias, cu, got[1], T, sab, gate, beta_mode, -104.0)
+        t_out = paged.paged_gates(gg, beta, A_log, dt_bias, cu, got[1], T, sab, gate, beta_mode, -104.0)
+        for a, b in zip(k_out, t_out):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+        pad = torch.ones(a.shape[0], dtype=torch.bool, device=DEV)
+        pad[paged.aligned_rows(cu, got[1], T)] = False
+        assert pad.any() and not k_out[1][pad].any()                    # beta 0 on the rows that hold no token
 
 
 def test_planned_calls_equal_the_first():

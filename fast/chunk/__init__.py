@@ -292,7 +292,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                offsets_unchecked: bool = False, slot_rows: Optional[torch.Tensor] = None,
                                update_x2: bool = False, final_v_first: bool = False, beta_logits: int = 0,
                                offsets_on_device: bool = False, out: Optional[torch.Tensor] = None,
-                               checkpoints: Optional[tuple] = None):
+                               checkpoints: Optional[tuple] = None, in_rows: Optional[tuple] = None):
     """The forward kernels of chunk_gated_delta_rule (same arguments and results), without validation or
     autograd: for callers that validated already (the public function, the custom op). Not float64.
     configs, inv_method: benchmark knobs passed to the launchers (module docstring).
@@ -333,7 +333,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     [B, T, HV, V] tensor in v's dtype (vLLM's core_attn_out). checkpoints (FlashInfer's state checkpoints,
     fast.flashinfer_ops): (ck [R, HV, K, V] float32, starts [N] int, every: chunks between checkpoints), the state
     pass's CKPT (the state after every ``every`` whole chunks of sequence n to rows starts[n], starts[n] + 1, ...); the
-    forward is then not pipelined."""
+    forward is then not pipelined. in_rows (FlashInfer's paged prefill, fast.flashinfer_ops; B = 1, from_a): (table
+    int32 [N, 3], Tp): the kernels run on a row space of Tp rows (cu_seqlens its offsets; g and beta given in it)
+    whose sequence n holds the caller's tokens at rows [lo, hi), row p the caller's row p - d, (lo, hi, d) =
+    table[n] (common._in_rows_of); q, k, v are read and o is written at the caller's rows (o [1, T, HV, V]), every
+    intermediate lives in the Tp rows. Not pipelined."""
     _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -347,6 +351,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     A_log, dt_bias, cu_seqlens = _contig(A_log), _contig(dt_bias), _contig(cu_seqlens)
     dev = q.device
+    Tc, rows_in = T, None                                                # the caller's rows (q, k, v, o)
+    if in_rows is not None:
+        if B != 1 or not from_a:
+            raise ValueError("in_rows: one row of sequences (B = 1) on the from_a path only")
+        rows_in, T = in_rows                                             # the kernels' rows: T = Tp
     behind = offsets_unchecked and cu_seqlens is not None and not offsets_on_device
     if behind:
         offsets = host_offsets_later(cu_seqlens)                          # the copy queued before kernel 1
@@ -371,10 +380,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             final = (torch.empty(N, HV, V, K, dtype=torch.float32, device=dev).transpose(-1, -2) if final_v_first
                      else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev))
         h0 = initial_state                                                # (read in place: any strides)
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev) if out is None else out
+    o = torch.empty(B, Tc, HV, V, dtype=v.dtype, device=dev) if out is None else out
     fused = forward_fuses_output(N, T, BT, HV, K, V, dev) if fuse_output is None else fuse_output
     S = pipeline_segments(N, T, BT, dev, fused) if segments is None else segments
-    if checkpoints is not None:
+    if checkpoints is not None or rows_in is not None:
         S = 1                                     # (the checkpoints are the state pass's: one pass, not segments)
     if S > 1 and B == 1 and cu_seqlens is None and not fused and dev.type == "cuda":
         pipelined_forward(q, k, v, g, beta, scale, h0, final, A_log, dt_bias, G, Gl, A, kn, o, BT, S, l2=l2,
@@ -383,10 +392,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
     _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
-                inv_method=inv_method, beta_logits=beta_logits)
+                inv_method=inv_method, beta_logits=beta_logits, in_rows=rows_in)
     qs = None
     if fused and l2:                                                     # q's row scales for the fused pass
-        qs = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        qs = torch.empty(B, Tc, H, dtype=torch.float32, device=dev)
         _launch_row_scales(q, qs, configs=configs)
     if behind:
         offsets()                                                        # host: wait for the copy (kernel 1 runs)
@@ -406,7 +415,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         # kernel 2 does not run: the state pass forms v_new = u - w S from A, k, v and beta itself
         _launch_state(k, None, None, G, Gl, h0, h, v_new, final, ch, N, T, BT, precise=precise, configs=configs,
                       wy=(A, v, beta), out=out, slots=slots, update_x2=update_x2, beta_logits=beta_logits,
-                      ckpt=checkpoints)
+                      ckpt=checkpoints, in_rows=rows_in, k_in_rows=not l2)
     else:
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
         u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
@@ -415,7 +424,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                       slots=slots, update_x2=update_x2, ckpt=checkpoints)
     if not fused:
         _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
-                       configs=configs)
+                       configs=configs, in_rows=rows_in, k_in_rows=not l2)
     if keep_kkt:
         return o, final, (A, G, kn)
     return o, final

@@ -99,6 +99,28 @@ def _chunk_rows(i_c, i_h, cu_seqlens, chunk_indices, T, NT, HV: tl.constexpr, BT
 
 
 @triton.jit
+def _in_rows_of(i_n, in_rows, IN_ROWS: tl.constexpr):
+    """IN_ROWS (FlashInfer's paged prefill, fast.paged): the kernels run on a chunk-aligned row space in which
+    sequence i_n holds the caller's tokens at rows [lo, hi), row p holding the caller's row p - d; in_rows [N, 3]
+    int32 = (lo, hi, d). -> (lo, hi, d), zeros without IN_ROWS. The intermediates (G, A, kn, v_new, h, the gates)
+    stay in the kernels' rows; q, k, v and o are the caller's (_caller_rows)."""
+    if IN_ROWS:
+        return tl.load(in_rows + i_n * 3), tl.load(in_rows + i_n * 3 + 1), tl.load(in_rows + i_n * 3 + 2)
+    else:
+        return 0, 0, 0
+
+
+@triton.jit
+def _caller_rows(rows, m_r, lo, hi, d, IN_ROWS: tl.constexpr):
+    """The caller's rows holding the kernels' rows ``rows`` and their mask (_in_rows_of's (lo, hi, d)): rows outside
+    [lo, hi) are masked (zeros in, nothing out). Without IN_ROWS: (rows, m_r) as they are."""
+    if IN_ROWS:
+        return rows - d, m_r & (rows >= lo) & (rows < hi)
+    else:
+        return rows, m_r
+
+
+@triton.jit
 def _seq_coords(i_n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
     """Sequence index -> (batch row i_b [int64], bos, eos): its tokens are rows bos .. eos - 1 of batch
     row i_b. Dense: i_b = i_n, bos = 0, eos = T. Varlen (B == 1): from cu_seqlens."""

@@ -21,8 +21,8 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, next_pow2
-from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
-                     _fp32_prec, _gdiff, _is_fp64, _precise, _unit_last)
+from .common import (L2NORM_EPS, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
+                     _fp32_prec, _gdiff, _in_rows_of, _is_fp64, _precise, _unit_last)
 
 
 # ============================================================================================
@@ -32,12 +32,12 @@ from .common import (L2NORM_EPS, _blocks, _cfg, _check_fast_limits, _chunk_rows,
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_output_kernel(
     q, k, v_new, h, G, Gl, o,
-    cu_seqlens, chunk_indices, T, NT, scale,
+    cu_seqlens, chunk_indices, in_rows, T, NT, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISE: tl.constexpr, EPS: tl.constexpr,
+    PRECISE: tl.constexpr, EPS: tl.constexpr, IN_ROWS: tl.constexpr = False, K_IN_ROWS: tl.constexpr = False,
 ):
     """Per (chunk, value head, V-block):
 
@@ -46,7 +46,9 @@ def chunk_output_kernel(
     q, k: [B, T, H, K] (strided; k already normalised when asked); v_new, o: [B, T, HV, V],
     G: [B, T, HV], h: [chunks, HV, K, V] (contiguous). grid = (chunks * HV * cdiv(V, BV),), V-block
     fastest, then head (q, k shared by GVA heads and V-blocks hit L2). L2NORM normalises q (see
-    _output_block). PRECISE: decays from the compensated (G, Gl) pairs (kernel 1).
+    _output_block). PRECISE: decays from the compensated (G, Gl) pairs (kernel 1). IN_ROWS (FlashInfer's paged
+    prefill; common._in_rows_of): q and o are the caller's, at the caller's rows of in_rows [N, 3] (B = 1);
+    K_IN_ROWS: k too.
     """
     pid = tl.program_id(0)
     i_v = pid % ((V + BV - 1) // BV)                                # V-blocks per head (constexpr)
@@ -63,11 +65,17 @@ def chunk_output_kernel(
     m_k = o_k < K
     m_v = o_v < V
     i_hk = i_h // GROUP
+    i_n = i_b                                                        # the sequence (in_rows' row)
+    if (IN_ROWS or K_IN_ROWS) and IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    in_lo, in_hi, in_d = _in_rows_of(i_n, in_rows, IN_ROWS or K_IN_ROWS)
+    r_c, m_c = _caller_rows(rows, m_r, in_lo, in_hi, in_d, IN_ROWS)              # q and o's rows
+    r_k, m_rk = _caller_rows(rows, m_r, in_lo, in_hi, in_d, K_IN_ROWS)           # k's
 
-    b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
-                  mask=m_r[:, None] & m_k[None, :], other=0.0)
-    b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
-                  mask=m_r[:, None] & m_k[None, :], other=0.0)
+    b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + r_c.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                  mask=m_c[:, None] & m_k[None, :], other=0.0)
+    b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + r_k.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                  mask=m_rk[:, None] & m_k[None, :], other=0.0)
     b_G = tl.load(G + tok, mask=m_r, other=0.0)
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
@@ -79,7 +87,8 @@ def chunk_output_kernel(
         b_Gl = b_G
     b_o = _output_block(b_q, b_k, b_h, b_vn, b_G, b_Gl, b_G, m_r, scale, BT, L2NORM, False, PREC, DOT_F32, PRECISE,
                         EPS)
-    tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    tok_c = (i_b * T + r_c).to(tl.int64) * HV + i_h                 # o's (token, head)
+    tl.store(o + tok_c[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_c[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -181,9 +190,11 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale: float, *, l2norm_q: bool,
-                   precise: bool, configs: Optional[dict] = None):
+                   precise: bool, configs: Optional[dict] = None, in_rows: Optional[torch.Tensor] = None,
+                   k_in_rows: bool = False):
     """Kernel 4. k: [B, T, H, K] (normalised already when asked); l2norm_q normalises q in the kernel;
-    Gl: G's rounding error or None (0)."""
+    Gl: G's rounding error or None (0). in_rows: int32 [N, 3], q and o in the caller's rows (the kernel's IN_ROWS;
+    k too with k_in_rows), else None."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v_new.shape[2], v_new.shape[3]
     if ch.total == 0 or HV == 0:
@@ -196,10 +207,11 @@ def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale
     kw = dict(
         HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         IS_VARLEN=ch.varlen, L2NORM=l2norm_q, PREC=_fp32_prec(q.dtype), DOT_F32=is_interpreting(),
-        PRECISE=precise, EPS=L2NORM_EPS, **cfg)
+        PRECISE=precise, EPS=L2NORM_EPS, IN_ROWS=in_rows is not None, K_IN_ROWS=in_rows is not None and k_in_rows,
+        **cfg)
     return launch(chunk_output_kernel, (ch.total * HV * cdiv(V, BV),), kw,
         q, k, v_new, h, G, G if Gl is None else Gl, o,
-        ch.cu_seqlens, ch.indices, T, ch.NT, float(scale),
+        ch.cu_seqlens, ch.indices, in_rows, T, ch.NT, float(scale),
         *q.stride()[:3], *k.stride()[:3])
 
 

@@ -22,9 +22,9 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
-from .common import (L2NORM_EPS, _beta_of, _blocks, _cfg, _check_fast_limits, _Chunks, _dot, _exp, _fp32_prec,
-                     _hi_lo, _is_fp64, _load_beta, _num_sms, _operand, _precise, _rows16, _seq_coords, _seq_first_chunk,
-                     _seq_head, _unit_last, _upcast)
+from .common import (L2NORM_EPS, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks, _dot, _exp,
+                     _fp32_prec, _hi_lo, _in_rows_of, _is_fp64, _load_beta, _num_sms, _operand, _precise, _rows16,
+                     _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
 from .recurrent import _masked_by
 
@@ -36,7 +36,7 @@ from .recurrent import _masked_by
 @triton.jit(do_not_specialize=["T", "NT", "ck_every", "ck_rows"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
-    cu_seqlens, chunk_offsets, seq_order, slot_rows, ck, ck_starts, ck_idx, T, NT, scale, ck_every, ck_rows,
+    cu_seqlens, chunk_offsets, seq_order, slot_rows, ck, ck_starts, ck_idx, in_rows, T, NT, scale, ck_every, ck_rows,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     s_0n, s_0h, s_0k, s_0v, s_tn, s_th, s_tk, s_tv, s_cn, s_ch, s_ck, s_cv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -47,6 +47,7 @@ def chunk_state_kernel(
     EPS: tl.constexpr = 1e-6, PREFETCH_BETA: tl.constexpr = True, UPDATE_X2: tl.constexpr = False,
     H0_SLOTS: tl.constexpr = False, HT_SLOTS: tl.constexpr = False, BETA_LOGITS: tl.constexpr = 0,
     VN_SPLIT: tl.constexpr = False, CKPT: tl.constexpr = False, CK_PAGED: tl.constexpr = False,
+    IN_ROWS: tl.constexpr = False, K_IN_ROWS: tl.constexpr = False,
 ):
     """Per (V-block, sequence, value head), for each chunk c of the sequence in order:
 
@@ -101,6 +102,9 @@ def chunk_state_kernel(
     first + j ck_every (j = 0, 1, ...; a page boundary) goes to page ck_idx[e0 + j] while e0 + j < e1 (the pages
     before the last; the final state goes to the last one through HT_SLOTS).
 
+    IN_ROWS (FlashInfer's paged prefill, with FROM_A; common._in_rows_of): v, and with OUTPUT q, qs and o, are the
+    caller's tensors, at the caller's rows of in_rows [N, 3]; K_IN_ROWS: k too (the caller's k, not kernel 1's kn).
+
     OUTPUT (the forward, with FROM_A): kernel 4's work per chunk, here, on the operands the pass holds anyway:
     the chunk-start state as its dot operand (what h[c] would have stored) and v_new before its decay (rounded to
     o's dtype, as v_new would have been stored), so h and v_new are neither written nor read back (kernel 4 does
@@ -141,6 +145,7 @@ def chunk_state_kernel(
     if FROM_A and PREFETCH_BETA:
         # beta one chunk ahead (docstring): the first chunk's here, the next chunk's rows in each (masked at the end)
         b_beta_next = tl.load(b_base + (bos + o_t).to(tl.int64) * s_bt, mask=bos + o_t < eos, other=0.0)
+    in_lo, in_hi, in_d = _in_rows_of(i_n, in_rows, IN_ROWS or K_IN_ROWS)       # (the caller's rows, once)
     if CK_PAGED:                        # this sequence's first boundary (in chunks) and its page-table entries
         ck_first = tl.load(ck_starts + i_n * 3)
         ck_e0 = tl.load(ck_starts + i_n * 3 + 1)
@@ -151,9 +156,11 @@ def chunk_state_kernel(
         m_rv = m_r[:, None] & m_v[None, :]
         tok = (i_b * T + rows).to(tl.int64) * HV + i_h             # [BT] flat (token, head) index
         h_c = h + ((boc + i_t) * HV + i_h) * K * V + kv_off         # this chunk's h[c]
+        r_c, m_c = _caller_rows(rows, m_r, in_lo, in_hi, in_d, IN_ROWS)          # q, v, o's rows (IN_ROWS)
+        r_k, m_rk = _caller_rows(rows, m_r, in_lo, in_hi, in_d, K_IN_ROWS)       # k's
         b_G = tl.load(G + tok, mask=m_r, other=0.0)
-        b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :],
-                      mask=m_r[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k_base + r_k.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                      mask=m_rk[:, None] & m_k[None, :], other=0.0)
         if UPCAST:
             b_k = b_k.to(tl.float32)
         if FROM_A:
@@ -163,7 +170,8 @@ def chunk_state_kernel(
                 b_beta_next = tl.load(b_base + (rows + BT).to(tl.int64) * s_bt, mask=rows + BT < eos, other=0.0)
             else:
                 b_beta = _load_beta(b_base, rows, m_r, s_bt, BETA_LOGITS, PRECISE)
-            b_vr = tl.load(v_base + rows.to(tl.int64)[:, None] * s_vt + o_v[None, :], mask=m_rv, other=0.0)
+            b_vr = tl.load(v_base + r_c.to(tl.int64)[:, None] * s_vt + o_v[None, :],
+                           mask=m_c[:, None] & m_v[None, :], other=0.0)
             b_hc = _operand(b_h, b_k.dtype, PREC)                   # chunk-start state as a dot operand
             if not OUTPUT:
                 tl.store(h_c, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -185,18 +193,20 @@ def chunk_state_kernel(
         if OUTPUT:
             # step 5 on the chunk-start state b_hc (h[c] as kernel 4 reads it) and this chunk's v_new, rounded to
             # o's dtype as kernel 4's path stores it
-            b_q = tl.load(q_base + rows.to(tl.int64)[:, None] * s_qt + o_k[None, :],
-                          mask=m_r[:, None] & m_k[None, :], other=0.0)
+            b_q = tl.load(q_base + r_c.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                          mask=m_c[:, None] & m_k[None, :], other=0.0)
             if PRECISE:
                 b_Gl = tl.load(Gl + tok, mask=m_r, other=0.0)
             else:
                 b_Gl = b_G
             b_qs = b_G                                              # (not read without L2NORM)
             if L2NORM:
-                b_qs = tl.load(qs + (i_b * T + rows).to(tl.int64) * (HV // GROUP) + i_h // GROUP, mask=m_r, other=0.0)
+                b_qs = tl.load(qs + (i_b * T + r_c).to(tl.int64) * (HV // GROUP) + i_h // GROUP, mask=m_c, other=0.0)
             b_o = _output_block(b_q, b_k, b_hc, b_v.to(o.dtype.element_ty), b_G, b_Gl, b_qs, m_r, scale, BT, L2NORM,
                                 True, PREC, DOT_F32, PRECISE, EPS)
-            tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_rv)
+            tok_c = (i_b * T + r_c).to(tl.int64) * HV + i_h                # o's (token, head) (IN_ROWS: B = 1)
+            tl.store(o + tok_c[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+                     mask=m_c[:, None] & m_v[None, :])
         elif VN_SPLIT:
             b_vh, b_vl = _hi_lo(b_v, v_new.dtype.element_ty)
             tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vh, mask=m_rv)
@@ -341,7 +351,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                   prec_of=None, cfg_over: Optional[dict] = None, configs: Optional[dict] = None,
                   bv64_programs: Optional[int] = None, wy: Optional[tuple] = None, out: Optional[tuple] = None,
                   slots: Optional[tuple] = None, update_x2: bool = False, beta_logits: int = 0,
-                  vn_lo: Optional[torch.Tensor] = None, ckpt: Optional[tuple] = None):
+                  vn_lo: Optional[torch.Tensor] = None, ckpt: Optional[tuple] = None,
+                  in_rows: Optional[torch.Tensor] = None, k_in_rows: bool = False):
     """Kernel 3. k: [B, T, H, K] (normalised already when asked); Gl: G's rounding error or None (0).
     slots: (slot_rows [N, 2] int32, h0 indexed, ht indexed) where h0 and / or ht is a slot cache's ssm_state (the
     kernel's H0_SLOTS / HT_SLOTS), else None. update_x2: the kernel's UPDATE_X2 (bf16 k only).
@@ -351,7 +362,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
     (output.row_scales; use_qk_l2norm_in_kernel) or None. vn_lo: v_new's low bf16 term (the kernel's VN_SPLIT, the
     backward's bf16x2 recompute; v_new then bf16 and holding the high term), else None. ckpt: (ck [R, HV, K, V]
     float32 view, starts [N] int, every: chunks between checkpoints[, page ids: the kernel's CK_PAGED, starts then
-    its [N, 3] table]) for the kernel's CKPT, else None.
+    its [N, 3] table]) for the kernel's CKPT, else None. in_rows: int32 [N, 3] (with wy): v, q, qs and o in the
+    caller's rows (the kernel's IN_ROWS; k too with k_in_rows: K_IN_ROWS), else None.
     bv64_programs: state_config's (the backward's fp32 recompute keeps its own threshold); cfg_over: keys merged
     over the pinned config (the backward's fp32 recompute lowers num_stages); configs: benchmark overrides,
     merged last."""
@@ -395,6 +407,10 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         **cfg)
     if vn_lo is not None:
         kw["VN_SPLIT"] = True
+    if in_rows is not None:
+        if wy is None:
+            raise ValueError("in_rows: the caller's rows are read on the FROM_A path only (wy given)")
+        kw["IN_ROWS"], kw["K_IN_ROWS"] = True, k_in_rows
     ck, ck_starts, ck_every, ck_idx = (*ckpt, None)[:4] if ckpt is not None else (None, None, 1, None)
     if ckpt is not None:
         kw["CKPT"] = True
@@ -411,7 +427,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
                                else bool(prefetch))
     return launch(chunk_state_kernel, (cdiv(V, BV), N * HV), kw,
         k, w, u, G, G if Gl is None else Gl, h0, h, v_new, ht, A, v, beta, q, o, G if qs is None else qs,
-        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, ck, ck_starts, ck_idx, T, ch.NT, float(scale), int(ck_every),
+        ch.cu_seqlens, ch.offsets, ch.order, slot_rows, ck, ck_starts, ck_idx, in_rows, T, ch.NT, float(scale),
+        int(ck_every),
         ck.shape[0] if ck is not None else 0,
         *k.stride()[:3], *v.stride()[:3], *beta.stride(), *q.stride()[:3], *_state_strides(h0), *_state_strides(ht),
         *_state_strides(ck))

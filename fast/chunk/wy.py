@@ -25,9 +25,9 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import is_interpreting
-from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _cfg,
+from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _caller_rows, _cfg,
                      _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
-                     _gdiff, _is_fp64, _l2norm_rows, _load_beta, _operand, _precise, _unit_last, _upcast)
+                     _gdiff, _in_rows_of, _is_fp64, _l2norm_rows, _load_beta, _operand, _precise, _unit_last, _upcast)
 
 
 # ============================================================================================
@@ -135,12 +135,14 @@ def _g_block(g_base, s_gt, rows, m_r, G, Gl, G_off, acc, A_log_h, dt_bias_h,
 
 
 @triton.jit
-def _k_block(k_base, rows, m_r, s_kt, o_k, m_k, kn, kn_off, m_kn,
-             L2NORM: tl.constexpr, EPS: tl.constexpr, UPCAST: tl.constexpr):
-    """k rows [16, BK] of one 16-token block (padded rows and columns are 0). With L2NORM they are
-    normalised and stored to kn where m_kn ([BK]: the columns, for the first value head of the GVA
-    group only; all False for the others). UPCAST: converted to fp32 first (exact for 16-bit k)."""
-    b_k = tl.load(k_base + rows.to(tl.int64)[:, None] * s_kt + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+def _k_block(k_base, rows, m_r, in_lo, in_hi, in_d, s_kt, o_k, m_k, kn, kn_off, m_kn,
+             L2NORM: tl.constexpr, EPS: tl.constexpr, UPCAST: tl.constexpr, IN_ROWS: tl.constexpr):
+    """k rows [16, BK] of one 16-token block (padded rows and columns are 0; IN_ROWS: read at the caller's rows,
+    common._caller_rows). With L2NORM they are normalised and stored to kn (every row of the block, zeros
+    included) where m_kn ([BK]: the columns, for the first value head of the GVA group only; all False for the
+    others). UPCAST: converted to fp32 first (exact for 16-bit k)."""
+    r_in, m_in = _caller_rows(rows, m_r, in_lo, in_hi, in_d, IN_ROWS)
+    b_k = tl.load(k_base + r_in.to(tl.int64)[:, None] * s_kt + o_k[None, :], mask=m_in[:, None] & m_k[None, :],
                   other=0.0)
     if UPCAST:
         b_k = b_k.to(tl.float32)
@@ -182,7 +184,7 @@ def _store_a(A, tok, m_r, X, j: tl.constexpr, BT: tl.constexpr):
 def chunk_kkt_inv_kernel(
     k, g, beta, A_log, dt_bias,             # inputs
     G, Gl, A, kn,                           # outputs (G an input with LOAD_G)
-    cu_seqlens, chunk_indices, T, NT,
+    cu_seqlens, chunk_indices, in_rows, T, NT,
     s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr,
@@ -190,6 +192,7 @@ def chunk_kkt_inv_kernel(
     PREC: tl.constexpr, INV_PREC: tl.constexpr, INV_DIAG_PREC: tl.constexpr, INV_ROWS: tl.constexpr,
     DOT_F32: tl.constexpr, UPCAST: tl.constexpr,
     PRECISE: tl.constexpr, THRESHOLD: tl.constexpr, EPS: tl.constexpr, BETA_LOGITS: tl.constexpr = 0,
+    IN_ROWS: tl.constexpr = False,
 ):
     """Per (chunk, HPP value heads of one key head): G = cumsum(g); kn = l2norm(k); A = (I + L)^-1.
 
@@ -209,6 +212,8 @@ def chunk_kkt_inv_kernel(
     converted to fp32 after the load (the backward's fp32 recompute of 16-bit k, without an fp32 copy).
     BETA_LOGITS (common._beta_of): beta holds logits; beta = sigmoid (x 2 for 2) is formed where it is loaded,
     here and in each later kernel that reads beta (nothing stored: the same fp32 formula in each).
+    IN_ROWS (FlashInfer's paged prefill): k is read at the caller's rows (common._caller_rows, in_rows [N, 3]); g,
+    beta and every output are in the kernel's rows.
     """
     pid = tl.program_id(0)
     i_c = pid // (HV // HPP)
@@ -217,6 +222,10 @@ def chunk_kkt_inv_kernel(
         if tl.load(chunk_indices + i_c * 2) < 0:                 # a row of a device-built table past its last
             return                                               # chunk (common._Chunks.unchecked): no chunk
     i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    i_n = i_b                                                    # the sequence (in_rows' row)
+    if IN_ROWS and IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    in_lo, in_hi, in_d = _in_rows_of(i_n, in_rows, IN_ROWS)      # (IN_ROWS: k in the caller's rows)
     t0 = bos + i_t * BT
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
@@ -237,15 +246,19 @@ def chunk_kkt_inv_kernel(
     if DO_A:
         k_base = k + i_b * s_kb + i_hk * s_kh
         kn0 = (tok_r * H + i_hk) * K                             # [B, T, H, K] row offsets of kn
-        k0 = _k_block(k_base, r0, m0, s_kt, o_k, m_k, kn, kn0, m_kn, L2NORM, EPS, UPCAST)
+        k0 = _k_block(k_base, r0, m0, in_lo, in_hi, in_d, s_kt, o_k, m_k, kn, kn0, m_kn, L2NORM,
+                      EPS, UPCAST, IN_ROWS)
         KK00 = _kk(k0, k0, PREC, DOT_F32)
         if BT >= 32:
-            k1 = _k_block(k_base, r1, m1, s_kt, o_k, m_k, kn, kn0 + 16 * H * K, m_kn, L2NORM, EPS, UPCAST)
+            k1 = _k_block(k_base, r1, m1, in_lo, in_hi, in_d, s_kt, o_k, m_k, kn, kn0 + 16 * H * K, m_kn, L2NORM,
+                          EPS, UPCAST, IN_ROWS)
             KK11 = _kk(k1, k1, PREC, DOT_F32)
             KK10 = _kk(k1, k0, PREC, DOT_F32)
         if BT >= 64:
-            k2 = _k_block(k_base, r2, m2, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM, EPS, UPCAST)
-            k3 = _k_block(k_base, r3, m3, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM, EPS, UPCAST)
+            k2 = _k_block(k_base, r2, m2, in_lo, in_hi, in_d, s_kt, o_k, m_k, kn, kn0 + 32 * H * K, m_kn, L2NORM,
+                          EPS, UPCAST, IN_ROWS)
+            k3 = _k_block(k_base, r3, m3, in_lo, in_hi, in_d, s_kt, o_k, m_k, kn, kn0 + 48 * H * K, m_kn, L2NORM,
+                          EPS, UPCAST, IN_ROWS)
             KK22 = _kk(k2, k2, PREC, DOT_F32)
             KK20 = _kk(k2, k0, PREC, DOT_F32)
             KK21 = _kk(k2, k1, PREC, DOT_F32)
@@ -463,7 +476,7 @@ def _inv_rows(inv_method: Optional[str] = None, dtype: Optional[torch.dtype] = N
 def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, HV: int, BT: int, *,
                 l2norm: bool, load_g: bool, store_g: bool, do_a: bool, precise: bool, prec_of=None,
                 cfg_over: Optional[dict] = None, configs: Optional[dict] = None, inv_method: Optional[str] = None,
-                beta_logits: int = 0):
+                beta_logits: int = 0, in_rows: Optional[torch.Tensor] = None):
     """Kernel 1. k: [B, T, H, K] (a dummy when not do_a); kn: [B, T, H, K] or None (without l2norm);
     beta_logits 1 / 2: beta holds logits, beta = sigmoid (x 2) formed in the kernel (its BETA_LOGITS);
     Gl: G's rounding error [B, T, HV] fp32, written when precise and store_g (else may be None).
@@ -471,7 +484,7 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
     the backward's fp32 recompute of 16-bit inputs (also taken by _launch_w_u / _launch_state; kernels 1
     and 2 then convert their k / v tiles to fp32 themselves, so k and v may stay 16-bit);
     cfg_over: keys merged over the pinned config (the fp32 recompute takes 2 warps); configs, inv_method:
-    benchmark knobs (module comment)."""
+    benchmark knobs (module comment). in_rows: int32 [N, 3], k in the caller's rows (the kernel's IN_ROWS)."""
     H, K = k.shape[2], k.shape[3]
     BK, _ = _blocks(K, 16)
     if ch.total == 0 or HV == 0:
@@ -489,10 +502,11 @@ def _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, ch: _Chunks, T: int, H
         INV_PREC=INV_PRECISION[pdt],
         INV_DIAG_PREC=inv_diag_prec,
         INV_ROWS=_inv_rows(inv_method, pdt), DOT_F32=is_interpreting(), UPCAST=_upcast(prec_of),
-        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, BETA_LOGITS=beta_logits, **cfg)
+        PRECISE=precise, THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, BETA_LOGITS=beta_logits,
+        IN_ROWS=in_rows is not None, **cfg)
     return launch(chunk_kkt_inv_kernel, (ch.total * HV // HPP,), kw,
         k, g, beta, A_log, dt_bias, G, G if Gl is None else Gl, A, kn,
-        ch.cu_seqlens, ch.indices, T, ch.NT,
+        ch.cu_seqlens, ch.indices, in_rows, T, ch.NT,
         *k.stride()[:3], *g.stride(), *beta.stride())
 
 
