@@ -12,7 +12,7 @@ request mixes:
   - fast with state checkpoints every 1024 tokens (checkpoint_every_n_tokens: the state pass stores them; the
     forward is not pipelined then);
   - fast's chunk_gated_delta_rule_paged on the same tokens as continuations of prefixes (mostly not chunk-aligned)
-    on a pool of pages of 1024 tokens (the chunk-aligned copy, the page boundaries stored by the state pass);
+    on a pool of pages of 1024 tokens (chunk-aligned rows, the page boundaries stored by the state pass);
   - fla 0.6.0's chunk_gated_delta_rule on the same tokens (g = log alpha formed beforehand, not timed; cu_seqlens and
     cu_seqlens_cpu given; states [N, 32, K, V]).
 

@@ -6,8 +6,8 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 13:32: the full families of
-#     FlashInfer's paged ops at their final kernels, 773dbcb; with the FlashInfer API's tests and bench_flashinfer)
+#   pending (not in all): what a session wrote without running it on a GPU (none owed since 2026-11-29 16:13; kept:
+#     FlashInfer's ops, paged included: their tests, full families and bench_flashinfer)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows

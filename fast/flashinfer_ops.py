@@ -5,8 +5,9 @@ log, the states [N, H, V, K] read and written through their [.., K, V] views, th
 host read: the call can be captured). ``gated_delta_rule_decode_pretranspose`` / ``gated_delta_rule_decode`` /
 ``gated_delta_rule_mtp``: vLLM's serving recurrent kernel (fast.chunk.recurrent.recurrent_slots_kernel) with the gates
 formed in it, the states read and written through their strides, one launch. ``chunk_gated_delta_rule_paged`` /
-``gated_delta_rule_decode_paged`` (FlashInfer's paged state cache): the chunked forward on a chunk-aligned copy of the
-tokens with every page boundary stored by the state pass, and the decode kernel on the page table's rows. Where
+``gated_delta_rule_decode_paged`` (FlashInfer's paged state cache): the chunked forward on chunk-aligned rows (the
+caller's q, k, v and o addressed in place, fast.paged), every page boundary stored by the state pass, and the decode
+kernel on the page table's rows. Where
 FlashInfer needs sm_90 or newer, these run on any GPU Triton supports.
 """
 from __future__ import annotations
