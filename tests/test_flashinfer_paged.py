@@ -407,6 +407,41 @@ def test_bookkeeping_kernels_equal_their_twins(garbage):
         assert pad.any() and not k_out[1][pad].any()                    # beta 0 on the rows that hold no token
 
 
+@pytest.mark.parametrize("l2", [True, False], ids=["kn", "caller-k"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-output", "kernel4"])
+def test_caller_rows_are_the_aligned_copy(l2, fused):
+    """The kernels' IN_ROWS (q, k, v read and o written at the caller's rows of in_rows) against the chunked forward
+    on the tokens copied into the aligned rows (zeros on the pad rows), bit for bit: o, every page. l2: k read by the
+    later kernels as kernel 1's kn (aligned) or the caller's (K_IN_ROWS); fused: o formed by the state pass or by
+    kernel 4."""
+    from fast import paged
+    from fast.chunk import chunk_gated_delta_rule_fwd
+    fam = dict(prefill_families(True, DEV)["odd-KV-no-gates"], l2=l2, gate="log", beta="prob")
+    args, kw = prefill_problem(fam, torch.float32, DEV)
+    q, k, v, g, beta = args[:5]
+    T, sab = q.shape[0], max(q.shape[1], v.shape[1])
+    cu, ps = kw["cu_seqlens"], kw["page_size"]
+    pool0 = kw["state_pool"]
+    _, cu_p, in_rows, slot_rows, table = paged.launch_paged_rows(cu, kw["page_indices"], kw["page_indptr"],
+                                                                 kw["last_page_len"], ps, T, pool0.shape[0])
+    log_g, b = paged.launch_paged_gates(g, beta, None, None, cu, cu_p, T, sab, "log", "prob", -104.0)
+    Tp = log_g.shape[0]
+    dest = paged.aligned_rows(cu, cu_p, T)
+    q, k, v = FF.gqa_to_gva(q, k, v)
+    outs = []
+    for copy in (False, True):
+        pool = pool0.clone()
+        xs = [x.new_zeros((Tp,) + x.shape[1:]).index_copy_(0, dest, x) if copy else x for x in (q, k, v)]
+        o, _ = chunk_gated_delta_rule_fwd(*(x[None] for x in (*xs, log_g, b)), None, pool.transpose(-1, -2), True,
+                                          cu_p, l2, chunk_size=64, offsets_on_device=True, slot_rows=slot_rows,
+                                          fuse_output=fused, checkpoints=(pool.transpose(-1, -2), table, ps // 64,
+                                                                          kw["page_indices"]),
+                                          in_rows=None if copy else (in_rows, Tp))
+        outs.append((o[0] if not copy else o[0].index_select(0, dest), pool))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][1], pool0)                        # (the call wrote pages)
+
+
 def test_planned_calls_equal_the_first():
     """From a signature's second call on, the checks are skipped and the launches replayed (fast.launch's plans):
     the same outputs and pages as the first, checked call, bit for bit."""
