@@ -374,7 +374,7 @@ def test_one_prefill_plan_serves_every_token_and_sequence_count():
     disagree between arguments still fail the checks, and never reach the plan."""
     fc.clear_plan_cache()
     lens_list = [[7, 0, 33], [40], [5, 16, 3, 9], [1, 1], [17, 30, 2], [64, 64], [9, 23, 0, 0, 11]]
-    for lens in lens_list + lens_list[::-1]:
+    for lens in lens_list + lens_list[:1]:          # (the first call builds the plan; its lengths come back last)
         T, N = sum(lens), len(lens)
         (q, k, v, g, beta, h0), _ = _inputs(1, T, 1, 2, 16, 16, torch.float32, init=True, N=N, seed=T)
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)

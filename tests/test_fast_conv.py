@@ -287,7 +287,7 @@ def test_one_prefill_plan_serves_every_token_and_sequence_count():
     fcv.clear_plan_cache()
     D, W = 24, 4
     lens_list = [[7, 0, 33], [40], [5, 16, 3, 9], [1, 1], [17, 30, 2], [64, 64]]
-    for lens in lens_list + lens_list[::-1]:
+    for lens in lens_list + lens_list[:1]:          # (the first call builds the plan; its lengths come back last)
         T, N = sum(lens), len(lens)
         x, w, b, s0 = _inputs(1, T, D, W, torch.float32, N=N, seed=T)
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)

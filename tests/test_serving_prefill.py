@@ -367,7 +367,7 @@ def test_conv_and_chunk_share_one_varlen_table(monkeypatch):
     assert built == [fs.PREFILL_CHUNK] * 2
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_fuzz_fast_prefill_against_refgdn(data):
     """Random request counts and lengths (empty ones included), slots (padded rows included), initial-state flags,
