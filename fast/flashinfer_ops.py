@@ -7,8 +7,7 @@ host read: the call can be captured). ``gated_delta_rule_decode_pretranspose`` /
 formed in it, the states read and written through their strides, one launch. ``chunk_gated_delta_rule_paged`` /
 ``gated_delta_rule_decode_paged`` (FlashInfer's paged state cache): the chunked forward on chunk-aligned rows (the
 caller's q, k, v and o addressed in place, fast.paged), every page boundary stored by the state pass, and the decode
-kernel on the page table's rows. Where
-FlashInfer needs sm_90 or newer, these run on any GPU Triton supports.
+kernel on the page table's rows. Where FlashInfer needs sm_90 or newer, these run on any GPU Triton supports.
 """
 from __future__ import annotations
 
@@ -334,10 +333,10 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
     rows in front, whose beta = 0 and decay 1 leave the state as it is, so chunks and page boundaries line up): the
     gates formed into it (paged_gates_kernel), q, k, v read and o written at the caller's rows (the kernels'
     IN_ROWS: no token copied); from the page holding the last prefix token (the state pass's H0_SLOTS), every
-    crossed page boundary stored by the state pass (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS). Nothing is read back unless
-    check_values=True (cu_seqlens and the page table's values checked: refgdn's rules); unchecked values stay
-    memory-safe (rows outside the pool are not written). The gates are formed in float32 (alpha = 0: the decay's log
-    floored at LOG_DECAY_FLOOR). float64 runs refgdn.
+    crossed page boundary stored by the state pass (CKPT + CK_PAGED), the final state to the last page (HT_SLOTS).
+    Nothing is read back unless check_values=True (cu_seqlens and the page table's values checked: refgdn's rules);
+    unchecked values stay memory-safe (rows outside the pool are not written). The gates are formed in float32
+    (alpha = 0: the decay's log floored at LOG_DECAY_FLOOR). float64 runs refgdn.
     """
     sig = _paged_signature(q, k, v, g, beta, scale, cu_seqlens, state_pool, page_indices, page_indptr, page_size,
                            last_page_len, use_qk_l2norm_in_kernel, output, gate_domain, use_gate_in_kernel, A_log,
