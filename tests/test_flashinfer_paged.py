@@ -311,17 +311,24 @@ def test_slots_given_must_be_the_tables():
             run(lambda *a, **k: fn(*a, **k, slots=bad), args, kw)
 
 
-def test_fast_unchecked_values_stay_in_the_pool():
+@pytest.mark.parametrize("offsets", ["past-T", "decreasing"])
+def test_fast_unchecked_values_stay_in_the_pool(offsets):
     """Without check_values fast reads nothing back: page ids out of range, a garbage page table and offsets past T
-    write nothing outside the pool (which sits inside a larger tensor here)."""
+    or decreasing write nothing outside the pool, nor outside the output (each sits inside a larger tensor here: the
+    kernels write o at the caller's rows, in place)."""
     args, kw = prefill_problem(prefill_families(True, DEV)["prefixes-gva"], torch.float32, DEV)
-    P = kw["state_pool"].shape[0]
+    P, T = kw["state_pool"].shape[0], args[0].shape[0]
     big = torch.full((P + 4,) + tuple(kw["state_pool"].shape[1:]), 5.0, device=DEV)
+    sab, V = max(args[0].shape[1], args[2].shape[1]), args[2].shape[2]
+    big_o = torch.full((T + 4, sab, V), 5.0, device=DEV)
+    cu = kw["cu_seqlens"]
+    cu = cu * 2 if offsets == "past-T" else cu.flip(0)
     kw = dict(kw, state_pool=big[2:P + 2], page_indices=torch.randint(-50, 50, kw["page_indices"].shape, **I32),
-              last_page_len=torch.randint(-5, 300, kw["last_page_len"].shape, **I32),
-              cu_seqlens=kw["cu_seqlens"] * 2)
+              last_page_len=torch.randint(-5, 300, kw["last_page_len"].shape, **I32), cu_seqlens=cu,
+              output=big_o[2:T + 2])
     FF.chunk_gated_delta_rule_paged(*args, **kw)
-    assert torch.equal(big[:2], torch.full_like(big[:2], 5.0)) and torch.equal(big[-2:], torch.full_like(big[:2], 5.0))
+    for x in (big, big_o):
+        assert torch.equal(x[:2], torch.full_like(x[:2], 5.0)) and torch.equal(x[-2:], torch.full_like(x[:2], 5.0))
 
 
 def test_fast_reads_nothing_back_unless_asked():
