@@ -380,7 +380,7 @@ def chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, cu_s
         _, cu_p, in_rows, slot_rows, table = launch_paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len,
                                                                page_size, T, P, slots)
         sab = max(q.shape[1], v.shape[1])
-        log_g, beta = launch_paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T, sab,
+        log_g, beta = launch_paged_gates(g, beta, A_log, dt_bias, cu_p, in_rows, T, sab,
                                          *paged_modes(g, beta, gate_domain, use_gate_in_kernel, beta_is_logit),
                                          LOG_DECAY_FLOOR)
         out = output[None] if output is not None and output.is_contiguous() else None

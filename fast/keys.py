@@ -852,7 +852,7 @@ def _fi_chunk_gated_delta_rule_paged(q, k, v, g=None, beta=None, scale=None, *, 
                 tuple(slots) if slots is not None else (i32(N),) * 4, cu_p, i32(N, 3), i32(N, 2), i32(N, 3), page_size,
                 0, 1, slots is not None)),
             ("paged_gates_kernel", _paged.GATES_TENSORS, _paged.gates_launch(
-                g, beta, A_log, dt_bias, cu_seqlens, cu_p, (_meta(Tp, sab, dtype=torch.float32),) * 2, q.shape[0],
+                g, beta, A_log, dt_bias, cu_p, i32(N, 3), (_meta(Tp, sab, dtype=torch.float32),) * 2,
                 *_paged.modes(g, beta, gate_domain, use_gate_in_kernel, beta_is_logit), _fi_floor()))):
         _, args, constexprs, options = plan
         out.append(CompileKey.make(kernel, constexprs, {n: _dt(t) for n, t in zip(names, args)}, options))

@@ -16,10 +16,10 @@ and what the chunked forward takes from them:
     table[n] = (first crossed boundary in chunks of the aligned layout, its page-table entry, the last page's entry)
 
 ``paged_gates_kernel`` (rows of the aligned layout in blocks): the decay's log and beta, float32, at row p of
-sequence n those of token cu[n] + (p - cu_p[n] - pad_n), zeros on the pad_n rows in front and past cu_p[N], formed on
-the way (alpha's log floored, or -exp(A_log) softplus(a + dt_bias); beta or sigmoid(beta)). Values are never read on
-the host; any values stay memory-safe (offsets clamped into [0, T], rows within T + 63 N, page-table entries within
-the table).
+sequence n those of the caller's token p - d (in_rows[n] = (lo, hi, d), p in [lo, hi)), zeros on the pad_n rows in
+front and past cu_p[N], formed on the way (alpha's log floored, or -exp(A_log) softplus(a + dt_bias); beta or
+sigmoid(beta)). Values are never read on the host; any values stay memory-safe (offsets clamped into [0, T], rows
+within T + 63 N, page-table entries within the table).
 """
 from __future__ import annotations
 
@@ -107,24 +107,23 @@ def _rows_of(cu_p, p, N, STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["N", "T", "Tp"])
-def paged_gates_kernel(g, beta, A_log, dt_bias, cu, cu_p, go, bo, N, T, Tp, s_gt, s_bt,
+@triton.jit(do_not_specialize=["N", "Tp"])
+def paged_gates_kernel(g, beta, A_log, dt_bias, cu_p, in_rows, go, bo, N, Tp, s_gt, s_bt,
                        SAB: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
                        GATE: tl.constexpr, BETA: tl.constexpr, FLOOR: tl.constexpr, THRESHOLD: tl.constexpr):
     """g, beta: [T, SAB] (row strides) -> go (the decay's log), bo (beta): [Tp, SAB] float32 contiguous, every row
-    written (the aligned layout's: module docstring)."""
+    written (the aligned layout's: module docstring). Row p of sequence n holds the caller's token p - d where
+    in_rows[n] = (lo, hi, d) (paged_rows_kernel's; the kernels' rows, fast.chunk.common._in_rows_of) has p in
+    [lo, hi); other rows hold zeros."""
     p = tl.program_id(0) * BR + tl.arange(0, BR)
     in_p = p < Tp
-    n = _rows_of(cu_p, p.to(tl.int64), N, STEPS)
-    c0 = tl.load(cu_p + n, mask=in_p, other=0).to(tl.int64)
-    c1 = tl.load(cu_p + n + 1, mask=in_p, other=0).to(tl.int64)
-    lo = tl.minimum(tl.maximum(tl.load(cu + n, mask=in_p, other=0).to(tl.int64), 0), T)
-    hi = tl.minimum(tl.maximum(tl.load(cu + n + 1, mask=in_p, other=0).to(tl.int64), 0), T)
-    pad = (c1 - c0) - tl.maximum(hi - lo, 0)
-    r = p - c0
-    real = in_p & (p < c1) & (r >= pad)
-    src = tl.where(real, lo + r - pad, 0)                                   # [BR] the token this row holds
     rows = p.to(tl.int64)
+    n = _rows_of(cu_p, rows, N, STEPS)
+    lo = tl.load(in_rows + n * 3, mask=in_p, other=0).to(tl.int64)
+    hi = tl.load(in_rows + n * 3 + 1, mask=in_p, other=0).to(tl.int64)
+    d = tl.load(in_rows + n * 3 + 2, mask=in_p, other=0).to(tl.int64)
+    real = in_p & (rows >= lo) & (rows < hi)
+    src = tl.where(real, rows - d, 0)                                       # [BR] the token this row holds
     o_s = tl.arange(0, BS)
     m_s = o_s < SAB
     m = real[:, None] & m_s[None, :]
@@ -180,7 +179,7 @@ def gates_config(SAB: int) -> dict:
 # the kernels' pointer arguments, in order (fast.keys names their dtypes from the plans below)
 ROWS_TENSORS = ("cu", "page_indices", "page_indptr", "last_page_len", "s_read", "s_final", "s_ck", "s_prefix", "cu_p",
                 "in_rows", "slot_rows", "table")
-GATES_TENSORS = ("g", "beta", "A_log", "dt_bias", "cu", "cu_p", "go", "bo")
+GATES_TENSORS = ("g", "beta", "A_log", "dt_bias", "cu_p", "in_rows", "go", "bo")
 
 
 def modes(g, beta, gate_domain: str, use_gate_in_kernel: bool, beta_is_logit: bool) -> tuple:
@@ -241,53 +240,52 @@ def paged_rows(cu_seqlens, page_indices, page_indptr, last_page_len, page_size: 
     return slots, cu_p, in_rows, slot_rows, table
 
 
-def gates_launch(g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs: tuple, T: int, gate: Optional[str],
-                 beta_mode: Optional[str], floor: float) -> tuple:
+def gates_launch(g, beta, A_log, dt_bias, cu_p, in_rows, outs: tuple, gate: Optional[str], beta_mode: Optional[str],
+                 floor: float) -> tuple:
     """Everything paged_gates_kernel is launched with, from shapes, strides and dtypes only (meta tensors do): (grid,
-    args, constexprs, options). outs: (go, bo), [Tp, sab] float32; T: the caller's tokens."""
+    args, constexprs, options). outs: (go, bo), [Tp, sab] float32."""
     go, bo = outs
     Tp, SAB = go.shape
-    N = cu_seqlens.numel() - 1
+    N = in_rows.shape[0]
     gt = g if g is not None else go                                         # (not read without one)
     bt = beta if beta is not None else bo
     cfg = gates_config(SAB)
     BR = cfg.pop("BR")
     constexprs = dict(SAB=SAB, BS=next_pow2(SAB), BR=BR, STEPS=max(1, N.bit_length()), GATE=GATES[gate],
                       BETA=BETAS[beta_mode], FLOOR=floor, THRESHOLD=SOFTPLUS_THRESHOLD)
-    args = (gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_seqlens, cu_p,
-            go, bo, N, T, Tp, gt.stride(0), bt.stride(0))
+    args = (gt, bt, A_log if A_log is not None else go, dt_bias if dt_bias is not None else go, cu_p, in_rows, go,
+            bo, N, Tp, gt.stride(0), bt.stride(0))
     return (cdiv(Tp, BR),), args, constexprs, cfg
 
 
-def launch_paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T: int, sab: int, gate: Optional[str],
+def launch_paged_gates(g, beta, A_log, dt_bias, cu_p, in_rows, T: int, sab: int, gate: Optional[str],
                        beta_mode: Optional[str], floor: float) -> tuple:
-    """g, beta: [T, sab] or None -> (the decay's log, beta), [Tp, sab] float32 in the aligned layout, Tp = T + 63 N."""
-    Tp = T + 63 * (cu_seqlens.numel() - 1)
-    outs = tuple(torch.empty(Tp, sab, dtype=torch.float32, device=cu_seqlens.device) for _ in range(2))
-    grid, args, constexprs, options = gates_launch(g, beta, A_log, dt_bias, cu_seqlens, cu_p, outs, T, gate,
-                                                   beta_mode, floor)
+    """g, beta: [T, sab] or None; cu_p, in_rows: launch_paged_rows' -> (the decay's log, beta), [Tp, sab] float32 in
+    the aligned layout, Tp = T + 63 N."""
+    Tp = T + 63 * in_rows.shape[0]
+    outs = tuple(torch.empty(Tp, sab, dtype=torch.float32, device=cu_p.device) for _ in range(2))
+    grid, args, constexprs, options = gates_launch(g, beta, A_log, dt_bias, cu_p, in_rows, outs, gate, beta_mode,
+                                                   floor)
     launch(paged_gates_kernel, grid, dict(constexprs, **options), *args)
     return outs
 
 
-def paged_gates(g, beta, A_log, dt_bias, cu_seqlens, cu_p, T: int, sab: int, gate: Optional[str],
+def paged_gates(g, beta, A_log, dt_bias, cu_p, in_rows, T: int, sab: int, gate: Optional[str],
                 beta_mode: Optional[str], floor: float) -> tuple:
     """The stage twin of paged_gates_kernel in torch: the same two tensors (by refgdn's formulas:
     refgdn.flashinfer_ops.paged_gates, float32), each token's gates at its aligned row (aligned_rows)."""
     import refgdn.flashinfer_ops as RF
-    N = cu_seqlens.numel() - 1
     log_g, b = RF.paged_gates(g, beta, T, sab, "log" if gate == "raw" else gate or "log", gate == "raw", A_log,
-                              dt_bias, beta_mode == "logit", torch.float32, cu_seqlens.device,
+                              dt_bias, beta_mode == "logit", torch.float32, cu_p.device,
                               log_floor=floor if gate == "linear" else None)
-    dest = aligned_rows(cu_seqlens, cu_p, T)
-    return tuple(x.new_zeros(T + 63 * N, sab).index_copy_(0, dest, x) for x in (log_g, b))
+    dest = aligned_rows(in_rows, T)
+    return tuple(x.new_zeros(T + 63 * in_rows.shape[0], sab).index_copy_(0, dest, x) for x in (log_g, b))
 
 
-def aligned_rows(cu_seqlens: torch.Tensor, cu_p: torch.Tensor, T: int) -> torch.Tensor:
-    """Each token's row in the chunk-aligned layout, [T] int64: t + the pad rows of its sequence and those before it,
-    on the device (offsets clamped into [0, T]; rows within T + 63 N)."""
-    N = cu_seqlens.numel() - 1
-    cu = cu_seqlens.long().clamp(0, T)
-    t = torch.arange(T, device=cu.device)
-    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(N - 1, 0))
-    return t + (cu_p.long()[1:] - cu[1:])[seq]
+def aligned_rows(in_rows: torch.Tensor, T: int) -> torch.Tensor:
+    """Each of the caller's T tokens' row in the chunk-aligned layout, [T] int64: t + d of its sequence (in_rows[n] =
+    (lo, hi, d): the sequence's tokens are t in [lo - d, hi - d)), on the device."""
+    lo, hi, d = in_rows.long().unbind(1)
+    t = torch.arange(T, device=in_rows.device)
+    seq = torch.searchsorted(hi - d, t, right=True).clamp_(max=max(in_rows.shape[0] - 1, 0))
+    return t + d[seq]

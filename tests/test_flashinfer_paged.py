@@ -405,12 +405,12 @@ def test_bookkeeping_kernels_equal_their_twins(garbage):
                                 (None, "prob", None)):
         A_log, dt_bias = kw["A_log"], kw["dt_bias"]
         beta = None if beta_mode is None else args[4]
-        k_out = paged.launch_paged_gates(gg, beta, A_log, dt_bias, cu, got[1], T, sab, gate, beta_mode, -104.0)
-        t_out = paged.paged_gates(gg, beta, A_log, dt_bias, cu, got[1], T, sab, gate, beta_mode, -104.0)
+        k_out = paged.launch_paged_gates(gg, beta, A_log, dt_bias, got[1], got[2], T, sab, gate, beta_mode, -104.0)
+        t_out = paged.paged_gates(gg, beta, A_log, dt_bias, got[1], got[2], T, sab, gate, beta_mode, -104.0)
         for a, b in zip(k_out, t_out):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
         pad = torch.ones(a.shape[0], dtype=torch.bool, device=DEV)
-        pad[paged.aligned_rows(cu, got[1], T)] = False
+        pad[paged.aligned_rows(got[2], T)] = False
         assert pad.any() and not k_out[1][pad].any()                    # beta 0 on the rows that hold no token
 
 
@@ -431,9 +431,9 @@ def test_caller_rows_are_the_aligned_copy(l2, fused):
     pool0 = kw["state_pool"]
     _, cu_p, in_rows, slot_rows, table = paged.launch_paged_rows(cu, kw["page_indices"], kw["page_indptr"],
                                                                  kw["last_page_len"], ps, T, pool0.shape[0])
-    log_g, b = paged.launch_paged_gates(g, beta, None, None, cu, cu_p, T, sab, "log", "prob", -104.0)
+    log_g, b = paged.launch_paged_gates(g, beta, None, None, cu_p, in_rows, T, sab, "log", "prob", -104.0)
     Tp = log_g.shape[0]
-    dest = paged.aligned_rows(cu, cu_p, T)
+    dest = paged.aligned_rows(in_rows, T)
     q, k, v = FF.gqa_to_gva(q, k, v)
     outs = []
     for copy in (False, True):

@@ -111,6 +111,16 @@ def _in_rows_of(i_n, in_rows, IN_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _in_rows_of_chunk(i_c, i_b, chunk_indices, in_rows, IN_ROWS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """_in_rows_of for global chunk i_c of a chunk-parallel kernel (i_b: _chunk_coords' batch row, the sequence when
+    dense; varlen: chunk_indices' row)."""
+    i_n = i_b
+    if IN_ROWS and IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    return _in_rows_of(i_n, in_rows, IN_ROWS)
+
+
+@triton.jit
 def _caller_rows(rows, m_r, lo, hi, d, IN_ROWS: tl.constexpr):
     """The caller's rows holding the kernels' rows ``rows`` and their mask (_in_rows_of's (lo, hi, d)): rows outside
     [lo, hi) are masked (zeros in, nothing out). Without IN_ROWS: (rows, m_r) as they are."""

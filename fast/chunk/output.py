@@ -22,7 +22,7 @@ from refgdn.checks import check_chunk_size
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, next_pow2
 from .common import (L2NORM_EPS, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
-                     _fp32_prec, _gdiff, _in_rows_of, _is_fp64, _precise, _unit_last)
+                     _fp32_prec, _gdiff, _in_rows_of_chunk, _is_fp64, _precise, _unit_last)
 
 
 # ============================================================================================
@@ -65,10 +65,7 @@ def chunk_output_kernel(
     m_k = o_k < K
     m_v = o_v < V
     i_hk = i_h // GROUP
-    i_n = i_b                                                        # the sequence (in_rows' row)
-    if (IN_ROWS or K_IN_ROWS) and IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    in_lo, in_hi, in_d = _in_rows_of(i_n, in_rows, IN_ROWS or K_IN_ROWS)
+    in_lo, in_hi, in_d = _in_rows_of_chunk(i_c, i_b, chunk_indices, in_rows, IN_ROWS or K_IN_ROWS, IS_VARLEN)
     r_c, m_c = _caller_rows(rows, m_r, in_lo, in_hi, in_d, IN_ROWS)              # q and o's rows
     r_k, m_rk = _caller_rows(rows, m_r, in_lo, in_hi, in_d, K_IN_ROWS)           # k's
 

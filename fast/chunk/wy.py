@@ -27,7 +27,8 @@ from ..launch import launch
 from ..utils import is_interpreting
 from .common import (INV_DIAG_PRECISION, INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _caller_rows, _cfg,
                      _check_fast_limits, _chunk_coords, _chunk_rows, _Chunks, _contig, _dot, _exp, _fp32_prec, _gate,
-                     _gdiff, _in_rows_of, _is_fp64, _l2norm_rows, _load_beta, _operand, _precise, _unit_last, _upcast)
+                     _gdiff, _in_rows_of_chunk, _is_fp64, _l2norm_rows, _load_beta, _operand, _precise, _unit_last,
+                     _upcast)
 
 
 # ============================================================================================
@@ -222,10 +223,7 @@ def chunk_kkt_inv_kernel(
         if tl.load(chunk_indices + i_c * 2) < 0:                 # a row of a device-built table past its last
             return                                               # chunk (common._Chunks.unchecked): no chunk
     i_b, i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    i_n = i_b                                                    # the sequence (in_rows' row)
-    if IN_ROWS and IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    in_lo, in_hi, in_d = _in_rows_of(i_n, in_rows, IN_ROWS)      # (IN_ROWS: k in the caller's rows)
+    in_lo, in_hi, in_d = _in_rows_of_chunk(i_c, i_b, chunk_indices, in_rows, IN_ROWS, IS_VARLEN)   # (k's rows)
     t0 = bos + i_t * BT
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
