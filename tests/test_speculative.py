@@ -7,7 +7,8 @@ of the time and rounds end in full, partial and no acceptance: every test checks
 
 * Greedy is lossless: speculative == plain greedy token for token, k = 1..5 (and mixed k, budgets and eos
   per request in one batch), prompts of different lengths; refgdn float64 (4-layer tiny: 3 GDN layers,
-  dense and MoE MLPs) and fast float32 (2-layer tiny, Triton interpreter). For fast, a step whose top two
+  dense and MoE MLPs) and fast float32 (2-layer tiny, Triton interpreter; k = 2 and 5, the quick
+  conformance matrix taking k = 3 and mixed k). For fast, a step whose top two
   target logits lie within float32 rounding (gap <= 1e-5 * max(1, max|logit|)) may differ: it is
   counted as a tie; ties must stay under 1% of the compared steps.
 * Rollback is exact: after every round each GDN layer's committed state and conv window, the target and
@@ -110,7 +111,9 @@ def test_greedy_speculative_equals_plain_fast32():
     new = 7
     plain = generate_plain(m, prompts, new, record_logits=True)
     specs, steps, ties = [], 0, 0
-    for k in range(1, 6):
+    # k = 2 and 5 here: the quick conformance matrix runs the same fast model's speculative loop at k = 3 and at
+    # mixed k = (1, 4, 2) against the float64 truth (conformance/cases_model.py), and refgdn64 above takes k = 1..5
+    for k in (2, 5):
         spec = generate_speculative(m, prompts, new, k)
         specs.append(spec)
         for n in range(len(prompts)):
