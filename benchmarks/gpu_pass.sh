@@ -6,7 +6,7 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (none owed since 2026-11-29 16:13; kept:
+#   pending (not in all): what a session wrote without running it on a GPU (none owed since 2026-11-29 18:44; kept:
 #     FlashInfer's ops, paged included: their tests, full families and bench_flashinfer)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
