@@ -36,6 +36,21 @@ def _wide(t):
     return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
+def token_inputs(p: dict, T: int, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    """((q [T, Hq, K], k [T, Hk, K], v [T, Hv, V]) in dtype on device, sab = max(Hq, Hv), r, u, gen): a prefill
+    problem's tokens, the float64 normal / uniform samplers that drew them and their generator, for the draws that
+    follow. p: heads (Hq, Hk, Hv) (1, 1, 2), K, V (16), l2 (else k unit-norm: the op does not normalise)."""
+    gen = torch.Generator().manual_seed(seed)
+    Hq, Hk, Hv = p.get("heads", (1, 1, 2))
+    K, V = p.get("K", 16), p.get("V", 16)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)   # noqa: E731
+    q, k, v = r(T, Hq, K), r(T, Hk, K), r(T, Hv, V)
+    if not p.get("l2"):
+        k = torch.nn.functional.normalize(k, dim=-1)
+    return tuple(x.to(dtype).to(device) for x in (q, k, v)), max(Hq, Hv), r, u, gen
+
+
 def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
     """(args, kwargs) of one prefill call in FlashInfer's order: args = [q, k, v, g, beta, scale, initial_state,
     output_final_state=True, cu_seqlens, use_qk_l2norm_in_kernel]. p: cu (offsets), heads (Hq, Hk, Hv) (1, 1, 2),
@@ -43,18 +58,10 @@ def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> 
     h0 (an initial state); l2 (else k unit-norm); scale; out_state (output_state given, filled with SENTINEL);
     output (a preallocated output); ckpt: checkpoint_every_n_tokens (state_checkpoints filled with SENTINEL, one row
     more than the checkpoints). q, k, v in dtype; alpha, beta and the states float32."""
-    gen = torch.Generator().manual_seed(seed)
     cu = p["cu"]
     T, N = cu[-1], len(cu) - 1
-    Hq, Hk, Hv = p.get("heads", (1, 1, 2))
-    K, V = p.get("K", 16), p.get("V", 16)
-    sab = max(Hq, Hv)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)   # noqa: E731
-    q, k, v = r(T, Hq, K), r(T, Hk, K), r(T, Hv, V)
-    if not p.get("l2"):
-        k = torch.nn.functional.normalize(k, dim=-1)
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    (q, k, v), sab, r, u, _ = token_inputs(p, T, dtype, device, seed)
+    K, V = q.shape[-1], v.shape[-1]
     alpha = beta = h0 = None
     if p.get("alpha", True):
         alpha = 0.5 + 0.5 * u(T, sab)

@@ -24,6 +24,7 @@ from typing import List
 
 import torch
 
+from .cases_flashinfer import token_inputs
 from .cases_prefill import family_cases
 from .cases_sglang import raw_gate_inputs
 from .core import FLOOR, Check, row_checks
@@ -60,18 +61,10 @@ def prefill_problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> 
     0), "log", "raw" (use_gate_in_kernel with A_log, dt_bias) or None; beta "prob", "logit" or None; l2 (else k
     unit-norm); shared; output; pool_dtype (float32); scale. q, k, v in dtype; gates and the pool float32 (the pool
     random: a prefix's pages hold states from earlier calls)."""
-    gen = torch.Generator().manual_seed(seed)
     seqs, ps = p["seqs"], p["ps"]
-    Hq, Hk, Hv = p.get("heads", (1, 1, 2))
-    K, V = p.get("K", 16), p.get("V", 16)
-    sab = max(Hq, Hv)
     T = sum(n for _, n in seqs)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)   # noqa: E731
-    q, k, v = r(T, Hq, K), r(T, Hk, K), r(T, Hv, V)
-    if not p.get("l2"):
-        k = torch.nn.functional.normalize(k, dim=-1)
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    (q, k, v), sab, r, u, gen = token_inputs(p, T, dtype, device, seed)
+    K, V = q.shape[-1], v.shape[-1]
     gate, kw = p.get("gate", "log"), {}
     g = None
     if gate == "alpha":
