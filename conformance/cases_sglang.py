@@ -42,8 +42,8 @@ def problem(p: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
         kw["cu_seqlens"] = torch.tensor(p["cu"], dtype=torch.int32, device=device)
     c = p.get("cache")
     if c:
-        kw.update(disable_state_update=True, cache_steps=c["steps"],
-                  intermediate_states_buffer=r(c["C"], c["steps"], HV, V, K).to(c.get("dtype", torch.float32)).to(device))
+        buf = r(c["C"], c["steps"], HV, V, K).to(c.get("dtype", torch.float32)).to(device)
+        kw.update(disable_state_update=True, cache_steps=c["steps"], intermediate_states_buffer=buf)
         if c.get("rows") is not None:
             kw["intermediate_state_indices"] = torch.tensor(c["rows"], dtype=torch.int32, device=device)
     return [A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, idx], kw
@@ -99,8 +99,8 @@ def families(quick: bool, device: str) -> dict:
     """SGLang's decode (B = 1, one token per sequence through cu_seqlens, a padded sequence), several tokens per
     sequence with an empty one, dense [B, T] with [B, T, HV] gates, the state update disabled, a bfloat16 pool,
     target verify (every step's state to intermediate_states_buffer: rows by index with a sequence padded and one not
-    cached, or row n, a bf16 cache), three value heads per key head, K / V not powers of two with a scale. Quick: 1 / 2 heads of 16; full: Qwen3-Next's
-    16 / 32 heads of 128 where the family allows."""
+    cached, or row n, a bf16 cache), three value heads per key head, K / V not powers of two with a scale. Quick: 1 / 2
+    heads of 16; full: Qwen3-Next's 16 / 32 heads of 128 where the family allows."""
     qwen = {} if quick else dict(H=16, HV=32, K=128, V=128)
     out = {
         "decode-varlen-padded": dict(B=1, T=5, cu=[0, 1, 2, 3, 4, 5], idx=[4, -1, 0, 7, 2], l2=True),

@@ -476,8 +476,8 @@ def _edge_negative_is_padding(ops, w):
     assert not _same_memory(before, w.memory())
 
 
-EDGE = [_edge_nan_decode, _edge_negative_is_padding, _edge_inf_verify, _edge_empty_batches, _edge_zero_token_verify, _edge_prefill_T0,
-        _edge_conv_T0, _edge_strided_serving, _edge_strided_prefill]
+EDGE = [_edge_nan_decode, _edge_negative_is_padding, _edge_inf_verify, _edge_empty_batches, _edge_zero_token_verify,
+        _edge_prefill_T0, _edge_conv_T0, _edge_strided_serving, _edge_strided_prefill]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN / Inf arithmetic in the interpreter

@@ -326,8 +326,8 @@ def test_varlen_calls_checked_behind_kernel_1_launch_through_the_signature_plan(
     assert kernels == ["chunk_table_kernel", "chunk_kkt_inv_kernel"] + (
         ["row_scales_kernel", "chunk_state_kernel"] if fused else ["chunk_state_kernel", "chunk_output_kernel"])
     with pytest.raises(ValueError, match="non-decreasing"):                  # the same signature, bad values
-        fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=torch.tensor([0, 9, 7, 40],
-                                                                                          dtype=torch.int32, device=DEV)))
+        bad = torch.tensor([0, 9, 7, 40], dtype=torch.int32, device=DEV)
+        fast.chunk_gated_delta_rule(q, k, v, g, beta, **dict(kw, cu_seqlens=bad))
     assert len(fc._PLANS.entries) == 1
     fc.clear_plan_cache()
 
@@ -532,7 +532,8 @@ def test_stage_wy_repr(bt, gate, method):
     low, hi = _stage_inputs(bt, seed=bt, gate=gate)
     k, beta, G = low[1], low[4], dr.chunk_cumsum(low[3], bt)
     k64, beta64, G64 = hi[1], hi[4], dr.chunk_cumsum(hi[3], bt)
-    _conform("A", fc._wy_repr(k, beta, G, bt, inv_method=method), dr.wy_repr(k, beta, G, bt), dr.wy_repr(k64, beta64, G64, bt))
+    _conform("A", fc._wy_repr(k, beta, G, bt, inv_method=method), dr.wy_repr(k, beta, G, bt),
+             dr.wy_repr(k64, beta64, G64, bt))
 
 
 def test_stage_wy_repr_repeated_keys():
