@@ -103,6 +103,7 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
                     _trunc_tf32)
 from .gating import l2norm_into
+from .launch import PINNED_OPTIONS
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
@@ -841,7 +842,7 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
     BR = 16 if is_interpreting() else 32
     bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
         d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
-        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4)
+        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4, **PINNED_OPTIONS)
     return out
 
 
@@ -1045,7 +1046,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
         bwd_dv_local_kernel[(ch.total * HV,)](
             qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V, qu.dtype), configs))
+            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V, qu.dtype), configs), **PINNED_OPTIONS)
         # ---- 2. reverse state pass ----------------------------------------------------------------
         cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
                                         store16=store16, sixteen_bit=stage_gprec.get("dh", gprec) is None),
@@ -1055,14 +1056,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         bwd_dh_kernel[(cdiv(V, BV), N * HV)](
             qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
             scale,
-            **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg)
+            **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg, **PINNED_OPTIONS)
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         post = stage_gprec.get("dqkwg_post", stage_gprec.get("dqkwg", gprec))      # ds K, ds^T Q
         bwd_dqkwg_kernel[(ch.total * HV * NKG,)](
             qu, ku, v_new, v_new if vn_lo is None else vn_lo, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens,
             ch.indices, T, ch.NT, scale,
             B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32",
-            VN_SPLIT=vn_split)
+            VN_SPLIT=vn_split, **PINNED_OPTIONS)
         if stages is not None:
             vn_full = v_new.clone() if vn_lo is None else v_new.float() + vn_lo.float()   # (the terms' sum)
             stages.update(h=h.clone(), v_new=vn_full, dv_local=dv_local.clone(), dh=dh.clone(),
@@ -1072,7 +1073,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         bwd_dw_kernel[(ch.total * HV,)](
             h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
             IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(dw_gprec),
-            **_cfg("dw", dw_bwd_config(K, V), configs))
+            **_cfg("dw", dw_bwd_config(K, V), configs), **PINNED_OPTIONS)
         if stages is not None:
             stages.update(dw=dw.clone())
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
@@ -1085,7 +1086,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
             dA_log_t if dA_log_t is not None else dg,
             ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
             **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
-            **_cfg("wy", wy_bwd_config(K, V, sixteen_bit=wy_gprec is None), configs))
+            **_cfg("wy", wy_bwd_config(K, V, sixteen_bit=wy_gprec is None), configs), **PINNED_OPTIONS)
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:

@@ -40,7 +40,7 @@ import triton.language as tl
 from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_offsets_again, one_host_read
 
 from .chunk.common import _Chunks
-from .launch import SignaturePlans, launch, shape_key, varlen_key
+from .launch import PINNED_OPTIONS, SignaturePlans, launch, shape_key, varlen_key
 from .utils import cdiv, checked_offsets, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
 
 
@@ -628,7 +628,7 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     causal_conv1d_update_kernel[(cdiv(D, BD), N)](
         x, conv_state, weight, bias, y, D, *x.stride(), *conv_state.stride(), *weight.stride(),
         W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, FP64=fp64,
-        num_warps=4)
+        num_warps=4, **PINNED_OPTIONS)
     return y
 
 

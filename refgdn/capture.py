@@ -215,7 +215,10 @@ def key_of_launch(kernel, args: Sequence, kwargs: dict) -> CompileKey:
             dtypes[name] = v.dtype
         elif v is None:
             dtypes[name] = None
-    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+    # enable_fp_fusion=True is Triton's default through 3.9, which fast pins on every launch (fast.launch.PINNED_OPTIONS):
+    # the same compiled kernel as the option unset, so the key leaves it out
+    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS
+               if k in kwargs and not (k == "enable_fp_fusion" and kwargs[k] is True)}
     return CompileKey.make(pyfn.__name__, constexprs, dtypes, options)
 
 

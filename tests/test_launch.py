@@ -76,12 +76,29 @@ def _args(x, y, n=5, scale=0.5):
     return (x, y, n, scale)
 
 
+def test_plain_launch_pins_fp_fusion_and_keys_leave_it_out(fake):
+    """fast.launch.launch outside a plan passes fast's pinned compile options (floating-point fusion on: Triton's
+    default through 3.9, which 3.9 warns will change), a caller's own value wins, and refgdn.capture's compile key
+    is the same with the pinned value as without it (fast.keys lists no such option), not with fusion off."""
+    from refgdn.capture import key_of_launch
+    k, _ = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    fl.launch(k, (2,), dict(A=4), *_args(x, y))
+    assert k.log[-1][3] == dict(A=4, enable_fp_fusion=True)
+    fl.launch(k, (2,), dict(A=4, enable_fp_fusion=False), *_args(x, y))
+    assert k.log[-1][3] == dict(A=4, enable_fp_fusion=False)
+    plain = key_of_launch(k, _args(x, y), dict(A=4, num_warps=2))
+    assert key_of_launch(k, _args(x, y), dict(A=4, num_warps=2, enable_fp_fusion=True)) == plain
+    assert key_of_launch(k, _args(x, y), dict(A=4, num_warps=2, enable_fp_fusion=False)) != plain
+
+
 def test_relaunch_paths(fake, monkeypatch):
     k, drv = fake
     x, y = torch.zeros(64), torch.zeros(64)
     r = fl.Relaunch(k, (3, 2), dict(A=4, num_warps=2))
     r(*_args(x, y))
-    assert k.log[-1] == ("slow", (3, 2, 1, 1)[:3], _args(x, y), dict(A=4, num_warps=2))
+    # the slow path is kernel[grid](*args, **kw) with fast's pinned compile options (floating-point fusion on)
+    assert k.log[-1] == ("slow", (3, 2, 1, 1)[:3], _args(x, y), dict(A=4, num_warps=2, enable_fp_fusion=True))
     r(*_args(x, y, scale=0.25))                        # floats are not specialised: fast path
     from triton import knobs
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
