@@ -103,7 +103,7 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
                     _trunc_tf32)
 from .gating import l2norm_into
-from .launch import PINNED_OPTIONS
+from .launch import launch
 from .utils import cdiv, is_interpreting
 
 # Per-stage config overrides (chunk_gated_delta_rule_bwd's ``configs`` argument, for benchmark sweeps:
@@ -840,9 +840,9 @@ def _qk_finish(d_hv: torch.Tensor, x: torch.Tensor, H: int, l2: bool, dtype: tor
     if n_rows == 0:
         return out
     BR = 16 if is_interpreting() else 32
-    bwd_qk_finish_kernel[(cdiv(n_rows, BR),)](
-        d_hv, x.contiguous() if l2 else d_hv, out, n_rows, H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR,
-        L2NORM=l2, EPS=L2NORM_EPS, num_warps=4, **PINNED_OPTIONS)
+    launch(bwd_qk_finish_kernel, (cdiv(n_rows, BR),),
+           dict(H=H, GROUP=HV // H, K=K, BK=_blocks(K, 16)[0], BR=BR, L2NORM=l2, EPS=L2NORM_EPS, num_warps=4),
+           d_hv, x.contiguous() if l2 else d_hv, out, n_rows)
     return out
 
 
@@ -1044,36 +1044,36 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     if ch.total > 0 and HV > 0:
         # ---- 1. dv_local --------------------------------------------------------------------------
         dv_local = dv_new if stages is None else torch.empty_like(dv_new)  # stage 2 reads it, then overwrites
-        bwd_dv_local_kernel[(ch.total * HV,)](
-            qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale,
-            **stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V, qu.dtype), configs), **PINNED_OPTIONS)
+        launch(bwd_dv_local_kernel, (ch.total * HV,),
+               dict(**stage("dv_local"), **_cfg("dv_local", dv_local_bwd_config(K, V, qu.dtype), configs)),
+               qu, ku, G, Glx, do, dv_local, ch.cu_seqlens, ch.indices, T, ch.NT, scale)
         # ---- 2. reverse state pass ----------------------------------------------------------------
         cfg = _cfg("dh", dh_bwd_config(N, HV, K, V, dev, fp32=cdt == torch.float32, tf32_operands=rprec is not None,
                                         store16=store16, sixteen_bit=stage_gprec.get("dh", gprec) is None),
                    configs)
         BV = cfg.pop("BV")
         dht_c = dht.float().contiguous() if dht is not None else None
-        bwd_dh_kernel[(cdiv(V, BV), N * HV)](
-            qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
-            scale,
-            **stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg, **PINNED_OPTIONS)
+        launch(bwd_dh_kernel, (cdiv(V, BV), N * HV),
+               dict(**stage("dh"), BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **cfg),
+               qu, ku, w, G, Glx, do, dv_local, dht_c, dh, dv_new, dh0, ch.cu_seqlens, ch.offsets, ch.order, T, ch.NT,
+               scale)
         # ---- 3. dq, dk, dG -------------------------------------------------------------------------
         post = stage_gprec.get("dqkwg_post", stage_gprec.get("dqkwg", gprec))      # ds K, ds^T Q
-        bwd_dqkwg_kernel[(ch.total * HV * NKG,)](
-            qu, ku, v_new, v_new if vn_lo is None else vn_lo, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens,
-            ch.indices, T, ch.NT, scale,
-            B * T * HV, **stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32",
-            VN_SPLIT=vn_split, **PINNED_OPTIONS)
+        launch(bwd_dqkwg_kernel, (ch.total * HV * NKG,),
+               dict(**stage("dqkwg"), **dq_cfg, GPREC_POST=post, EMU_POST=dot_f32 and post == "tf32",
+                    VN_SPLIT=vn_split),
+               qu, ku, v_new, v_new if vn_lo is None else vn_lo, h, dh, G, Glx, do, dq, dk, dG, ch.cu_seqlens,
+               ch.indices, T, ch.NT, scale, B * T * HV)
         if stages is not None:
             vn_full = v_new.clone() if vn_lo is None else v_new.float() + vn_lo.float()   # (the terms' sum)
             stages.update(h=h.clone(), v_new=vn_full, dv_local=dv_local.clone(), dh=dh.clone(),
                           dv_new=dv_new.clone(), dh0=None if dh0 is None else dh0.clone(), dq3=dq.clone(),
                           dk3=dk.clone(), dG3=dG.sum(0))
         # ---- 3b. dw = -dv_new h^T ------------------------------------------------------------------
-        bwd_dw_kernel[(ch.total * HV,)](
-            h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32, **grad_prec(dw_gprec),
-            **_cfg("dw", dw_bwd_config(K, V), configs), **PINNED_OPTIONS)
+        launch(bwd_dw_kernel, (ch.total * HV,),
+               dict(HV=HV, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=ch.varlen, PREC=common["PREC"], DOT_F32=dot_f32,
+                    **grad_prec(dw_gprec), **_cfg("dw", dw_bwd_config(K, V), configs)),
+               h, dv_new, dw, do, ch.cu_seqlens, ch.indices, T, ch.NT)
         if stages is not None:
             stages.update(dw=dw.clone())
         # ---- 4. WY backward, dg ---------------------------------------------------------------------
@@ -1081,12 +1081,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
         # Triton 3.6, bench_train's shape: 1005 us at tf32, 1089 at bf16x2); both precisions passed the
         # full bf16 gradient families throughout (module comment), this mix lies between them
         wy = dict(common, **grad_prec(wy_gprec))
-        bwd_wy_kernel[(ch.total * HV,)](
-            ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dk_tot, dG, dv, dbeta, dg,
-            dA_log_t if dA_log_t is not None else dg,
-            ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride(),
-            **wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
-            **_cfg("wy", wy_bwd_config(K, V, sixteen_bit=wy_gprec is None), configs), **PINNED_OPTIONS)
+        launch(bwd_wy_kernel, (ch.total * HV,),
+               dict(**wy, NKG=NKG, GATE=A_log is not None, INV_PREC=INV_PRECISION[dt], THRESHOLD=SOFTPLUS_THRESHOLD,
+                    **_cfg("wy", wy_bwd_config(K, V, sixteen_bit=wy_gprec is None), configs)),
+               ku, v, beta, g, A_log, dt_bias, G, Glx, A, dw, dv_new, dk, dk_tot, dG, dv, dbeta, dg,
+               dA_log_t if dA_log_t is not None else dg,
+               ch.cu_seqlens, ch.indices, T, ch.NT, B * T * HV, *v.stride()[:3], *beta.stride(), *g.stride())
     elif dh0 is not None:                                                # no tokens: dh0 = dht
         dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
     if ch.total == 0:

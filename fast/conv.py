@@ -40,7 +40,7 @@ import triton.language as tl
 from refgdn.checks import check_conv_inputs, check_conv_update_inputs, check_offsets_again, one_host_read
 
 from .chunk.common import _Chunks
-from .launch import PINNED_OPTIONS, SignaturePlans, launch, shape_key, varlen_key
+from .launch import SignaturePlans, launch, shape_key, varlen_key
 from .utils import cdiv, checked_offsets, is_interpreting, next_pow2, slot_row, varlen_chunk_tables
 
 
@@ -625,10 +625,9 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         return y
     fp64 = any(t.dtype == torch.float64 for t in (x, weight, conv_state))
     BD = max(16, min(256 if not is_interpreting() else 128, next_pow2(D)))
-    causal_conv1d_update_kernel[(cdiv(D, BD), N)](
-        x, conv_state, weight, bias, y, D, *x.stride(), *conv_state.stride(), *weight.stride(),
-        W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, FP64=fp64,
-        num_warps=4, **PINNED_OPTIONS)
+    launch(causal_conv1d_update_kernel, (cdiv(D, BD), N),
+           dict(W=W, BD=BD, SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, FP64=fp64, num_warps=4),
+           x, conv_state, weight, bias, y, D, *x.stride(), *conv_state.stride(), *weight.stride())
     return y
 
 

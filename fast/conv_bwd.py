@@ -32,7 +32,7 @@ import triton.language as tl
 
 from refgdn.checks import one_host_read
 
-from .launch import PINNED_OPTIONS
+from .launch import launch
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
@@ -266,18 +266,17 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     Bg = B if cu_seqlens is None else 1
     if n_z > 0 and D > 0:
         c = cfg["dz"]
-        conv_bwd_dz_kernel[(cdiv(D, c["BD"]), n_z, Bg)](
-            x, dy, weight, bias, initial_state, cu_z, table_z, dz, dw_part, db_part,
-            T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s,
-            BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
-            num_warps=c["num_warps"], **flags, **PINNED_OPTIONS)
+        launch(conv_bwd_dz_kernel, (cdiv(D, c["BD"]), n_z, Bg),
+               dict(BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+                    num_warps=c["num_warps"], **flags),
+               x, dy, weight, bias, initial_state, cu_z, table_z, dz, dw_part, db_part,
+               T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s)
         c = cfg["dx"]
         table_x, n_x, cu_x = tiles(c["BT"])
-        conv_bwd_dx_kernel[(cdiv(D, c["BD"]), n_x, Bg)](
-            dz, weight, dfinal, cu_x, table_x, dx, dinit if dinit is not None else dx,
-            T, D, *weight.stride(),
-            BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
-            num_warps=c["num_warps"], **flags, **PINNED_OPTIONS)
+        launch(conv_bwd_dx_kernel, (cdiv(D, c["BD"]), n_x, Bg),
+               dict(BT=c["BT"], BD=c["BD"], BW=max(1, next_pow2(W - 1)), HAS_DFINAL=dfinal is not None,
+                    num_warps=c["num_warps"], **flags),
+               dz, weight, dfinal, cu_x, table_x, dx, dinit if dinit is not None else dx, T, D, *weight.stride())
     if dinit is not None and n_z > 0 and cu_seqlens is not None:
         # zero-length sequences own no tile: their initial state only reaches the final state (by the checked
         # offsets, as the kernels)

@@ -78,13 +78,13 @@ def _quiet(fn) -> bool:
     return not _Hooks.active
 
 
-# Compile options every fast launch passes (``kernel[grid](..., **PINNED_OPTIONS)``, through :func:`launch`,
-# :class:`Relaunch` and the direct launches): floating-point fusion (FMA contraction) on, Triton's default through
+# Compile options every fast launch passes (every kernel launch in fast goes through :func:`launch` or
+# :class:`Relaunch`, which add them): floating-point fusion (FMA contraction) on, Triton's default through
 # 3.9, which the kernels' numerics and the conformance figures were measured with. Triton 3.9 warns on every process
 # that compiles a kernel with the option unset ("TRITON_DEFAULT_FP_FUSION is unset ... will change to DISABLED in
 # Triton 3.10"); set, nothing warns and a later default changes nothing here. The same compiled kernels as an unset
 # option on Triton <= 3.9 (the option's value is what Triton keys its cache on); the interpreter ignores it.
-# refgdn.capture's compile keys leave the pinned value out (key_of_launch), so fast.keys need not list it.
+# refgdn.capture's compile keys leave the pinned value out (_OPTION_DEFAULTS), so fast.keys need not list it.
 PINNED_OPTIONS = {"enable_fp_fusion": True}
 
 

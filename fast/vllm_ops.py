@@ -32,7 +32,7 @@ from .conv import (VLLM_ROWS_BLOCK, _forward as _conv_forward, conv_update_slots
                    vllm_conv_update_config)
 from .gating import SOFTPLUS_THRESHOLD, post_conv_prep_config, post_conv_prep_kernel
 from .gating import gdn_gating as _gating
-from .launch import PINNED_OPTIONS, LayoutPlans, Offset, Relaunch, SignaturePlans, launch, scalar_key, shape_key
+from .launch import LayoutPlans, Offset, Relaunch, SignaturePlans, launch, scalar_key, shape_key
 from .serving import PREFILL_CHUNK
 from .utils import cdiv, next_pow2
 
@@ -488,8 +488,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
               INDEXED=conv_state_indices is not None, SPEC=num_accepted_tokens is not None,
               VARLEN=query_start_loc is not None, FP64=fp64, **cfg)
     scalars = (T, S, pad_slot_id, s_xb, s_xd, s_xt, *conv_state.stride(), *weight.stride(), s_yb, s_yd, s_yt)
-    conv_update_slots_kernel[grid](x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens,
-                                   query_start_loc, *scalars, **kw, **PINNED_OPTIONS)
+    launch(conv_update_slots_kernel, grid, kw, x, conv_state, weight, bias, y, conv_state_indices, num_accepted_tokens,
+           query_start_loc, *scalars)
     _CONV_UPDATE.remember(key, tensors, lambda: _ConvUpdatePlan(grid, kw, scalars))
     return y
 

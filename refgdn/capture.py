@@ -161,6 +161,10 @@ class CompileKey:
 # Launch options of a Triton call (everything in kwargs that is not a kernel parameter).
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl",
                    "launch_cooperative_grid")
+# Options passed at Triton's own default (through 3.9) compile the same kernel as the option unset: a key leaves them
+# out (fast passes enable_fp_fusion=True on every launch: fast.launch.PINNED_OPTIONS; fast.keys lists no such option)
+_OPTION_DEFAULTS = {"enable_fp_fusion": True}
+_NONE = object()
 
 
 def _is_constexpr_annotation(ann) -> bool:
@@ -215,10 +219,7 @@ def key_of_launch(kernel, args: Sequence, kwargs: dict) -> CompileKey:
             dtypes[name] = v.dtype
         elif v is None:
             dtypes[name] = None
-    # enable_fp_fusion=True is Triton's default through 3.9, which fast pins on every launch (fast.launch.PINNED_OPTIONS):
-    # the same compiled kernel as the option unset, so the key leaves it out
-    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS
-               if k in kwargs and not (k == "enable_fp_fusion" and kwargs[k] is True)}
+    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs and _OPTION_DEFAULTS.get(k, _NONE) != kwargs[k]}
     return CompileKey.make(pyfn.__name__, constexprs, dtypes, options)
 
 

@@ -92,6 +92,21 @@ def test_plain_launch_pins_fp_fusion_and_keys_leave_it_out(fake):
     assert key_of_launch(k, _args(x, y), dict(A=4, num_warps=2, enable_fp_fusion=False)) != plain
 
 
+def test_every_fast_kernel_launch_goes_through_launch_or_relaunch():
+    """No ``some_kernel[grid](...)`` call in fast's sources: each launch goes through fast.launch.launch or Relaunch,
+    the two places that add PINNED_OPTIONS (a direct launch would compile with Triton's default and, on 3.9, warn)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(fl.__file__).parent
+    direct = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")):
+                direct.append(f"{path.relative_to(root)}:{node.lineno} {node.func.value.id}")
+    assert not direct, direct
+
+
 def test_relaunch_paths(fake, monkeypatch):
     k, drv = fake
     x, y = torch.zeros(64), torch.zeros(64)

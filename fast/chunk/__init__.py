@@ -107,7 +107,7 @@ import refgdn
 from refgdn.checks import (check_cu_seqlens_values, check_gdn_inputs, check_offsets_again, fla_recurrent_arguments,
                            final_state_v_first, fla_keywords, host_offsets_known, host_offsets_later, one_host_read)
 
-from ..launch import PINNED_OPTIONS, SignaturePlans, shape_key, varlen_key
+from ..launch import SignaturePlans, launch, shape_key, varlen_key
 
 from ..utils import cdiv, next_pow2
 # every name of the former single module fast/chunk.py stays importable from fast.chunk
@@ -469,14 +469,14 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         return o, final_state_v_first(final, vk)
     cfg = recurrent_config(K, V)
     BV = cfg.pop("BV")
-    recurrent_kernel[(cdiv(V, BV), N * HV)](
-        q, k, v, g, beta, A_log, dt_bias, h0, o, final,
-        cu_seqlens, T, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-        HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV,
-        IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
-        USE_H0=h0 is not None, STORE_HT=final is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), BETA_LOGITS=logits, **cfg, **PINNED_OPTIONS)
+    launch(recurrent_kernel, (cdiv(V, BV), N * HV),
+           dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=next_pow2(K), BV=BV,
+                IS_VARLEN=cu_seqlens is not None, GATE=A_log is not None, L2NORM=use_qk_l2norm_in_kernel,
+                USE_H0=h0 is not None, STORE_HT=final is not None,
+                THRESHOLD=SOFTPLUS_THRESHOLD, EPS=L2NORM_EPS, PRECISE=_precise(v.dtype), BETA_LOGITS=logits, **cfg),
+           q, k, v, g, beta, A_log, dt_bias, h0, o, final,
+           cu_seqlens, T, scale,
+           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride())
     return o, final_state_v_first(final, vk)
 
 

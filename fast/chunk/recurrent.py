@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import PINNED_OPTIONS, Relaunch
+from ..launch import Relaunch, launch
 from ..utils import is_interpreting, next_pow2
 from .common import L2NORM_EPS, _beta_of, _exp, _gate, _precise, _seq_coords
 
@@ -357,7 +357,7 @@ def launch_slots(*args, **kwargs) -> None:
     plan = slots_launch(*args, **kwargs)
     if plan is not None:
         grid, kernel_args, constexprs, options = plan
-        recurrent_slots_kernel[grid](*kernel_args, **constexprs, **options, **PINNED_OPTIONS)
+        launch(recurrent_slots_kernel, grid, dict(constexprs, **options), *kernel_args)
 
 
 class SlotsPlan:
