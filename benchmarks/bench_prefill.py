@@ -726,7 +726,8 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
     return rows
 
 
-def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int = 50) -> list:
+def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int = 50, repeats: int = 5,
+              warmup: int = 10) -> list:
     """Per call of the chunk forward (an initial state, the final state written), fast and fla: the eager time
     (do_bench: what the main table reports), the host time (``iters`` back-to-back calls with no sync, per call:
     the Python, checks, allocations and launches; the GPU keeps up while it is shorter than the device time),
@@ -746,14 +747,14 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
                                                            initial_state=S0, output_final_state=True)[0]))
         for name, fn in impls:
             eager = common.bench(fn)
-            host = common.wall_us(fn, iters=iters, repeats=5, sync=lambda: None)
+            host = common.wall_us(fn, iters=iters, repeats=repeats, warmup=warmup, sync=lambda: None)
             common.synchronize(device)
             replay = graphed(fn)                      # None (reported) if fn cannot be captured
             dev = common.bench(replay) if replay is not None else float("nan")
             bound = "-" if dev != dev else "host" if host > dev * 1e3 else "device"
             rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
                          "device us": dev * 1e3, "bound by": bound})
-        del q, k, v, g, beta, kw
+        del q, k, v, g, beta, S0, impls
         torch.cuda.empty_cache()
     return rows
 

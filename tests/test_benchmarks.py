@@ -147,6 +147,21 @@ def test_layer_prefill_rows_at_a_tiny_shape(monkeypatch):
         assert row["wall us"] > 0 and row["host us"] > 0 and (row["device us"] > 0) == (DEVICE != "cpu")
 
 
+def test_host_rows_at_a_tiny_shape(monkeypatch):
+    """host_rows end to end on the test device at a tiny shape: a row per case with its eager and host times (the
+    device time where a CUDA graph can be captured). Its clean-up at the end of a case named a variable the function
+    no longer defines, and the prefill table stopped there on the GPU for three days (UnboundLocalError)."""
+    import benchmarks.bench_prefill as bp
+    for name, value in dict(H=1, HV=2, K=16, V=16, CHUNK=16).items():
+        monkeypatch.setattr(bp, name, value)
+    monkeypatch.setattr(bp.common, "try_import_fla", lambda: None)
+    rows = bp.host_rows(DEVICE, cases=((1, 32), (2, 16)), iters=1, repeats=1, warmup=1)
+    assert [(r["case"], r["impl"]) for r in rows] == [("B=1 T=32", "fast"), ("B=2 T=16", "fast")]
+    for r in rows:
+        assert r["eager us"] > 0 and r["host us"] > 0, r
+        assert (r["device us"] > 0) == (DEVICE != "cpu"), r
+
+
 def test_best_of_autotune_draws_keeps_the_best_draws_picks(monkeypatch):
     """common.best_of_autotune_draws finds Autotuners under a module prefix (also behind a heuristics wrapper),
     clears their picks before each draw with the on-disk cache off, and leaves the best draw's picks in place."""
