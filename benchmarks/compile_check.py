@@ -2,6 +2,7 @@
 WITHOUT a GPU, and report each variant's shared memory, registers and spills.
 
     python -m benchmarks.compile_check [bf16|fp16|fp32] [--shape small|bench|bench16] [--precision G/R[/16-bit]]
+                                       [--arch 90|80|86|89|100|120]
 
 A development aid, not a test: the Triton interpreter (the CPU path) neither compiles nor allocates, so
 it cannot see a GPU compile error (e.g. a runtime branch that changes a variable's shape), a config whose
@@ -25,6 +26,10 @@ generations, its gated op, the packed decode, the prefill preparation; SGLang's 
 flashinfer = FlashInfer's API (fast.flashinfer_ops): the prefill with and without state checkpoints, the decode with
 output_state_indices, the MTP step into its buffer and into per-token pool rows.
 
+--arch compiles for another GPU generation instead (the configs stay the ones fast picks, which are tuned on sm_90):
+every variant's shared memory is checked against that GPU's per-block limit (SMEM_PER_BLOCK; exit status 1 and
+the variants named when one is over, which would fail to launch there), with its registers and spills.
+
 COMPILE_CHECK_PTX=DIR keeps each variant's PTX in DIR (e.g. to see where the compiler put fences, barriers and the
 broadcast of a scalar atomic's result).
 """
@@ -37,6 +42,11 @@ import sys
 import tempfile
 
 
+# the most shared memory one block may use (the opt-in limit, cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute
+# capability: a launch over it fails (Triton's OutOfResources) on that GPU
+SMEM_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -45,6 +55,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default=None, metavar="G/R[/16-bit[/forward]]",
                     help="bench shape: the backward's precision tuple (as benchmarks.grad_precision's "
                          "--variants, e.g. bf16x2/tf32/16-bit) instead of the dtype's default")
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_PER_BLOCK),
+                    help="the compute capability to compile for (90: H100 / H200; 80: A100; 86 / 89: RTX 30 / 40, "
+                         "A10, L4, L40S; 100: B200; 120: RTX 50): each variant's shared memory is checked against "
+                         "that GPU's per-block limit")
     ap.add_argument("--step", default="", metavar="KEY=INT,...",
                     help="decode shape: step_config keys put over the pinned ones (bench_decode.launch_overrides)")
     args = ap.parse_args(argv)
@@ -53,7 +67,7 @@ def main(argv=None) -> int:
         return 2
     compiled = []
     from .sm90 import blocks_per_sm, install_compile_only   # before fast / triton load: real compiles
-    install_compile_only(lambda name, kernel: compiled.append((name, kernel)))
+    install_compile_only(lambda name, kernel: compiled.append((name, kernel)), arch=args.arch)
     import torch
     import triton
 
@@ -76,7 +90,7 @@ def main(argv=None) -> int:
     if args.shape == "decode":
         import fast.serving as fs
         from benchmarks.bench_decode import launch_overrides, make_problem
-        fs.pdl_supported = lambda device: True                # the sm_90 variants (programmatic dependents)
+        fs.pdl_supported = lambda device: args.arch >= 90     # the sm_90 variants (programmatic dependents)
         step = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.step.split(",") if kv}
         for N, k in ((1, 0), (8, 0), (16, 0), (8, 3)):
             p = make_problem(N, k, torch.float32, "cpu")
@@ -201,7 +215,7 @@ def main(argv=None) -> int:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
                   if os.path.exists(os.path.join(bindir, n))), "ptxas")
-    seen = set()
+    seen, over = set(), []
     for name, kernel in compiled:
         if kernel is None or (name, kernel.hash) in seen:
             continue
@@ -214,19 +228,25 @@ def main(argv=None) -> int:
             if "ttgir" in kernel.asm:
                 with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{name}-{kernel.hash[:8]}.ttgir"), "w") as g:
                     g.write(kernel.asm["ttgir"])
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        gpu = f"sm_{args.arch}" + ("a" if args.arch >= 90 else "")          # as Triton targets it
+        r = subprocess.run([ptxas, f"-arch={gpu}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
         info = [ln.split("info    :")[-1].strip() for ln in (r.stderr + r.stdout).splitlines()
                 if "registers" in ln or "spill" in ln] or [(r.stderr + r.stdout).strip()[-200:]]
         os.unlink(f.name)
         regs = next((int(w) for ln in info for w, nxt in zip(ln.split(), ln.split()[1:])
                      if nxt.rstrip(",") == "registers"), None)
         per_sm = ""
-        if regs is not None:           # blocks per SM, and the limit that sets it (the others' counts beside)
+        if kernel.metadata.shared > SMEM_PER_BLOCK[args.arch]:
+            over.append(name)
+            per_sm = f" | OVER sm_{args.arch}'s {SMEM_PER_BLOCK[args.arch]} B of shared memory per block"
+        elif regs is not None and args.arch == 90:   # blocks per SM, and the limit that sets it (the others' beside)
             lim = blocks_per_sm(kernel.metadata.num_warps, kernel.metadata.shared, regs)
             per_sm = f" | per SM {lim['blocks']} (smem {lim['smem']}, regs {lim['regs']}, warps {lim['warps']})"
         print(f"{name:28s} warps={kernel.metadata.num_warps:2d} smem={kernel.metadata.shared:7d} | "
               + " | ".join(info) + per_sm)
-    return 0
+    if over:
+        print(f"{len(over)} variant(s) need more shared memory than an sm_{args.arch} block may have: {sorted(set(over))}")
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ def blocks_per_sm(num_warps: int, shared: int, registers: int) -> dict:
     return limits
 
 
-def install_compile_only(on_compile: Optional[Callable] = None) -> None:
+def install_compile_only(on_compile: Optional[Callable] = None, arch: int = 90) -> None:
     """Make every Triton launch a compile-only warmup on a stand-in sm_90 driver (nothing runs: outputs
-    stay garbage). on_compile(kernel_name, compiled_kernel) is called after each launch."""
+    stay garbage). on_compile(kernel_name, compiled_kernel) is called after each launch. arch: the compute
+    capability the stand-in reports (90; 80, 86, 89, 100, 120 to compile for other GPUs: benchmarks.compile_check
+    --arch)."""
     os.environ["TRITON_INTERPRET"] = "0"                  # before triton loads: real compiles
     import torch
     from triton.backends.compiler import GPUTarget
@@ -39,9 +41,9 @@ def install_compile_only(on_compile: Optional[Callable] = None) -> None:
     from triton.runtime.jit import JITFunction
 
     class Sm90:
-        """The stand-in driver: an sm_90 target, device 0, stream 0."""
+        """The stand-in driver: an sm_90 (or ``arch``) target, device 0, stream 0."""
         def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
+            return GPUTarget("cuda", arch, 32)
 
         def get_current_device(self):
             return 0
