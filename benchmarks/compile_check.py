@@ -245,7 +245,8 @@ def main(argv=None) -> int:
         print(f"{name:28s} warps={kernel.metadata.num_warps:2d} smem={kernel.metadata.shared:7d} | "
               + " | ".join(info) + per_sm)
     if over:
-        print(f"{len(over)} variant(s) need more shared memory than an sm_{args.arch} block may have: {sorted(set(over))}")
+        print(f"{len(over)} variant(s) need more shared memory than an sm_{args.arch} block may have: "
+              f"{sorted(set(over))}")
     return 1 if over else 0
 
 

@@ -328,8 +328,8 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
         rows.append(("launch: conv, Triton's compiled launcher alone, tensors as addresses",
                      t(lambda: launcher(*r.grid, d.get_current_stream(d.get_current_device()), *head, *ptrs,
                                         *r.tail))))
-    rows.append(("launch: conv via JITFunction.run", t(lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw,
-                                                                                     **PINNED_OPTIONS))))
+    jit_run = lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw, **PINNED_OPTIONS)   # noqa: E731
+    rows.append(("launch: conv via JITFunction.run", t(jit_run)))
     rows.append(("allocations: the step's two torch.empty (o, conv -> step scratch)",
                  t(lambda: (torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
                             torch.empty(p.scratch_bytes, dtype=torch.uint8, device=dev)))))
