@@ -33,6 +33,15 @@ from .recurrent import _masked_by
 # kernel 3: state passing (sequential over chunks, state in registers)
 # ============================================================================================
 
+@triton.jit
+def _dense_state(s_n, s_h, s_k, s_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Whether an initial / final state with these (row, head, K, V) strides is a contiguous [rows, HV, K, V] tensor
+    (a runtime test, uniform over the program). The state pass then addresses it as before it took strides: from the
+    constexpr K and V, through the [K, V] offsets its loop holds anyway. The strided form alone cost the forward
+    ~7 us at B=4 T=4096 (the state kernel 392 -> 398 us, H200, Triton 3.6; benchmarks/RESULTS.md, 2026-11-29)."""
+    return (s_n == HV * K * V) & (s_h == K * V) & (s_k == V) & (s_v == 1)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "ck_every", "ck_rows"])
 def chunk_state_kernel(
     k, w, u, G, Gl, h0, h, v_new, ht, A, v, beta, q, o, qs,
@@ -136,8 +145,11 @@ def chunk_state_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         r0, m0 = slot_row(slot_rows, i_n, 1, kv_off, m_kv, H0_SLOTS)
-        p_0 = h0 + r0 * s_0n + i_h * s_0h + o_k[:, None] * s_0k + o_v[None, :] * s_0v
-        b_h += tl.load(p_0, mask=m0, other=0.0).to(tl.float32)
+        if _dense_state(s_0n, s_0h, s_0k, s_0v, HV, K, V):
+            b_0 = tl.load(h0 + (r0 * HV + i_h) * K * V + kv_off, mask=m0, other=0.0)
+        else:
+            b_0 = tl.load(h0 + r0 * s_0n + i_h * s_0h + o_k[:, None] * s_0k + o_v[None, :] * s_0v, mask=m0, other=0.0)
+        b_h += b_0.to(tl.float32)
 
     q_base = q + i_b * s_qb + (i_h // GROUP) * s_qh
     v_base = v + i_b * s_vb + i_h * s_vh
@@ -252,8 +264,11 @@ def chunk_state_kernel(
 
     if STORE_HT:
         r1, m1 = slot_row(slot_rows, i_n, 0, kv_off, m_kv, HT_SLOTS)
-        p_t = ht + r1 * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :] * s_tv
-        tl.store(p_t, b_h.to(ht.dtype.element_ty), mask=m1)
+        if _dense_state(s_tn, s_th, s_tk, s_tv, HV, K, V):
+            tl.store(ht + (r1 * HV + i_h) * K * V + kv_off, b_h.to(ht.dtype.element_ty), mask=m1)
+        else:
+            tl.store(ht + r1 * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :] * s_tv,
+                     b_h.to(ht.dtype.element_ty), mask=m1)
 
 
 # ============================================================================================
