@@ -6,8 +6,9 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (nothing is owed: the session of
-#     2026-11-29 21:15 ran the last debt, the quick matrix at 89e213e; the steps kept here are the FlashInfer ones)
+#   pending (not in all): what a session wrote without running it on a GPU (2026-11-29 21:15 session: the state
+#     pass's dense-state addressing, e1ebbe3 -- the conformance matrix of the chunk-forward ops, quick then full;
+#     then the kept FlashInfer steps: their tests, full families and bench_flashinfer)
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
 #     table built on the device while the host reads and checks the offsets; kernels read the checked
 #     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
@@ -85,6 +86,12 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
+  # owed by the session of 2026-11-29 21:15: the chunk-forward ops at the state pass's dense-state addressing
+  timeout 200 python3 -m conformance --device cuda --quick --jobs 14 --ops chunk_gated_delta_rule,gdn_prefill,\
+vllm_chunk_gated_delta_rule,flashinfer_chunk_gated_delta_rule,flashinfer_chunk_gated_delta_rule_paged,\
+chunk_gated_delta_rule_grad 2>/dev/null | tail -1 | grep -o "[0-9]* passed, [0-9]* failed.*"; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 400 python3 -m conformance --device cuda --full --jobs 14 --ops chunk_gated_delta_rule,gdn_prefill,\
+vllm_chunk_gated_delta_rule 2>/dev/null | tail -1 | grep -o "[0-9]* passed, [0-9]* failed.*"; rc=$((rc | ${PIPESTATUS[0]}))
   # what the session of 2026-11-29 10:24 left without a GPU run: FlashInfer's ops at their final kernels (a3bca7f: the
   # MTP's per-token pool rows, recurrent_slots_kernel's WIDX 3; the state pass's checkpoint store under a branch):
   # their full conformance and bench_flashinfer's tables (H200, 2026-11-29: the tests ~55 s warm, the full families

@@ -38,7 +38,8 @@ def _dense_state(s_n, s_h, s_k, s_v, HV: tl.constexpr, K: tl.constexpr, V: tl.co
     """Whether an initial / final state with these (row, head, K, V) strides is a contiguous [rows, HV, K, V] tensor
     (a runtime test, uniform over the program). The state pass then addresses it as before it took strides: from the
     constexpr K and V, through the [K, V] offsets its loop holds anyway. The strided form alone cost the forward
-    ~7 us at B=4 T=4096 (the state kernel 392 -> 398 us, H200, Triton 3.6; benchmarks/RESULTS.md, 2026-11-29)."""
+    ~8 us at B=4 T=4096 (the state kernel 390-392 us with this test, 397-399 without; H200, Triton 3.6, outputs bit
+    for bit the same; benchmarks/RESULTS.md, 2026-11-29 21:15)."""
     return (s_n == HV * K * V) & (s_h == K * V) & (s_k == V) & (s_v == 1)
 
 
@@ -64,8 +65,8 @@ def chunk_state_kernel(
 
     k: [B, T, H, K] (strided, already l2-normalised when asked: kernel 1's kn); w: [B, T, HV, K],
     u, v_new: [B, T, HV, V], G: [B, T, HV] (contiguous); h0, ht: [N, HV, K, V] (any strides: s_0* / s_t*, Triton
-    makes a unit one a constant; h0 any float dtype, ht fp32 but in a cache); h: [chunks, HV, K, V] (global chunk
-    order).
+    makes a unit one a constant; a contiguous one addressed through K and V: _dense_state; h0 any float dtype, ht
+    fp32 but in a cache); h: [chunks, HV, K, V] (global chunk order).
     H0_SLOTS / HT_SLOTS (serving prefill, fast.serving.gdn_prefill): h0 / ht is a slot cache's ssm_state [S, HV,
     K, V] (float32 or bfloat16; any strides, e.g. vLLM's page-strided views, [V, K] blocks too), and sequence n reads
     slot slot_rows[n, 1] / writes slot slot_rows[n, 0] (int32 [N, 2]; -1: start from zeros / write nothing), in
