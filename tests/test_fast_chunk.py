@@ -881,6 +881,23 @@ def test_final_v_first_writes_the_transposed_layout():
     assert torch.equal(s_vk, s_kv)
 
 
+def test_strided_initial_state_reads_the_same_bits():
+    """The state pass reads a contiguous [N, HV, K, V] initial state through K and V (fast.chunk.state._dense_state)
+    and any other through its strides: the same values in padded rows, in [V, K] storage, or one head apart give
+    the contiguous call's o and final state bit for bit."""
+    low, _ = _inputs(2, 40, 1, 2, 16, 8, torch.float32, seed=26, init=True)
+    q, k, v, g, beta, h0 = low
+    assert h0.is_contiguous()
+    want = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, h0, True, chunk_size=16)
+    N, HV, K, V = h0.shape
+    padded = torch.zeros(N, HV, K, V + 3, device=h0.device)[..., :V]          # row stride V + 3
+    heads = torch.zeros(N, 2 * HV, K, V, device=h0.device)[:, ::2]             # head stride 2 K V
+    for view in (padded.copy_(h0), h0.transpose(-1, -2).contiguous().transpose(-1, -2), heads.copy_(h0)):
+        assert not view.is_contiguous()
+        got = fc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, view, True, chunk_size=16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="fla's kernels run on a GPU only")
 def test_fla_keywords_mean_what_fla_0_6_means():
     """The same call with fla 0.6.0's keywords through fla itself: fla's results pass the conformance rule against
