@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from benchmarks import common
-from fast.launch import PINNED_OPTIONS
+from fast.launch import launch
 from benchmarks.bench_graphs import LAYERS, fast_call, per_layer_us
 
 HV, K, V = 32, 128, 128
@@ -67,8 +67,8 @@ def _rmw_call(N: int, BV: int, warps: int, delta: bool, indirect: bool = False):
         o = torch.empty(N, HV, V, device="cuda")
         idx = torch.randperm(N, device="cuda").to(torch.int32)
         grid = (V // BV, HV, N)
-        return lambda: _rmw_kernel[grid](s, q, o, idx, 0.999, K=K, V=V, BV=BV, DELTA=delta, INDIRECT=indirect,
-                                         num_warps=warps, **PINNED_OPTIONS)
+        kw = dict(K=K, V=V, BV=BV, DELTA=delta, INDIRECT=indirect, num_warps=warps)
+        return lambda: launch(_rmw_kernel, grid, kw, s, q, o, idx, 0.999)
     return make
 
 

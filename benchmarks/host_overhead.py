@@ -122,7 +122,7 @@ def use_plain_constants() -> None:
 def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
     """The --sm90 rows (install_sm90_compile_only() first): real JITFunction.run, no device."""
     import fast.serving as fs
-    from fast.launch import PINNED_OPTIONS
+    from fast.launch import launch
     import refgdn.serving as rs
     if plain:
         use_plain_constants()
@@ -136,13 +136,12 @@ def sm90_rows(iters: int, repeats: int, plain: bool = False) -> list:
     snap = torch.empty((p.N, 5), dtype=torch.int32)
 
     def conv():
-        fs.conv_step_kernel[p.conv_grid](x, cw, cb, y, cache.conv_state, cache.pend_meta, snap, cache.err, idx, idx,
-                                         *p.conv_args, **p.conv_kw, **PINNED_OPTIONS)
+        launch(fs.conv_step_kernel, p.conv_grid, p.conv_kw, x, cw, cb, y, cache.conv_state, cache.pend_meta, snap,
+               cache.err, idx, idx, *p.conv_args)
 
     def gdn():
-        fs.gdn_step_kernel[p.step_grid](y, a, b, A_log, dt_bias, o, cache.ssm_state, cache.pend_k, cache.pend_v,
-                                        cache.pend_g, cache.pend_beta, cache.pend_meta, snap, idx, 0.1, *p.step_args,
-                                        **p.step_kw, **PINNED_OPTIONS)
+        launch(fs.gdn_step_kernel, p.step_grid, p.step_kw, y, a, b, A_log, dt_bias, o, cache.ssm_state, cache.pend_k,
+               cache.pend_v, cache.pend_g, cache.pend_beta, cache.pend_meta, snap, idx, 0.1, *p.step_args)
 
     def old_decode_host():
         rs.check_step_inputs(*step, None, "silu", False)
@@ -302,7 +301,7 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
     kernel launch for scale. The compiled launcher is timed with the tensors and with their addresses
     (ints: what Relaunch passes; a tensor costs the launcher a data_ptr() call and a driver query)."""
     import fast.serving as fs
-    from fast.launch import PINNED_OPTIONS
+    from fast.launch import launch
     from triton.runtime import driver
     x, a, b, cw, cb, A_log, dt_bias, cache, idx = args
     fs.gdn_decode(*args)                                            # the plan and its Relaunch objects
@@ -328,8 +327,8 @@ def launch_rows(args, iters: int, repeats: int, sync) -> list:
         rows.append(("launch: conv, Triton's compiled launcher alone, tensors as addresses",
                      t(lambda: launcher(*r.grid, d.get_current_stream(d.get_current_device()), *head, *ptrs,
                                         *r.tail))))
-    jit_run = lambda: fs.conv_step_kernel[p.conv_grid](*conv, **p.conv_kw, **PINNED_OPTIONS)   # noqa: E731
-    rows.append(("launch: conv via JITFunction.run", t(jit_run)))
+    rows.append(("launch: conv via JITFunction.run", t(lambda: launch(fs.conv_step_kernel, p.conv_grid, p.conv_kw,
+                                                                        *conv))))
     rows.append(("allocations: the step's two torch.empty (o, conv -> step scratch)",
                  t(lambda: (torch.empty(p.o_shape, dtype=p.act_dtype, device=dev),
                             torch.empty(p.scratch_bytes, dtype=torch.uint8, device=dev)))))
