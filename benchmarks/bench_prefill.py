@@ -231,7 +231,9 @@ def bench_chunk(device: str, tflops_ceiling: float, only: Optional[str] = None, 
         if T == CHUNK_TS[0] and B == 1 and not seq_lens and heads is None:
             rows.append(bench_refgdn(q, k, v, g, beta, kw, T, tflops_ceiling))
             print(_progress(rows[-1]), file=sys.stderr)
-        del q, k, v, g, beta, kw
+        # the case's tensors freed by a rebind (a `del` here read to pyflakes as undefining the names that the
+        # loop's lambdas use: 45 false reports, which hid a real undefined name)
+        q = k = v = g = beta = kw = None
         torch.cuda.empty_cache()
     return rows
 
@@ -401,7 +403,7 @@ def state_sweep(device: str, cases=STATE_SWEEP_CASES, configs=STATE_SWEEP_CONFIG
                                  config=f"pinned {pinned}" if cfg is None else str(cfg),
                                  **{"state ms": ms, "forward ms": total},
                                  note=("rule; " if (fa, fu) == rule and cfg is None else "") + note))
-        del q, k, v, g, beta
+        q = k = v = g = beta = None
         torch.cuda.empty_cache()
     return rows
 
@@ -453,7 +455,7 @@ def prefetch_sweep(device: str, cases=PREFETCH_SWEEP_CASES, betas=("bf16", "fp32
                                     "on us": [round(t, 1) for t in times[True]] or None},
                                  equal=torch.equal(outs[False], outs[True])))
                 print(rows[-1], file=sys.stderr)
-            del q, k, v, g, beta0, kw, forms
+            q = k = v = g = beta0 = kw = forms = None
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -515,8 +517,8 @@ def chunk_size_probe(device: str, cases=CHUNK_PROBE_CASES, bts=CHUNK_PROBE_BTS, 
                                  config=f"pinned {pinned}" if cfg is None else str(cfg), **{
                                      "state ms": ms, "us per chunk": ms * 1e3 / NT if ms else None}, note=note))
                 print(rows[-1], flush=True)
-            del G, A, h, v_new
-        del q, k, v, g, beta
+            G = A = h = v_new = None
+        q = k = v = g = beta = None
         torch.cuda.empty_cache()
     return rows
 
@@ -557,8 +559,8 @@ def pipeline_sweep(device: str, Ts=(16384, 65536), variants=PIPELINE_VARIANTS, h
                 "device ms": dev, "eager ms": common.bench(fwd)},
                 note="rule" if S in (None, rule) and not cfgs else ""))
             print(rows[-1], flush=True)
-            del replay
-        del q, k, v, g, beta
+            replay = None
+        q = k = v = g = beta = None
         torch.cuda.empty_cache()
     return rows
 
@@ -613,7 +615,7 @@ def inverse_sweep(device: str, cases=((4, 4096), (1, 65536), (16, None)), varian
                     e["kkt"].append(next((ms for n, ms, _ in _kernel_times(fwd, iters) if n == "chunk_kkt_inv_kernel"),
                                          float("nan")))
                     e["fwd"].append(common.bench(fwd))
-            del q, k, v, g, beta, S0, truth
+            q = k = v = g = beta = S0 = truth = None
             torch.cuda.empty_cache()
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         for key, e in errs.items():
@@ -658,7 +660,7 @@ def kernel_breakdown(device: str, T: int = BREAKDOWN_T, iters: int = 5, seq_lens
         rows.append(dict(impl=impl, kernel="TOTAL (sum of kernel times)", ms=total, share=1.0, calls=None))
         # kernels on two streams (fast's B=1 pipeline) overlap: the device was busy for less than their sum
         rows.append(dict(impl=impl, kernel="BUSY (union of kernel intervals)", ms=busy, share=busy / total, calls=None))
-    del q, k, v, g, beta, S0
+    q = k = v = g = beta = S0 = None
     torch.cuda.empty_cache()
     return rows
 
@@ -717,7 +719,7 @@ def error_rows(device: str, cases=((1, 4096), (4, 4096)), seeds=(1, 2, 3, 4, 5))
                                                  output_final_state=True)
                 o, st = call()
                 acc.setdefault(("fla 0.6.0", note or "-"), []).append(rel_errors(o, o_t) + rel_errors(st, s_t))
-            del q, k, v, g, beta, S0, o_t, s_t
+            q = k = v = g = beta = S0 = o_t = s_t = None
             torch.cuda.empty_cache()
         for (impl, path), per_seed in acc.items():
             mean = [sum(x[i] for x in per_seed) / len(per_seed) for i in range(4)]
@@ -754,7 +756,7 @@ def host_rows(device: str, cases=((1, 1024), (1, 4096), (4, 4096)), iters: int =
             bound = "-" if dev != dev else "host" if host > dev * 1e3 else "device"
             rows.append({"case": f"B={B} T={T}", "impl": name, "eager us": eager * 1e3, "host us": host,
                          "device us": dev * 1e3, "bound by": bound})
-        del q, k, v, g, beta, S0, impls
+        q = k = v = g = beta = S0 = impls = None
         torch.cuda.empty_cache()
     return rows
 
