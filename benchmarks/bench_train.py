@@ -281,23 +281,35 @@ def sweep_rows(device: str, stages=None) -> list:
 
 
 def conv_sweep_rows(device: str) -> list:
-    """fast conv1d backward (both passes, fast.conv_bwd) over per-pass tile configs at the conv row's shape,
-    one pass varied at a time; GB/s from the bytes the two passes must move (read x, dy; write dz fp32;
-    read dz; write dx: 12 bytes per element at bf16)."""
+    """fast's conv1d backward alone (fast.conv_bwd.causal_conv1d_bwd) at the conv row's shape: the pinned config of
+    each form (the one-pass window kernel, W <= 4's default, and the two passes through a float32 dz), then the window
+    kernel over BT x BD x PREFETCH (4 warps; 8 at BD 1024), beside fla's backward (its forward + backward less its
+    forward). GB/s from the bytes each form must move per element at bf16: window 6 (read x, dy; write dx), two
+    passes 14 (and dz's float32 write and read); of_copy: that against this process's copy bandwidth."""
     from fast import conv_bwd as cvb
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
     w = (torch.randn(CONV_D, CONV_W, device=device, generator=gen) / 2).to(DTYPE)
     dy = torch.randn(1, CONV_T, CONV_D, device=device, generator=gen).to(DTYPE)
-    nbytes = 12 * CONV_T * CONV_D
-    grid = [(p, dict(BT=bt, BD=bd, num_warps=nw)) for p in ("dz", "dx") for bt in (32, 64, 128)
-            for bd in (64, 128, 256) for nw in (4, 8)]
+    elems = CONV_T * CONV_D
+    copy = common.copy_bandwidth_gbs(device)
+    grid = [("window", dict(BT=bt, BD=bd, num_warps=8 if bd == 1024 and nw8 else 4, PREFETCH=pf))
+            for bt in (32, 64, 128) for bd in (256, 512, 1024) for pf in (True, False)
+            for nw8 in ((False, True) if bd == 1024 else (False,))]
     rows = []
-    for pas, cfg in [(None, {})] + grid:
-        ms, err = _bench(lambda: cvb.causal_conv1d_bwd(x, w, dy, None, "silu",
-                                                       configs={pas: cfg} if pas else None))
-        rows.append({"pass": pas or "pinned", "config": str(cfg), "ms": ms,
-                     "GB/s": nbytes / ms / 1e6 if ms else None, "note": err})
+    for form, cfg in [("window", None), ("two_pass", None)] + grid:
+        configs = {"kernel": form, **({form: cfg} if cfg else {})}
+        ms, err = _bench(lambda: cvb.causal_conv1d_bwd(x, w, dy, None, "silu", configs=configs))
+        gbs = (6 if form == "window" else 14) * elems / ms / 1e6 if ms else None
+        rows.append({"form": form, "config": "pinned" if cfg is None else str(cfg), "ms": ms, "GB/s": gbs,
+                     "of_copy": gbs / copy if gbs else None, "note": err})
+    fla = common.try_import_fla()
+    if fla is not None and fla.causal_conv1d is not None:
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        f, ferr = _bench(lambda: fla.causal_conv1d(x=xg.detach(), weight=wg.detach(), activation="silu")[0])
+        fb, berr = _bench(lambda: fla.causal_conv1d(x=xg, weight=wg, activation="silu")[0].backward(dy), [xg, wg])
+        rows.append({"form": "fla 0.6.0", "config": "fwd+bwd less fwd", "ms": fb - f if f and fb else None,
+                     "note": "; ".join(e for e in (ferr, berr) if e) or f"fwd {f:.3f}, fwd+bwd {fb:.3f} ms"})
     return rows
 
 
@@ -383,7 +395,10 @@ def run_sections(device: str = "cuda", sweep=None, only=SECTIONS, beside: str = 
                profile_fla_rows(device), {"us": "mean device time per step over 5 steps"})
     if "conv_sweep" in only:
         yield (f"Training: conv1d backward config sweep T={CONV_T} D={CONV_D} W={CONV_W} silu bf16",
-               conv_sweep_rows(device), {"GB/s": "12 bytes per element (x, dy, dz fp32 twice, dx) / time"})
+               conv_sweep_rows(device), {"GB/s": "bytes per element the form must move (window 6: x, dy, dx; "
+                                                  "two passes 14: and dz in float32, written and read) / time",
+                                         "of_copy": "GB/s / device copy bandwidth (read + write, 1 GiB), "
+                                                    "this process"})
 
 
 def run() -> list:

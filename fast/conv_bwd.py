@@ -33,6 +33,7 @@ import triton.language as tl
 from refgdn.checks import one_host_read
 
 from .launch import launch
+from .conv import WINDOW_MAX_W, _window_halo, _window_load4
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
@@ -203,20 +204,240 @@ def conv_bwd_dx_kernel(
                      b_di.to(dinit.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
 
 
-def conv_bwd_config(T: int, D: int) -> dict:
-    """Pinned tiles of the two passes: {"dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the
-    interpreter. The passes exchange dz through memory, so their tilings are independent (pass 1's BT
+@triton.jit
+def _dz_row(e, x0, p1, p2, p3, w0, w1, w2, w3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dz at one row from its dy (e, in DT) and its inputs x0 = x_t, p_k = x_{t-k}: dy * act'(z), z recomputed
+    in the two-pass form's order (_dz: weight column 0, the oldest input, first; then the bias), so dz is the same
+    bits. w_k = weight[:, W-1-k]; taps k >= W are absent (constexpr)."""
+    if SILU:
+        z = tl.zeros(e.shape, dtype=e.dtype)
+        if W > 3:
+            z += w3 * p3
+        if W > 2:
+            z += w2 * p2
+        if W > 1:
+            z += w1 * p1
+        z += w0 * x0
+        if HAS_BIAS:
+            z += b
+        s = _sigmoid(z)
+        e = e * (s * (1 + z * (1 - s)))                   # silu'(z)
+    return e
+
+
+@triton.jit
+def _dx_row(d0, q1, q2, q3, w0, w1, w2, w3, W: tl.constexpr):
+    """dx at position p = t-(W-1) from the newest dz_t = d0 and the window q_k = dz_{t-k}:
+    sum_kk weight[:, W-1-kk] dz_{p+kk} = sum_kk w_kk dz_{p+kk}, kk = 0 .. W-1 in order (_dx_rows' order: the
+    same bits)."""
+    acc = tl.zeros(d0.shape, dtype=d0.dtype)
+    if W == 4:
+        acc += w0 * q3
+        acc += w1 * q2
+        acc += w2 * q1
+        acc += w3 * d0
+    elif W == 3:
+        acc += w0 * q2
+        acc += w1 * q1
+        acc += w2 * d0
+    elif W == 2:
+        acc += w0 * q1
+        acc += w1 * d0
+    else:
+        acc += w0 * d0
+    return acc
+
+
+@triton.jit
+def _dx_row_store(acc, dx_row, dinit_row, dfinal_row, lj, n_d, o_d, m_d, first_d,
+                  W: tl.constexpr, BT: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr):
+    """Store dx at one position p: acc = its sum over dz, lj = p - t0 (the block-local index, int32 [BD]; may be
+    negative), n_d = L - t0 (the sequence's rows from the block's first, int32 [BD]). Adds dfinal where x_p is one
+    of the sequence's last W-1 inputs (column p - L + W-1 of dfinal_row, [D, W-1]); stores into dx_row (p's row of
+    dx; its pointer is only dereferenced where stored) for 0 <= lj < BT and p < L, and into dinit_row ([D, W-1],
+    column W-1+p) for p < 0 in the block that starts the sequence (first_d)."""
+    if HAS_DFINAL:
+        col = lj - n_d + (W - 1)                         # p - L + W-1
+        acc += tl.load(dfinal_row + o_d * (W - 1) + col, mask=m_d & (col >= 0) & (lj < n_d), other=0).to(acc.dtype)
+    tl.store(dx_row + o_d, acc.to(dx_row.dtype.element_ty), mask=m_d & (lj >= 0) & (lj < BT) & (lj < n_d))
+    if HAS_INIT:
+        tl.store(dinit_row + o_d * (W - 1) + (lj + (W - 1)), acc.to(dinit_row.dtype.element_ty),
+                 mask=m_d & first_d & (lj < 0))
+
+
+@triton.jit(do_not_specialize=["T"])
+def conv_bwd_window_kernel(
+    x, dy, weight, bias, initial_state, dfinal, cu_seqlens, tile_table,
+    dx, dinit, dw_part, db_part,
+    T, D,
+    stride_x_b, stride_x_t, stride_x_d, stride_dy_b, stride_dy_t,
+    stride_w_d, stride_w_w, stride_s_n, stride_s_d, stride_s_w,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FP64: tl.constexpr, PREFETCH: tl.constexpr = False,
+):
+    """The whole backward in one pass, for W <= 4: dx, dinitial_state and the block's partial sums of dweight and
+    dbias on BT rows x BD channels of one sequence, with no dz buffer.
+
+    grid = (cdiv(D, BD), blocks, B) as the two-pass kernels' (_tile_coords). x: [B, T, D] (any strides); dy:
+    [B, T, D] (unit channel stride); dx: [B, T, D] contiguous; dfinal, dinit: [N, D, W-1] contiguous; dw_part:
+    [B * blocks, W, D], db_part: [B * blocks, D], every element written. BT: a multiple of 4.
+
+        dz_t = dy_t act'(z_t) ;  dx_p = sum_kk w_kk dz_{p+kk} ;  dweight[:, W-1-k] += dz_t x_{t-k} ;  dbias += dz_t
+
+    The block walks rows t0 .. t0+BT+W-2 (the W-1 rows after it are the next block's: their dz completes its last
+    dx rows) as the forward's window kernel walks its rows: 4 rows per step, every x and dy row loaded once per block
+    (PREFETCH: the next 4 rows' loads issued before this step's math), the last W-1 inputs (p1..p3) and dz values
+    (q1..q3) kept in registers. So dz never goes through memory: the two-pass form wrote and re-read it in float32
+    (8 of its 14 bytes per element at bf16). dz and dx are the two-pass form's bits (same expressions, same order);
+    dweight and dbias sum their rows in another order (sequentially per block, not tl.sum over a tile)."""
+    if FP64:
+        DT: tl.constexpr = tl.float64
+    else:
+        DT: tl.constexpr = tl.float32
+    i_d = tl.program_id(0)
+    i_n, i_tt, L, x_off, dy_off, o_off, i_part = _tile_coords(
+        cu_seqlens, tile_table, tl.program_id(1), tl.program_id(2), T, stride_x_b, stride_x_t,
+        stride_dy_b, stride_dy_t, D, IS_VARLEN)
+    x_base = x + x_off
+    dy_base = dy + dy_off
+    dx_base = dx + o_off
+    t0 = i_tt * BT                                        # the block's first row (int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    p_x = o_d * stride_x_d
+    p_s = o_d * stride_s_d
+    s_off = i_n * stride_s_n
+    # row conditions as [BD] vectors (the forward's window kernel says why)
+    zero_d = tl.zeros([BD], dtype=tl.int64)
+    zero_i = tl.zeros([BD], dtype=tl.int32)
+    n_d = (L - t0).to(tl.int32) + zero_i                  # the sequence's rows from t0 (the halo rows included)
+    first_d = (zero_d + t0) == 0
+    dinit_row = dinit + i_n * D * (W - 1)
+    dfinal_row = dfinal + i_n * D * (W - 1)
+
+    # taps: w_k multiplies x_{t-k} (weight column W-1-k); absent taps stay zero and unused
+    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
+    w1 = tl.zeros([BD], dtype=DT)
+    w2 = tl.zeros([BD], dtype=DT)
+    w3 = tl.zeros([BD], dtype=DT)
+    p1 = tl.zeros([BD], dtype=DT)
+    p2 = tl.zeros([BD], dtype=DT)
+    p3 = tl.zeros([BD], dtype=DT)
+    if W > 1:
+        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
+        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 2:
+        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
+        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 3:
+        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
+        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, m_d, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if HAS_BIAS:
+        b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
+    else:
+        b = w0  # unused
+    # dz before the block: only its dx rows (the previous block's) or positions < 0 (where dz is 0) read it
+    q1 = tl.zeros([BD], dtype=DT)
+    q2 = tl.zeros([BD], dtype=DT)
+    q3 = tl.zeros([BD], dtype=DT)
+    # partial sums over the block's own rows: g_k = sum_t dz_t x_{t-k} (dweight column W-1-k), gb = sum_t dz_t
+    g0 = tl.zeros([BD], dtype=DT)
+    g1 = tl.zeros([BD], dtype=DT)
+    g2 = tl.zeros([BD], dtype=DT)
+    g3 = tl.zeros([BD], dtype=DT)
+    gb = tl.zeros([BD], dtype=DT)
+
+    if PREFETCH:
+        n0, n1, n2, n3 = _window_load4(x_base, p_x, t0, stride_x_t, zero_i, n_d, m_d)
+        f0, f1, f2, f3 = _window_load4(dy_base, o_d, t0, stride_dy_t, zero_i, n_d, m_d)
+    for i in range(0, BT + W - 1, 4):
+        r = t0 + i                                        # int64 row of x0 / e0
+        j_d = zero_i + i                                  # its block-local index, [BD]
+        if PREFETCH:
+            x0, x1, x2, x3 = n0, n1, n2, n3
+            e0, e1, e2, e3 = f0, f1, f2, f3
+            n0, n1, n2, n3 = _window_load4(x_base, p_x, r + 4, stride_x_t, j_d + 4, n_d, m_d)
+            f0, f1, f2, f3 = _window_load4(dy_base, o_d, r + 4, stride_dy_t, j_d + 4, n_d, m_d)
+        else:
+            x0, x1, x2, x3 = _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d)
+            e0, e1, e2, e3 = _window_load4(dy_base, o_d, r, stride_dy_t, j_d, n_d, m_d)
+        x0 = x0.to(DT)
+        x1 = x1.to(DT)
+        x2 = x2.to(DT)
+        x3 = x3.to(DT)
+        # dz of the 4 rows (0 past the sequence: dy loads as 0 there)
+        d0 = _dz_row(e0.to(DT), x0, p1, p2, p3, w0, w1, w2, w3, b, W, SILU, HAS_BIAS)
+        d1 = _dz_row(e1.to(DT), x1, x0, p1, p2, w0, w1, w2, w3, b, W, SILU, HAS_BIAS)
+        d2 = _dz_row(e2.to(DT), x2, x1, x0, p1, w0, w1, w2, w3, b, W, SILU, HAS_BIAS)
+        d3 = _dz_row(e3.to(DT), x3, x2, x1, x0, w0, w1, w2, w3, b, W, SILU, HAS_BIAS)
+        # the dx rows these complete: positions r+j-(W-1)
+        a0 = _dx_row(d0, q1, q2, q3, w0, w1, w2, w3, W)
+        a1 = _dx_row(d1, d0, q1, q2, w0, w1, w2, w3, W)
+        a2 = _dx_row(d2, d1, d0, q1, w0, w1, w2, w3, W)
+        a3 = _dx_row(d3, d2, d1, d0, w0, w1, w2, w3, W)
+        row0 = dx_base + (r - (W - 1)) * D
+        _dx_row_store(a0, row0, dinit_row, dfinal_row, j_d - (W - 1), n_d, o_d, m_d, first_d,
+                      W, BT, HAS_INIT, HAS_DFINAL)
+        _dx_row_store(a1, row0 + D, dinit_row, dfinal_row, j_d + 1 - (W - 1), n_d, o_d, m_d, first_d,
+                      W, BT, HAS_INIT, HAS_DFINAL)
+        _dx_row_store(a2, row0 + 2 * D, dinit_row, dfinal_row, j_d + 2 - (W - 1), n_d, o_d, m_d, first_d,
+                      W, BT, HAS_INIT, HAS_DFINAL)
+        _dx_row_store(a3, row0 + 3 * D, dinit_row, dfinal_row, j_d + 3 - (W - 1), n_d, o_d, m_d, first_d,
+                      W, BT, HAS_INIT, HAS_DFINAL)
+        # the partial sums take the block's own rows only (the halo rows after it are the next block's; dz is 0
+        # past the sequence)
+        m0 = tl.where(j_d < BT, d0, 0.0)
+        m1 = tl.where(j_d + 1 < BT, d1, 0.0)
+        m2 = tl.where(j_d + 2 < BT, d2, 0.0)
+        m3 = tl.where(j_d + 3 < BT, d3, 0.0)
+        gb += m0 + m1 + m2 + m3
+        g0 += m0 * x0 + m1 * x1 + m2 * x2 + m3 * x3
+        if W > 1:
+            g1 += m0 * p1 + m1 * x0 + m2 * x1 + m3 * x2
+        if W > 2:
+            g2 += m0 * p2 + m1 * p1 + m2 * x0 + m3 * x1
+        if W > 3:
+            g3 += m0 * p3 + m1 * p2 + m2 * p1 + m3 * x0
+        p1, p2, p3 = x3, x2, x1
+        q1, q2, q3 = d3, d2, d1
+    tl.store(dw_part + (i_part * W + (W - 1)) * D + o_d, g0, mask=m_d)
+    if W > 1:
+        tl.store(dw_part + (i_part * W + (W - 2)) * D + o_d, g1, mask=m_d)
+    if W > 2:
+        tl.store(dw_part + (i_part * W + (W - 3)) * D + o_d, g2, mask=m_d)
+    if W > 3:
+        tl.store(dw_part + (i_part * W + (W - 4)) * D + o_d, g3, mask=m_d)
+    if HAS_BIAS:
+        tl.store(db_part + i_part * D + o_d, gb, mask=m_d)
+
+
+def conv_bwd_config(T: int, D: int, W: int = 4) -> dict:
+    """Pinned launch configs: {"kernel": "window" (W <= 4, the default there) or "two_pass", "window": {BT, BD,
+    num_warps, PREFETCH}, "dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the interpreter. Never autotuned.
+
+    window (conv_bwd_window_kernel, one pass): 4 warps, BD 512 (4 channels per thread, 8 B vectors of bf16), BT 64
+    rows per block (the W-1 halo rows re-read, 5 %, hit L2), PREFETCH, as the forward's window kernel
+    (fast.conv.conv_fwd_config). Not yet measured on a GPU.
+
+    two_pass (W > 4): the passes exchange dz through memory, so their tilings are independent (pass 1's BT
     sets the number of dweight / dbias partial rows). Measured on an H100 (Triton 3.6, T = 16384, D = 8192,
     W = 4, silu, bf16; bench_train --only conv_sweep, both passes): pass 1 at BT 64 x BD 128, 4 warps 1.34 ms
     total (8 warps 2.08; BT 32 x BD 128 at 8 warps 2.29), pass 2 at BT 32 x BD 128, 4 warps (-0.15 ms
     against 8 warps). Triton 3.9 (compiled for sm_90, not timed) spills pass 1 at this tile (2.4 KB per
     thread: every element of a tile carries a 64-bit pointer); 8 warps do not spill there but ran slower
     on Triton 3.6."""
+    kernel = "window" if W <= WINDOW_MAX_W else "two_pass"
     if is_interpreting():
         t = dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
-        return {"dz": t, "dx": dict(t)}
+        return {"kernel": kernel, "window": dict(t, BT=max(4, min(16, next_pow2(T))), PREFETCH=True), "dz": t,
+                "dx": dict(t)}
     BD = max(16, min(128, next_pow2(D)))
-    return {"dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
+    return {"kernel": kernel, "window": dict(BT=64, BD=max(16, min(512, next_pow2(D))), num_warps=4, PREFETCH=True),
+            "dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
 
 
 @one_host_read   # cu_seqlens read to the host once per call (value check + varlen tables)
@@ -229,15 +450,19 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
         dbias = sum_t dz_t
 
     refgdn.conv_bwd.causal_conv1d_bwd's twin. Inputs are assumed validated (the forward did).
-    configs: benchmark overrides merged over conv_bwd_config's {"dz": {...}, "dx": {...}} (None in use).
+    configs: benchmark overrides merged over conv_bwd_config's ({"kernel": "two_pass"} picks the two passes at
+    W <= 4; {"window": {...}, "dz": {...}, "dx": {...}} the tiles; None in use).
     """
     B, T, D = x.shape
     W = weight.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, initial_state))
     cdt = torch.float64 if fp64 else torch.float32
-    base = conv_bwd_config(T, D)
-    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("dz", "dx")}
+    base = conv_bwd_config(T, D, W)
+    cfg = {p: dict(base[p], **(configs or {}).get(p, {})) for p in ("window", "dz", "dx")}
+    window = (configs or {}).get("kernel", base["kernel"]) == "window"
+    if window and W > WINDOW_MAX_W:
+        raise ValueError(f"conv_bwd: the window kernel takes W <= {WINDOW_MAX_W}, got W = {W}")
     tables = {}
 
     def tiles(BT):
@@ -253,18 +478,29 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
 
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
-    dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
-    table_z, n_z, cu_z = tiles(cfg["dz"]["BT"])
+    table_z, n_z, cu_z = tiles(cfg["window" if window else "dz"]["BT"])
     n_part = (B if cu_seqlens is None else 1) * n_z
-    dw_part = torch.zeros(n_part, W, D, dtype=cdt, device=x.device)
-    db_part = torch.zeros(n_part, D, dtype=cdt, device=x.device)
+    # the window kernel writes every partial row (one per block); the two-pass kernels' tiles too, zeroed as before
+    alloc = torch.empty if window else torch.zeros
+    dw_part = alloc(n_part, W, D, dtype=cdt, device=x.device)
+    db_part = alloc(n_part, D, dtype=cdt, device=x.device)
     dinit = torch.zeros(N, D, W - 1, dtype=initial_state.dtype, device=x.device) if initial_state is not None else None
     dfinal = dfinal.contiguous() if (dfinal is not None and W > 1) else None
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
     flags = dict(W=W, IS_VARLEN=cu_seqlens is not None, FP64=fp64, HAS_INIT=initial_state is not None)
     Bg = B if cu_seqlens is None else 1
-    if n_z > 0 and D > 0:
+    if window and n_z > 0 and D > 0:
+        c = cfg["window"]
+        launch(conv_bwd_window_kernel, (cdiv(D, c["BD"]), n_z, Bg),
+               dict(BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,
+                    HAS_DFINAL=dfinal is not None, PREFETCH=bool(c.get("PREFETCH", False)),
+                    num_warps=c["num_warps"], **flags),
+               x, dy, weight, bias, initial_state, dfinal if dfinal is not None else dx, cu_z, table_z,
+               dx, dinit if dinit is not None else dx, dw_part, db_part,
+               T, D, *x.stride(), dy.stride(0), dy.stride(1), *weight.stride(), *s)
+    elif n_z > 0 and D > 0:
+        # dz in the compute dtype: the same values the one-pass form recomputed per shift, so dx rounds once
+        dz = torch.empty(B, T, D, dtype=cdt, device=x.device)
         c = cfg["dz"]
         launch(conv_bwd_dz_kernel, (cdiv(D, c["BD"]), n_z, Bg),
                dict(BT=c["BT"], BD=c["BD"], SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None,

@@ -221,9 +221,73 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
     want = rcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin)
     dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     got = fcb.causal_conv1d_bwd(*map(dev, (x, w, dy, b)), "silu", dev(s0), dev(cut), dev(dfin),
-                                configs={"dz": tiles[0], "dx": tiles[1]})
+                                configs={"kernel": "two_pass", "dz": tiles[0], "dx": tiles[1]})
     for g, ref in zip(got, want):
         close(g.cpu(), ref)
+
+
+def _conv_bwd_inputs(W, B, T, D, cu, dtype, bias=True, init=True, dfin=True, seed=9):
+    """(x, weight, dy, bias, initial_state, cu_seqlens, dfinal) in float64 on the CPU; dtype: what they are rounded to
+    first (so the float64 truth sees the same values)."""
+    gen = torch.Generator().manual_seed(seed)
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, dtype=F64, generator=gen).to(dtype).to(F64)  # noqa: E731
+    return (r(B, T, D), r(D, W), r(B, T, D), r(D) if bias else None, r(N, D, W - 1) if init else None,
+            None if cu is None else torch.tensor(cu), r(N, D, W - 1) if dfin else None)
+
+
+@pytest.mark.parametrize("W,cu,BT", [
+    pytest.param(4, None, 4, id="W4-dense-BT4"),
+    pytest.param(3, None, 8, id="W3-dense-BT8"),
+    pytest.param(4, [0, 0, 1, 2, 9, 30], 8, id="W4-varlen-empty-short-BT8"),
+    pytest.param(2, [0, 0, 1, 2, 9, 30], 4, id="W2-varlen-empty-short-BT4"),
+    pytest.param(1, [0, 0, 1, 2, 9, 30], 8, id="W1-varlen-empty-short-BT8"),
+])
+def test_fast_conv_bwd_window_is_exact_in_float64(W, cu, BT):
+    """The one-pass window kernel (W <= 4) in float64 matches refgdn's backward to rounding: blocks of 4 and 8 rows,
+    24 channels in blocks of 16 (the second half masked), sequences of 0, 1, 1, 7 and 21 tokens (dinit from the
+    halo, dfinal reaching the initial state of a sequence shorter than W-1)."""
+    from fast import conv_bwd as fcb
+    x, w, dy, b, s0, cut, dfin = _conv_bwd_inputs(W, 2 if cu is None else 1, 30, 24, cu, F64)
+    want = rcb.causal_conv1d_bwd(x, w, dy, b, "silu", s0, cut, dfin)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = fcb.causal_conv1d_bwd(*map(dev, (x, w, dy, b)), "silu", dev(s0), dev(cut), dev(dfin),
+                                configs={"kernel": "window", "window": {"BT": BT, "BD": 16}})
+    for g, ref in zip(got, want):
+        close(g.cpu(), ref)
+
+
+@pytest.mark.parametrize("W,act,bias,init,dfin,cu", [
+    pytest.param(4, "silu", True, True, True, None, id="W4-silu-dense"),
+    pytest.param(4, "silu", True, True, True, [0, 0, 1, 2, 9, 30], id="W4-silu-varlen"),
+    pytest.param(3, None, False, True, True, [0, 5, 5, 30], id="W3-plain-varlen"),
+    pytest.param(2, "silu", False, False, False, None, id="W2-no-state"),
+    pytest.param(1, "silu", True, False, False, None, id="W1"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fast_conv_bwd_window_equals_the_two_passes(W, act, bias, init, dfin, cu, dtype):
+    """The window kernel's dx and dinitial_state are the two passes' bits (the same expressions in the same order,
+    dz kept in registers instead of a float32 buffer); its dweight and dbias sum the rows in another order and pass
+    the conformance rule against refgdn's float64 backward. Rows of 30 tokens in blocks of 8 (4 and a halo)."""
+    from fast import conv_bwd as fcb
+    B = 2 if cu is None else 1
+    x, w, dy, b, s0, cut, dfin_ = _conv_bwd_inputs(W, B, 30, 40, cu, dtype, bias, init, dfin)
+    cast = lambda t: None if t is None else t.to(dtype).to(DEV)  # noqa: E731
+    args = (*map(cast, (x, w, dy, b)), act, cast(s0), None if cut is None else cut.to(DEV), cast(dfin_))
+    win = fcb.causal_conv1d_bwd(*args, configs={"kernel": "window", "window": {"BT": 8}})
+    two = fcb.causal_conv1d_bwd(*args, configs={"kernel": "two_pass"})
+    truth = rcb.causal_conv1d_bwd(x, w, dy, b, act, s0, cut, dfin_)
+    ref = rcb.causal_conv1d_bwd(*(None if t is None else t.to(dtype) for t in (x, w, dy, b)), act,
+                                None if s0 is None else s0.to(dtype), cut, None if dfin_ is None else dfin_.to(dtype))
+    for name, gw, gt, tr, rf in zip(("dx", "dweight", "dbias", "dinitial_state"), win, two, truth, ref):
+        assert (gw is None) == (gt is None) == (tr is None), name
+        if gw is None:
+            continue
+        if name in ("dx", "dinitial_state"):
+            assert torch.equal(gw, gt), name
+        else:
+            res = evaluate(Check(name, gw, tr, rf, dtype=dtype))
+            assert res["passed"], (name, res)
 
 
 # ----------------------------------------------------------------------------------------------
