@@ -10,16 +10,25 @@ What is saved and why: the forward saves only its inputs (x, weight, bias, initi
 recomputed here (W multiply-adds per element, from rows the tile reads anyway) instead of storing a
 [B, T, D] pre-activation.
 
-Two passes over tiles of BT rows x BD channels of one sequence:
+Two forms, as the forward's (fast.conv):
+- W <= 4 (every GDN model): ``conv_bwd_window_kernel``, one pass. A program owns BT rows x BD channels of one
+  sequence and walks them row by row (4 per step), keeping the last W-1 inputs and the last W-1 dz values in
+  registers: dz_t is formed once, used at once for the dx row it completes (t-(W-1)) and for the block's partial
+  sums of dweight and dbias, and never stored. Each x and dy row is read once per block (plus the W-1 rows after
+  the block, whose dz completes its last dx rows) and each dx row written once: 6 bytes per element at bf16, a
+  streaming op. H200, T = 16384, D = 8192, bf16: 0.278 ms, 0.685 of copy bandwidth (the two passes 1.148, fla
+  0.6.0's backward 1.002; conv_bwd_config).
+- W > 4 (and on request), two passes over tiles of BT rows x BD channels of one sequence:
   1. ``conv_bwd_dz_kernel``: dz on the tile's rows (z recomputed once per element), stored to a
-     [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias
-     ([tiles, W, D] fp32, summed on the host: a deterministic reduction, no atomics);
+     [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias;
   2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2); the first tile of a
      sequence also writes dinitial_state.
-Why two: dx_t needs dz at t .. t+W-1, and a Triton tile cannot shift its rows in registers; the earlier
-one-pass form recomputed dz W times per element (W^2 shifted x reads and W sigmoids per element: 3.2 ms
-against fla's ~1.0 ms at T = 16384, D = 8192 on an H100). The extra traffic is one fp32 write and read
-of dz. dx, dweight and dbias are bit-identical to the one-pass form's (same values, same order of sums).
+  Why two there: dx_t needs dz at t .. t+W-1, and a Triton tile cannot shift its rows in registers (the window
+  kernel's named registers stop at W-1 = 3); the earlier one-pass tile form recomputed dz W times per element (W^2
+  shifted x reads and W sigmoids per element: 3.2 ms against fla's ~1.0 ms at T = 16384, D = 8192 on an H100).
+Both forms compute dz and dx by the same expressions in the same order, so dx and dinitial_state are the same bits
+(tests/test_fast_grad.py holds them to it); the partial sums of dweight and dbias ([blocks, W, D] in the compute
+dtype, summed on the host: a deterministic reduction, no atomics) add their rows in different orders.
 Pinned configs, no autotune.
 """
 from __future__ import annotations
@@ -419,9 +428,11 @@ def conv_bwd_config(T: int, D: int, W: int = 4) -> dict:
     """Pinned launch configs: {"kernel": "window" (W <= 4, the default there) or "two_pass", "window": {BT, BD,
     num_warps, PREFETCH}, "dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the interpreter. Never autotuned.
 
-    window (conv_bwd_window_kernel, one pass): 4 warps, BD 512 (4 channels per thread, 8 B vectors of bf16), BT 64
-    rows per block (the W-1 halo rows re-read, 5 %, hit L2), PREFETCH, as the forward's window kernel
-    (fast.conv.conv_fwd_config). Not yet measured on a GPU.
+    window (conv_bwd_window_kernel, one pass): 4 warps, BD 512 (4 channels per thread, 8 B vectors of bf16), BT 128
+    rows per block (the W-1 halo rows re-read, 2 %, hit L2), PREFETCH. H200, Triton 3.6, T = 16384, D = 8192, W = 4,
+    silu, bf16, the backward alone (bench_train --only conv_sweep, 2026-11-30), ms: BT 128 BD 512 0.278 (6 bytes
+    per element: 0.685 of copy bandwidth; no PREFETCH 0.299), BT 64 0.293, BT 32 0.324; BD 256 0.297-0.346, BD 1024
+    0.294-0.457 (8 warps there 0.308-0.453); the two passes 1.148, fla 0.6.0's backward 1.002.
 
     two_pass (W > 4): the passes exchange dz through memory, so their tilings are independent (pass 1's BT
     sets the number of dweight / dbias partial rows). Measured on an H100 (Triton 3.6, T = 16384, D = 8192,
@@ -436,7 +447,7 @@ def conv_bwd_config(T: int, D: int, W: int = 4) -> dict:
         return {"kernel": kernel, "window": dict(t, BT=max(4, min(16, next_pow2(T))), PREFETCH=True), "dz": t,
                 "dx": dict(t)}
     BD = max(16, min(128, next_pow2(D)))
-    return {"kernel": kernel, "window": dict(BT=64, BD=max(16, min(512, next_pow2(D))), num_warps=4, PREFETCH=True),
+    return {"kernel": kernel, "window": dict(BT=128, BD=max(16, min(512, next_pow2(D))), num_warps=4, PREFETCH=True),
             "dz": dict(BT=64, BD=BD, num_warps=4), "dx": dict(BT=32, BD=BD, num_warps=4)}
 
 
