@@ -201,17 +201,19 @@ def test_refgdn_conv_bwd_matches_autograd(W, act, cu):
         close(got, ref)
 
 
-@pytest.mark.parametrize("tiles", [
-    pytest.param(({"BT": 8, "BD": 16, "num_warps": 4}, {"BT": 4, "BD": 32, "num_warps": 4}), id="dz8-dx4"),
-    pytest.param(({"BT": 4, "BD": 32, "num_warps": 4}, {"BT": 16, "BD": 16, "num_warps": 4}), id="dz4-dx16"),
+@pytest.mark.parametrize("W,tiles,cu", [
+    pytest.param(5, ({"BT": 8, "BD": 16, "num_warps": 4}, {"BT": 4, "BD": 32, "num_warps": 4}), None,
+                 id="W5-dz8-dx4-dense"),
+    pytest.param(4, ({"BT": 4, "BD": 32, "num_warps": 4}, {"BT": 16, "BD": 16, "num_warps": 4}),
+                 [0, 0, 1, 2, 9, 30], id="W4-dz4-dx16-varlen-empty-short"),
 ])
-@pytest.mark.parametrize("cu", [None, [0, 0, 1, 2, 9, 30]], ids=["dense", "varlen-empty-short"])
-def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
-    """fast.conv_bwd's passes exchange dz through memory, so each may tile differently (on a GPU they do:
-    64 vs 32 rows); float64 runs exact arithmetic, so fast must match refgdn's backward to rounding."""
+def test_fast_conv_bwd_two_passes_with_different_tiles(W, tiles, cu):
+    """fast.conv_bwd's two passes (the form for W > 4; asked for by name at W = 4) exchange dz through memory, so
+    each may tile differently (on a GPU they do: 64 vs 32 rows); float64 runs exact arithmetic, so fast must match
+    refgdn's backward to rounding."""
     from fast import conv_bwd as fcb
     gen = torch.Generator().manual_seed(8)
-    W, B = 4, 2 if cu is None else 1
+    B = 2 if cu is None else 1
     T, D = 30, 40
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, dtype=F64, generator=gen)  # noqa: E731
@@ -224,6 +226,16 @@ def test_fast_conv_bwd_two_passes_with_different_tiles(tiles, cu):
                                 configs={"kernel": "two_pass", "dz": tiles[0], "dx": tiles[1]})
     for g, ref in zip(got, want):
         close(g.cpu(), ref)
+
+
+def test_fast_conv_bwd_form_by_width():
+    """The window kernel is the default up to W = 4 (its window is three named registers); wider convs take the two
+    passes, and asking for the window kernel there is refused by name before anything runs."""
+    from fast import conv_bwd as fcb
+    assert [fcb.conv_bwd_config(64, 32, W)["kernel"] for W in (1, 2, 3, 4, 5, 8)] == ["window"] * 4 + ["two_pass"] * 2
+    x, w = torch.randn(1, 8, 16, device=DEV), torch.randn(16, 5, device=DEV)
+    with pytest.raises(ValueError, match="window kernel takes W <= 4, got W = 5"):
+        fcb.causal_conv1d_bwd(x, w, torch.randn_like(x), configs={"kernel": "window"})
 
 
 def _conv_bwd_inputs(W, B, T, D, cu, dtype, bias=True, init=True, dfin=True, seed=9):
