@@ -424,8 +424,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, weight, bias, initial_state):
         check_conv_inputs(x, weight, bias, activation, initial_state, cu_seqlens, cu_seqlens_cpu)
-        y, final = library.autograd_call(library.causal_conv1d_op, x, weight, bias, activation or "",
-                                             initial_state, cu_seqlens)
+        y, final = library.causal_conv1d_op(x, weight, bias, activation or "", initial_state, cu_seqlens)
         return y, (final if output_final_state else None)
     sig = _call_signature(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
     plan = _PLANS.get(sig)

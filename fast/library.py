@@ -14,10 +14,8 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in one 
     torch.ops.fast.rms_norm_bwd(dy, dres_out, <the forward's inputs>) -> (dx, dweight, dbias, dresidual)
 
 Users call fast.chunk_gated_delta_rule / fast.causal_conv1d / fast.rms_norm_gated / fast.rms_norm: they validate on
-the host, then take the op when torch.compile is tracing, and in eager mode, when a gradient is wanted, a
-torch.autograd.Function over the op's own implementation and autograd formula (``autograd_call``: the same saved
-tensors and gradients, bit for bit, without the dispatcher's custom-op path: ~300 us less host time per forward +
-backward on an H200 host). Plain inference calls the kernels directly. The ops always return the final state (a custom op's outputs cannot depend
+the host, then take the op when a gradient is wanted or torch.compile is tracing (plain inference calls the kernels
+directly and pays no dispatcher overhead). The ops always return the final state (a custom op's outputs cannot depend
 on a flag's value being None); the public functions drop it unless output_final_state.
 
 Custom ops cannot return None: gradients that do not exist (no initial state, no fused gating, no bias)
@@ -62,9 +60,11 @@ def _none_if_empty(t: Tensor, keep: bool) -> Optional[Tensor]:
 # chunked gated delta rule
 # ============================================================================================
 
-def _chunk_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
-                A_log: Optional[Tensor], dt_bias: Optional[Tensor], chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.custom_op("fast::chunk_gated_delta_rule", mutates_args=())
+def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                              initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                              use_qk_l2norm_in_kernel: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                              chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] -> (o [B, T, HV, V], final_state [N, HV, K, V]
     fp32, A [B, T, HV, chunk_size], G [B, T, HV] fp32, kn [B, T, H, K]): the last three kernel 1's outputs where
     the backward reuses them (_keeps_kkt), else empty (kn also without use_qk_l2norm_in_kernel)."""
@@ -78,9 +78,6 @@ def _chunk_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
             q, k, v, g, beta, scale, initial_state, True, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
             chunk_size, keep_kkt=True)
         return o, final, A, G, kn if kn is not None else _empty(q)
-
-
-chunk_gated_delta_rule_op = torch.library.custom_op("fast::chunk_gated_delta_rule", mutates_args=())(_chunk_impl)
 
 
 def _keeps_kkt(v: Tensor) -> bool:
@@ -171,17 +168,15 @@ chunk_gated_delta_rule_op.register_autograd(_chunk_backward, setup_context=_chun
 # causal conv1d
 # ============================================================================================
 
-def _conv_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, initial_state: Optional[Tensor],
-               cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+@torch.library.custom_op("fast::causal_conv1d", mutates_args=())
+def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """x: [B, T, D] -> (y [B, T, D], final_state [N, D, W-1]); activation "" (none) or "silu"."""
     with one_host_read_scope():                     # the check and the tile table share one read
         _check_cu_values(cu_seqlens, x.shape[1])
         y, final = _conv.causal_conv1d_with_config(x, weight, bias, activation or None, initial_state, True,
                                                    cu_seqlens)
     return y, final
-
-
-causal_conv1d_op = torch.library.custom_op("fast::causal_conv1d", mutates_args=())(_conv_impl)
 
 
 @causal_conv1d_op.register_fake
@@ -234,13 +229,11 @@ causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup_con
 # gated RMSNorm (the GDN layer's output norm)
 # ============================================================================================
 
-def _norm_impl(x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], activation: str,
-               eps: float) -> Tensor:
+@torch.library.custom_op("fast::rms_norm_gated", mutates_args=())
+def rms_norm_gated_op(x: Tensor, g: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], activation: str,
+                      eps: float) -> Tensor:
     """x, g: [..., D] -> y [..., D] (x's dtype, contiguous)."""
     return _norm.norm_fwd(x, g, weight, bias, activation, eps)[0]
-
-
-rms_norm_gated_op = torch.library.custom_op("fast::rms_norm_gated", mutates_args=())(_norm_impl)
 
 
 @rms_norm_gated_op.register_fake
@@ -282,15 +275,13 @@ rms_norm_gated_op.register_autograd(_norm_backward, setup_context=_norm_setup_co
 # plain RMSNorm (refgdn.model's norms)
 # ============================================================================================
 
-def _plain_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                     eps: float, unit_offset: bool, res_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+@torch.library.custom_op("fast::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                unit_offset: bool, res_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
     """x: [..., D] -> (y [..., D] (x's dtype, contiguous), the sum x + residual in res_dtype, or empty when res_dtype
     is None)."""
     y, res_out = _norm.norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=res_dtype)
     return y, res_out if res_out is not None else x.new_empty(0)
-
-
-rms_norm_op = torch.library.custom_op("fast::rms_norm", mutates_args=())(_plain_norm_impl)
 
 
 @rms_norm_op.register_fake
@@ -332,39 +323,6 @@ def _plain_norm_backward(ctx, dy, dres_out):
 
 
 rms_norm_op.register_autograd(_plain_norm_backward, setup_context=_plain_norm_setup_context)
-
-
-# ============================================================================================
-# eager autograd: the same implementations and formulas as torch.autograd.Functions
-# ============================================================================================
-
-def _eager_function(name: str, impl, setup_context, backward):
-    """A torch.autograd.Function over a custom op's implementation and its registered autograd formula (the same
-    setup_context and backward functions, so the same saved tensors, the same gradients, bit for bit). Eager
-    calls take it: the dispatcher's custom-op path costs host time per call that autograd.Function does not (a
-    forward + backward of fast.causal_conv1d at T=64, H200 host: 950 us through the custom op, 642 us through a
-    Function; benchmarks/RESULTS.md, 2026-11-30). torch.compile takes the custom op (autograd_call)."""
-    return type(name, (torch.autograd.Function,), dict(
-        forward=staticmethod(impl), setup_context=staticmethod(setup_context), backward=staticmethod(backward),
-        __doc__=f"Eager autograd of torch.ops.fast.{name} (fast.library._eager_function)."))
-
-
-_EAGER = {
-    chunk_gated_delta_rule_op: _eager_function("chunk_gated_delta_rule", _chunk_impl, _chunk_setup_context,
-                                               _chunk_backward),
-    causal_conv1d_op: _eager_function("causal_conv1d", _conv_impl, _conv_setup_context, _conv_backward),
-    rms_norm_gated_op: _eager_function("rms_norm_gated", _norm_impl, _norm_setup_context, _norm_backward),
-    rms_norm_op: _eager_function("rms_norm", _plain_norm_impl, _plain_norm_setup_context, _plain_norm_backward),
-}
-
-
-def autograd_call(op, *args):
-    """op(*args) with its gradient: the custom op while torch.compile traces (one graph, forward and backward),
-    else its eager Function (_eager_function: the same implementation and formula, less host time). args:
-    positional, as the op's schema orders them."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return _EAGER[op].apply(*args)
 
 
 def wants_graph(*tensors) -> bool:

@@ -410,7 +410,7 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tens
     check_rms_norm_gated_inputs(x, g, weight, bias, activation, residual, prenorm, residual_in_fp32, eps)
     from . import library                                                # registers the ops (no cycle at import)
     if library.wants_graph(x, g, weight, bias):
-        return library.autograd_call(library.rms_norm_gated_op, x, g, weight, bias, activation, float(eps))
+        return library.rms_norm_gated_op(x, g, weight, bias, activation, float(eps))
     y = norm_fwd(x, g, weight, bias, activation, eps)[0]
     _remember_fwd(key, x, g, weight, bias, activation, eps, False, None, None)
     return y
@@ -439,8 +439,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias=None, residua
         rdt = residual_out_dtype(x, residual, residual_in_fp32, prenorm)  # the sum is stored for prenorm only
         from . import library                                            # registers the ops (no cycle at import)
         if library.wants_graph(x, weight, bias, residual):
-            y, res_out = library.autograd_call(library.rms_norm_op, x, weight, bias, residual, float(eps),
-                                                   bool(unit_offset), rdt)
+            y, res_out = library.rms_norm_op(x, weight, bias, residual, float(eps), bool(unit_offset), rdt)
         else:
             y, res_out = norm_fwd(x, None, weight, bias, None, eps, unit_offset, residual=residual, res_dtype=rdt)
             _remember_fwd(key, x, None, weight, bias, None, eps, unit_offset, residual, rdt)

@@ -197,9 +197,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         _check_fast_limits(q.shape[3], v.shape[3], chunk_size)
     from .. import library                                               # registers the ops (no cycle at import)
     if library.wants_graph(q, k, v, g, beta, initial_state, A_log, dt_bias):     # (the op checks the values)
-        o, final, *_ = library.autograd_call(
-            library.chunk_gated_delta_rule_op, q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale),
-            initial_state, cu_seqlens, bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
+        o, final, *_ = library.chunk_gated_delta_rule_op(
+            q, k, v, g, beta, q.shape[3] ** -0.5 if scale is None else float(scale), initial_state, cu_seqlens,
+            bool(use_qk_l2norm_in_kernel), A_log, dt_bias, int(chunk_size))
         return o, final_state_v_first(final if output_final_state else None, vk)
     if plan is None:
         plan = _PLANS.after_checks(sig)                                  # (None on a signature's first call)
