@@ -111,6 +111,34 @@ def _window_halo(x_base, p_x, initial_state, s_off, p_s, pos, L, m_d, m_init, ze
 
 
 @triton.jit
+def _window_start(weight, o_d, m_d, stride_w_d, stride_w_w, x_base, p_x, initial_state, s_off, p_s, t0, L, m_init,
+                  zero_d, stride_x_t, stride_s_w, W: tl.constexpr, HAS_INIT: tl.constexpr, DT: tl.constexpr):
+    """A window kernel's start (the forward's and fast.conv_bwd's): the taps w_k = weight[:, W-1-k], which multiply
+    x_{t-k}, and the halo p_k = x_{t0-k} before the block's first row t0 (_window_halo: x, initial_state or zero),
+    as [BD] vectors in DT; taps and halo rows k >= W stay zero and unused."""
+    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
+    w1 = tl.zeros(o_d.shape, dtype=DT)
+    w2 = tl.zeros(o_d.shape, dtype=DT)
+    w3 = tl.zeros(o_d.shape, dtype=DT)
+    p1 = tl.zeros(o_d.shape, dtype=DT)
+    p2 = tl.zeros(o_d.shape, dtype=DT)
+    p3 = tl.zeros(o_d.shape, dtype=DT)
+    if W > 1:
+        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
+        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, m_init, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 2:
+        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
+        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, m_init, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    if W > 3:
+        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
+        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, m_init, zero_d,
+                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    return w0, w1, w2, w3, p1, p2, p3
+
+
+@triton.jit
 def _window_load4(x_base, p_x, r, stride_x_t, j_d, n_d, m_d):
     """Input rows r .. r+3 (r: int64 scalar) as four [BD] vectors in x's dtype. j_d: the block-local
     index of row r and n_d: the block's row count, as int32 [BD] vectors; rows j >= n are masked
@@ -188,26 +216,9 @@ def causal_conv1d_fwd_window_kernel(
         # a padded sequence's rows are stored as zeros (its taps are zeroed: bias and silu(0) are not)
         _, m_live = slot_row(slot_rows, i_n, 0, zero_d, m_d, SLOTS)
 
-    # taps: w_k multiplies x_{t-k}, i.e. weight column W-1-k; absent taps stay zero and unused
-    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
-    w1 = tl.zeros([BD], dtype=DT)
-    w2 = tl.zeros([BD], dtype=DT)
-    w3 = tl.zeros([BD], dtype=DT)
-    p1 = tl.zeros([BD], dtype=DT)
-    p2 = tl.zeros([BD], dtype=DT)
-    p3 = tl.zeros([BD], dtype=DT)
-    if W > 1:
-        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
-        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, m_init, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
-    if W > 2:
-        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
-        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, m_init, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
-    if W > 3:
-        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
-        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, m_init, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    w0, w1, w2, w3, p1, p2, p3 = _window_start(weight, o_d, m_d, stride_w_d, stride_w_w, x_base, p_x, initial_state,
+                                               s_off, p_s, t0, L, m_init, zero_d, stride_x_t, stride_s_w,
+                                               W, HAS_INIT, DT)
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
     else:

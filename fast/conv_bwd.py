@@ -42,7 +42,7 @@ import triton.language as tl
 from refgdn.checks import one_host_read
 
 from .launch import launch
-from .conv import WINDOW_MAX_W, _window_halo, _window_load4
+from .conv import WINDOW_MAX_W, _window_load4, _window_start
 from .utils import cdiv, is_interpreting, next_pow2, varlen_chunk_tables
 
 
@@ -325,26 +325,10 @@ def conv_bwd_window_kernel(
     dinit_row = dinit + i_n * D * (W - 1)
     dfinal_row = dfinal + i_n * D * (W - 1)
 
-    # taps: w_k multiplies x_{t-k} (weight column W-1-k); absent taps stay zero and unused
-    w0 = tl.load(weight + o_d * stride_w_d + (W - 1) * stride_w_w, mask=m_d, other=0).to(DT)
-    w1 = tl.zeros([BD], dtype=DT)
-    w2 = tl.zeros([BD], dtype=DT)
-    w3 = tl.zeros([BD], dtype=DT)
-    p1 = tl.zeros([BD], dtype=DT)
-    p2 = tl.zeros([BD], dtype=DT)
-    p3 = tl.zeros([BD], dtype=DT)
-    if W > 1:
-        w1 = tl.load(weight + o_d * stride_w_d + (W - 2) * stride_w_w, mask=m_d, other=0).to(DT)
-        p1 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 1, L, m_d, m_d, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
-    if W > 2:
-        w2 = tl.load(weight + o_d * stride_w_d + (W - 3) * stride_w_w, mask=m_d, other=0).to(DT)
-        p2 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 2, L, m_d, m_d, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
-    if W > 3:
-        w3 = tl.load(weight + o_d * stride_w_d + (W - 4) * stride_w_w, mask=m_d, other=0).to(DT)
-        p3 = _window_halo(x_base, p_x, initial_state, s_off, p_s, t0 - 3, L, m_d, m_d, zero_d,
-                          stride_x_t, stride_s_w, W, HAS_INIT, DT)
+    # taps w_k (weight column W-1-k, multiplying x_{t-k}) and the halo p_k = x_{t0-k}, as the forward's
+    w0, w1, w2, w3, p1, p2, p3 = _window_start(weight, o_d, m_d, stride_w_d, stride_w_w, x_base, p_x, initial_state,
+                                               s_off, p_s, t0, L, m_d, zero_d, stride_x_t, stride_s_w,
+                                               W, HAS_INIT, DT)
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(DT)
     else:
