@@ -11,14 +11,15 @@ recomputed here (W multiply-adds per element, from rows the tile reads anyway) i
 [B, T, D] pre-activation.
 
 Two forms, as the forward's (fast.conv):
-- W <= 4 (every GDN model): ``conv_bwd_window_kernel``, one pass. A program owns BT rows x BD channels of one
+- W <= 4 (every GDN model) on a GPU: ``conv_bwd_window_kernel``, one pass. A program owns BT rows x BD channels of one
   sequence and walks them row by row (4 per step), keeping the last W-1 inputs and the last W-1 dz values in
   registers: dz_t is formed once, used at once for the dx row it completes (t-(W-1)) and for the block's partial
   sums of dweight and dbias, and never stored. Each x and dy row is read once per block (plus the W-1 rows after
   the block, whose dz completes its last dx rows) and each dx row written once: 6 bytes per element at bf16, a
   streaming op. H200, T = 16384, D = 8192, bf16: 0.278 ms, 0.685 of copy bandwidth (the two passes 1.148, fla
   0.6.0's backward 1.002; conv_bwd_config).
-- W > 4 (and on request), two passes over tiles of BT rows x BD channels of one sequence:
+- W > 4, the interpreter (conv_bwd_config says why) and on request, two passes over tiles of BT rows x BD channels of
+  one sequence:
   1. ``conv_bwd_dz_kernel``: dz on the tile's rows (z recomputed once per element), stored to a
      [B, T, D] buffer in the compute dtype (fp32), and per-tile partial sums of dweight and dbias;
   2. ``conv_bwd_dx_kernel``: dx from W shifted reads of dz (they hit L1/L2); the first tile of a
@@ -409,8 +410,9 @@ def conv_bwd_window_kernel(
 
 
 def conv_bwd_config(T: int, D: int, W: int = 4) -> dict:
-    """Pinned launch configs: {"kernel": "window" (W <= 4, the default there) or "two_pass", "window": {BT, BD,
-    num_warps, PREFETCH}, "dz": {BT, BD, num_warps}, "dx": {...}}; small tiles in the interpreter. Never autotuned.
+    """Pinned launch configs: {"kernel": "window" (W <= 4 on a GPU, the default there) or "two_pass", "window": {BT,
+    BD, num_warps, PREFETCH}, "dz": {BT, BD, num_warps}, "dx": {...}}; small tiles and the two passes in the
+    interpreter. Never autotuned.
 
     window (conv_bwd_window_kernel, one pass): 4 warps, BD 512 (4 channels per thread, 8 B vectors of bf16), BT 128
     rows per block (the W-1 halo rows re-read, 2 %, hit L2), PREFETCH. H200, Triton 3.6, T = 16384, D = 8192, W = 4,
@@ -425,7 +427,10 @@ def conv_bwd_config(T: int, D: int, W: int = 4) -> dict:
     against 8 warps). Triton 3.9 (compiled for sm_90, not timed) spills pass 1 at this tile (2.4 KB per
     thread: every element of a tile carries a 64-bit pointer); 8 warps do not spill there but ran slower
     on Triton 3.6."""
-    kernel = "window" if W <= WINDOW_MAX_W else "two_pass"
+    # the interpreter takes the two passes: its cost is per operation, and the window kernel's row walk runs ~2x the
+    # two passes' there (the CI matrix's conv gradients: 33.5 s against 15.1 s); on the CPU the window kernel is held
+    # by its own tests to the two passes' bits (dx, dinitial_state) and to the conformance rule (dweight, dbias)
+    kernel = "window" if W <= WINDOW_MAX_W and not is_interpreting() else "two_pass"
     if is_interpreting():
         t = dict(BT=max(4, min(32, next_pow2(T))), BD=max(16, min(64, next_pow2(D))), num_warps=4)
         return {"kernel": kernel, "window": dict(t, BT=max(4, min(16, next_pow2(T))), PREFETCH=True), "dz": t,
