@@ -201,15 +201,8 @@ def conv_rows(device: str) -> list:
 
 
 def _device_ms(step, leaves) -> float:
-    """Device time of one call of step (ms): the sum of its kernels' times (torch.profiler, 5 calls, gradients
-    cleared between them)."""
-    from .profile_decode import kernel_times
-
-    def clean():
-        step()
-        for t in leaves:
-            t.grad = None
-    return sum(kernel_times(clean, steps=5).values()) / 1e3
+    """Device time of one call of step (ms): the sum of its kernels' times (_kernel_times_of)."""
+    return sum(_kernel_times_of(step, leaves).values()) / 1e3
 
 
 def error_rows(device: str) -> list:
@@ -331,11 +324,14 @@ def conv_sweep_rows(device: str) -> list:
 
 
 def _step_kernel_times(call, leaves, do) -> dict:
-    """Mean device time per kernel (us) of forward + backward through `call` (5 profiled steps after a
-    warm-up, benchmarks.profile_decode.kernel_times), gradients cleared between steps."""
-    from .profile_decode import kernel_times
+    """Mean device time per kernel (us) of forward + backward through `call` (_kernel_times_of)."""
+    return _kernel_times_of(_fwd_bwd(call, leaves, do), leaves)
 
-    step = _fwd_bwd(call, leaves, do)
+
+def _kernel_times_of(step, leaves) -> dict:
+    """Mean device time per kernel (us) of step() (5 profiled calls after a warm-up,
+    benchmarks.profile_decode.kernel_times), the leaves' gradients cleared between calls."""
+    from .profile_decode import kernel_times
 
     def clean():
         step()

@@ -480,10 +480,9 @@ def causal_conv1d_bwd(x, weight, dy, bias=None, activation=None, initial_state=N
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     table_z, n_z, cu_z = tiles(cfg["window" if window else "dz"]["BT"])
     n_part = (B if cu_seqlens is None else 1) * n_z
-    # the window kernel writes every partial row (one per block); the two-pass kernels' tiles too, zeroed as before
-    alloc = torch.empty if window else torch.zeros
-    dw_part = alloc(n_part, W, D, dtype=cdt, device=x.device)
-    db_part = alloc(n_part, D, dtype=cdt, device=x.device)
+    # no fill: either form's kernel writes every partial row of its blocks (db_part's with a bias, when it is summed)
+    dw_part = torch.empty(n_part, W, D, dtype=cdt, device=x.device)
+    db_part = torch.empty(n_part, D, dtype=cdt, device=x.device)
     dinit = torch.zeros(N, D, W - 1, dtype=initial_state.dtype, device=x.device) if initial_state is not None else None
     dfinal = dfinal.contiguous() if (dfinal is not None and W > 1) else None
     s = initial_state.stride() if initial_state is not None else (0, 0, 0)
