@@ -396,8 +396,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     offsets_known: whether the host holds cu_seqlens' values when the op runs (cu_seqlens_cpu given, or read
     earlier in the same one_host_read scope, as the model's prefill does through its conv); None: cu_seqlens_cpu
     is given or they are known in the current scope. Varlen with N >= 2 without them, and without autograd or
-    torch.compile (the custom op checks first), also builds kernel 1's chunk table on the device
-    (chunk_table_kernel: fast.chunk's offsets_unchecked). slots: gdn_prefill's form (initial_state a cache's
+    torch.compile (the custom op checks first), also builds every kernel's chunk tables on the device
+    (chunk_table_kernel's EVERY form: fast.chunk's offsets_unchecked; kernel 1's alone with slots, checkpoints or
+    in_rows). slots: gdn_prefill's form (initial_state a cache's
     ssm_state, read and written in place at int32 slot rows: the state pass's H0_SLOTS / HT_SLOTS). fla's keywords
     as the op maps them (refgdn.checks.fla_keywords: beta from logits in float32, gating on or off). beta_logits
     1 / 2: beta holds logits the kernels take (gdn_prefill's raw b, with fla's keywords at their defaults;
@@ -439,7 +440,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if device_tables:
             out.append(_table_key(BT, cu_seqlens.dtype, every=True))
         elif not offsets_known:
-            out.append(_table_key(BT, cu_seqlens.dtype))
+            # the public op's tables for every kernel, its values checked after the launches (chunk_gated_delta_rule_fwd's
+            # late check); with a slot cache, checkpoints or the caller's rows: kernel 1's table alone
+            out.append(_table_key(BT, cu_seqlens.dtype, every=not slots and checkpoints is None and not in_rows))
     if total and HV:
         out.append(CompileKey.make(
             "chunk_kkt_inv_kernel",

@@ -205,7 +205,7 @@ def test_keys_match_fast_launches():
     assert names.count("gdn_step_kernel") == 3 and "chunk_state_kernel" in names and "accept_kernel" in names
     # prefill: kernels 1 and 3 (the state pass forms v_new itself: kernel 2 never runs in the forward), kernel 4
     # unless the pass forms o too (fast.chunk.state_fuses_output), then q's row scales for it (l2norm in the
-    # kernel), and, varlen without cu_seqlens' values on the host, kernel 1's chunk table built on the device
+    # kernel), and, varlen without cu_seqlens' values on the host, every kernel's chunk tables built on the device
     fused = fast.chunk.state_fuses_output(2, HV, K, V, torch.device(DEV))
     prefill = 4
     assert "chunk_table_kernel" in names and ("row_scales_kernel" in names) == fused

@@ -53,9 +53,9 @@ The pipeline (BT = chunk size in {16, 32, 64}; "chunk" = BT tokens of one sequen
        O = scale [ exp(G) * (Q h[c]) + ((Q K^T) * exp(G_i - G_j) * causal) v_new ]
 
 Varlen chunk tables: built on the host from cu_seqlens' checked values and uploaded with them. Without a host copy
-(cu_seqlens_cpu) kernel 1 does not wait for the host's read: ``chunk_table_kernel`` builds its table on the device
-from the offsets clamped to [0, T] (rows past the last chunk: no chunk), while the host reads, checks and builds the
-others' (chunk_gated_delta_rule_fwd's offsets_unchecked).
+(cu_seqlens_cpu) no kernel waits for the host's read: ``chunk_table_kernel`` builds every kernel's tables on the
+device from the offsets clamped to [0, T] (rows past the last chunk: no chunk), and the host reads and checks the
+values after the launches (chunk_gated_delta_rule_fwd's offsets_unchecked).
 
 Kernels 1 and 2 are split (rather than one kernel holding k, L, A, w and u at once) so that each
 stays small: kernel 1 works on 16x16 blocks in a single warp (its reductions and layout changes
@@ -154,12 +154,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     run refgdn. Reads cu_seqlens on the host (eager prefill, not for CUDA-graph capture): one
     device->host copy, a sync, unless cu_seqlens_cpu (its values as a CPU tensor, fla's argument, vLLM's
     query_start_loc_cpu) is given: then nothing waits for the GPU and the call's host work overlaps the
-    previous kernels. Without it (N >= 2) the copy is queued first and kernel 1 runs on a chunk table built
-    on the device from the offsets (clamped to [0, T]) while the host waits for them, checks them (the
-    ValueError comes before the state pass) and builds the other kernels' tables: the device does not idle
-    through the host's read and work (chunk_gated_delta_rule_fwd's offsets_unchecked). The state pass and
-    the output read the checked values (uploaded with the chunk tables), never cu_seqlens itself, so the
-    segmentation follows the checked copy (kernel 1's too: for offsets that pass the check the two agree).
+    previous kernels. Without it (N >= 2) the copy is queued first and every kernel runs on chunk tables built
+    on the device from the offsets (clamped to [0, T]: memory-safe for any values); the host waits for the copy
+    after the launches and checks the values (the ValueError comes before anything is returned): the device does
+    not idle through the host's read and work (chunk_gated_delta_rule_fwd's offsets_unchecked). For offsets that
+    pass the check, the tables and so the outputs are the host tables' bit for bit.
 
     Differentiable: when an input requires grad (or torch.compile traces the call) it runs as the
     custom op torch.ops.fast.chunk_gated_delta_rule (fast.library), whose backward is fast.chunk_bwd's
@@ -175,8 +174,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         q, v, beta, initial_state, A_log, dt_bias, cu_seqlens, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         state_v_first, use_gate_in_kernel, chunk_indices, cp_context, head_first)
     # a signature whose call passed the checks before skips them and launches through its plan (fast.launch:
-    # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: behind
-    # kernel 1 (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
+    # the compiled launchers reused). The checks' value rules concern cu_seqlens only, and run on every call: after
+    # the launches (chunk_gated_delta_rule_fwd's offsets_unchecked), or here on the host (cu_seqlens_cpu's values, or
     # the offsets read once per call). Integer arguments follow from the shapes; a varlen call's grids follow
     # from its chunk counts, and each launch takes its own grid.
     behind = _check_behind(cu_seqlens, cu_seqlens_cpu)
@@ -309,11 +308,16 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     segments a single dense sequence's forward is pipelined over (fast.chunk.pipeline; 1: not pipelined; taken only
     for B == 1 without cu_seqlens, on the unfused path, on a CUDA device); None: pipeline_segments' rule.
     offsets_unchecked (the public function: varlen, N >= 2, no host copy of cu_seqlens): its values are not
-    checked yet. Their device->host copy is queued first, kernel 1 runs on a chunk table built on the device from
-    them (clamped: common._Chunks.unchecked), and only then does the host wait for the copy, check the values
-    (check_cu_seqlens_values: the same ValueError, raised before the state pass; kernel 1 wrote only this call's
-    scratch) and build the tables of the state pass. So kernel 1 runs while the host reads and works, where the
-    device idled before.
+    checked yet. Their device->host copy is queued first, every kernel runs on chunk tables built on the device
+    from them (clamped: common._Chunks.unchecked with every_kernel, as offsets_on_device), and only after the
+    launches does the host wait for the copy and check the values (check_cu_seqlens_values: the same ValueError,
+    raised before anything is returned; the kernels wrote only this call's own tensors). So the device never idles
+    through the host's read: the copy waits for the previous call's kernels only, and this call's are queued
+    behind it. With a slot cache, checkpoints, out or in_rows (tensors the caller holds, written in place) the check
+    comes before the state pass instead: kernel 1 alone runs on the device-built table, the other kernels on the
+    host tables built from the checked values. 16-sequence varlen mix (32760 tokens, initial states, H200, eager us,
+    three rounds in one process): host tables behind the read 934-1052, device tables 889-890, with cu_seqlens_cpu
+    886-887; the device busy 878-882 in all three (outputs bit for bit; RESULTS.md, 2026-11-30).
     slot_rows (the serving prefill, fast.serving.gdn_prefill; int32 [N, 2]): initial_state is a slot cache's
     ssm_state [S, HV, K, V] (any strides), read from slot slot_rows[n, 1] and, with output_final_state, written in
     place at slot slot_rows[n, 0] (-1: start from zeros / write nothing); the final state returned is that ssm_state.
@@ -357,11 +361,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             raise ValueError("in_rows: one row of sequences (B = 1) on the from_a path only")
         rows_in, T = in_rows                                             # the kernels' rows: T = Tp
     behind = offsets_unchecked and cu_seqlens is not None and not offsets_on_device
+    # the values checked after the launches (nothing the caller holds is written: no slot cache, checkpoints, out)
+    late = behind and slot_rows is None and checkpoints is None and out is None and in_rows is None
     if behind:
         offsets = host_offsets_later(cu_seqlens)                          # the copy queued before kernel 1
-    elif offsets_on_device and cu_seqlens is not None:
-        ch = _Chunks.unchecked(T, BT, cu_seqlens, every_kernel=True)     # no host read at all
-    else:
+    if late or (offsets_on_device and cu_seqlens is not None):
+        ch = _Chunks.unchecked(T, BT, cu_seqlens, every_kernel=True)     # every kernel's tables on the device
+        behind = False
+    elif not behind:
         ch = _Chunks(B, T, BT, cu_seqlens)
     precise = _precise(v.dtype)
     l2 = bool(use_qk_l2norm_in_kernel)
@@ -425,6 +432,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     if not fused:
         _launch_output(q, k, v_new, h, G, Gl, o, ch, T, BT, scale, l2norm_q=l2, precise=precise,
                        configs=configs, in_rows=rows_in, k_in_rows=not l2)
+    if late:
+        offsets()                                                        # host: wait for the copy (the kernels run)
+        check_cu_seqlens_values(cu_seqlens, T)                           # raises before anything is returned
     if keep_kkt:
         return o, final, (A, G, kn)
     return o, final

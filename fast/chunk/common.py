@@ -413,8 +413,8 @@ def chunk_table_kernel(cu_seqlens, safe_cu, first, indices, offsets, order, N, T
     the host table's (tests/test_host_reads.py). For any values nothing is read or written outside the
     tensors, and a kernel that walks a row's chunk over safe_cu stays inside [0, T): counts are >= 0, so first
     is non-decreasing and each row's chunk lies inside its sequence's clamped span (int64: no overflow).
-    Why: chunk_gated_delta_rule runs kernel 1 on this table while the host waits for the offsets' values
-    (fast.chunk.chunk_gated_delta_rule_fwd, offsets_unchecked); its outputs are scratch until the host check
+    Why: chunk_gated_delta_rule runs its kernels on these tables while the host waits for the offsets' values
+    (fast.chunk.chunk_gated_delta_rule_fwd, offsets_unchecked); their outputs are scratch until the host check
     passes. Phases: 1. clamp; 2. counts and their prefix sum, BN sequences at a time; 3. each row's
     sequence by binary search over first (``steps`` = bit length of N - 1 halvings).
     """
