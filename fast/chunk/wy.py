@@ -175,6 +175,12 @@ def _l_block(kk, beta_a, Ga, Gla, Gb, Glb, m_a, DIAG: tl.constexpr, PRECISE: tl.
 
 
 @triton.jit
+def _diag_inverse(kk, beta_a, Ga, Gla, m_a, PRECISE: tl.constexpr, INV_DIAG_PREC: tl.constexpr):
+    """A diagonal 16x16 block of (I + L)^-1 from its K K^T block, by doubling (_inv_unit_lower)."""
+    return _inv_unit_lower(_l_block(kk, beta_a, Ga, Gla, Ga, Gla, m_a, True, PRECISE), 16, 4, INV_DIAG_PREC)
+
+
+@triton.jit
 def _store_a(A, tok, m_r, X, j: tl.constexpr, BT: tl.constexpr):
     """Block column j (16 wide) of A [B, T, HV, BT] for the 16 tokens `tok` (rows past the end: not stored)."""
     tl.store(A + tok[:, None] * BT + j * 16 + tl.arange(0, 16)[None, :], X.to(A.dtype.element_ty),
@@ -304,42 +310,32 @@ def chunk_kkt_inv_kernel(
                 b3 = _load_beta(b_base, r3, m3, s_bt, BETA_LOGITS, PRECISE)
 
         if DO_A:
-            # ---- the lower blocks of L for this head --------------------------------------------
-            L00 = _l_block(KK00, b0, G0, Gl0, G0, Gl0, m0, True, PRECISE)
-            L11 = L00
-            L22 = L00
-            L33 = L00
-            if BT >= 32:
-                L11 = _l_block(KK11, b1, G1, Gl1, G1, Gl1, m1, True, PRECISE)
-                L10 = _l_block(KK10, b1, G1, Gl1, G0, Gl0, m1, False, PRECISE)
-            if BT >= 64:
-                L22 = _l_block(KK22, b2, G2, Gl2, G2, Gl2, m2, True, PRECISE)
-                L20 = _l_block(KK20, b2, G2, Gl2, G0, Gl0, m2, False, PRECISE)
-                L21 = _l_block(KK21, b2, G2, Gl2, G1, Gl1, m2, False, PRECISE)
-                L33 = _l_block(KK33, b3, G3, Gl3, G3, Gl3, m3, True, PRECISE)
-                L30 = _l_block(KK30, b3, G3, Gl3, G0, Gl0, m3, False, PRECISE)
-                L31 = _l_block(KK31, b3, G3, Gl3, G1, Gl1, m3, False, PRECISE)
-                L32 = _l_block(KK32, b3, G3, Gl3, G2, Gl2, m3, False, PRECISE)
-
-            # ---- diagonal blocks of the inverse ------------------------------------------------
+            # ---- INV_ROWS: the diagonal blocks of L first, inverted together by one loop of row steps (their ILP)
             if INV_ROWS:
-                A00, A11, A22, A33 = _inv_diag_rows(L00, L11, L22, L33, BT // 16)
-            else:
-                A00 = _inv_unit_lower(L00, 16, 4, INV_DIAG_PREC)
-                A11 = A00
-                A22 = A00
-                A33 = A00
+                L00 = _l_block(KK00, b0, G0, Gl0, G0, Gl0, m0, True, PRECISE)
+                L11 = L00
+                L22 = L00
+                L33 = L00
                 if BT >= 32:
-                    A11 = _inv_unit_lower(L11, 16, 4, INV_DIAG_PREC)
+                    L11 = _l_block(KK11, b1, G1, Gl1, G1, Gl1, m1, True, PRECISE)
                 if BT >= 64:
-                    A22 = _inv_unit_lower(L22, 16, 4, INV_DIAG_PREC)
-                    A33 = _inv_unit_lower(L33, 16, 4, INV_DIAG_PREC)
+                    L22 = _l_block(KK22, b2, G2, Gl2, G2, Gl2, m2, True, PRECISE)
+                    L33 = _l_block(KK33, b3, G3, Gl3, G3, Gl3, m3, True, PRECISE)
+                A00, A11, A22, A33 = _inv_diag_rows(L00, L11, L22, L33, BT // 16)
             zero = tl.zeros([16, 16], dtype=tl.float32)
 
-            # ---- block forward substitution, block row by block row, and the stores -------------
+            # ---- block row by block row: its diagonal block's inverse (doubling), its off-diagonal L blocks,
+            # block forward substitution, its stores. Formed where used, each block row's L blocks die with it
+            # (fewer live registers: no spills at 255 with l2norm; 4 % off the kernel, H200, B=4 T=4096, bf16,
+            # RESULTS.md 2026-11-30)
+            if not INV_ROWS:
+                A00 = _diag_inverse(KK00, b0, G0, Gl0, m0, PRECISE, INV_DIAG_PREC)
             _store_a(A, tok0, m0, A00, 0, BT)
             if BT >= 32:
                 _store_a(A, tok0, m0, zero, 1, BT)
+                if not INV_ROWS:
+                    A11 = _diag_inverse(KK11, b1, G1, Gl1, m1, PRECISE, INV_DIAG_PREC)
+                L10 = _l_block(KK10, b1, G1, Gl1, G0, Gl0, m1, False, PRECISE)
                 A10 = -_mm32(A11, _mm32(L10, A00, INV_PREC), INV_PREC)
                 _store_a(A, tok1, m1, A10, 0, BT)
                 _store_a(A, tok1, m1, A11, 1, BT)
@@ -348,12 +344,21 @@ def chunk_kkt_inv_kernel(
                 _store_a(A, tok0, m0, zero, 3, BT)
                 _store_a(A, tok1, m1, zero, 2, BT)
                 _store_a(A, tok1, m1, zero, 3, BT)
+                if not INV_ROWS:
+                    A22 = _diag_inverse(KK22, b2, G2, Gl2, m2, PRECISE, INV_DIAG_PREC)
+                L21 = _l_block(KK21, b2, G2, Gl2, G1, Gl1, m2, False, PRECISE)
+                L20 = _l_block(KK20, b2, G2, Gl2, G0, Gl0, m2, False, PRECISE)
                 A21 = -_mm32(A22, _mm32(L21, A11, INV_PREC), INV_PREC)
                 A20 = -_mm32(A22, _mm32(L20, A00, INV_PREC) + _mm32(L21, A10, INV_PREC), INV_PREC)
                 _store_a(A, tok2, m2, A20, 0, BT)
                 _store_a(A, tok2, m2, A21, 1, BT)
                 _store_a(A, tok2, m2, A22, 2, BT)
                 _store_a(A, tok2, m2, zero, 3, BT)
+                if not INV_ROWS:
+                    A33 = _diag_inverse(KK33, b3, G3, Gl3, m3, PRECISE, INV_DIAG_PREC)
+                L32 = _l_block(KK32, b3, G3, Gl3, G2, Gl2, m3, False, PRECISE)
+                L31 = _l_block(KK31, b3, G3, Gl3, G1, Gl1, m3, False, PRECISE)
+                L30 = _l_block(KK30, b3, G3, Gl3, G0, Gl0, m3, False, PRECISE)
                 A32 = -_mm32(A33, _mm32(L32, A22, INV_PREC), INV_PREC)
                 A31 = -_mm32(A33, _mm32(L31, A11, INV_PREC) + _mm32(L32, A21, INV_PREC), INV_PREC)
                 A30 = -_mm32(A33, _mm32(L30, A00, INV_PREC) + _mm32(L31, A10, INV_PREC)
