@@ -440,8 +440,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if device_tables:
             out.append(_table_key(BT, cu_seqlens.dtype, every=True))
         elif not offsets_known:
-            # the public op's tables for every kernel, its values checked after the launches (chunk_gated_delta_rule_fwd's
-            # late check); with a slot cache, checkpoints or the caller's rows: kernel 1's table alone
+            # the public op's tables for every kernel, its values checked after the launches
+            # (chunk_gated_delta_rule_fwd's late check); with a slot cache, checkpoints or the caller's rows: kernel
+            # 1's table alone
             out.append(_table_key(BT, cu_seqlens.dtype, every=not slots and checkpoints is None and not in_rows))
     if total and HV:
         out.append(CompileKey.make(
