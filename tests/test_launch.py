@@ -358,7 +358,7 @@ def test_prefill_plan_matches_jitfunction_run_on_installed_triton():
             assert [n for n, _ in slow] == want, slow
             assert n_slow == len(want) and len(runs) == n_slow, (n_slow, len(runs))   # none through run the 2nd time
             same_launches(slow, list(calls), {t.data_ptr() for t in (q, k, v, gg, beta, h0) if t is not None})
-        # varlen, the offsets checked behind kernel 1: the device chunk table's launch first, all through the plan
+        # varlen, the offsets checked after the launches: the device chunk tables' launch first, all through the plan
         q, k, v, gg, beta, _ = inputs(1, 2, 4, False)
         cu = torch.tensor([0, 20, 20, 64], dtype=torch.int32)
         call = lambda: fast.chunk_gated_delta_rule(q, k, v, gg, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)

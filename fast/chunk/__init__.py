@@ -275,7 +275,7 @@ def clear_plan_cache() -> None:
 
 
 def _check_behind(cu_seqlens, cu_seqlens_cpu) -> bool:
-    """Whether the call checks cu_seqlens' values behind kernel 1 (chunk_gated_delta_rule_fwd's
+    """Whether the call checks cu_seqlens' values behind its launches (chunk_gated_delta_rule_fwd's
     offsets_unchecked): varlen with at least two sequences whose values the host does not hold yet (no
     cu_seqlens_cpu, not read earlier in the scope, e.g. by the model's conv). Read inside the op's scope."""
     return (cu_seqlens_cpu is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
