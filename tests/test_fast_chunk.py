@@ -166,6 +166,27 @@ def test_one_sequence_varlen_is_the_dense_call(T):
         q, k, v, g, beta, **kw)
 
 
+def test_varlen_keys_equal_the_launches_with_and_without_host_offsets():
+    """Varlen (N = 3) without cu_seqlens' host values: every kernel runs on the device-built tables (chunk_table_kernel's
+    EVERY form first), with cu_seqlens_cpu on the host tables (no table kernel); fast.keys lists exactly those
+    launches, and both calls give the same bits."""
+    from fast import keys
+    from refgdn.capture import KeyLog, recording
+    (q, k, v, g, beta, h0), _ = _inputs(1, 40, 1, 2, 16, 16, torch.float32, seed=4, init=True, N=3)
+    cu = torch.tensor([0, 7, 7, 40], dtype=torch.int64, device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, chunk_size=16, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    outs = []
+    for extra in (dict(), dict(cu_seqlens_cpu=cu.cpu())):
+        log = KeyLog()
+        with recording(log):
+            outs.append(fast.chunk_gated_delta_rule(q, k, v, g, beta, **kw, **extra))
+        assert log.launched == keys.chunk_gated_delta_rule(q, k, v, g, beta, **kw, **extra,
+                                                            offsets_known=bool(extra))
+        tables = [key for key in log.launched if key.kernel == "chunk_table_kernel"]
+        assert [dict(key.constexprs)["EVERY"] for key in tables] == ([] if extra else [True])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("bt,dtype", [(64, torch.float32), (32, torch.float16)], ids=["BT64-fp32", "BT32-fp16"])
 def test_chunk_config_variants(bt, dtype):
     """Non-default configs: several V-blocks in the state and output kernels (BV < V, the last one

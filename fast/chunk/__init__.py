@@ -361,14 +361,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             raise ValueError("in_rows: one row of sequences (B = 1) on the from_a path only")
         rows_in, T = in_rows                                             # the kernels' rows: T = Tp
     behind = offsets_unchecked and cu_seqlens is not None and not offsets_on_device
-    # the values checked after the launches (nothing the caller holds is written: no slot cache, checkpoints, out)
+    # the values checked after the launches (nothing the caller holds is written: no slot cache, checkpoints, out),
+    # else between kernel 1 and the state pass (mid)
     late = behind and slot_rows is None and checkpoints is None and out is None and in_rows is None
+    mid = behind and not late
     if behind:
         offsets = host_offsets_later(cu_seqlens)                          # the copy queued before kernel 1
     if late or (offsets_on_device and cu_seqlens is not None):
         ch = _Chunks.unchecked(T, BT, cu_seqlens, every_kernel=True)     # every kernel's tables on the device
-        behind = False
-    elif not behind:
+    elif not mid:
         ch = _Chunks(B, T, BT, cu_seqlens)
     precise = _precise(v.dtype)
     l2 = bool(use_qk_l2norm_in_kernel)
@@ -397,14 +398,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                           precise=precise, from_a=from_a, configs=configs, inv_method=inv_method, slot_rows=slot_rows,
                           update_x2=update_x2, beta_logits=beta_logits)
         return (o, final, (A, G, kn)) if keep_kkt else (o, final)
-    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if behind else ch,
+    _launch_kkt(k, g, beta, A_log, dt_bias, G, Gl, A, kn, _Chunks.unchecked(T, BT, cu_seqlens) if mid else ch,
                 T, HV, BT, l2norm=l2, load_g=False, store_g=True, do_a=True, precise=precise, configs=configs,
                 inv_method=inv_method, beta_logits=beta_logits, in_rows=rows_in)
     qs = None
     if fused and l2:                                                     # q's row scales for the fused pass
         qs = torch.empty(B, Tc, H, dtype=torch.float32, device=dev)
         _launch_row_scales(q, qs, configs=configs)
-    if behind:
+    if mid:
         offsets()                                                        # host: wait for the copy (kernel 1 runs)
         check_cu_seqlens_values(cu_seqlens, T)                           # raises before the state pass
         ch = _Chunks(B, T, BT, cu_seqlens)                               # from the values just read
