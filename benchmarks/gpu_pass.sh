@@ -6,12 +6,11 @@
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (nothing owed since the session of
-#     2026-11-29 23:54, which ran the last of it: the chunk-forward ops' conformance at the state pass's dense-state
-#     addressing, RESULTS.md)
-#   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: kernel 1 on a chunk
-#     table built on the device while the host reads and checks the offsets; kernels read the checked
-#     copy of the offsets uploaded with the tables, from pinned memory): its tests, then the two varlen rows
+#   pending (not in all): what a session wrote without running it on a GPU (the session of 2026-11-30 02:54: its
+#     review mend's tests, natively; RESULTS.md)
+#   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: every kernel on chunk
+#     tables built on the device, the offsets read and checked on the host after the launches): its tests, then the
+#     two varlen rows
 #     (with and without cu_seqlens_cpu, fla beside both). First GPU run: sixth session of 2026-11-23 (H200).
 #   train (not in all): the backward's precision variants, measured (VARIANTS, default the bf16 default of
 #     fast.chunk_bwd, bf16x2/bf16x2/16-bit/forward with STAGE_GRAD_DOT's
@@ -86,7 +85,11 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  echo "pending: nothing owed (the session of 2026-11-29 23:54 ran the last of it)"
+  # owed by the session of 2026-11-30 02:54: its review mend 95ffe14 (the forward's varlen check paths, host code;
+  # the kernels ran natively at 326b986) and its new keys test, natively
+  timeout 300 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
+    tests/test_launch.py tests/test_capture.py 2>&1 | tee "$OUT/pytest-pending.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
