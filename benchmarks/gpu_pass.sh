@@ -2,12 +2,14 @@
 # One whole GPU pass: environment, native tests, the full conformance matrix (bf16 included), the
 # benchmarks. Run from the repo root on a GPU machine. Optional: wheels in .whl/ (e.g. fla-core 0.6.0)
 # are installed to /tmp/site first. Logs and the JSON report go to $OUT (or ./gpu-pass-out).
-#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|quick|bench|extra|all|serving|pending|varlen|train]...
+#   usage: bash benchmarks/gpu_pass.sh [tests|conformance|quick|bench|extra|all|serving|pending|varlen|train|sm8x]...
 #   (default: all; quick: the CI-size conformance matrix on the GPU, also in all)
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
-#   pending (not in all): what a session wrote without running it on a GPU (the session of 2026-11-30 02:54: its
-#     review mend's tests, natively; RESULTS.md)
+#   pending (not in all): what a session wrote without running it on a GPU (the session of 2026-11-30 05:37: the
+#     chunk op's files on this GPU's own configs after the Ampere / Ada config change, natively; RESULTS.md)
+#   sm8x (not in all): the chunk op's Ampere / Ada configs (fast.chunk.common._before_hopper) run on this GPU
+#     (benchmarks/as_capability): the chunk tests and the full bf16 families of the forward and the gradient
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: every kernel on chunk
 #     tables built on the device, the offsets read and checked on the host after the launches): its tests, then the
 #     two varlen rows
@@ -85,11 +87,20 @@ if [[ $steps == *serving* ]]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
 fi
 if [[ $steps == *pending* ]]; then
-  # owed by the session of 2026-11-30 02:54: its review mend 95ffe14 (the forward's varlen check paths, host code;
-  # the kernels ran natively at 326b986) and its new keys test, natively
-  timeout 300 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \
-    tests/test_launch.py tests/test_capture.py 2>&1 | tee "$OUT/pytest-pending.log" | tail -4
+  # owed by the session of 2026-11-30 05:37: the config rules take the device (host code; sm_90's configs are the
+  # same), natively on this GPU's own configs
+  timeout 400 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py tests/test_fast_grad.py \
+    tests/test_capture.py 2>&1 | tee "$OUT/pytest-pending.log" | tail -4
   rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *sm8x* ]]; then
+  # (not sm90: the stand-in driver's fresh processes must load Triton after it; sitecustomize would load it first)
+  as8=(env PYTHONPATH="$PWD/benchmarks/as_capability:$PYTHONPATH" REFGDN_AS_CAPABILITY=8.0)
+  "${as8[@]}" timeout 400 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py \
+    tests/test_fast_grad.py -k "not sm90" 2>&1 | tee "$OUT/pytest-sm8x.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
+  "${as8[@]}" timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,chunk_gated_delta_rule_grad \
+    --dtypes bfloat16 --no-progress --json "$OUT/conformance-sm8x.json" 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then
   timeout 240 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_host_reads.py tests/test_fast_chunk.py \

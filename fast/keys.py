@@ -491,7 +491,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
-        cfg = _chunk._cfg("output", _chunk.output_config(K, V))
+        cfg = _chunk._cfg("output", _chunk.output_config(K, V, dev))
         out.append(CompileKey.make(
             "chunk_output_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen, L2NORM=l2,

@@ -450,6 +450,37 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     assert pl.forward_fuses_output(1, 65536, 64, 32, 128, 128, dev) == (not cuda)       # Qwen3-Next: never fused
 
 
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_configs_before_hopper(cap, monkeypatch):
+    """The chunk op's GPU configs by compute capability (host rules only; nothing compiles): before Hopper the state
+    pass never fuses o, takes BV <= 32 and kernel 4 eight warps (the widest configs that compile without spills on
+    sm_8x: fast.chunk.state.state_config), and the backward's two passes too (fast.chunk_bwd); Hopper and
+    newer keep the sm_90-tuned ones. Qwen3-Next's heads, 132 SMs."""
+    from fast.chunk import common, output, pipeline, state
+    monkeypatch.setattr(common, "_capability", lambda kind, index: cap if kind == "cuda" else (9, 0))
+    for mod in (state, output):
+        monkeypatch.setattr(mod, "is_interpreting", lambda: False)
+    monkeypatch.setattr(state, "_num_sms", lambda device: 132)
+    dev, old = torch.device("cuda", 0), cap < (9, 0)
+    assert common._before_hopper(dev) == old and not common._before_hopper(torch.device("cpu"))
+    for N in (1, 2, 4, 16):
+        fused = state.state_fuses_output(N, 32, 128, 128, dev)
+        assert fused == (N >= 2 and not old)                        # 2 * 32 * 2 programs >= 132 // 2
+        assert pipeline.forward_fuses_output(N, 4096, 64, 32, 128, 128, dev) == fused
+        bv = state.state_config(N, 32, 128, 128, dev, fused=fused)["BV"]
+        assert bv == (64 if N >= 4 and not old else 32)             # fused: 64 from 4 * 32 * 2 >= 132 programs
+    assert state.state_config(4, 32, 128, 128, dev, fused=True)["BV"] == (32 if old else 64)   # fused asked for
+    assert state.state_config(1, 8, 128, 128, dev)["BV"] == 16                                  # few programs: any GPU
+    assert output.output_config(128, 128, dev) == dict(BV=128, num_warps=8 if old else 4, num_stages=1)
+    assert output.output_config(128, 128)["num_warps"] == 4                                    # no device: sm_90's
+    # the backward's (fast.chunk_bwd; bench_train's shape, the bf16 default's settings)
+    import fast.chunk_bwd as cb
+    monkeypatch.setattr(cb, "is_interpreting", lambda: False)
+    monkeypatch.setattr(cb, "_num_sms", lambda device: 132)
+    dh = cb.dh_bwd_config(4, 32, 128, 128, dev, fp32=True, tf32_operands=True, store16=True, sixteen_bit=True)
+    assert (dh["BV"], dh["num_warps"]) == ((32, 8) if old else (64, 4))
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")
 @pytest.mark.parametrize("T,segments,dtype,l2,init,from_a,knobs", [
     pytest.param(4096, 4, torch.bfloat16, False, True, True, None, id="T4096-s4-bf16"),

@@ -10,9 +10,9 @@ sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (t
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` / ``_load_beta`` (beta, or its logits'
 sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_operand`` (a dot
 operand rounded to the tiles' dtype, or kept fp32 for a split dot), ``_gdiff``.
-Host helpers: ``_num_sms``, ``_blocks`` (padded head dims), ``_cfg`` (pinned config + benchmark overrides),
-``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``, ``_check_fast_limits`` and ``_Chunks``
-(dense / varlen chunk bookkeeping).
+Host helpers: ``_num_sms``, ``_before_hopper`` (Ampere / Ada configs), ``_blocks`` (padded head dims), ``_cfg``
+(pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``,
+``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
 """
 from __future__ import annotations
 
@@ -323,6 +323,20 @@ def _sm_count(kind: str, index: Optional[int]) -> int:
     if kind == "cuda":
         return torch.cuda.get_device_properties(torch.device(kind, index)).multi_processor_count
     return 132  # H100 SXM / H200
+
+
+def _before_hopper(device: torch.device) -> bool:
+    """Whether the device is a CUDA GPU older than sm_90 (Ampere / Ada: mma.sync, no wgmma), whose kernels take their
+    own configs where the Hopper-tuned ones spill (state_config, state_fuses_output, output_config). False for any
+    other device (the interpreter; compile checks patch _capability). Cached per device, as _num_sms."""
+    return _capability(device.type, device.index) < (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(kind: str, index: Optional[int]) -> Tuple[int, int]:
+    if kind == "cuda":
+        return torch.cuda.get_device_capability(torch.device(kind, index))
+    return (9, 0)
 
 
 def _blocks(K: int, V: int) -> Tuple[int, int]:

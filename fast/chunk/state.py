@@ -22,9 +22,9 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
-from .common import (L2NORM_EPS, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks, _dot, _exp,
-                     _fp32_prec, _hi_lo, _in_rows_of, _is_fp64, _load_beta, _num_sms, _operand, _precise, _rows16,
-                     _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
+from .common import (L2NORM_EPS, _before_hopper, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks,
+                     _dot, _exp, _fp32_prec, _hi_lo, _in_rows_of, _is_fp64, _load_beta, _num_sms, _operand, _precise,
+                     _rows16, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
 from .recurrent import _masked_by
 
@@ -298,13 +298,20 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     two pipeline stages (the q tile joins the prefetched ones: three stages ran 1.6x slower). H100, Triton 3.6, bf16,
     Qwen3-Next shape, whole forward (ms; benchmarks.bench_prefill.state_sweep, 2026-11-24): B=4 T=4096: BV 64 / 4
     warps / 2 stages 0.584, 1 stage 0.577, 3 stages 0.843, 8 warps 0.914, BV 32 0.692, BV 128 / 8 warps 1.06-1.18;
-    B=2 T=8192: BV 32 0.695, BV 64 0.817-0.857; B=8, B=16 as B=4 (0.590, 0.595); varlen mix 1.508 (BV 32 1.869)."""
+    B=2 T=8192: BV 32 0.695, BV 64 0.817-0.857; B=8, B=16 as B=4 (0.590, 0.595); varlen mix 1.508 (BV 32 1.869).
+
+    Before Hopper (sm_8x: mma.sync accumulators in registers, _before_hopper) BV is at most 32, the widest block that
+    compiles without spills there: ptxas (CUDA 12.8 and 12.9, -O3), bf16, Qwen3-Next shape, 4 warps, 3 stages: the
+    unfused pass at BV 64 spills 256-292 B per thread on sm_80, BV 32 none; the fused one (asked for by name; the rule
+    never fuses there) 650-800 B at BV 32 and 2.3-11 KB at BV 64 (ptxas picks 168 or 32 registers for it). Untimed:
+    no Ampere / Ada GPU ran these (RESULTS.md, 2026-11-30, "Configs for GPUs before Hopper")."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     sms = _num_sms(device)
+    cap = 32 if _before_hopper(device) else BVmax
     if fused:
-        BV = min(64 if N * HV * cdiv(V, 64) >= sms else 32, BVmax)
+        BV = min(64 if N * HV * cdiv(V, 64) >= sms else 32, BVmax, cap)
         return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
     if N * HV * cdiv(V, 64) >= (sms // 2 if bv64_programs is None else bv64_programs):
         BV = 64
@@ -312,7 +319,7 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
         BV = 32
     else:
         BV = 16
-    BV = min(BV, BVmax)
+    BV = min(BV, BVmax, cap)
     return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
 
 
@@ -357,10 +364,11 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
     0.708 / 0.584; B=8 T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens
     2.05 / 1.51; but B=1 T=16384 0.949 / 1.037-1.108 and T=65536 3.66 / 4.04-4.26 (the pass alone 3.4 ms against
     1.3 + kernel 4's 1.07; every BV and stage count tried: RESULTS.md, 20:20). The interpreter always fuses (the
-    CPU tests cover it)."""
+    CPU tests cover it). Never before Hopper (_before_hopper): there the fused pass spills in every config tried
+    (state_config) while kernel 4 and the unfused pass at BV 32 compile without spills (untimed)."""
     if is_interpreting():
         return True
-    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2
+    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2 and not _before_hopper(device)
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
