@@ -336,3 +336,30 @@ def test_flashinfer_bench_calls_at_a_tiny_shape(monkeypatch):
     before = pool.clone()
     o, _ = call()
     assert o.shape == (2, 3, 2, 16) and torch.isfinite(o.float()).all() and torch.equal(pool, before)
+
+
+def test_as_capability_reports_the_asked_generation_to_fast():
+    """benchmarks/as_capability (gpu_pass.sh sm8x): a process started with it on its path and REFGDN_AS_CAPABILITY set
+    sees that compute capability for CUDA devices in fast's config rules (so the chunk op's state pass does not fuse
+    o there); without the variable it changes nothing."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = ("import torch, fast.chunk as fc; d = torch.device('cuda', 0);"
+             "print(fc.common._before_hopper(d), fc.common._before_hopper(torch.device('cpu')))")
+    path = os.pathsep.join([os.path.join(root, "benchmarks", "as_capability"), root])
+    seen = []
+    for cap in ("8.6", None):
+        env = dict(os.environ, PYTHONPATH=path)
+        env.pop("REFGDN_AS_CAPABILITY", None)
+        if cap:
+            env["REFGDN_AS_CAPABILITY"] = cap
+        elif not torch.cuda.is_available():     # no variable, no GPU: the CPU answer for a CUDA device too
+            probe = probe.replace("torch.device('cuda', 0)", "torch.device('cpu')")
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen.append(r.stdout.split())
+    assert seen[0] == ["True", "False"]
+    assert seen[1][1] == "False" and seen[1][0] == str(torch.cuda.is_available() and
+                                                       torch.cuda.get_device_capability() < (9, 0))
