@@ -7,7 +7,7 @@
 #   extra (in all): the model, CUDA-graph and training benchmarks (bench_model, bench_graphs, bench_train)
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what a session wrote without running it on a GPU (the session of 2026-11-30 05:37: the
-#     chunk op's files on this GPU's own configs after the Ampere / Ada config change, natively; RESULTS.md)
+#     chunk op's files on this GPU's own configs after the Ampere / Ada config change, natively: paid, 259 passed)
 #   sm8x (not in all): the chunk op's Ampere / Ada configs (fast.chunk.common._before_hopper) run on this GPU
 #     (benchmarks/as_capability): the chunk tests and the full bf16 families of the forward and the gradient
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: every kernel on chunk

@@ -788,8 +788,9 @@ def dqkwg_bwd_config(K: int, V: int, rprec: Optional[str] = None) -> dict:
     3.561-3.576; BV 16 at three / four 3.593-3.624 (same process; gradients bit for bit the pinned ones at
     BV 32). fp16's tf32x3 operands keep two stages (not timed with more). On sm_80 (ptxas 12.9, bench_train's
     shape, bf16 default) this config spills 396 B per thread, BKC 32 none; but an H200 running BKC 32 here together
-    with wy_bwd_config's 8-warp tile (benchmarks/as_capability, 2026-11-30) returned dk = inf and faulted (which of
-    the two, not isolated; both agree with the pinned tiles in the interpreter), so neither is taken anywhere."""
+    with wy_bwd_config's 8-warp tile (benchmarks/as_capability, 2026-11-30) returned dk = inf in one conformance case
+    and faulted in the tests; each alone agreed with the pinned tiles at B=2 T=256 there (and both in the
+    interpreter): not isolated, so neither is taken anywhere."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():             # two K-blocks where K allows: CI runs the split
         return dict(BKC=max(16, min(64, BK // 2)), BV=min(64, BVmax), num_warps=4, num_stages=1)
