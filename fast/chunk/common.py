@@ -334,6 +334,7 @@ def _before_hopper(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _capability(kind: str, index: Optional[int]) -> Tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device; (9, 0) for any other (the configs' sm_90 default)."""
     if kind == "cuda":
         return torch.cuda.get_device_capability(torch.device(kind, index))
     return (9, 0)
