@@ -27,7 +27,7 @@ flashinfer = FlashInfer's API (fast.flashinfer_ops): the prefill with and withou
 output_state_indices, the MTP step into its buffer and into per-token pool rows.
 
 --arch compiles for another GPU generation instead (the configs are the ones fast picks for it: the sm_90-tuned ones,
-but the forward's state pass and kernel 4 before Hopper, fast.chunk.common._before_hopper):
+but the chunk op's state passes and kernel 4 on warp-MMA GPUs, sm_8x / sm_12x: fast.chunk.common._warp_mma):
 every variant's shared memory is checked against that GPU's per-block limit (SMEM_PER_BLOCK; exit status 1 and
 the variants named when one is over, which would fail to launch there), with its registers and spills.
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     import fast.chunk_bwd as cb
     import fast.conv_bwd as cvb
     fc.state._num_sms = lambda device: 132                # H100 SXM / H200 (state_config's, in fast.chunk.state)
-    fc.common._capability = lambda kind, index: divmod(args.arch, 10)   # the rules' _before_hopper: the target's
+    fc.common._capability = lambda kind, index: divmod(args.arch, 10)   # the rules' _warp_mma: the target's
     dt = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
 
     def gdn(B, T, H, HV, BT, l2=False, gate=False, precision=None):

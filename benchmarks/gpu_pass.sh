@@ -8,8 +8,9 @@
 #   serving (not in all): the serving tests, the serving conformance cases, bench_decode --sweep
 #   pending (not in all): what a session wrote without running it on a GPU (the session of 2026-11-30 05:37: the
 #     chunk op's files on this GPU's own configs after the Ampere / Ada config change, natively: paid, 259 passed)
-#   sm8x (not in all): the chunk op's Ampere / Ada configs (fast.chunk.common._before_hopper) run on this GPU
-#     (benchmarks/as_capability): the chunk tests and the full bf16 families of the forward and the gradient
+#   sm8x (not in all): the chunk op's configs for warp-MMA GPUs (Ampere, Ada, RTX 50: fast.chunk.common._warp_mma)
+#     run on this GPU (benchmarks/as_capability): the chunk tests, the full bf16 families of the forward and the
+#     gradient
 #   varlen (not in all): the varlen chunk forward (with cu_seqlens_cpu: no host sync; without: every kernel on chunk
 #     tables built on the device, the offsets read and checked on the host after the launches): its tests, then the
 #     two varlen rows

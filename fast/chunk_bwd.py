@@ -102,7 +102,7 @@ from .chunk import (INV_PRECISION, L2NORM_EPS, SOFTPLUS_THRESHOLD, _blocks, _che
                     _Chunks, _contig, _dot, _dot_split, _exp, _fp32_prec, _gate, _gdiff, _launch_kkt,
                     _launch_state, _launch_w_u, _num_sms, _precise, _seq_coords, _seq_first_chunk, _seq_head,
                     _trunc_tf32)
-from .chunk.common import _before_hopper
+from .chunk.common import _warp_mma
 from .gating import l2norm_into
 from .launch import launch
 from .utils import cdiv, is_interpreting
@@ -735,8 +735,8 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
     """Stage 2: the sequential pass, like the forward's kernel 3 (fast.chunk.state_config): BV trades
     programs (parallelism) against redundant q/k/w reads. num_stages 2 prefetches the next chunk's
     q, k, w; with fp32 operands (fp32 recompute) 1: at BT = 64, K = 128, BV = 32 two stages took 226 KB
-    of shared memory (Triton 3.9, sm_90), at the 227 KB limit of an H100/H200 block. Before Hopper
-    (fast.chunk.common._before_hopper) BV <= 32, as the forward's pass (fast.chunk.state_config): at bench_train's
+    of shared memory (Triton 3.9, sm_90), at the 227 KB limit of an H100/H200 block. On warp-MMA GPUs
+    (fast.chunk.common._warp_mma) BV <= 32, as the forward's pass (fast.chunk.state_config): at bench_train's
     shape (bf16 default) BV 64 spills 48 B per thread on sm_80, BV 32 none (ptxas 12.9; untimed)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
@@ -748,7 +748,7 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         BV = 32
     else:
         BV = 16
-    BV = min(BV, BVmax, 32 if _before_hopper(device) else BVmax)
+    BV = min(BV, BVmax, 32 if _warp_mma(device) else BVmax)
     if fp32:                          # fp32 q, k, w tiles: 4 warps spilled (255 registers), 8 do not
         # BV >= 32: BV = 16 at 8 warps with tf32x3 products (fp16 inputs) faults with an illegal memory
         # access on an H100 (Triton 3.6, BT = 64, K = V = 128; BV 32 or 4 warps run and agree).
@@ -756,7 +756,7 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         # V-block program reloads the chunk's fp32 q, k, w (H100, Triton 3.6, bench_train's shape
         # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
         # stages at BV 64 need 254 KB of shared memory, over the limit)
-        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms and not _before_hopper(device) else max(BV, 32)
+        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms and not _warp_mma(device) else max(BV, 32)
         if store16 and sixteen_bit and BV == 64 and BK <= 128:
             # 16-bit storage and 16-bit products (sixteen_bit: the bf16 default, STAGE_GRAD_DOT's dh None) at BV 64
             # (a program per SM and more): 4 warps, one stage. 48 KB of shared memory and
@@ -996,8 +996,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, scale=None, initi
     st_over = None
     if fp32_gpu:
         st_over = dict(num_stages=2)
-        if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64 and not _before_hopper(dev):
-            st_over.update(BV=64, num_warps=4)      # (before Hopper BV 64 spills 708 B on sm_80: state_config's cap)
+        if rprec is not None and N * HV * cdiv(V, 64) >= _num_sms(dev) and V >= 64 and not _warp_mma(dev):
+            st_over.update(BV=64, num_warps=4)      # (warp-MMA GPUs: BV 64 spills 708 B on sm_80; state_config)
     # fp32 tiles: BV 64 from two programs per SM (the rule measured for this recompute; the forward takes
     # BV 64 from half a program per SM)
     _launch_state(ku, None if from_a else w, u, G, Gl, h0, h, v_new, None, ch, N, T, BT, precise=precise,

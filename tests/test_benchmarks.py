@@ -347,7 +347,7 @@ def test_as_capability_reports_the_asked_generation_to_fast():
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = ("import torch, fast.chunk as fc; d = torch.device('cuda', 0);"
-             "print(fc.common._before_hopper(d), fc.common._before_hopper(torch.device('cpu')))")
+             "print(fc.common._warp_mma(d), fc.common._warp_mma(torch.device('cpu')))")
     path = os.pathsep.join([os.path.join(root, "benchmarks", "as_capability"), root])
     seen = []
     for cap in ("8.6", None):

@@ -450,19 +450,19 @@ def test_pipeline_segment_bounds(NT, S, BT, T):
     assert pl.forward_fuses_output(1, 65536, 64, 32, 128, 128, dev) == (not cuda)       # Qwen3-Next: never fused
 
 
-@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
-def test_configs_before_hopper(cap, monkeypatch):
-    """The chunk op's GPU configs by compute capability (host rules only; nothing compiles): before Hopper the state
-    pass never fuses o, takes BV <= 32 and kernel 4 eight warps (the widest configs that compile without spills on
-    sm_8x: fast.chunk.state.state_config), and the backward's two passes too (fast.chunk_bwd); Hopper and
-    newer keep the sm_90-tuned ones. Qwen3-Next's heads, 132 SMs."""
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_configs_warp_mma(cap, monkeypatch):
+    """The chunk op's GPU configs by compute capability (host rules only; nothing compiles): on warp-MMA GPUs (sm_8x,
+    sm_12x) the state pass never fuses o, takes BV <= 32 and kernel 4 eight warps (the widest configs that compile
+    without spills there: fast.chunk.state.state_config), and the backward's reverse pass too (fast.chunk_bwd);
+    Hopper and sm_100 keep the sm_90-tuned ones. Qwen3-Next's heads, 132 SMs."""
     from fast.chunk import common, output, pipeline, state
     monkeypatch.setattr(common, "_capability", lambda kind, index: cap if kind == "cuda" else (9, 0))
     for mod in (state, output):
         monkeypatch.setattr(mod, "is_interpreting", lambda: False)
     monkeypatch.setattr(state, "_num_sms", lambda device: 132)
-    dev, old = torch.device("cuda", 0), cap < (9, 0)
-    assert common._before_hopper(dev) == old and not common._before_hopper(torch.device("cpu"))
+    dev, old = torch.device("cuda", 0), cap[0] in (8, 12)
+    assert common._warp_mma(dev) == old and not common._warp_mma(torch.device("cpu"))
     for N in (1, 2, 4, 16):
         fused = state.state_fuses_output(N, 32, 128, 128, dev)
         assert fused == (N >= 2 and not old)                        # 2 * 32 * 2 programs >= 132 // 2

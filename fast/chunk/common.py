@@ -10,7 +10,7 @@ sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (t
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` / ``_load_beta`` (beta, or its logits'
 sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_operand`` (a dot
 operand rounded to the tiles' dtype, or kept fp32 for a split dot), ``_gdiff``.
-Host helpers: ``_num_sms``, ``_before_hopper`` (Ampere / Ada configs), ``_blocks`` (padded head dims), ``_cfg``
+Host helpers: ``_num_sms``, ``_warp_mma`` (Ampere / Ada / RTX 50 configs), ``_blocks`` (padded head dims), ``_cfg``
 (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``,
 ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
 """
@@ -325,11 +325,14 @@ def _sm_count(kind: str, index: Optional[int]) -> int:
     return 132  # H100 SXM / H200
 
 
-def _before_hopper(device: torch.device) -> bool:
-    """Whether the device is a CUDA GPU older than sm_90 (Ampere / Ada: mma.sync, no wgmma), whose kernels take their
-    own configs where the Hopper-tuned ones spill (state_config, state_fuses_output, output_config). False for any
-    other device (the interpreter; compile checks patch _capability). Cached per device, as _num_sms."""
-    return _capability(device.type, device.index) < (9, 0)
+def _warp_mma(device: torch.device) -> bool:
+    """Whether the device is a CUDA GPU whose Triton dots are warp-level mma.sync with register accumulators: sm_8x
+    (Ampere, Ada) and sm_12x (RTX 50, GB10), not Hopper's wgmma or sm_100's tcgen05. Its kernels take their own
+    configs where the sm_90-tuned ones spill there (state_config, state_fuses_output, output_config; the backward's
+    dh_bwd_config). False for any other device (the interpreter; compile checks patch _capability). Cached per
+    device, as _num_sms."""
+    major = _capability(device.type, device.index)[0]
+    return major < 9 or major == 12
 
 
 @functools.lru_cache(maxsize=None)

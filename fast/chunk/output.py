@@ -21,7 +21,7 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, next_pow2
-from .common import (L2NORM_EPS, _before_hopper, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks,
+from .common import (L2NORM_EPS, _warp_mma, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks,
                      _dot, _exp, _fp32_prec, _gdiff, _in_rows_of_chunk, _is_fp64, _precise, _unit_last)
 
 
@@ -148,14 +148,14 @@ def output_config(K: int, V: int, device: Optional[torch.device] = None) -> dict
     """Kernel 4 (chunk_output_kernel): chunk-parallel, (chunks x HV x V-blocks) programs, plenty at any
     T >= a few chunks. BV = V (up to 128) so Q K^T is computed once per (chunk, head); 4 warps (one
     warpgroup) for the [BT, 128] fp32 accumulator next to the [BT, BT] attention block (measured on
-    H200 at K = V = 128: 4 warps beat 8). Before Hopper (_before_hopper; device None: not) 8 warps: at 4 the
-    l2norm variant spills 184-188 B per thread on sm_80 / sm_86 (ptxas 12.9, bf16, K = V = 128), at 8 none
-    (untimed: state_config)."""
+    H200 at K = V = 128: 4 warps beat 8). On warp-MMA GPUs (_warp_mma; device None: not) 8 warps: at 4 the
+    l2norm variant spills 152-188 B per thread on sm_80 / sm_86 / sm_120 (ptxas 12.9, bf16, K = V = 128), at 8
+    none (untimed: state_config)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     BV = min(BVmax, 128 if BK <= 128 else 64)
-    wide = BK * BV > 128 * 128 or (device is not None and _before_hopper(device))
+    wide = BK * BV > 128 * 128 or (device is not None and _warp_mma(device))
     return dict(BV=BV, num_warps=8 if wide else 4, num_stages=1)
 
 

@@ -22,7 +22,7 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
-from .common import (L2NORM_EPS, _before_hopper, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks,
+from .common import (L2NORM_EPS, _warp_mma, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks,
                      _dot, _exp, _fp32_prec, _hi_lo, _in_rows_of, _is_fp64, _load_beta, _num_sms, _operand, _precise,
                      _rows16, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
 from .output import _output_block
@@ -300,16 +300,16 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     warps / 2 stages 0.584, 1 stage 0.577, 3 stages 0.843, 8 warps 0.914, BV 32 0.692, BV 128 / 8 warps 1.06-1.18;
     B=2 T=8192: BV 32 0.695, BV 64 0.817-0.857; B=8, B=16 as B=4 (0.590, 0.595); varlen mix 1.508 (BV 32 1.869).
 
-    Before Hopper (sm_8x: mma.sync accumulators in registers, _before_hopper) BV is at most 32, the widest block that
-    compiles without spills there: ptxas (CUDA 12.8 and 12.9, -O3), bf16, Qwen3-Next shape, 4 warps, 3 stages: the
-    unfused pass at BV 64 spills 256-292 B per thread on sm_80, BV 32 none; the fused one (asked for by name; the rule
-    never fuses there) 650-800 B at BV 32 and 2.3-11 KB at BV 64 (ptxas picks 168 or 32 registers for it). Untimed:
-    no Ampere / Ada GPU ran these (RESULTS.md, 2026-11-30, "Configs for GPUs before Hopper")."""
+    On warp-MMA GPUs (sm_8x, sm_12x: mma.sync accumulators in registers, _warp_mma) BV is at most 32, the widest
+    block that compiles without spills there: ptxas (CUDA 12.8 and 12.9, -O3), bf16, Qwen3-Next shape, 4 warps, 3
+    stages: the unfused pass at BV 64 spills 256-292 B per thread on sm_80, BV 32 none; the fused one (asked for by
+    name; the rule never fuses there) 650-800 B at BV 32 and 1.3-11 KB at BV 64 (ptxas picks 168 or 32 registers
+    for it). Untimed: no such GPU ran these (RESULTS.md, 2026-11-30, "Configs for warp-MMA GPUs")."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     sms = _num_sms(device)
-    cap = 32 if _before_hopper(device) else BVmax
+    cap = 32 if _warp_mma(device) else BVmax
     if fused:
         BV = min(64 if N * HV * cdiv(V, 64) >= sms else 32, BVmax, cap)
         return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=2)
@@ -364,11 +364,11 @@ def state_fuses_output(N: int, HV: int, K: int, V: int, device: torch.device) ->
     0.708 / 0.584; B=8 T=2048 0.703 / 0.590; B=16 T=1024 0.714 / 0.595; varlen, 16 sequences / 32760 tokens
     2.05 / 1.51; but B=1 T=16384 0.949 / 1.037-1.108 and T=65536 3.66 / 4.04-4.26 (the pass alone 3.4 ms against
     1.3 + kernel 4's 1.07; every BV and stage count tried: RESULTS.md, 20:20). The interpreter always fuses (the
-    CPU tests cover it). Never before Hopper (_before_hopper): there the fused pass spills in every config tried
+    CPU tests cover it). Never on warp-MMA GPUs (_warp_mma): there the fused pass spills in every config tried
     (state_config) while kernel 4 and the unfused pass at BV 32 compile without spills (untimed)."""
     if is_interpreting():
         return True
-    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2 and not _before_hopper(device)
+    return N * HV * cdiv(V, 64) >= _num_sms(device) // 2 and not _warp_mma(device)
 
 
 def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int, BT: int, *, precise: bool,
