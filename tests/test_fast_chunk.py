@@ -461,24 +461,24 @@ def test_configs_warp_mma(cap, monkeypatch):
     for mod in (state, output):
         monkeypatch.setattr(mod, "is_interpreting", lambda: False)
     monkeypatch.setattr(state, "_num_sms", lambda device: 132)
-    dev, old = torch.device("cuda", 0), cap[0] in (8, 12)
-    assert common._warp_mma(dev) == old and not common._warp_mma(torch.device("cpu"))
+    dev, warp = torch.device("cuda", 0), cap[0] in (8, 12)
+    assert common._warp_mma(dev) == warp and not common._warp_mma(torch.device("cpu"))
     for N in (1, 2, 4, 16):
         fused = state.state_fuses_output(N, 32, 128, 128, dev)
-        assert fused == (N >= 2 and not old)                        # 2 * 32 * 2 programs >= 132 // 2
+        assert fused == (N >= 2 and not warp)                       # 2 * 32 * 2 programs >= 132 // 2
         assert pipeline.forward_fuses_output(N, 4096, 64, 32, 128, 128, dev) == fused
         bv = state.state_config(N, 32, 128, 128, dev, fused=fused)["BV"]
-        assert bv == (64 if N >= 4 and not old else 32)             # fused: 64 from 4 * 32 * 2 >= 132 programs
-    assert state.state_config(4, 32, 128, 128, dev, fused=True)["BV"] == (32 if old else 64)   # fused asked for
+        assert bv == (64 if N >= 4 and not warp else 32)          # fused: 64 from 4 * 32 * 2 >= 132 programs
+    assert state.state_config(4, 32, 128, 128, dev, fused=True)["BV"] == (32 if warp else 64)  # fused asked for
     assert state.state_config(1, 8, 128, 128, dev)["BV"] == 16                                  # few programs: any GPU
-    assert output.output_config(128, 128, dev) == dict(BV=128, num_warps=8 if old else 4, num_stages=1)
+    assert output.output_config(128, 128, dev) == dict(BV=128, num_warps=8 if warp else 4, num_stages=1)
     assert output.output_config(128, 128)["num_warps"] == 4                                    # no device: sm_90's
     # the backward's (fast.chunk_bwd; bench_train's shape, the bf16 default's settings)
     import fast.chunk_bwd as cb
     monkeypatch.setattr(cb, "is_interpreting", lambda: False)
     monkeypatch.setattr(cb, "_num_sms", lambda device: 132)
     dh = cb.dh_bwd_config(4, 32, 128, 128, dev, fp32=True, tf32_operands=True, store16=True, sixteen_bit=True)
-    assert (dh["BV"], dh["num_warps"]) == ((32, 8) if old else (64, 4))
+    assert (dh["BV"], dh["num_warps"]) == ((32, 8) if warp else (64, 4))
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the pipelined forward runs on a CUDA device only (two streams)")
