@@ -464,7 +464,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             "row_scales_kernel", dict(H=H, K=K, BM=cfg["BM"], BK=next_pow2(K), EPS=_chunk.L2NORM_EPS),
             dict(x=q.dtype, s=_F32), opts(cfg)))
     if N * HV:
-        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused))
+        cfg = _chunk._cfg("state", _chunk.state_config(N, HV, K, V, dev, fused=fused, itemsize=k.element_size()))
         # the launcher passes stand-ins for the tensors a path does not read (fast.chunk.state._launch_state)
         hv_new = dict(h=v.dtype, v_new=v.dtype) if fused else dict(h=k.dtype, v_new=v.dtype)
         wy = dict(w=v.dtype, u=v.dtype, A=k.dtype, v=v.dtype, beta=beta.dtype)     # v_new from A (FROM_A)
@@ -491,7 +491,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  **hv_new, **wy, **qo),
             opts(cfg)))
     if total and HV and not fused:
-        cfg = _chunk._cfg("output", _chunk.output_config(K, V, dev))
+        cfg = _chunk._cfg("output", _chunk.output_config(K, V, dev, q.element_size()))
         out.append(CompileKey.make(
             "chunk_output_kernel",
             dict(HV=HV, GROUP=HV // H, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], IS_VARLEN=varlen, L2NORM=l2,

@@ -455,7 +455,8 @@ def test_configs_warp_mma(cap, monkeypatch):
     """The chunk op's GPU configs by compute capability (host rules only; nothing compiles): on warp-MMA GPUs (sm_8x,
     sm_12x) the state pass never fuses o, takes BV <= 32 and kernel 4 eight warps (the widest configs that compile
     without spills there: fast.chunk.state.state_config), and the backward's reverse pass too (fast.chunk_bwd);
-    Hopper and sm_100 keep the sm_90-tuned ones. Qwen3-Next's heads, 132 SMs."""
+    Hopper and sm_100 keep the sm_90-tuned ones; float32 tiles fit ~99 KB of shared memory where a block has no more.
+    Qwen3-Next's heads, 132 SMs."""
     from fast.chunk import common, output, pipeline, state
     monkeypatch.setattr(common, "_capability", lambda kind, index: cap if kind == "cuda" else (9, 0))
     for mod in (state, output):
@@ -473,6 +474,13 @@ def test_configs_warp_mma(cap, monkeypatch):
     assert state.state_config(1, 8, 128, 128, dev)["BV"] == 16                                  # few programs: any GPU
     assert output.output_config(128, 128, dev) == dict(BV=128, num_warps=8 if warp else 4, num_stages=1)
     assert output.output_config(128, 128)["num_warps"] == 4                                    # no device: sm_90's
+    # float32 tiles on ~99 KB-shared-memory GPUs (sm_86, sm_89, sm_12x): one stage, kernel 4 at BV 32 (they fit)
+    small = cap in ((8, 6), (8, 9)) or cap[0] == 12
+    assert common._small_smem(dev) == small and not common._small_smem(torch.device("cpu"))
+    assert state.state_config(1, 32, 128, 128, dev, itemsize=4)["num_stages"] == (1 if small else 3)
+    assert state.state_config(1, 32, 128, 128, dev)["num_stages"] == 3
+    assert output.output_config(128, 128, dev, 4)["BV"] == (32 if small else 128)
+    assert output.output_config(128, 128, dev)["BV"] == 128
     # the backward's (fast.chunk_bwd; bench_train's shape, the bf16 default's settings)
     import fast.chunk_bwd as cb
     monkeypatch.setattr(cb, "is_interpreting", lambda: False)

@@ -10,9 +10,9 @@ sequential pass's program -> sequence, head; varlen: longest first), ``_exp`` (t
 range-reduced for fp32 inputs), ``_gate`` (fused gating), ``_beta_of`` / ``_load_beta`` (beta, or its logits'
 sigmoid), ``_l2norm_rows``, ``_dot`` / ``_trunc_tf32`` (tl.dot with the interpreter's fp32 cast), ``_operand`` (a dot
 operand rounded to the tiles' dtype, or kept fp32 for a split dot), ``_gdiff``.
-Host helpers: ``_num_sms``, ``_warp_mma`` (Ampere / Ada / RTX 50 configs), ``_blocks`` (padded head dims), ``_cfg``
-(pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``, ``_is_fp64``,
-``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
+Host helpers: ``_num_sms``, ``_warp_mma`` / ``_small_smem`` (configs by GPU generation), ``_blocks`` (padded head
+dims), ``_cfg`` (pinned config + benchmark overrides), ``_unit_last``, ``_contig``, ``_fp32_prec``, ``_precise``,
+``_is_fp64``, ``_check_fast_limits`` and ``_Chunks`` (dense / varlen chunk bookkeeping).
 """
 from __future__ import annotations
 
@@ -333,6 +333,14 @@ def _warp_mma(device: torch.device) -> bool:
     device, as _num_sms."""
     major = _capability(device.type, device.index)[0]
     return major < 9 or major == 12
+
+
+def _small_smem(device: torch.device) -> bool:
+    """Whether a block may use at most ~99 KB of shared memory on the device (sm_86, sm_89, sm_12x: RTX 30 / 40 / 50,
+    A10, L4, L40S), where float32 tiles take narrower configs (state_config, output_config); sm_80 / sm_87 allow
+    163 KB, sm_90 / sm_100 227 KB. By compute capability, as _warp_mma."""
+    cap = _capability(device.type, device.index)
+    return cap in ((8, 6), (8, 9)) or cap[0] == 12
 
 
 @functools.lru_cache(maxsize=None)

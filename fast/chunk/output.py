@@ -21,8 +21,8 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, next_pow2
-from .common import (L2NORM_EPS, _warp_mma, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks,
-                     _dot, _exp, _fp32_prec, _gdiff, _in_rows_of_chunk, _is_fp64, _precise, _unit_last)
+from .common import (L2NORM_EPS, _blocks, _caller_rows, _cfg, _check_fast_limits, _chunk_rows, _Chunks, _dot, _exp,
+                     _fp32_prec, _gdiff, _in_rows_of_chunk, _is_fp64, _precise, _small_smem, _unit_last, _warp_mma)
 
 
 # ============================================================================================
@@ -144,17 +144,20 @@ def row_scales_kernel(x, s, M, T, s_b, s_t, s_h,
 # host side: pinned config, launcher, the stage twin chunk_output
 # ============================================================================================
 
-def output_config(K: int, V: int, device: Optional[torch.device] = None) -> dict:
+def output_config(K: int, V: int, device: Optional[torch.device] = None, itemsize: int = 2) -> dict:
     """Kernel 4 (chunk_output_kernel): chunk-parallel, (chunks x HV x V-blocks) programs, plenty at any
     T >= a few chunks. BV = V (up to 128) so Q K^T is computed once per (chunk, head); 4 warps (one
     warpgroup) for the [BT, 128] fp32 accumulator next to the [BT, BT] attention block (measured on
     H200 at K = V = 128: 4 warps beat 8). On warp-MMA GPUs (_warp_mma; device None: not) 8 warps: at 4 the
     l2norm variant spills 152-188 B per thread on sm_80 / sm_86 / sm_120 (ptxas 12.9, bf16, K = V = 128), at 8
-    none (untimed: state_config)."""
+    none (untimed: state_config). 4-byte tiles (itemsize) on a ~99 KB-shared-memory GPU (_small_smem): BV 32, 90 KB
+    of shared memory where BV 128 needs 160 KB and BV 64 114 KB (sm_86, float32, K = V = 128; compiled, not run)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
     BV = min(BVmax, 128 if BK <= 128 else 64)
+    if itemsize >= 4 and device is not None and _small_smem(device):
+        BV = min(BV, 32)
     wide = BK * BV > 128 * 128 or (device is not None and _warp_mma(device))
     return dict(BV=BV, num_warps=8 if wide else 4, num_stages=1)
 
@@ -200,7 +203,7 @@ def _launch_output(q, k, v_new, h, G, Gl, o, ch: _Chunks, T: int, BT: int, scale
     if ch.total == 0 or HV == 0:
         return
     BK, _ = _blocks(K, V)
-    cfg = _cfg("output", output_config(K, V, q.device), configs)
+    cfg = _cfg("output", output_config(K, V, q.device, q.element_size()), configs)
     BV = cfg.pop("BV")
     if precise and Gl is None:
         Gl = torch.zeros_like(G)

@@ -22,9 +22,9 @@ from refgdn.checks import check_chunk_size
 
 from ..launch import launch
 from ..utils import cdiv, is_interpreting, slot_row
-from .common import (L2NORM_EPS, _warp_mma, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks,
+from .common import (L2NORM_EPS, _beta_of, _blocks, _caller_rows, _cfg, _check_fast_limits, _Chunks,
                      _dot, _exp, _fp32_prec, _hi_lo, _in_rows_of, _is_fp64, _load_beta, _num_sms, _operand, _precise,
-                     _rows16, _seq_coords, _seq_first_chunk, _seq_head, _unit_last, _upcast)
+                     _rows16, _seq_coords, _seq_first_chunk, _seq_head, _small_smem, _unit_last, _upcast, _warp_mma)
 from .output import _output_block
 from .recurrent import _masked_by
 
@@ -277,7 +277,7 @@ def chunk_state_kernel(
 # ============================================================================================
 
 def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_programs: Optional[int] = None,
-                 fused: bool = False) -> dict:
+                 fused: bool = False, itemsize: int = 2) -> dict:
     """Kernel 3 (chunk_state_kernel): the sequential pass. Only N * HV * cdiv(V, BV) programs exist, each walking all
     chunks of its sequence, so BV trades parallelism (small BV: more programs fill the SMs) against redundant w/k
     reads (every V-block program reloads the chunk's w and k; they mostly hit L2). num_stages=3 prefetches the
@@ -304,7 +304,10 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     block that compiles without spills there: ptxas (CUDA 12.8 and 12.9, -O3), bf16, Qwen3-Next shape, 4 warps, 3
     stages: the unfused pass at BV 64 spills 256-292 B per thread on sm_80, BV 32 none; the fused one (asked for by
     name; the rule never fuses there) 650-800 B at BV 32 and 1.3-11 KB at BV 64 (ptxas picks 168 or 32 registers
-    for it). Untimed: no such GPU ran these (RESULTS.md, 2026-11-30, "Configs for warp-MMA GPUs")."""
+    for it). Untimed: no such GPU ran these (RESULTS.md, 2026-11-30, "Configs for warp-MMA GPUs").
+    itemsize: the tiles' element size (k's). 4-byte tiles on a ~99 KB-shared-memory GPU (_small_smem) take one stage:
+    at three the float32 pass needs 132 KB of shared memory and cannot launch there; at one 57-82 KB (sm_86, Qwen3-Next
+    shape; compiled, not run)."""
     BK, BVmax = _blocks(K, V)
     if is_interpreting():
         return dict(BV=min(BVmax, 64), num_warps=4, num_stages=1)
@@ -320,7 +323,8 @@ def state_config(N: int, HV: int, K: int, V: int, device: torch.device, bv64_pro
     else:
         BV = 16
     BV = min(BV, BVmax, cap)
-    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=3)
+    stages = 1 if itemsize >= 4 and _small_smem(device) else 3
+    return dict(BV=BV, num_warps=4 if BK * BV <= 128 * 64 else 8, num_stages=stages)
 
 
 # Shared memory per program under which two fused-pass programs fit one SM of an H100 / H200 (228 KB per SM, 1 KB
@@ -411,8 +415,8 @@ def _launch_state(k, w, u, G, Gl, h0, h, v_new, ht, ch: _Chunks, N: int, T: int,
         return
     BK, _ = _blocks(K, V)
     # pinned config, then the caller's adjustments, then benchmark overrides (a sweep sees what it set)
-    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs, fused=out is not None),
-                             **(cfg_over or {})), configs)
+    cfg = _cfg("state", dict(state_config(N, HV, K, V, k.device, bv64_programs, fused=out is not None,
+                                          itemsize=k.element_size()), **(cfg_over or {})), configs)
     BV = cfg.pop("BV")
     prefetch = cfg.pop("PREFETCH_BETA", None)           # (a benchmark may set it)
     if precise and Gl is None:
