@@ -28,6 +28,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 steps=${*:-all}
+# run a command with fast's config rules reading another compute capability (benchmarks/as_capability)
+as_capability() { env PYTHONPATH="$PWD/benchmarks/as_capability:$PYTHONPATH" REFGDN_AS_CAPABILITY="$1" "${@:2}"; }
 python3 - <<'PY'
 import torch, triton
 print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
@@ -90,20 +92,18 @@ fi
 if [[ $steps == *pending* ]]; then
   # owed by the session of 2026-11-30 05:37: the float32 forward at one state-pass stage and kernel 4 at BV 32 (the
   # configs of sm_86 / sm_89 / sm_12x, fast.chunk.common._small_smem), here through benchmarks/as_capability
-  as86=(env PYTHONPATH="$PWD/benchmarks/as_capability:$PYTHONPATH" REFGDN_AS_CAPABILITY=8.6)
-  "${as86[@]}" timeout 300 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py \
+  as_capability 8.6 timeout 300 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py \
     -k "not sm90" 2>&1 | tee "$OUT/pytest-pending.log" | tail -4
   rc=$((rc | ${PIPESTATUS[0]}))
-  "${as86[@]}" timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,gdn_prefill --dtypes float32 \
+  as_capability 8.6 timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,gdn_prefill --dtypes float32 \
     --no-progress --json "$OUT/conformance-pending.json" 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *sm8x* ]]; then
   # (not sm90: the stand-in driver's fresh processes must load Triton after it; sitecustomize would load it first)
-  as8=(env PYTHONPATH="$PWD/benchmarks/as_capability:$PYTHONPATH" REFGDN_AS_CAPABILITY=8.0)
-  "${as8[@]}" timeout 400 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py \
+  as_capability 8.0 timeout 400 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_fast_chunk.py \
     tests/test_fast_grad.py -k "not sm90" 2>&1 | tee "$OUT/pytest-sm8x.log" | tail -4
   rc=$((rc | ${PIPESTATUS[0]}))
-  "${as8[@]}" timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,chunk_gated_delta_rule_grad \
+  as_capability 8.0 timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,chunk_gated_delta_rule_grad \
     --dtypes bfloat16 --no-progress --json "$OUT/conformance-sm8x.json" 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *varlen* ]]; then

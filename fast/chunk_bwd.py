@@ -748,7 +748,8 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         BV = 32
     else:
         BV = 16
-    BV = min(BV, BVmax, 32 if _warp_mma(device) else BVmax)
+    warp = _warp_mma(device)
+    BV = min(BV, BVmax, 32 if warp else BVmax)
     if fp32:                          # fp32 q, k, w tiles: 4 warps spilled (255 registers), 8 do not
         # BV >= 32: BV = 16 at 8 warps with tf32x3 products (fp16 inputs) faults with an illegal memory
         # access on an H100 (Triton 3.6, BT = 64, K = V = 128; BV 32 or 4 warps run and agree).
@@ -756,7 +757,7 @@ def dh_bwd_config(N: int, HV: int, K: int, V: int, device: torch.device, fp32: b
         # V-block program reloads the chunk's fp32 q, k, w (H100, Triton 3.6, bench_train's shape
         # B=4 T=4096 HV=32, 256 programs at BV 64: fwd+bwd 11.3 ms at BV 64 vs 11.9 at BV 32; two
         # stages at BV 64 need 254 KB of shared memory, over the limit)
-        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms and not _warp_mma(device) else max(BV, 32)
+        BV = 64 if tf32_operands and N * HV * cdiv(V, 64) >= sms and not warp else max(BV, 32)
         if store16 and sixteen_bit and BV == 64 and BK <= 128:
             # 16-bit storage and 16-bit products (sixteen_bit: the bf16 default, STAGE_GRAD_DOT's dh None) at BV 64
             # (a program per SM and more): 4 warps, one stage. 48 KB of shared memory and

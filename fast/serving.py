@@ -121,7 +121,7 @@ from refgdn.serving import (GDNStateCache, accept_value_faults, check_accept_inp
                             check_state_indices, check_step_inputs, raise_first, step_value_faults)
 
 from .chunk import chunk_gated_delta_rule_fwd
-from .chunk.common import _is_fp64
+from .chunk.common import _capability, _is_fp64
 from .conv import _forward as conv_forward
 from .launch import ABSENT, Carved, MetaGuard, PlanCache, Relaunch, SignaturePlans, launch, shape_key
 from .utils import cdiv, is_interpreting, next_pow2
@@ -246,9 +246,8 @@ def step_config(K: int, V: int, state_dtype: torch.dtype, HV: int = 1, mode: str
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: a CUDA device of compute capability 9.0+ (Hopper, Blackwell),
-    not the interpreter. Cached per device."""
-    return (device.type == "cuda" and not is_interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    not the interpreter (the capability as fast.chunk's config rules read it). Cached per device."""
+    return device.type == "cuda" and not is_interpreting() and _capability(device.type, device.index)[0] >= 9
 
 
 def conv_config(D: int, W: int = 4, N: Optional[int] = None, override: Optional[dict] = None) -> dict:
