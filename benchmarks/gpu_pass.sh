@@ -97,6 +97,10 @@ if [[ $steps == *pending* ]]; then
   rc=$((rc | ${PIPESTATUS[0]}))
   as_capability 8.6 timeout 300 python3 -m conformance --full --ops chunk_gated_delta_rule,gdn_prefill --dtypes float32 \
     --no-progress --json "$OUT/conformance-pending.json" 2>&1 | tail -3; rc=$((rc | ${PIPESTATUS[0]}))
+  # and its review mend 7ff8096 (pdl_supported reads the capability through fast.chunk.common), natively
+  timeout 300 python3 -m pytest -q -n ${TEST_JOBS:-14} -p no:benchmark tests/test_serving_fast.py tests/test_capture.py \
+    2>&1 | tee "$OUT/pytest-pending-serving.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *sm8x* ]]; then
   # (not sm90: the stand-in driver's fresh processes must load Triton after it; sitecustomize would load it first)
